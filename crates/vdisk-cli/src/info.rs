@@ -1,0 +1,244 @@
+//! `vdisk info`: what `qemu-img info` reports, in its human and JSON forms.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use vdisk::formats::qcow2::Qcow2;
+use vdisk::{open_image, BlockDev, Image};
+
+use crate::qjson::{self, Dict, Value};
+use crate::text::{local_date, size_to_str};
+use crate::{fail, read_options, Output};
+
+pub fn run(filename: &str, format: Option<&str>, output: Output, chain: bool) -> ExitCode {
+    let mut opts = match read_options(format) {
+        Ok(o) => o,
+        Err(e) => return fail(e, 1),
+    };
+    // Like qemu-img, info does not need the backing file unless it walks the chain.
+    opts.no_backing = !chain;
+    let image = match open_image(filename, &opts) {
+        Ok(i) => Arc::new(i),
+        Err(e) => return fail(e, 1),
+    };
+    let mut images = vec![image];
+    while let Some(b) = images.last().and_then(|i| i.backing().cloned()) {
+        images.push(b);
+    }
+    let infos: Vec<Info> = images.iter().map(|i| Info::of(i)).collect();
+    match output {
+        Output::Json if chain => {
+            let list = Value::Array(infos.iter().map(Info::json).collect());
+            println!("{}", qjson::to_pretty(&list));
+        }
+        Output::Json => println!("{}", qjson::to_pretty(&infos[0].json())),
+        Output::Human => {
+            let texts: Vec<String> = infos.iter().map(Info::human).collect();
+            print!("{}", texts.join("\n"));
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+/// What qemu-img's ImageInfo holds for one image of a chain.
+struct Info {
+    filename: String,
+    format: &'static str,
+    virtual_size: u64,
+    actual_size: u64,
+    file_length: u64,
+    file_actual: u64,
+    cluster_size: Option<u64>,
+    dirty: bool,
+    backing: Option<(String, String, Option<String>)>,
+    snapshots: Vec<vdisk::formats::qcow2::snapshot::Snapshot>,
+    specific: Option<Vec<(String, Value)>>,
+}
+
+impl Info {
+    fn of(image: &Image) -> Info {
+        let file_length = image.file().len().unwrap_or(0);
+        let file_actual = image.file().allocated_bytes().unwrap_or(0);
+        let mut info = Info {
+            filename: image.filename.clone(),
+            format: image.format().name(),
+            virtual_size: image.size(),
+            actual_size: file_actual,
+            file_length: file_length.next_multiple_of(512),
+            file_actual,
+            cluster_size: None,
+            dirty: false,
+            backing: None,
+            snapshots: Vec::new(),
+            specific: None,
+        };
+        if let Some(q) = image.qcow2() {
+            info.fill_qcow2(image, q);
+        }
+        info
+    }
+
+    fn fill_qcow2(&mut self, image: &Image, q: &Qcow2) {
+        let h = q.header();
+        self.cluster_size = Some(h.cluster_size());
+        self.dirty = h.is_dirty();
+        self.snapshots = q.snapshots().to_vec();
+        if let Some(name) = &h.backing_file {
+            let full = vdisk::backing_path(&image.filename, name);
+            self.backing = Some((name.clone(), full, h.backing_format.clone()));
+        }
+        let mut d: Vec<(String, Value)> = Vec::new();
+        let mut put = |k: &str, v: Value| d.push((k.to_string(), v));
+        if h.version == 2 {
+            put("compat", "0.10".into());
+            put("compression-type", h.compression.name().into());
+            put("refcount-bits", h.refcount_bits().into());
+        } else {
+            put("compat", "1.1".into());
+            put("compression-type", h.compression.name().into());
+            put("lazy-refcounts", h.lazy_refcounts().into());
+            put("refcount-bits", h.refcount_bits().into());
+            if let Some(df) = &h.data_file {
+                put("data-file", df.as_str().into());
+                put("data-file-raw", h.data_file_raw().into());
+            }
+            put("corrupt", h.is_corrupt().into());
+            put("extended-l2", h.extended_l2().into());
+        }
+        self.specific = Some(d);
+    }
+
+    fn file_child(&self) -> Value {
+        let mut specific = Dict::new();
+        specific
+            .put("type", "file")
+            .put("data", Dict::new().build());
+        let mut file = Dict::new();
+        file.put("filename", self.filename.as_str())
+            .put("format", "file")
+            .put("dirty-flag", false)
+            .put("actual-size", self.file_actual)
+            .put("virtual-size", self.file_length)
+            .put("format-specific", specific.build())
+            .put("children", Value::Array(Vec::new()));
+        let mut child = Dict::new();
+        child.put("name", "file").put("info", file.build());
+        child.build()
+    }
+
+    /// Members are added in the order of QAPI's ImageInfo: QEMU's QDict prints members that
+    /// share a hash bucket newest first, so the insertion order decides among them.
+    fn json(&self) -> Value {
+        let mut d = Dict::new();
+        d.put("filename", self.filename.as_str())
+            .put("format", self.format)
+            .put("dirty-flag", self.dirty)
+            .put("actual-size", self.actual_size)
+            .put("virtual-size", self.virtual_size);
+        if let Some(cs) = self.cluster_size {
+            d.put("cluster-size", cs);
+        }
+        if let Some((name, full, fmt)) = &self.backing {
+            d.put("backing-filename", name.as_str());
+            d.put("full-backing-filename", full.as_str());
+            if let Some(fmt) = fmt {
+                d.put("backing-filename-format", fmt.as_str());
+            }
+        }
+        if !self.snapshots.is_empty() {
+            let snaps = self.snapshots.iter().map(snapshot_json).collect();
+            d.put("snapshots", Value::Array(snaps));
+        }
+        if let Some(spec) = &self.specific {
+            let mut fs = Dict::new();
+            fs.put("type", self.format)
+                .put("data", Value::Dict(spec.clone()));
+            d.put("format-specific", fs.build());
+        }
+        d.put("children", Value::Array(vec![self.file_child()]));
+        d.build()
+    }
+
+    fn human(&self) -> String {
+        let mut s = format!(
+            "image: {}\nfile format: {}\nvirtual size: {} ({} bytes)\ndisk size: {}\n",
+            self.filename,
+            self.format,
+            size_to_str(self.virtual_size),
+            self.virtual_size,
+            size_to_str(self.actual_size)
+        );
+        if let Some(cs) = self.cluster_size {
+            s += &format!("cluster_size: {cs}\n");
+        }
+        if self.dirty {
+            s += "cleanly shut down: no\n";
+        }
+        if let Some((name, full, fmt)) = &self.backing {
+            s += &format!("backing file: {name}");
+            if name != full {
+                s += &format!(" (actual path: {full})");
+            }
+            s += "\n";
+            if let Some(fmt) = fmt {
+                s += &format!("backing file format: {fmt}\n");
+            }
+        }
+        if !self.snapshots.is_empty() {
+            s += "Snapshot list:\n";
+            s += &format!(
+                "{:<7} {:<16} {:>8} {:>19} {:>15} {:>10}\n",
+                "ID", "TAG", "VM_SIZE", "DATE", "VM_CLOCK", "ICOUNT"
+            );
+            for sn in &self.snapshots {
+                let secs = sn.vm_clock_nsec / 1_000_000_000;
+                let clock = format!(
+                    "{:04}:{:02}:{:02}.{:03}",
+                    secs / 3600,
+                    (secs / 60) % 60,
+                    secs % 60,
+                    (sn.vm_clock_nsec / 1_000_000) % 1000
+                );
+                let icount = sn.icount.map(|i| i.to_string()).unwrap_or_default();
+                s += &format!(
+                    "{:<7} {:<16} {:>8} {:>19} {:>15} {:>10}\n",
+                    sn.id,
+                    sn.name,
+                    size_to_str(sn.vm_state_size),
+                    local_date(sn.date_sec),
+                    clock,
+                    icount
+                );
+            }
+        }
+        if let Some(spec) = &self.specific {
+            s += "Format specific information:\n";
+            for (key, value) in qjson::qdict_order(spec) {
+                s += &format!("    {}: {}\n", key.replace('-', " "), value.plain());
+            }
+        }
+        s += &format!(
+            "Child node '/file':\n    filename: {}\n    protocol type: file\n    file length: {} ({} bytes)\n    disk size: {}\n",
+            self.filename,
+            size_to_str(self.file_length),
+            self.file_length,
+            size_to_str(self.file_actual)
+        );
+        s
+    }
+}
+
+fn snapshot_json(sn: &vdisk::formats::qcow2::snapshot::Snapshot) -> Value {
+    let mut d = Dict::new();
+    if let Some(icount) = sn.icount {
+        d.put("icount", icount);
+    }
+    d.put("vm-clock-nsec", (sn.vm_clock_nsec % 1_000_000_000) as u32)
+        .put("name", sn.name.as_str())
+        .put("date-sec", sn.date_sec)
+        .put("date-nsec", sn.date_nsec)
+        .put("vm-clock-sec", sn.vm_clock_nsec / 1_000_000_000)
+        .put("id", sn.id.as_str())
+        .put("vm-state-size", sn.vm_state_size);
+    d.build()
+}

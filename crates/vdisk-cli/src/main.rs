@@ -1,0 +1,193 @@
+//! `vdisk`: image tools whose subcommands, flags, output and exit codes follow `qemu-img`, so
+//! that a user's scripts keep working.
+
+mod check;
+mod compare;
+mod convert;
+mod info;
+mod map;
+mod qjson;
+mod text;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use vdisk::{Format, ImageOptions};
+
+#[derive(Parser)]
+#[command(
+    name = "vdisk",
+    version,
+    about = "vdisk: a user-space virtual-disk engine"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Human,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show information about an image (like `qemu-img info`).
+    Info {
+        #[arg(short = 'f')]
+        format: Option<String>,
+        #[arg(long, value_enum, default_value = "human")]
+        output: Output,
+        #[arg(long)]
+        backing_chain: bool,
+        /// Accepted for qemu-img compatibility; vdisk never takes locks for reading.
+        #[arg(short = 'U', long = "force-share")]
+        force_share: bool,
+        filename: String,
+    },
+    /// Show where guest data lives (like `qemu-img map`).
+    Map {
+        #[arg(short = 'f')]
+        format: Option<String>,
+        #[arg(long, value_enum, default_value = "human")]
+        output: Output,
+        #[arg(long, short = 's')]
+        start_offset: Option<u64>,
+        #[arg(long, short = 'l')]
+        max_length: Option<u64>,
+        #[arg(short = 'U', long = "force-share")]
+        force_share: bool,
+        filename: String,
+    },
+    /// Check an image's consistency (like `qemu-img check`): exit 0 clean, 2 corrupt, 3 leaks
+    /// only, 1 could not check.
+    Check {
+        #[arg(short = 'f')]
+        format: Option<String>,
+        #[arg(long, value_enum, default_value = "human")]
+        output: Output,
+        #[arg(short = 'q')]
+        quiet: bool,
+        #[arg(short = 'U', long = "force-share")]
+        force_share: bool,
+        filename: String,
+    },
+    /// Convert an image to another format (like `qemu-img convert`).
+    Convert {
+        #[arg(short = 'f')]
+        format: Option<String>,
+        #[arg(short = 'O', default_value = "raw")]
+        output_format: String,
+        /// Read this internal snapshot ("ID", "NAME" or "snapshot.id=ID,snapshot.name=NAME").
+        #[arg(short = 'l')]
+        snapshot: Option<String>,
+        /// Show progress.
+        #[arg(short = 'p')]
+        progress: bool,
+        #[arg(short = 'U', long = "force-share")]
+        force_share: bool,
+        source: String,
+        target: String,
+    },
+    /// Compare the contents of two images (like `qemu-img compare`): exit 0 same, 1 different.
+    Compare {
+        #[arg(short = 'f')]
+        format1: Option<String>,
+        #[arg(short = 'F')]
+        format2: Option<String>,
+        #[arg(short = 'q')]
+        quiet: bool,
+        /// Strict mode: also fail when one image has data allocated where the other has not.
+        #[arg(short = 's')]
+        strict: bool,
+        #[arg(short = 'p')]
+        progress: bool,
+        #[arg(short = 'U', long = "force-share")]
+        force_share: bool,
+        image1: String,
+        image2: String,
+    },
+}
+
+/// Prints an error the way qemu-img does and returns the exit status.
+pub fn fail(msg: impl std::fmt::Display, status: u8) -> ExitCode {
+    eprintln!("vdisk: {msg}");
+    ExitCode::from(status)
+}
+
+/// Image options for a read-only open with an optional `-f`.
+pub fn read_options(format: Option<&str>) -> vdisk::Result<ImageOptions> {
+    Ok(ImageOptions {
+        format: format.map(Format::parse).transpose()?,
+        ..ImageOptions::default()
+    })
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Info {
+            format,
+            output,
+            backing_chain,
+            filename,
+            ..
+        } => info::run(&filename, format.as_deref(), output, backing_chain),
+        Command::Map {
+            format,
+            output,
+            start_offset,
+            max_length,
+            filename,
+            ..
+        } => map::run(
+            &filename,
+            format.as_deref(),
+            output,
+            start_offset,
+            max_length,
+        ),
+        Command::Check {
+            format,
+            output,
+            quiet,
+            filename,
+            ..
+        } => check::run(&filename, format.as_deref(), output, quiet),
+        Command::Convert {
+            format,
+            output_format,
+            snapshot,
+            progress,
+            source,
+            target,
+            ..
+        } => convert::run(convert::Args {
+            source: &source,
+            target: &target,
+            format: format.as_deref(),
+            output_format: &output_format,
+            snapshot: snapshot.as_deref(),
+            progress,
+        }),
+        Command::Compare {
+            format1,
+            format2,
+            quiet,
+            strict,
+            progress,
+            image1,
+            image2,
+            ..
+        } => compare::run(compare::Args {
+            image1: &image1,
+            image2: &image2,
+            format1: format1.as_deref(),
+            format2: format2.as_deref(),
+            quiet,
+            strict,
+            progress,
+        }),
+    }
+}

@@ -1,0 +1,212 @@
+//! JSON output the way `qemu-img` prints it, so scripts that parse or diff it see the same text.
+//!
+//! QEMU builds its output as QDicts: a hash table of 512 buckets keyed by `tdb_hash`, iterated
+//! bucket by bucket, each bucket's list holding the newest insertion first. Members therefore come
+//! out in an order fixed by their names, not the order they were added; [`Value::Dict`] keeps
+//! insertion order and [`to_pretty`] reproduces QEMU's. The layout is `qobject_to_json_pretty`'s:
+//! four-space indent, one member per line, empty containers still broken over two lines.
+
+use std::fmt::Write;
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    Int(i128),
+    Bool(bool),
+    Str(String),
+    Array(Vec<Value>),
+    Dict(Vec<(String, Value)>),
+}
+
+impl From<u64> for Value {
+    fn from(v: u64) -> Self {
+        Value::Int(i128::from(v))
+    }
+}
+impl From<u32> for Value {
+    fn from(v: u32) -> Self {
+        Value::Int(i128::from(v))
+    }
+}
+impl From<bool> for Value {
+    fn from(v: bool) -> Self {
+        Value::Bool(v)
+    }
+}
+impl From<&str> for Value {
+    fn from(v: &str) -> Self {
+        Value::Str(v.to_string())
+    }
+}
+impl From<String> for Value {
+    fn from(v: String) -> Self {
+        Value::Str(v)
+    }
+}
+
+impl Value {
+    /// A scalar as QEMU's human output prints it (strings unquoted).
+    pub fn plain(&self) -> String {
+        match self {
+            Value::Str(s) => s.clone(),
+            other => to_pretty(other),
+        }
+    }
+}
+
+/// Builds a dict member by member, in the order QEMU adds them.
+#[derive(Debug, Default)]
+pub struct Dict(Vec<(String, Value)>);
+
+impl Dict {
+    pub fn new() -> Self {
+        Dict::default()
+    }
+
+    pub fn put(&mut self, key: &str, value: impl Into<Value>) -> &mut Self {
+        self.0.push((key.to_string(), value.into()));
+        self
+    }
+
+    pub fn build(self) -> Value {
+        Value::Dict(self.0)
+    }
+}
+
+/// QEMU's `tdb_hash` (qobject/qdict.c).
+fn tdb_hash(name: &str) -> u32 {
+    let bytes = name.as_bytes();
+    let mut value = 0x238F_13AFu32.wrapping_mul(bytes.len() as u32);
+    for (i, &c) in bytes.iter().enumerate() {
+        value = value.wrapping_add(u32::from(c) << ((i as u32 * 5) % 24));
+    }
+    1_103_515_243u32.wrapping_mul(value).wrapping_add(12345)
+}
+
+/// The order QEMU iterates a QDict's members in.
+pub fn qdict_order(members: &[(String, Value)]) -> Vec<&(String, Value)> {
+    let mut ordered: Vec<(u32, usize, &(String, Value))> = members
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (tdb_hash(&m.0) % 512, i, m))
+        .collect();
+    // Within a bucket the newest member comes first.
+    ordered.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+    ordered.into_iter().map(|(_, _, m)| m).collect()
+}
+
+fn escape(out: &mut String, s: &str) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 || (c as u32) >= 0x7f => {
+                let mut units = [0u16; 2];
+                for u in c.encode_utf16(&mut units) {
+                    let _ = write!(out, "\\u{u:04X}");
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+fn write_value(out: &mut String, v: &Value, level: usize) {
+    let indent = |out: &mut String, n: usize| out.extend(std::iter::repeat_n(' ', 4 * n));
+    match v {
+        Value::Int(i) => {
+            let _ = write!(out, "{i}");
+        }
+        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Value::Str(s) => escape(out, s),
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                out.push_str(if i == 0 { "\n" } else { ",\n" });
+                indent(out, level + 1);
+                write_value(out, item, level + 1);
+            }
+            out.push('\n');
+            indent(out, level);
+            out.push(']');
+        }
+        Value::Dict(members) => {
+            out.push('{');
+            for (i, (k, item)) in qdict_order(members).into_iter().enumerate() {
+                out.push_str(if i == 0 { "\n" } else { ",\n" });
+                indent(out, level + 1);
+                escape(out, k);
+                out.push_str(": ");
+                write_value(out, item, level + 1);
+            }
+            out.push('\n');
+            indent(out, level);
+            out.push('}');
+        }
+    }
+}
+
+/// Pretty-prints `v` as QEMU does, without a trailing newline.
+pub fn to_pretty(v: &Value) -> String {
+    let mut out = String::new();
+    write_value(&mut out, v, 0);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn check_keys_come_out_in_qemu_order() {
+        let mut d = Dict::new();
+        for k in [
+            "filename",
+            "format",
+            "check-errors",
+            "image-end-offset",
+            "corruptions",
+            "leaks",
+            "total-clusters",
+            "allocated-clusters",
+            "fragmented-clusters",
+            "compressed-clusters",
+        ] {
+            d.put(k, 1u64);
+        }
+        let text = to_pretty(&d.build());
+        let keys: Vec<&str> = text.lines().filter_map(|l| l.split('"').nth(1)).collect();
+        assert_eq!(
+            keys,
+            [
+                "image-end-offset",
+                "compressed-clusters",
+                "total-clusters",
+                "corruptions",
+                "check-errors",
+                "leaks",
+                "allocated-clusters",
+                "filename",
+                "format",
+                "fragmented-clusters"
+            ]
+        );
+    }
+
+    #[test]
+    fn empty_containers_and_escapes_match_qemu() {
+        let mut d = Dict::new();
+        d.put("children", Value::Array(vec![]))
+            .put("filename", "é\"x");
+        assert_eq!(
+            to_pretty(&d.build()),
+            "{\n    \"children\": [\n    ],\n    \"filename\": \"\\u00E9\\\"x\"\n}"
+        );
+    }
+}

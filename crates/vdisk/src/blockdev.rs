@@ -1,0 +1,65 @@
+//! The engine's one interface: a virtual disk that every format implements and every export
+//! consumes.
+//!
+//! ```text
+//!   exports (NBD, vhost-user-blk) and the CLI
+//!        │  read / write / flush / discard / write_zeroes / block_status
+//!   BlockDev ── Raw
+//!            └─ Qcow2 ──(backing)──> BlockDev ...
+//! ```
+
+use crate::error::Result;
+
+/// What a range of a disk holds, as `qemu-img map` reports it for a whole backing chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockStatus {
+    /// Bytes from the queried offset that share this status (at least 1).
+    pub len: u64,
+    /// The layer of the backing chain that decided the status: 0 is the image itself.
+    pub depth: u32,
+    /// That layer defines the content (QEMU's BDRV_BLOCK_ALLOCATED).
+    pub present: bool,
+    /// The range is backed by stored data.
+    pub data: bool,
+    /// The range reads as zeroes.
+    pub zero: bool,
+    /// The data is stored compressed.
+    pub compressed: bool,
+    /// Where the data lives in the deciding layer's data file, when it has a plain location.
+    pub offset: Option<u64>,
+}
+
+/// A virtual disk. Methods take `&self` and may be called from many threads at once.
+pub trait BlockDev: Send + Sync {
+    /// Virtual size in bytes.
+    fn size(&self) -> u64;
+
+    /// Reads `buf.len()` bytes at `offset`. The range must lie within the disk.
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()>;
+
+    /// Writes `buf` at `offset`. The range must lie within the disk.
+    fn write(&self, offset: u64, buf: &[u8]) -> Result<()>;
+
+    /// Makes every acknowledged write durable.
+    fn flush(&self) -> Result<()>;
+
+    /// Tells the disk the range is no longer needed; it may then read as anything the format
+    /// allows (zeroes or the backing file's data).
+    fn discard(&self, offset: u64, len: u64) -> Result<()>;
+
+    /// Makes the range read as zeroes.
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()>;
+
+    /// The status of the range starting at `offset`, at most `len` bytes long.
+    fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus>;
+}
+
+/// Checks that `[offset, offset + len)` lies within a disk of `size` bytes.
+pub fn check_range(size: u64, offset: u64, len: u64) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(crate::Error::invalid(format!(
+            "request at {offset:#x} of {len} bytes is beyond the end of the disk ({size} bytes)"
+        ))),
+    }
+}

@@ -1,0 +1,144 @@
+//! Image formats. Each turns guest offsets into locations in its storage.
+//!
+//! Reads go through mappings: a format answers "where does guest offset X live?" with a
+//! [`Mapping`] and one shared routine ([`read_mapped`]) does the I/O for every format, following
+//! the backing chain where a layer has nothing. Block status is derived the same way
+//! ([`status_mapped`]), so `read` and `block_status` cannot disagree.
+
+pub mod open;
+pub mod qcow2;
+pub mod raw;
+
+use std::sync::Arc;
+
+use crate::blockdev::{BlockDev, BlockStatus};
+use crate::error::{IoContext, Result};
+use crate::storage::Storage;
+
+pub use open::{backing_path, open_image, open_storage, Driver, Format, Image, ImageOptions};
+
+/// Where a run of guest bytes lives in one layer of a backing chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mapping {
+    /// Stored at this offset of the layer's data storage.
+    Data { offset: u64 },
+    /// Reads as zeroes; `offset` is a host cluster kept allocated for it, if any.
+    Zero { offset: Option<u64> },
+    /// Stored compressed; the layer decodes it ([`Layer::read_compressed`]).
+    Compressed,
+    /// Not in this layer: read from the backing file (zeroes without one or beyond its end).
+    /// `offset` is a host cluster allocated for it, if any.
+    Unallocated { offset: Option<u64> },
+}
+
+/// One layer of a backing chain, as the shared read and status routines see it.
+pub(crate) trait Layer {
+    /// The mapping at `offset` and how many bytes from there (at most `len`, at least 1) share
+    /// it, with contiguous host offsets.
+    fn map(&self, offset: u64, len: u64) -> Result<(Mapping, u64)>;
+
+    /// The storage that [`Mapping::Data`] offsets refer to.
+    fn data_storage(&self) -> &dyn Storage;
+
+    /// The image below this one, if any.
+    fn backing(&self) -> Option<&Arc<Image>>;
+
+    /// Reads guest bytes at `offset` that [`Layer::map`] reported as compressed.
+    fn read_compressed(&self, offset: u64, buf: &mut [u8]) -> Result<()>;
+
+    /// What block status makes of holes in the data storage under [`Mapping::Data`].
+    fn holes(&self) -> Holes;
+}
+
+/// How a layer's block status treats holes in the storage under its data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Holes {
+    /// Not looked at: stored data is data.
+    Ignored,
+    /// Data on a hole also reads as zero (qcow2 with metadata preallocation detected).
+    ZeroData,
+    /// The storage is the disk: a hole is zero and not data (raw).
+    Zero,
+}
+
+/// Reads `buf.len()` guest bytes at `offset` through a layer's mappings.
+pub(crate) fn read_mapped(layer: &dyn Layer, offset: u64, buf: &mut [u8]) -> Result<()> {
+    let mut done = 0usize;
+    while done < buf.len() {
+        let pos = offset + done as u64;
+        let (mapping, n) = layer.map(pos, (buf.len() - done) as u64)?;
+        let chunk = &mut buf[done..done + n as usize];
+        match mapping {
+            Mapping::Data { offset: host } => layer
+                .data_storage()
+                .read_at(host, chunk)
+                .context(|| format!("reading data at host offset {host:#x}"))?,
+            Mapping::Zero { .. } => chunk.fill(0),
+            Mapping::Compressed => layer.read_compressed(pos, chunk)?,
+            Mapping::Unallocated { .. } => read_backing(layer.backing(), pos, chunk)?,
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
+/// Reads from a backing image; bytes beyond its end (or without one) read as zeroes.
+fn read_backing(backing: Option<&Arc<Image>>, pos: u64, buf: &mut [u8]) -> Result<()> {
+    let avail = match backing {
+        Some(b) => b.size().saturating_sub(pos).min(buf.len() as u64) as usize,
+        None => 0,
+    };
+    if let Some(b) = backing.filter(|_| avail > 0) {
+        b.read(pos, &mut buf[..avail])?;
+    }
+    buf[avail..].fill(0);
+    Ok(())
+}
+
+/// The block status at `offset` of a layer and, where it has nothing, of the chain below it.
+/// Mirrors QEMU's `bdrv_co_do_block_status` as `qemu-img map` drives it.
+pub(crate) fn status_mapped(layer: &dyn Layer, offset: u64, len: u64) -> Result<BlockStatus> {
+    let (mapping, n) = layer.map(offset, len)?;
+    let here = |data, zero, offset, compressed| BlockStatus {
+        len: n,
+        depth: 0,
+        present: true,
+        data,
+        zero,
+        compressed,
+        offset,
+    };
+    Ok(match mapping {
+        Mapping::Data { offset: host } => match layer.holes() {
+            Holes::Ignored => here(true, false, Some(host), false),
+            holes => {
+                let (is_data, run) = layer
+                    .data_storage()
+                    .extent_at(host, n)
+                    .context(|| format!("querying holes at host offset {host:#x}"))?;
+                let data = is_data || holes == Holes::ZeroData;
+                BlockStatus {
+                    len: run,
+                    ..here(data, !is_data, Some(host), false)
+                }
+            }
+        },
+        Mapping::Zero { offset: host } => here(false, true, host, false),
+        Mapping::Compressed => here(true, false, None, true),
+        Mapping::Unallocated { offset: host } => {
+            let nothing = BlockStatus {
+                present: false,
+                ..here(false, true, host, false)
+            };
+            match layer.backing() {
+                None => nothing,
+                Some(b) if offset >= b.size() => nothing,
+                Some(b) => {
+                    let mut s = b.block_status(offset, n.min(b.size() - offset))?;
+                    s.depth += 1;
+                    s
+                }
+            }
+        }
+    })
+}

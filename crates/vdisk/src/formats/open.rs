@@ -1,0 +1,274 @@
+//! Opening images by path: format probing, external data files and backing chains.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::qcow2::{self, Qcow2};
+use super::raw::Raw;
+use crate::blockdev::{BlockDev, BlockStatus};
+use crate::error::{Error, IoContext, Result};
+use crate::storage::{FileStorage, OpenOptions, Storage};
+
+/// Backing chains deeper than this are refused; a longer chain is almost surely a loop that the
+/// path comparison could not see (e.g. through bind mounts).
+const MAX_CHAIN_DEPTH: usize = 1000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Raw,
+    Qcow2,
+}
+
+impl Format {
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Raw => "raw",
+            Format::Qcow2 => "qcow2",
+        }
+    }
+
+    pub fn parse(name: &str) -> Result<Format> {
+        match name {
+            "raw" => Ok(Format::Raw),
+            "qcow2" => Ok(Format::Qcow2),
+            other => Err(Error::unsupported(format!("Unknown driver '{other}'"))),
+        }
+    }
+}
+
+/// How to open an image.
+#[derive(Debug, Clone, Default)]
+pub struct ImageOptions {
+    /// The format; probed from the file's first bytes when `None`.
+    pub format: Option<Format>,
+    pub write: bool,
+    pub direct: bool,
+    /// Do not open the backing file (as `qemu-img info` does): unallocated areas read as zero.
+    pub no_backing: bool,
+    /// Read this internal snapshot (id or name) instead of the active image.
+    pub snapshot: Option<String>,
+}
+
+/// The format driver of an open image.
+pub enum Driver {
+    Raw(Raw),
+    Qcow2(Box<Qcow2>),
+}
+
+/// An open image: its driver and the file name it was opened by (as given, or as derived from
+/// the image above it in a backing chain, the way QEMU spells it).
+pub struct Image {
+    pub filename: String,
+    pub driver: Driver,
+}
+
+impl Image {
+    pub fn format(&self) -> Format {
+        match self.driver {
+            Driver::Raw(_) => Format::Raw,
+            Driver::Qcow2(_) => Format::Qcow2,
+        }
+    }
+
+    pub fn qcow2(&self) -> Option<&Qcow2> {
+        match &self.driver {
+            Driver::Qcow2(q) => Some(q),
+            Driver::Raw(_) => None,
+        }
+    }
+
+    pub fn backing(&self) -> Option<&Arc<Image>> {
+        self.qcow2().and_then(|q| q.backing())
+    }
+
+    /// The host file that holds the image.
+    pub fn file(&self) -> &Arc<dyn Storage> {
+        match &self.driver {
+            Driver::Raw(r) => r.storage(),
+            Driver::Qcow2(q) => q.file(),
+        }
+    }
+
+    /// The name of the file guest data lives in: the image, or its external data file.
+    pub fn data_filename(&self) -> &str {
+        self.qcow2()
+            .and_then(|q| q.header().data_file.as_deref())
+            .unwrap_or(&self.filename)
+    }
+
+    fn dev(&self) -> &dyn BlockDev {
+        match &self.driver {
+            Driver::Raw(r) => r,
+            Driver::Qcow2(q) => &**q,
+        }
+    }
+}
+
+impl BlockDev for Image {
+    fn size(&self) -> u64 {
+        self.dev().size()
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.dev().read(offset, buf)
+    }
+    fn write(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        self.dev().write(offset, buf)
+    }
+    fn flush(&self) -> Result<()> {
+        self.dev().flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.dev().discard(offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.dev().write_zeroes(offset, len)
+    }
+    fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
+        self.dev().block_status(offset, len)
+    }
+}
+
+/// Probes the format of a file from its first bytes, as QEMU does for the formats vdisk knows.
+pub fn probe(storage: &dyn Storage) -> Result<Format> {
+    let mut magic = [0u8; 4];
+    storage
+        .read_at(0, &mut magic)
+        .context(|| "reading the image magic".into())?;
+    if u32::from_be_bytes(magic) == qcow2::header::MAGIC {
+        Ok(Format::Qcow2)
+    } else {
+        Ok(Format::Raw)
+    }
+}
+
+/// Resolves a backing file name relative to the image that names it, spelled as QEMU's
+/// `path_combine` does: absolute names stay as they are; relative ones get the image name's
+/// text up to its last '/'.
+pub fn backing_path(image: &str, name: &str) -> String {
+    if name.starts_with('/') {
+        return name.to_string();
+    }
+    match image.rfind('/') {
+        Some(slash) => format!("{}{}", &image[..=slash], name),
+        None => name.to_string(),
+    }
+}
+
+/// Opens the image at `path` and, unless told not to, its whole backing chain.
+pub fn open_image(path: &str, opts: &ImageOptions) -> Result<Image> {
+    let mut seen = Vec::new();
+    open_chain(path, opts, &mut seen)
+}
+
+/// Opens an image held in `storage` by itself: no backing file and no external data file are
+/// opened (unallocated areas read as zero). For tests, fuzzing and images not in a file.
+pub fn open_storage(
+    storage: Arc<dyn Storage>,
+    format: Option<Format>,
+    name: &str,
+) -> Result<Image> {
+    let format = match format {
+        Some(f) => f,
+        None => probe(&*storage)?,
+    };
+    let driver = match format {
+        Format::Raw => Driver::Raw(Raw::open(storage, true)?),
+        Format::Qcow2 => {
+            let header = qcow2::read_header(&*storage)?;
+            if header.incompatible & qcow2::header::INCOMPAT_DATA_FILE != 0 {
+                return Err(Error::unsupported(
+                    "an external data file needs a path to open",
+                ));
+            }
+            Driver::Qcow2(Box::new(Qcow2::open(storage, header, None, None, None)?))
+        }
+    };
+    Ok(Image {
+        filename: name.to_string(),
+        driver,
+    })
+}
+
+fn open_file(path: &Path, write: bool, direct: bool) -> Result<Arc<dyn Storage>> {
+    let storage = FileStorage::open(
+        path,
+        OpenOptions {
+            write,
+            create: false,
+            direct,
+        },
+    )
+    .context(|| format!("Could not open '{}'", path.display()))?;
+    Ok(Arc::new(storage))
+}
+
+fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> Result<Image> {
+    let path = Path::new(filename);
+    // Trust: an image names its backing file, so opening an image may open files the user did
+    // not name. Like QEMU we follow plain paths only, read-only, and refuse loops.
+    let canonical = path
+        .canonicalize()
+        .context(|| format!("Could not open '{}'", path.display()))?;
+    if seen.contains(&canonical) {
+        return Err(Error::corrupt(format!(
+            "Backing file chain of '{}' has a loop",
+            path.display()
+        )));
+    }
+    if seen.len() >= MAX_CHAIN_DEPTH {
+        return Err(Error::unsupported("backing chain is too deep"));
+    }
+    seen.push(canonical);
+    let file = open_file(path, opts.write, opts.direct)?;
+    let format = match opts.format {
+        Some(f) => f,
+        None => probe(&*file)?,
+    };
+    let driver = match format {
+        Format::Raw => Driver::Raw(Raw::open(file, !opts.write)?),
+        Format::Qcow2 => {
+            let header = qcow2::read_header(&*file).map_err(|e| with_path(e, path))?;
+            // QEMU opens the external data file by its name as stored, relative to the current
+            // directory rather than the image's.
+            let data = match &header.data_file {
+                Some(name) if header.incompatible & qcow2::header::INCOMPAT_DATA_FILE != 0 => {
+                    Some(open_file(Path::new(name), opts.write, opts.direct)?)
+                }
+                _ => None,
+            };
+            let backing = match &header.backing_file {
+                Some(name) if !opts.no_backing => {
+                    let backing_opts = ImageOptions {
+                        format: header
+                            .backing_format
+                            .as_deref()
+                            .map(Format::parse)
+                            .transpose()?,
+                        write: false,
+                        direct: opts.direct,
+                        no_backing: false,
+                        snapshot: None,
+                    };
+                    let bpath = backing_path(filename, name);
+                    Some(Arc::new(open_chain(&bpath, &backing_opts, seen)?))
+                }
+                _ => None,
+            };
+            let q = Qcow2::open(file, header, data, backing, opts.snapshot.as_deref())
+                .map_err(|e| with_path(e, path))?;
+            Driver::Qcow2(Box::new(q))
+        }
+    };
+    Ok(Image {
+        filename: filename.to_string(),
+        driver,
+    })
+}
+
+fn with_path(e: Error, path: &Path) -> Error {
+    match e {
+        Error::Corrupt(m) => Error::Corrupt(format!("'{}': {m}", path.display())),
+        Error::Unsupported(m) => Error::Unsupported(format!("'{}': {m}", path.display())),
+        other => other,
+    }
+}

@@ -1,0 +1,616 @@
+//! Consistency check of a qcow2 image, as `qemu-img check` does it.
+//!
+//! References to every host cluster are recomputed from the metadata (header, L1/L2 tables of
+//! the active image and of every snapshot, snapshot table, refcount table and blocks, bitmaps)
+//! and compared with the stored refcounts: a stored refcount below the references is a
+//! corruption (a write could free a cluster still in use), one above is a leak (wasted space).
+//! Messages, counts and their order follow QEMU's `qcow2_check_refcounts` so that scripts
+//! reading either tool's output see the same thing.
+
+use super::header::AUTOCLEAR_BITMAPS;
+use super::l2::{self, L2Entry, L2Table, OFLAG_COMPRESSED, OFLAG_COPIED, OFLAG_ZERO};
+use super::{read_table, refcount, Qcow2};
+use crate::error::{Error, IoContext, Result};
+use crate::storage::Storage;
+
+const L2E_STD_RESERVED: u64 = 0x3f00_0000_0000_01fe;
+const REFT_OFFSET_MASK: u64 = !0x1ff;
+const BITMAP_EXTENSION: u32 = 0x2385_2875;
+const BME_RESERVED: u64 = 0xff00_0000_0000_01fe;
+
+/// What a check found. Field names follow QEMU's `ImageCheck`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CheckReport {
+    pub corruptions: u64,
+    pub leaks: u64,
+    pub check_errors: u64,
+    pub corruptions_fixed: u64,
+    pub leaks_fixed: u64,
+    pub image_end_offset: u64,
+    pub total_clusters: u64,
+    pub allocated_clusters: u64,
+    pub fragmented_clusters: u64,
+    pub compressed_clusters: u64,
+    /// One line per problem, in the order found (QEMU prints them to stderr).
+    pub messages: Vec<String>,
+}
+
+/// Why a check could not complete; the report so far is kept.
+#[derive(Debug)]
+pub struct CheckFailed {
+    pub report: CheckReport,
+    pub error: Error,
+}
+
+/// Reads stored refcounts one host cluster at a time, caching the current refcount block.
+pub struct RefcountReader<'a> {
+    file: &'a dyn Storage,
+    table: Vec<u64>,
+    cluster_bits: u32,
+    order: u32,
+    block: Option<(u64, Vec<u8>)>,
+    reported_unaligned: bool,
+}
+
+impl<'a> RefcountReader<'a> {
+    pub fn new(q: &'a Qcow2) -> Result<Self> {
+        let h = q.header();
+        let entries = u64::from(h.refcount_table_clusters) * h.cluster_size() / 8;
+        let table = read_table(
+            &**q.file(),
+            h.refcount_table_offset,
+            entries,
+            "refcount table",
+        )?;
+        Ok(RefcountReader {
+            file: &**q.file(),
+            table,
+            cluster_bits: h.cluster_bits,
+            order: h.refcount_order,
+            block: None,
+            reported_unaligned: false,
+        })
+    }
+
+    /// The stored refcount of host cluster `cluster` (0 where no refcount block covers it).
+    /// A misaligned refcount block is an I/O error, reported once in `messages`.
+    pub fn get(&mut self, cluster: u64, messages: &mut Vec<String>) -> Result<u64> {
+        let per_block = refcount::entries_per_block(self.cluster_bits, self.order);
+        let index = cluster / per_block;
+        let block_offset = self.table.get(index as usize).copied().unwrap_or(0) & REFT_OFFSET_MASK;
+        if block_offset == 0 {
+            return Ok(0);
+        }
+        if block_offset & ((1 << self.cluster_bits) - 1) != 0 {
+            if !self.reported_unaligned {
+                self.reported_unaligned = true;
+                messages.push(format!(
+                    "qcow2: Image is corrupt: Refblock offset {block_offset:#x} unaligned \
+                     (reftable index: {index:#x}); further non-fatal corruption events will be \
+                     suppressed"
+                ));
+            }
+            return Err(Error::Io {
+                context: format!("refcount block at {block_offset:#x} is unaligned"),
+                source: std::io::Error::from_raw_os_error(libc::EIO),
+            });
+        }
+        if self.block.as_ref().is_none_or(|(o, _)| *o != block_offset) {
+            let mut bytes = vec![0u8; 1 << self.cluster_bits];
+            self.file
+                .read_at(block_offset, &mut bytes)
+                .context(|| format!("reading the refcount block at {block_offset:#x}"))?;
+            self.block = Some((block_offset, bytes));
+        }
+        let (_, bytes) = self.block.as_ref().expect("block just loaded");
+        Ok(refcount::get(bytes, cluster % per_block, self.order))
+    }
+}
+
+/// QEMU's `qcow2_detect_metadata_preallocation`: true when at least `threshold` host clusters
+/// have a refcount while the file occupies fewer, i.e. clusters were allocated in metadata only.
+pub fn detect_metadata_preallocation(q: &Qcow2) -> Result<bool> {
+    let file = q.file();
+    let cs = q.header().cluster_size();
+    let file_len = file.len().context(|| "reading the image size".into())?;
+    let real = file
+        .allocated_bytes()
+        .context(|| "reading the allocated size".into())?;
+    let real_clusters = real / cs;
+    let threshold = (real_clusters * 10 / 9).max(real_clusters + 2);
+    let end = file_len.div_ceil(cs);
+    let mut reader = RefcountReader::new(q)?;
+    let mut ignored = Vec::new();
+    let mut count = 0;
+    let mut i = 0;
+    while i < end && count < threshold {
+        count += u64::from(reader.get(i, &mut ignored)? != 0);
+        i += 1;
+    }
+    Ok(count >= threshold)
+}
+
+/// Checks the image's metadata and refcounts (read-only).
+pub fn check(q: &Qcow2) -> std::result::Result<CheckReport, Box<CheckFailed>> {
+    let mut c = match Checker::new(q) {
+        Ok(c) => c,
+        Err(error) => {
+            return Err(Box::new(CheckFailed {
+                report: CheckReport::default(),
+                error,
+            }))
+        }
+    };
+    match c.run() {
+        Ok(()) => Ok(c.report),
+        Err(error) => {
+            c.report.check_errors += 1;
+            Err(Box::new(CheckFailed {
+                report: c.report,
+                error,
+            }))
+        }
+    }
+}
+
+struct Checker<'a> {
+    q: &'a Qcow2,
+    file_size: u64,
+    cs: u64,
+    cb: u32,
+    nb_clusters: u64,
+    /// References counted so far, per host cluster.
+    refs: Vec<u32>,
+    refcount_max: u64,
+    report: CheckReport,
+}
+
+impl<'a> Checker<'a> {
+    fn new(q: &'a Qcow2) -> Result<Self> {
+        let h = q.header();
+        let file_size = q.file().len().context(|| "reading the image size".into())?;
+        let cs = h.cluster_size();
+        let nb_clusters = file_size.div_ceil(cs);
+        Ok(Checker {
+            q,
+            file_size,
+            cs,
+            cb: h.cluster_bits,
+            nb_clusters,
+            refs: vec![0; nb_clusters as usize],
+            refcount_max: refcount::max_value(h.refcount_order).min(u64::from(u32::MAX)),
+            report: CheckReport {
+                total_clusters: h.size.div_ceil(cs),
+                ..CheckReport::default()
+            },
+        })
+    }
+
+    fn say(&mut self, msg: String) {
+        self.report.messages.push(msg);
+    }
+
+    fn corruption(&mut self, msg: String) {
+        self.report.corruptions += 1;
+        self.say(msg);
+    }
+
+    /// Counts one reference to every cluster that `[offset, offset + size)` touches.
+    fn inc_refs(&mut self, offset: u64, size: u64) {
+        if size == 0 {
+            return;
+        }
+        let end = u128::from(offset) + u128::from(size);
+        if end >= u128::from(self.file_size) + u128::from(self.cs) {
+            self.corruption(format!(
+                "ERROR: counting reference for region exceeding the end of the file by one \
+                 cluster or more: offset {offset:#x} size {size:#x}"
+            ));
+            return;
+        }
+        let first = offset >> self.cb;
+        let last = ((end - 1) >> self.cb) as u64;
+        if self.refs.len() <= last as usize {
+            self.refs.resize(last as usize + 1, 0);
+        }
+        for k in first..=last {
+            let r = &mut self.refs[k as usize];
+            if u64::from(*r) == self.refcount_max {
+                let at = k << self.cb;
+                self.corruption(format!("ERROR: overflow cluster offset={at:#x}"));
+                self.say(
+                    "Use qemu-img amend to increase the refcount entry width or qemu-img convert \
+                     to create a clean copy if the image cannot be opened for writing"
+                        .into(),
+                );
+                continue;
+            }
+            *r += 1;
+        }
+    }
+
+    fn run(&mut self) -> Result<()> {
+        let h = self.q.header().clone();
+        self.check_snapshot_entries();
+        self.inc_refs(0, self.cs);
+        self.check_l1(h.l1_table_offset, h.l1_size, true)?;
+        let snapshots = self.q.snapshots().to_vec();
+        if self.q.has_external_data() && !snapshots.is_empty() {
+            self.corruption(format!(
+                "ERROR {} snapshots in image with data file",
+                snapshots.len()
+            ));
+        }
+        for s in &snapshots {
+            if s.l1_table_offset % self.cs != 0 {
+                self.corruption(format!(
+                    "ERROR snapshot {} ({}) l1_offset={:#x}: L1 table is not cluster aligned; \
+                     snapshot table entry corrupted",
+                    s.id, s.name, s.l1_table_offset
+                ));
+                continue;
+            }
+            if u64::from(s.l1_size) * 8 > super::header::MAX_L1_BYTES {
+                self.corruption(format!(
+                    "ERROR snapshot {} ({}) l1_size={:#x}: L1 table is too large; snapshot \
+                     table entry corrupted",
+                    s.id, s.name, s.l1_size
+                ));
+                continue;
+            }
+            self.check_l1(s.l1_table_offset, s.l1_size, false)?;
+        }
+        self.inc_refs(h.snapshots_offset, self.q.snapshot_table_bytes());
+        self.inc_refs(
+            h.refcount_table_offset,
+            u64::from(h.refcount_table_clusters) * self.cs,
+        );
+        self.count_bitmaps()?;
+        let mut reader = RefcountReader::new(self.q)?;
+        self.check_refblocks(reader.table.clone());
+        self.compare_refcounts(&mut reader);
+        self.check_oflag_copied(&mut reader)?;
+        Ok(())
+    }
+
+    fn check_snapshot_entries(&mut self) {
+        if self.q.header().version < 3 {
+            return;
+        }
+        let incomplete: Vec<usize> = (self.q.snapshots().iter().enumerate())
+            .filter(|(_, s)| s.extra_len < 16)
+            .map(|(i, _)| i)
+            .collect();
+        for i in incomplete {
+            self.corruption(format!("ERROR snapshot table entry {i} is incomplete"));
+        }
+    }
+
+    fn read_l2(&mut self, offset: u64) -> Result<L2Table> {
+        let mut bytes = vec![0u8; self.cs as usize];
+        self.q
+            .file()
+            .read_at(offset, &mut bytes)
+            .context(|| format!("reading the L2 table at {offset:#x}"))?;
+        Ok(L2Table::parse(&bytes, self.q.header().extended_l2()))
+    }
+
+    fn check_l1(&mut self, offset: u64, l1_size: u32, frag: bool) -> Result<()> {
+        if l1_size == 0 {
+            return Ok(());
+        }
+        self.inc_refs(offset, u64::from(l1_size) * 8);
+        let l1 = read_table(&**self.q.file(), offset, u64::from(l1_size), "L1 table")?;
+        for e in l1.into_iter().filter(|&e| e != 0) {
+            if e & l2::L1_RESERVED != 0 {
+                self.corruption(format!(
+                    "ERROR found L1 entry with reserved bits set: {e:x}"
+                ));
+            }
+            let l2_offset = e & l2::OFFSET_MASK;
+            self.inc_refs(l2_offset, self.cs);
+            if l2_offset % self.cs != 0 {
+                self.corruption(format!(
+                    "ERROR l2_offset={l2_offset:x}: Table is not cluster aligned; L1 entry corrupted"
+                ));
+            }
+            self.check_l2(l2_offset, frag)?;
+        }
+        Ok(())
+    }
+
+    fn check_l2(&mut self, offset: u64, frag: bool) -> Result<()> {
+        let table = self.read_l2(offset)?;
+        let fmt = self.q.entry_format();
+        let external = self.q.has_external_data();
+        let mut next_contig = 0u64;
+        for i in 0..table.len() {
+            let e = table.get(i);
+            let w = e.word;
+            if w & OFLAG_COMPRESSED == 0 && w & L2E_STD_RESERVED != 0 {
+                self.corruption(format!(
+                    "ERROR found l2 entry with reserved bits set: {w:x}"
+                ));
+            }
+            match cluster_type(&fmt, e) {
+                ClusterType::Compressed => {
+                    let (coffset, csize) = fmt.compressed_extent(e);
+                    if w & OFLAG_COPIED != 0 {
+                        self.corruption(format!(
+                            "ERROR: coffset={coffset:#x}: copied flag must never be set for \
+                             compressed clusters"
+                        ));
+                    }
+                    if external {
+                        self.corruption(format!(
+                            "ERROR compressed cluster {i} with data file, entry={w:#x}"
+                        ));
+                        continue;
+                    }
+                    if fmt.extended && e.bitmap != 0 {
+                        self.corruption(format!(
+                            "ERROR compressed cluster {i} with non-zero subcluster allocation \
+                             bitmap, entry={w:#x}"
+                        ));
+                        continue;
+                    }
+                    self.inc_refs(coffset, csize);
+                    if frag {
+                        self.report.allocated_clusters += 1;
+                        self.report.compressed_clusters += 1;
+                        self.report.fragmented_clusters += 1;
+                    }
+                }
+                ClusterType::Allocated => {
+                    let host = w & l2::OFFSET_MASK;
+                    if fmt.extended && (e.bitmap >> 32) & e.bitmap != 0 {
+                        self.corruption(format!(
+                            "ERROR offset={host:x}: Allocated cluster has corrupted subcluster \
+                             allocation bitmap"
+                        ));
+                    }
+                    if host % self.cs != 0 {
+                        let has_data = if fmt.extended {
+                            e.bitmap & 0xffff_ffff != 0
+                        } else {
+                            w & OFLAG_ZERO == 0
+                        };
+                        let kind = if has_data { "Data" } else { "Preallocated" };
+                        self.corruption(format!(
+                            "ERROR offset={host:x}: {kind} cluster is not properly aligned; L2 \
+                             entry corrupted."
+                        ));
+                    }
+                    if frag {
+                        self.report.allocated_clusters += 1;
+                        if next_contig != 0 && host != next_contig {
+                            self.report.fragmented_clusters += 1;
+                        }
+                        next_contig = host + self.cs;
+                    }
+                    if !external {
+                        self.inc_refs(host, self.cs);
+                    }
+                }
+                ClusterType::ZeroPlain => {}
+                ClusterType::Unallocated => {
+                    if fmt.extended && e.bitmap & 0xffff_ffff != 0 {
+                        self.corruption(
+                            "ERROR: Unallocated cluster has non-zero subcluster allocation map"
+                                .into(),
+                        );
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts the clusters of persistent dirty bitmaps: the directory, each bitmap's table and
+    /// the data clusters its entries name.
+    fn count_bitmaps(&mut self) -> Result<()> {
+        let h = self.q.header();
+        if h.autoclear & AUTOCLEAR_BITMAPS == 0 {
+            return Ok(());
+        }
+        let Some(ext) = h
+            .unknown_extensions
+            .iter()
+            .find(|e| e.kind == BITMAP_EXTENSION)
+        else {
+            return Ok(());
+        };
+        if ext.data.len() < 24 {
+            return Ok(());
+        }
+        let nb = u32::from_be_bytes(ext.data[0..4].try_into().expect("4 bytes"));
+        let dir_size = u64::from_be_bytes(ext.data[8..16].try_into().expect("8 bytes"));
+        let dir_offset = u64::from_be_bytes(ext.data[16..24].try_into().expect("8 bytes"));
+        if nb == 0 {
+            return Ok(());
+        }
+        self.inc_refs(dir_offset, dir_size);
+        let file_len = self.file_size;
+        if dir_size > 64 << 20 || dir_offset.saturating_add(dir_size) > file_len {
+            self.report.corruptions += 1;
+            return Err(Error::corrupt("bitmap directory is invalid"));
+        }
+        let mut dir = vec![0u8; dir_size as usize];
+        self.q
+            .file()
+            .read_at(dir_offset, &mut dir)
+            .context(|| "reading bitmaps".into())?;
+        let mut at = 0usize;
+        for _ in 0..nb {
+            let Some(fixed) = dir.get(at..at + 24) else {
+                self.report.corruptions += 1;
+                return Err(Error::corrupt("bitmap directory is truncated"));
+            };
+            let table_offset = u64::from_be_bytes(fixed[0..8].try_into().expect("8 bytes"));
+            let table_size = u32::from_be_bytes(fixed[8..12].try_into().expect("4 bytes"));
+            let name_size = u16::from_be_bytes(fixed[18..20].try_into().expect("2 bytes"));
+            let extra = u32::from_be_bytes(fixed[20..24].try_into().expect("4 bytes"));
+            at = (at + 24 + extra as usize + name_size as usize).next_multiple_of(8);
+            self.inc_refs(table_offset, u64::from(table_size) * 8);
+            let entries = read_table(
+                &**self.q.file(),
+                table_offset,
+                u64::from(table_size),
+                "bitmap table",
+            )?;
+            for e in entries {
+                let off = e & l2::OFFSET_MASK;
+                let invalid =
+                    e & BME_RESERVED != 0 || (off != 0 && (e & 1 != 0 || off % self.cs != 0));
+                if invalid {
+                    self.report.corruptions += 1;
+                } else if off != 0 {
+                    self.inc_refs(off, self.cs);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_refblocks(&mut self, table: Vec<u64>) {
+        for (i, e) in table.into_iter().enumerate() {
+            if e & 0x1ff != 0 {
+                self.corruption(format!(
+                    "ERROR refcount table entry {i} has reserved bits set"
+                ));
+                continue;
+            }
+            let off = e & REFT_OFFSET_MASK;
+            if off % self.cs != 0 {
+                self.corruption(format!(
+                    "ERROR refcount block {i} is not cluster aligned; refcount table entry \
+                     corrupted"
+                ));
+                continue;
+            }
+            if off >> self.cb >= self.nb_clusters {
+                self.corruption(format!("ERROR refcount block {i} is outside image"));
+                continue;
+            }
+            if off != 0 {
+                self.inc_refs(off, self.cs);
+                let count = self.refs[(off >> self.cb) as usize];
+                if count != 1 {
+                    self.corruption(format!("ERROR refcount block {i} refcount={count}"));
+                }
+            }
+        }
+    }
+
+    fn compare_refcounts(&mut self, reader: &mut RefcountReader) {
+        let mut highest = 0u64;
+        for i in 0..self.nb_clusters {
+            let stored = match reader.get(i, &mut self.report.messages) {
+                Ok(r) => r,
+                Err(e) => {
+                    let reason = io_reason(&e);
+                    self.say(format!("Can't get refcount for cluster {i}: {reason}"));
+                    self.report.check_errors += 1;
+                    continue;
+                }
+            };
+            let counted = u64::from(self.refs[i as usize]);
+            if stored > 0 || counted > 0 {
+                highest = i;
+            }
+            if stored < counted {
+                self.corruption(format!(
+                    "ERROR cluster {i} refcount={stored} reference={counted}"
+                ));
+            } else if stored > counted {
+                self.report.leaks += 1;
+                self.say(format!(
+                    "Leaked cluster {i} refcount={stored} reference={counted}"
+                ));
+            }
+        }
+        self.report.image_end_offset = (highest + 1) * self.cs;
+    }
+
+    fn check_oflag_copied(&mut self, reader: &mut RefcountReader) -> Result<()> {
+        let fmt = self.q.entry_format();
+        let external = self.q.has_external_data();
+        let l1 = self.q.l1_table().to_vec();
+        for (l1_index, l1e) in l1.into_iter().enumerate() {
+            let l2_offset = l1e & l2::OFFSET_MASK;
+            if l2_offset == 0 {
+                continue;
+            }
+            let mut ignored = Vec::new();
+            if let Ok(r) = reader.get(l2_offset >> self.cb, &mut ignored) {
+                if (r == 1) != (l1e & OFLAG_COPIED != 0) {
+                    self.corruption(format!(
+                        "ERROR OFLAG_COPIED L2 cluster: l1_index={l1_index} l1_entry={l1e:x} \
+                         refcount={r}"
+                    ));
+                }
+            }
+            let table = self.read_l2(l2_offset)?;
+            for i in 0..table.len() {
+                let e = table.get(i);
+                if cluster_type(&fmt, e) != ClusterType::Allocated {
+                    continue;
+                }
+                let host = e.word & l2::OFFSET_MASK;
+                let r = if external {
+                    1
+                } else {
+                    match reader.get(host >> self.cb, &mut ignored) {
+                        Ok(r) => r,
+                        Err(_) => continue,
+                    }
+                };
+                if (r == 1) != (e.word & OFLAG_COPIED != 0) {
+                    self.corruption(format!(
+                        "ERROR OFLAG_COPIED data cluster: l2_entry={:x} refcount={r}",
+                        e.word
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The strerror text QEMU prints for a failed refcount lookup.
+fn io_reason(e: &Error) -> String {
+    match e {
+        Error::Io { source, .. } => match source.raw_os_error() {
+            Some(libc::EIO) => "Input/output error".into(),
+            _ => source.to_string(),
+        },
+        other => other.to_string(),
+    }
+}
+
+/// The whole-cluster types `check` distinguishes (QEMU's `qcow2_get_cluster_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ClusterType {
+    Unallocated,
+    ZeroPlain,
+    /// Normal or preallocated-zero: a host cluster belongs to the entry.
+    Allocated,
+    Compressed,
+}
+
+fn cluster_type(fmt: &l2::EntryFormat, e: L2Entry) -> ClusterType {
+    let w = e.word;
+    if w & OFLAG_COMPRESSED != 0 {
+        ClusterType::Compressed
+    } else if w & OFLAG_ZERO != 0 && !fmt.extended {
+        if w & l2::OFFSET_MASK != 0 {
+            ClusterType::Allocated
+        } else {
+            ClusterType::ZeroPlain
+        }
+    } else if w & l2::OFFSET_MASK == 0 && !(fmt.external_data && w & OFLAG_COPIED != 0) {
+        ClusterType::Unallocated
+    } else {
+        ClusterType::Allocated
+    }
+}

@@ -1,0 +1,398 @@
+//! The qcow2 header and its extensions (QEMU's docs/interop/qcow2.txt, "Header").
+//!
+//! Every field read from the file is checked here, once, against the limits QEMU enforces, so the
+//! rest of the driver can trust sizes and offsets it gets from [`Header`] without overflowing or
+//! allocating more memory than the file justifies.
+
+use super::l2;
+use crate::error::{Error, Result};
+
+pub const MAGIC: u32 = 0x5146_49fb; // "QFI\xfb"
+
+/// Incompatible feature bits: an image with a bit set that we do not know must not be opened.
+pub const INCOMPAT_DIRTY: u64 = 1 << 0;
+pub const INCOMPAT_CORRUPT: u64 = 1 << 1;
+pub const INCOMPAT_DATA_FILE: u64 = 1 << 2;
+pub const INCOMPAT_COMPRESSION: u64 = 1 << 3;
+pub const INCOMPAT_EXTL2: u64 = 1 << 4;
+const INCOMPAT_KNOWN: u64 =
+    INCOMPAT_DIRTY | INCOMPAT_CORRUPT | INCOMPAT_DATA_FILE | INCOMPAT_COMPRESSION | INCOMPAT_EXTL2;
+
+pub const COMPAT_LAZY_REFCOUNTS: u64 = 1 << 0;
+pub const AUTOCLEAR_BITMAPS: u64 = 1 << 0;
+pub const AUTOCLEAR_DATA_FILE_RAW: u64 = 1 << 1;
+
+const EXT_END: u32 = 0;
+const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
+const EXT_FEATURE_TABLE: u32 = 0x6803_f857;
+const EXT_DATA_FILE: u32 = 0x4441_5441;
+
+/// QEMU's limits (block/qcow2.h): tables larger than these are refused as corrupt.
+pub const MAX_L1_BYTES: u64 = 32 << 20;
+pub const MAX_REFTABLE_BYTES: u64 = 8 << 20;
+pub const MAX_SNAPSHOTS: u32 = 65536;
+pub const MAX_BACKING_NAME: u32 = 1023;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    Zlib,
+    Zstd,
+}
+
+impl Compression {
+    pub fn name(self) -> &'static str {
+        match self {
+            Compression::Zlib => "zlib",
+            Compression::Zstd => "zstd",
+        }
+    }
+}
+
+/// A header extension we do not interpret; kept so a rewrite of the header preserves it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownExtension {
+    pub kind: u32,
+    pub data: Vec<u8>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Header {
+    pub version: u32,
+    pub backing_file: Option<String>,
+    pub backing_format: Option<String>,
+    pub cluster_bits: u32,
+    pub size: u64,
+    pub l1_size: u32,
+    pub l1_table_offset: u64,
+    pub refcount_table_offset: u64,
+    pub refcount_table_clusters: u32,
+    pub nb_snapshots: u32,
+    pub snapshots_offset: u64,
+    pub incompatible: u64,
+    pub compatible: u64,
+    pub autoclear: u64,
+    pub refcount_order: u32,
+    pub header_length: u32,
+    pub compression: Compression,
+    pub data_file: Option<String>,
+    /// Feature names from the feature name table: (type, bit, name).
+    pub feature_names: Vec<(u8, u8, String)>,
+    pub unknown_extensions: Vec<UnknownExtension>,
+}
+
+fn be32(b: &[u8], at: usize) -> u32 {
+    u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+fn be64(b: &[u8], at: usize) -> u64 {
+    let mut v = [0u8; 8];
+    v.copy_from_slice(&b[at..at + 8]);
+    u64::from_be_bytes(v)
+}
+
+impl Header {
+    pub fn cluster_size(&self) -> u64 {
+        1 << self.cluster_bits
+    }
+
+    pub fn extended_l2(&self) -> bool {
+        self.incompatible & INCOMPAT_EXTL2 != 0
+    }
+
+    pub fn l2_entry_bytes(&self) -> u64 {
+        if self.extended_l2() {
+            16
+        } else {
+            8
+        }
+    }
+
+    /// Number of guest clusters one L2 table maps.
+    pub fn l2_entries(&self) -> u64 {
+        self.cluster_size() / self.l2_entry_bytes()
+    }
+
+    pub fn refcount_bits(&self) -> u32 {
+        1 << self.refcount_order
+    }
+
+    pub fn is_dirty(&self) -> bool {
+        self.incompatible & INCOMPAT_DIRTY != 0
+    }
+
+    pub fn is_corrupt(&self) -> bool {
+        self.incompatible & INCOMPAT_CORRUPT != 0
+    }
+
+    pub fn lazy_refcounts(&self) -> bool {
+        self.compatible & COMPAT_LAZY_REFCOUNTS != 0
+    }
+
+    pub fn data_file_raw(&self) -> bool {
+        self.autoclear & AUTOCLEAR_DATA_FILE_RAW != 0
+    }
+
+    /// Number of L1 entries needed to map the virtual size.
+    pub fn l1_entries_needed(&self) -> u64 {
+        let l2_span = self.cluster_size() * self.l2_entries();
+        self.size.div_ceil(l2_span)
+    }
+
+    /// Parses and validates the header. `cluster0` holds the first bytes of the file (at least the
+    /// first cluster where the file is that long); `file_len` bounds every table.
+    pub fn parse(cluster0: &[u8], file_len: u64) -> Result<Header> {
+        if cluster0.len() < 72 {
+            return Err(Error::corrupt("image is too short to hold a qcow2 header"));
+        }
+        if be32(cluster0, 0) != MAGIC {
+            return Err(Error::corrupt("image is not in qcow2 format (bad magic)"));
+        }
+        let version = be32(cluster0, 4);
+        if version != 2 && version != 3 {
+            return Err(Error::unsupported(format!(
+                "unsupported qcow2 version {version}"
+            )));
+        }
+        let cluster_bits = be32(cluster0, 20);
+        if !(9..=21).contains(&cluster_bits) {
+            return Err(Error::corrupt(format!(
+                "unsupported cluster size: 2^{cluster_bits} (must be 512 B to 2 MiB)"
+            )));
+        }
+        let cluster_size = 1u64 << cluster_bits;
+        let crypt_method = be32(cluster0, 32);
+        if crypt_method != 0 {
+            return Err(Error::unsupported(
+                "encrypted qcow2 images are not supported",
+            ));
+        }
+        let mut h = Header {
+            version,
+            backing_file: None,
+            backing_format: None,
+            cluster_bits,
+            size: be64(cluster0, 24),
+            l1_size: be32(cluster0, 36),
+            l1_table_offset: be64(cluster0, 40),
+            refcount_table_offset: be64(cluster0, 48),
+            refcount_table_clusters: be32(cluster0, 56),
+            nb_snapshots: be32(cluster0, 60),
+            snapshots_offset: be64(cluster0, 64),
+            incompatible: 0,
+            compatible: 0,
+            autoclear: 0,
+            refcount_order: 4,
+            header_length: 72,
+            compression: Compression::Zlib,
+            data_file: None,
+            feature_names: Vec::new(),
+            unknown_extensions: Vec::new(),
+        };
+        if version == 3 {
+            if cluster0.len() < 104 {
+                return Err(Error::corrupt(
+                    "image is too short to hold a qcow2 v3 header",
+                ));
+            }
+            h.incompatible = be64(cluster0, 72);
+            h.compatible = be64(cluster0, 80);
+            h.autoclear = be64(cluster0, 88);
+            h.refcount_order = be32(cluster0, 96);
+            h.header_length = be32(cluster0, 100);
+            if h.header_length < 104 || u64::from(h.header_length) > cluster_size {
+                return Err(Error::corrupt(format!(
+                    "invalid qcow2 header length {}",
+                    h.header_length
+                )));
+            }
+            if h.header_length as usize > cluster0.len() {
+                return Err(Error::corrupt(
+                    "qcow2 header extends beyond the end of the file",
+                ));
+            }
+            if h.header_length > 104 && cluster0[104] != 0 {
+                h.compression = match cluster0[104] {
+                    1 => Compression::Zstd,
+                    t => {
+                        return Err(Error::unsupported(format!(
+                            "unknown compression type {t} in qcow2 header"
+                        )))
+                    }
+                };
+            }
+        }
+        let ext_end = if h.backing_file_offset_in(cluster0) != 0 {
+            h.backing_file_offset_in(cluster0).min(cluster_size)
+        } else {
+            cluster_size
+        };
+        h.parse_extensions(cluster0, ext_end as usize)?;
+        h.check_features()?;
+        if h.refcount_order > 6 {
+            return Err(Error::corrupt(format!(
+                "refcount width 2^{} bits is invalid (at most 64)",
+                h.refcount_order
+            )));
+        }
+        if h.compression == Compression::Zstd && h.incompatible & INCOMPAT_COMPRESSION == 0 {
+            return Err(Error::corrupt(
+                "compression type set without the compression feature bit",
+            ));
+        }
+        if h.extended_l2() && cluster_bits < 14 {
+            return Err(Error::corrupt(
+                "extended L2 entries need a cluster size of at least 16 KiB",
+            ));
+        }
+        if h.incompatible & INCOMPAT_DATA_FILE != 0 && h.data_file.is_none() {
+            return Err(Error::unsupported(
+                "image uses an external data file but does not name it",
+            ));
+        }
+        if h.data_file_raw() && h.incompatible & INCOMPAT_DATA_FILE == 0 {
+            return Err(Error::corrupt(
+                "data-file-raw set without an external data file",
+            ));
+        }
+        h.parse_backing_name(cluster0, file_len)?;
+        h.check_tables()?;
+        Ok(h)
+    }
+
+    fn backing_file_offset_in(&self, cluster0: &[u8]) -> u64 {
+        be64(cluster0, 8)
+    }
+
+    fn parse_backing_name(&mut self, cluster0: &[u8], file_len: u64) -> Result<()> {
+        let offset = be64(cluster0, 8);
+        let len = be32(cluster0, 16);
+        if offset == 0 || len == 0 {
+            return Ok(());
+        }
+        let end = offset.checked_add(u64::from(len));
+        if len > MAX_BACKING_NAME || end.is_none_or(|e| e > self.cluster_size().min(file_len)) {
+            return Err(Error::corrupt(
+                "backing file name is too long or outside the header",
+            ));
+        }
+        let name = &cluster0[offset as usize..offset as usize + len as usize];
+        self.backing_file = Some(String::from_utf8_lossy(name).into_owned());
+        Ok(())
+    }
+
+    fn parse_extensions(&mut self, cluster0: &[u8], end: usize) -> Result<()> {
+        let mut at = self.header_length as usize;
+        let end = end.min(cluster0.len());
+        while at + 8 <= end {
+            let kind = be32(cluster0, at);
+            let len = be32(cluster0, at + 4) as usize;
+            at += 8;
+            if kind == EXT_END {
+                return Ok(());
+            }
+            if len > end - at {
+                return Err(Error::corrupt(format!(
+                    "header extension {kind:#x} is longer than the header cluster"
+                )));
+            }
+            let data = &cluster0[at..at + len];
+            match kind {
+                EXT_BACKING_FORMAT => {
+                    self.backing_format = Some(String::from_utf8_lossy(data).into_owned())
+                }
+                EXT_DATA_FILE => self.data_file = Some(String::from_utf8_lossy(data).into_owned()),
+                EXT_FEATURE_TABLE => {
+                    for entry in data.chunks_exact(48) {
+                        let name = &entry[2..];
+                        let name = &name[..name.iter().position(|&c| c == 0).unwrap_or(46)];
+                        let name = String::from_utf8_lossy(name).into_owned();
+                        self.feature_names.push((entry[0], entry[1], name));
+                    }
+                }
+                _ => self.unknown_extensions.push(UnknownExtension {
+                    kind,
+                    data: data.to_vec(),
+                }),
+            }
+            at += len.next_multiple_of(8);
+        }
+        Ok(())
+    }
+
+    fn check_features(&self) -> Result<()> {
+        let unknown = self.incompatible & !INCOMPAT_KNOWN;
+        if unknown == 0 {
+            return Ok(());
+        }
+        let names: Vec<String> = (0..64)
+            .filter(|bit| unknown & (1 << bit) != 0)
+            .map(|bit| {
+                self.feature_names
+                    .iter()
+                    .find(|(t, b, _)| *t == 0 && u64::from(*b) == bit)
+                    .map(|(_, _, n)| n.clone())
+                    .unwrap_or_else(|| format!("Unknown incompatible feature: {:x}", 1u64 << bit))
+            })
+            .collect();
+        Err(Error::unsupported(format!(
+            "Unsupported qcow2 feature(s): {}",
+            names.join(", ")
+        )))
+    }
+
+    /// Checks that the L1, refcount and snapshot tables are aligned and bounded. Tables may reach
+    /// beyond the end of a truncated file: like QEMU, that part reads as zeroes (and `check`
+    /// reports it); readers allocate memory only for the part inside the file.
+    fn check_tables(&self) -> Result<()> {
+        let cs = self.cluster_size();
+        let table = |what: &str, offset: u64, bytes: u64, max: u64| -> Result<()> {
+            if bytes > max {
+                return Err(Error::corrupt(format!(
+                    "{what} is too large ({bytes} bytes)"
+                )));
+            }
+            if bytes == 0 {
+                return Ok(());
+            }
+            if offset % cs != 0 {
+                return Err(Error::corrupt(format!(
+                    "{what} offset {offset:#x} is not aligned"
+                )));
+            }
+            if offset
+                .checked_add(bytes)
+                .is_none_or(|end| end > l2::OFFSET_MASK)
+            {
+                return Err(Error::corrupt(format!(
+                    "{what} offset {offset:#x} is invalid"
+                )));
+            }
+            Ok(())
+        };
+        let l1_bytes = u64::from(self.l1_size) * 8;
+        table("L1 table", self.l1_table_offset, l1_bytes, MAX_L1_BYTES)?;
+        if u64::from(self.l1_size) < self.l1_entries_needed() {
+            return Err(Error::corrupt("L1 table is too small for the virtual size"));
+        }
+        if self.refcount_table_clusters == 0 {
+            return Err(Error::corrupt("image has no refcount table"));
+        }
+        let rt_bytes = u64::from(self.refcount_table_clusters) * cs;
+        table(
+            "refcount table",
+            self.refcount_table_offset,
+            rt_bytes,
+            MAX_REFTABLE_BYTES,
+        )?;
+        if self.nb_snapshots > MAX_SNAPSHOTS {
+            return Err(Error::corrupt(format!(
+                "too many snapshots ({})",
+                self.nb_snapshots
+            )));
+        }
+        if self.nb_snapshots > 0 && self.snapshots_offset % cs != 0 {
+            return Err(Error::corrupt("snapshot table offset is not aligned"));
+        }
+        Ok(())
+    }
+}

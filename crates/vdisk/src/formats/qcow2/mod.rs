@@ -1,0 +1,481 @@
+//! qcow2 images (QEMU's docs/interop/qcow2.txt), versions 2 and 3.
+//!
+//! A guest offset is found in two steps: the L1 table (held in memory) names an L2 table, the
+//! L2 entry names the host cluster (or says zero, compressed, or "ask the backing file").
+//! L2 tables are read on demand and kept in a bounded cache.
+
+pub mod check;
+mod compress;
+pub mod header;
+pub mod l2;
+pub mod refcount;
+pub mod snapshot;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use self::header::Header;
+use self::l2::{EntryFormat, L2Table, SubclusterType};
+use self::snapshot::Snapshot;
+use super::{read_mapped, status_mapped, Holes, Image, Layer, Mapping};
+use crate::blockdev::{check_range, BlockDev, BlockStatus};
+use crate::error::{Error, IoContext, Result};
+use crate::storage::Storage;
+
+/// Memory for cached L2 tables: QEMU's default maximum on Linux.
+const L2_CACHE_BYTES: u64 = 32 << 20;
+
+/// An open qcow2 image (read path).
+pub struct Qcow2 {
+    file: Arc<dyn Storage>,
+    /// Where data clusters live: `file` itself, or the external data file.
+    data: Arc<dyn Storage>,
+    header: Header,
+    format: EntryFormat,
+    /// Virtual size of what is read: the image's, or the snapshot's with `-l`.
+    size: u64,
+    l1: Vec<u64>,
+    snapshots: Vec<Snapshot>,
+    /// Bytes the snapshot table occupies, as parsed.
+    snapshot_table_bytes: u64,
+    backing: Option<Arc<Image>>,
+    l2_cache: L2Cache,
+    /// The last decompressed cluster, by L2 entry: sequential reads of a compressed cluster
+    /// decode it once.
+    last_compressed: Mutex<Option<(u64, Arc<Vec<u8>>)>>,
+    data_holes: OnceLock<bool>,
+}
+
+impl std::fmt::Debug for Qcow2 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Qcow2")
+            .field("header", &self.header)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Reads and validates the header of a qcow2 image.
+pub fn read_header(file: &dyn Storage) -> Result<Header> {
+    let file_len = file.len().context(|| "reading the image size".into())?;
+    // The header and its extensions live in the first cluster, at most 2 MiB.
+    let mut first = vec![0u8; file_len.min(2 << 20) as usize];
+    file.read_at(0, &mut first)
+        .context(|| "reading the qcow2 header".into())?;
+    let cluster_bits = first
+        .get(20..24)
+        .map(|b| u32::from_be_bytes(b.try_into().unwrap_or([0; 4])));
+    if let Some(bits @ 9..=21) = cluster_bits {
+        first.truncate(first.len().min(1 << bits));
+    }
+    Header::parse(&first, file_len)
+}
+
+/// Reads a table of big-endian u64 entries. Only entries inside the file are returned: the rest
+/// would read as zero, and a hostile header must not make us allocate memory for them.
+pub(crate) fn read_table(
+    file: &dyn Storage,
+    offset: u64,
+    entries: u64,
+    what: &str,
+) -> Result<Vec<u64>> {
+    let file_len = file.len().context(|| "reading the image size".into())?;
+    let entries = entries.min(file_len.saturating_sub(offset) / 8);
+    let mut bytes = vec![0u8; (entries * 8) as usize];
+    file.read_at(offset, &mut bytes)
+        .context(|| format!("reading the {what} at {offset:#x}"))?;
+    Ok(bytes
+        .chunks_exact(8)
+        .map(|c| u64::from_be_bytes(c.try_into().expect("8 bytes")))
+        .collect())
+}
+
+fn read_snapshots(file: &dyn Storage, h: &Header) -> Result<(Vec<Snapshot>, u64)> {
+    if h.nb_snapshots == 0 {
+        return Ok((Vec::new(), 0));
+    }
+    let file_len = file.len().context(|| "reading the image size".into())?;
+    let avail = file_len.saturating_sub(h.snapshots_offset);
+    let mut want = avail.min(64 << 10);
+    loop {
+        let mut table = vec![0u8; want as usize];
+        file.read_at(h.snapshots_offset, &mut table)
+            .context(|| "reading the snapshot table".into())?;
+        if let Some(parsed) = snapshot::parse_table(&table, h.nb_snapshots)? {
+            return Ok(parsed);
+        }
+        if want >= avail {
+            return Err(Error::corrupt(
+                "snapshot table extends beyond the end of the image",
+            ));
+        }
+        want = (want * 4).min(avail);
+    }
+}
+
+impl Qcow2 {
+    /// Opens a qcow2 image whose header has been read. `data` is the external data file, if the
+    /// image has one; `snapshot` selects an internal snapshot (by id or name) to read instead of
+    /// the active image.
+    pub fn open(
+        file: Arc<dyn Storage>,
+        header: Header,
+        data: Option<Arc<dyn Storage>>,
+        backing: Option<Arc<Image>>,
+        snapshot: Option<&str>,
+    ) -> Result<Qcow2> {
+        let (snapshots, snapshot_table_bytes) = read_snapshots(&*file, &header)?;
+        let (l1_offset, l1_size, size) = match snapshot {
+            // Like QEMU, the disk is whole sectors: a size that is not is truncated.
+            None => (header.l1_table_offset, header.l1_size, header.size & !511),
+            Some(want) => {
+                let s = snapshots
+                    .iter()
+                    .find(|s| s.id == want)
+                    .or_else(|| snapshots.iter().find(|s| s.name == want))
+                    .ok_or_else(|| Error::invalid(format!("snapshot '{want}' not found")))?;
+                (
+                    s.l1_table_offset,
+                    s.l1_size,
+                    s.disk_size.unwrap_or(header.size) & !511,
+                )
+            }
+        };
+        let l1_bytes = u64::from(l1_size) * 8;
+        if l1_bytes > header::MAX_L1_BYTES || l1_offset % header.cluster_size() != 0 {
+            return Err(Error::corrupt(format!(
+                "L1 table at {l1_offset:#x} is invalid"
+            )));
+        }
+        let l1 = read_table(&*file, l1_offset, u64::from(l1_size), "L1 table")?;
+        let format = EntryFormat {
+            cluster_bits: header.cluster_bits,
+            extended: header.extended_l2(),
+            external_data: data.is_some(),
+        };
+        let tables = (L2_CACHE_BYTES >> header.cluster_bits).max(16) as usize;
+        Ok(Qcow2 {
+            data: data.unwrap_or_else(|| file.clone()),
+            file,
+            format,
+            size,
+            l1,
+            snapshots,
+            snapshot_table_bytes,
+            backing,
+            l2_cache: L2Cache::new(tables),
+            last_compressed: Mutex::new(None),
+            data_holes: OnceLock::new(),
+            header,
+        })
+    }
+
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    pub fn snapshots(&self) -> &[Snapshot] {
+        &self.snapshots
+    }
+
+    pub fn backing(&self) -> Option<&Arc<Image>> {
+        self.backing.as_ref()
+    }
+
+    pub fn has_external_data(&self) -> bool {
+        self.format.external_data
+    }
+
+    pub fn entry_format(&self) -> EntryFormat {
+        self.format
+    }
+
+    /// The L1 table in use (the active image's, or the snapshot's with `-l`).
+    pub fn l1_table(&self) -> &[u64] {
+        &self.l1
+    }
+
+    pub fn snapshot_table_bytes(&self) -> u64 {
+        self.snapshot_table_bytes
+    }
+
+    pub fn file(&self) -> &Arc<dyn Storage> {
+        &self.file
+    }
+
+    pub fn data_file(&self) -> &Arc<dyn Storage> {
+        &self.data
+    }
+
+    /// The L2 table at `offset`, from the cache or the file.
+    fn l2_table(&self, offset: u64, l1_index: usize) -> Result<Arc<L2Table>> {
+        if let Some(t) = self.l2_cache.get(offset) {
+            return Ok(t);
+        }
+        let cs = self.header.cluster_size();
+        if offset % cs != 0 {
+            return Err(Error::corrupt(format!(
+                "L2 table offset {offset:#x} unaligned (L1 index: {l1_index:#x})"
+            )));
+        }
+        self.check_not_metadata(offset, "L2 table")?;
+        let mut bytes = vec![0u8; cs as usize];
+        self.file
+            .read_at(offset, &mut bytes)
+            .context(|| format!("reading the L2 table at {offset:#x}"))?;
+        let table = Arc::new(L2Table::parse(&bytes, self.format.extended));
+        self.l2_cache.insert(offset, table.clone());
+        Ok(table)
+    }
+
+    /// Refuses a table offset that points at the header, the L1 table or the refcount table:
+    /// following it would interpret metadata as guest mappings.
+    fn check_not_metadata(&self, offset: u64, what: &str) -> Result<()> {
+        let h = &self.header;
+        let cs = h.cluster_size();
+        let overlaps = |start: u64, bytes: u64| offset < start + bytes && start < offset + cs;
+        if offset < cs
+            || overlaps(h.l1_table_offset, u64::from(h.l1_size) * 8)
+            || overlaps(
+                h.refcount_table_offset,
+                u64::from(h.refcount_table_clusters) * cs,
+            )
+        {
+            return Err(Error::corrupt(format!(
+                "{what} at {offset:#x} overlaps image metadata"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The subcluster type and host offset (of the byte at `offset`) for one guest offset, plus
+    /// the L2 table and index so callers can scan forward.
+    fn lookup(&self, offset: u64) -> Result<Option<(Arc<L2Table>, usize)>> {
+        let cb = self.header.cluster_bits;
+        let l2_bits = self.header.l2_entries().trailing_zeros();
+        let l1_index = (offset >> (cb + l2_bits)) as usize;
+        let l1e = self.l1.get(l1_index).copied().unwrap_or(0);
+        let l2_offset = l1e & l2::OFFSET_MASK;
+        if l2_offset == 0 {
+            return Ok(None);
+        }
+        let table = self.l2_table(l2_offset, l1_index)?;
+        let index = ((offset >> cb) & (self.header.l2_entries() - 1)) as usize;
+        Ok(Some((table, index)))
+    }
+
+    fn mapping_of(&self, t: SubclusterType, host: Option<u64>) -> Mapping {
+        match t {
+            SubclusterType::UnallocatedPlain => Mapping::Unallocated { offset: None },
+            SubclusterType::UnallocatedAlloc => Mapping::Unallocated { offset: host },
+            SubclusterType::ZeroPlain => Mapping::Zero { offset: None },
+            SubclusterType::ZeroAlloc => Mapping::Zero { offset: host },
+            SubclusterType::Normal => Mapping::Data {
+                offset: host.unwrap_or(0),
+            },
+            SubclusterType::Compressed => Mapping::Compressed,
+        }
+    }
+
+    /// QEMU's `qcow2_detect_metadata_preallocation`: when far more clusters are referenced than
+    /// the file really occupies, data clusters may sit on holes, and block status must ask the
+    /// file system which parts read as zero.
+    fn detect_metadata_preallocation(&self) -> bool {
+        check::detect_metadata_preallocation(self).unwrap_or(false)
+    }
+}
+
+impl Layer for Qcow2 {
+    fn map(&self, offset: u64, len: u64) -> Result<(Mapping, u64)> {
+        let cb = self.header.cluster_bits;
+        let cs = 1u64 << cb;
+        let l2_span = cs * self.header.l2_entries();
+        let to_table_end = l2_span - (offset % l2_span);
+        let Some((table, first)) = self.lookup(offset)? else {
+            return Ok((Mapping::Unallocated { offset: None }, len.min(to_table_end)));
+        };
+        let scb = self.format.subcluster_bits();
+        let scs = 1u64 << scb;
+        let per_cluster = 1u64 << (cb - scb);
+        let entry_type = |index: usize, sc: u64| -> Result<(SubclusterType, Option<u64>)> {
+            let e = table.get(index);
+            let t = self.format.subcluster_type(e, sc)?;
+            if !t.has_host_cluster() {
+                return Ok((t, None));
+            }
+            let host = self.format.host_offset(e);
+            if host % cs != 0 {
+                return Err(Error::corrupt(format!(
+                    "Cluster allocation offset {host:#x} unaligned (L2 index: {index:#x})"
+                )));
+            }
+            Ok((t, Some(host + (sc << scb))))
+        };
+        let sc0 = (offset >> scb) & (per_cluster - 1);
+        let (t0, host0) = entry_type(first, sc0)?;
+        let within = offset & (scs - 1);
+        let mapping = self.mapping_of(t0, host0.map(|h| h + within));
+        if t0 == SubclusterType::Compressed {
+            return Ok((mapping, len.min(cs - (offset & (cs - 1)))));
+        }
+        // Extend the run over following subclusters of the same type with contiguous host
+        // offsets, up to `len` and the end of this L2 table.
+        let want = len.min(to_table_end);
+        let mut run = scs - within;
+        let mut index = first;
+        let mut sc = sc0;
+        while run < want {
+            sc += 1;
+            if sc == per_cluster {
+                sc = 0;
+                index += 1;
+            }
+            let (t, host) = entry_type(index, sc)?;
+            let contiguous = match (host0, host) {
+                (Some(h0), Some(h)) => h == h0 + run + within,
+                (None, None) => true,
+                _ => false,
+            };
+            if t != t0 || !contiguous {
+                break;
+            }
+            run += scs;
+        }
+        Ok((mapping, run.min(want)))
+    }
+
+    fn data_storage(&self) -> &dyn Storage {
+        &*self.data
+    }
+
+    fn backing(&self) -> Option<&Arc<Image>> {
+        self.backing.as_ref()
+    }
+
+    fn read_compressed(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let cs = self.header.cluster_size();
+        let Some((table, index)) = self.lookup(offset)? else {
+            return Err(Error::corrupt("compressed cluster vanished"));
+        };
+        let entry = table.get(index).word;
+        let cached = self
+            .last_compressed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let cluster = match cached {
+            Some((e, c)) if e == entry => c,
+            _ => {
+                let (host, csize) = self.format.compressed_extent(table.get(index));
+                let mut packed = vec![0u8; csize as usize];
+                self.file
+                    .read_at(host, &mut packed)
+                    .context(|| format!("reading a compressed cluster at {host:#x}"))?;
+                let mut out = vec![0u8; cs as usize];
+                compress::decompress(self.header.compression, &packed, &mut out).map_err(|e| {
+                    Error::corrupt(format!(
+                        "{e} (host offset {host:#x}, guest offset {offset:#x})"
+                    ))
+                })?;
+                let out = Arc::new(out);
+                *self
+                    .last_compressed
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some((entry, out.clone()));
+                out
+            }
+        };
+        let start = (offset & (cs - 1)) as usize;
+        buf.copy_from_slice(&cluster[start..start + buf.len()]);
+        Ok(())
+    }
+
+    fn holes(&self) -> Holes {
+        if *self
+            .data_holes
+            .get_or_init(|| self.detect_metadata_preallocation())
+        {
+            Holes::ZeroData
+        } else {
+            Holes::Ignored
+        }
+    }
+}
+
+impl BlockDev for Qcow2 {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        check_range(self.size, offset, buf.len() as u64)?;
+        read_mapped(self, offset, buf)
+    }
+
+    fn write(&self, _offset: u64, _buf: &[u8]) -> Result<()> {
+        Err(Error::unsupported(
+            "writing qcow2 images is not implemented yet",
+        ))
+    }
+
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn discard(&self, _offset: u64, _len: u64) -> Result<()> {
+        Err(Error::unsupported(
+            "writing qcow2 images is not implemented yet",
+        ))
+    }
+
+    fn write_zeroes(&self, _offset: u64, _len: u64) -> Result<()> {
+        Err(Error::unsupported(
+            "writing qcow2 images is not implemented yet",
+        ))
+    }
+
+    fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
+        check_range(self.size, offset, len)?;
+        status_mapped(self, offset, len)
+    }
+}
+
+/// Cached tables by host offset, and their insertion order for eviction.
+type L2Map = (HashMap<u64, Arc<L2Table>>, VecDeque<u64>);
+
+/// A bounded cache of L2 tables keyed by host offset, evicting the oldest insertion.
+struct L2Cache {
+    inner: Mutex<L2Map>,
+    capacity: usize,
+}
+
+impl L2Cache {
+    fn new(capacity: usize) -> Self {
+        L2Cache {
+            inner: Mutex::new((HashMap::new(), VecDeque::new())),
+            capacity,
+        }
+    }
+
+    fn get(&self, offset: u64) -> Option<Arc<L2Table>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .get(&offset)
+            .cloned()
+    }
+
+    fn insert(&self, offset: u64, table: Arc<L2Table>) {
+        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let (map, order) = &mut *guard;
+        if map.insert(offset, table).is_none() {
+            order.push_back(offset);
+        }
+        while map.len() > self.capacity {
+            match order.pop_front() {
+                Some(old) => map.remove(&old),
+                None => break,
+            };
+        }
+    }
+}

@@ -1,0 +1,108 @@
+//! Raw images: guest offset X is byte X of the file.
+
+use std::sync::Arc;
+
+use super::{status_mapped, Holes, Image, Layer, Mapping};
+use crate::blockdev::{check_range, BlockDev, BlockStatus};
+use crate::error::{Error, IoContext, Result};
+use crate::storage::Storage;
+
+pub struct Raw {
+    storage: Arc<dyn Storage>,
+    size: u64,
+    read_only: bool,
+}
+
+impl Raw {
+    pub fn open(storage: Arc<dyn Storage>, read_only: bool) -> Result<Raw> {
+        // Disks have whole sectors: like QEMU, a file whose length is not a multiple of 512 is
+        // a disk rounded up, its tail reading as zeroes.
+        let size = storage
+            .len()
+            .context(|| "reading the size of a raw image".into())?;
+        let size = size.next_multiple_of(512);
+        Ok(Raw {
+            storage,
+            size,
+            read_only,
+        })
+    }
+
+    pub fn storage(&self) -> &Arc<dyn Storage> {
+        &self.storage
+    }
+
+    fn writable(&self, what: &str) -> Result<()> {
+        if self.read_only {
+            return Err(Error::ReadOnly(what.into()));
+        }
+        Ok(())
+    }
+}
+
+impl Layer for Raw {
+    fn map(&self, offset: u64, len: u64) -> Result<(Mapping, u64)> {
+        Ok((Mapping::Data { offset }, len))
+    }
+
+    fn data_storage(&self) -> &dyn Storage {
+        &*self.storage
+    }
+
+    fn backing(&self) -> Option<&Arc<Image>> {
+        None
+    }
+
+    fn read_compressed(&self, _offset: u64, _buf: &mut [u8]) -> Result<()> {
+        Err(Error::corrupt("raw images have no compressed data"))
+    }
+
+    fn holes(&self) -> Holes {
+        Holes::Zero
+    }
+}
+
+impl BlockDev for Raw {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        check_range(self.size, offset, buf.len() as u64)?;
+        self.storage
+            .read_at(offset, buf)
+            .context(|| format!("reading raw image at {offset:#x}"))
+    }
+
+    fn write(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        self.writable("write")?;
+        check_range(self.size, offset, buf.len() as u64)?;
+        self.storage
+            .write_at(offset, buf)
+            .context(|| format!("writing raw image at {offset:#x}"))
+    }
+
+    fn flush(&self) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        self.storage.sync().context(|| "syncing raw image".into())
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.write_zeroes(offset, len)
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.writable("write zeroes")?;
+        check_range(self.size, offset, len)?;
+        self.storage
+            .punch_hole(offset, len)
+            .context(|| format!("punching a hole at {offset:#x}"))
+    }
+
+    fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
+        check_range(self.size, offset, len)?;
+        status_mapped(self, offset, len)
+    }
+}

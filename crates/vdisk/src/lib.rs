@@ -1,0 +1,14 @@
+//! vdisk: a user-space virtual-disk engine.
+//!
+//! Layers, top to bottom (see DESIGN.md): [`blockdev`] is the interface every format implements
+//! and every export consumes; [`formats`] turn guest offsets into storage offsets; [`storage`]
+//! is the only layer that touches the host.
+
+pub mod blockdev;
+pub mod error;
+pub mod formats;
+pub mod storage;
+
+pub use blockdev::{BlockDev, BlockStatus};
+pub use error::{Error, Result};
+pub use formats::{backing_path, open_image, open_storage, Driver, Format, Image, ImageOptions};

@@ -1,0 +1,146 @@
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+
+use super::{IoStats, Storage};
+
+/// How to open a [`FileStorage`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OpenOptions {
+    pub write: bool,
+    pub create: bool,
+    /// Bypass the host page cache. Every buffer, offset and length must then be aligned to the
+    /// device's logical block size; callers that set this are responsible for that.
+    pub direct: bool,
+}
+
+/// A host file.
+#[derive(Debug)]
+pub struct FileStorage {
+    file: File,
+    stats: IoStats,
+}
+
+impl FileStorage {
+    pub fn open(path: &Path, opts: OpenOptions) -> io::Result<Self> {
+        let mut o = std::fs::OpenOptions::new();
+        o.read(true).write(opts.write).create(opts.create);
+        if opts.direct {
+            o.custom_flags(libc::O_DIRECT);
+        }
+        Ok(FileStorage {
+            file: o.open(path)?,
+            stats: IoStats::default(),
+        })
+    }
+
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    fn fallocate(&self, mode: libc::c_int, offset: u64, len: u64) -> io::Result<()> {
+        let (off, len) = (to_off(offset)?, to_off(len)?);
+        // SAFETY: fallocate only reads its integer arguments; the descriptor is owned by self.
+        let r = unsafe { libc::fallocate(self.file.as_raw_fd(), mode, off, len) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+
+    fn seek(&self, offset: u64, whence: libc::c_int) -> io::Result<Option<u64>> {
+        // SAFETY: lseek only reads its integer arguments; the descriptor is owned by self.
+        let r = unsafe { libc::lseek(self.file.as_raw_fd(), to_off(offset)?, whence) };
+        if r >= 0 {
+            return Ok(Some(r as u64));
+        }
+        let err = io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::ENXIO) => Ok(None),
+            _ => Err(err),
+        }
+    }
+}
+
+fn to_off(v: u64) -> io::Result<libc::off_t> {
+    libc::off_t::try_from(v)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "offset out of range"))
+}
+
+impl Storage for FileStorage {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.stats.record_read(buf.len());
+        let mut done = 0;
+        while done < buf.len() {
+            match self.file.read_at(&mut buf[done..], offset + done as u64) {
+                Ok(0) => {
+                    buf[done..].fill(0);
+                    break;
+                }
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
+        self.stats.record_write(buf.len());
+        self.file.write_all_at(buf, offset)
+    }
+
+    fn sync(&self) -> io::Result<()> {
+        self.stats.record_sync();
+        self.file.sync_data()
+    }
+
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.stats.record_allocation();
+        self.fallocate(0, offset, len)
+    }
+
+    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.stats.record_punch();
+        self.fallocate(
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            offset,
+            len,
+        )
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.file.metadata()?.len())
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.file.set_len(len)
+    }
+
+    fn allocated_bytes(&self) -> io::Result<u64> {
+        Ok(self.file.metadata()?.blocks() * 512)
+    }
+
+    fn extent_at(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
+        let file_len = self.len()?;
+        if offset >= file_len {
+            return Ok((false, len));
+        }
+        let Some(data) = self.seek(offset, libc::SEEK_DATA)? else {
+            // No data from here to the end of the file.
+            return Ok((false, len));
+        };
+        if data > offset {
+            return Ok((false, (data - offset).min(len)));
+        }
+        let hole = self.seek(offset, libc::SEEK_HOLE)?.unwrap_or(file_len);
+        Ok((true, (hole - offset).clamp(1, len.max(1)).min(len)))
+    }
+
+    fn stats(&self) -> &IoStats {
+        &self.stats
+    }
+}

@@ -1,0 +1,86 @@
+//! Storage: the only layer that touches the host file system.
+//!
+//! A [`Storage`] moves bytes at positions and nothing else: no caching, no format knowledge. Every
+//! implementation counts what it does in an [`IoStats`], so a test or a benchmark can read the
+//! exact number of syncs and bytes a workload caused.
+//!
+//! ```text
+//!   formats (qcow2, raw, ...)
+//!        │  read_at / write_at / sync / allocate / punch_hole
+//!   Storage ── FileStorage (host file, optional O_DIRECT)
+//!           └─ MemStorage  (in memory, for tests)
+//! ```
+
+mod file;
+mod memory;
+mod stats;
+
+pub use file::{FileStorage, OpenOptions};
+pub use memory::MemStorage;
+pub use stats::{IoStats, IoStatsSnapshot};
+
+use std::io;
+
+/// Positioned byte storage. Methods take `&self` and are safe to call from many threads at once.
+pub trait Storage: Send + Sync {
+    /// Reads `buf.len()` bytes at `offset`. Bytes beyond the end of the storage read as zero, the
+    /// way a sparse file's tail would, so a truncated image reads zeroes rather than failing here;
+    /// formats that need the bytes to exist check [`Storage::len`] themselves.
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
+
+    /// Writes all of `buf` at `offset`, growing the storage if needed.
+    fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()>;
+
+    /// Reads into several buffers from consecutive positions starting at `offset`.
+    fn read_vectored_at(&self, offset: u64, bufs: &mut [&mut [u8]]) -> io::Result<()> {
+        let mut pos = offset;
+        for buf in bufs.iter_mut() {
+            self.read_at(pos, buf)?;
+            pos += buf.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// Writes several buffers to consecutive positions starting at `offset`.
+    fn write_vectored_at(&self, offset: u64, bufs: &[&[u8]]) -> io::Result<()> {
+        let mut pos = offset;
+        for buf in bufs {
+            self.write_at(pos, buf)?;
+            pos += buf.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// Makes every completed write durable.
+    fn sync(&self) -> io::Result<()>;
+
+    /// Reserves space for `[offset, offset + len)` so later writes there cannot fail for lack of
+    /// space; grows the storage if the range ends beyond it. Contents of new space read as zero.
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()>;
+
+    /// Deallocates `[offset, offset + len)`; the range then reads as zero. The length is unchanged.
+    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()>;
+
+    /// Current length in bytes.
+    fn len(&self) -> io::Result<u64>;
+
+    fn is_empty(&self) -> io::Result<bool> {
+        Ok(self.len()? == 0)
+    }
+
+    /// Sets the length, truncating or extending with zeroes.
+    fn set_len(&self, len: u64) -> io::Result<()>;
+
+    /// Bytes of host storage actually in use (what `du` reports for a file).
+    fn allocated_bytes(&self) -> io::Result<u64>;
+
+    /// Whether `[offset, offset + len)` starts with data or with a hole, and how far that lasts
+    /// (at most `len`). Storage that cannot tell reports data.
+    fn extent_at(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
+        let _ = offset;
+        Ok((true, len))
+    }
+
+    /// The operation and byte counters of this storage.
+    fn stats(&self) -> &IoStats;
+}
