@@ -65,6 +65,26 @@ impl FileStorage {
     }
 }
 
+/// Moves past `n` transferred bytes of an iovec list: whole entries are skipped by raising
+/// `first`, a partly transferred entry is shortened in place.
+fn advance(iov: &mut [libc::iovec], first: &mut usize, mut n: usize) {
+    while n > 0 && *first < iov.len() {
+        let v = &mut iov[*first];
+        if n >= v.iov_len {
+            n -= v.iov_len;
+            *first += 1;
+        } else {
+            // SAFETY: `n < iov_len`, so the new base stays inside the same buffer.
+            v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n) }.cast();
+            v.iov_len -= n;
+            n = 0;
+        }
+    }
+    while *first < iov.len() && iov[*first].iov_len == 0 {
+        *first += 1;
+    }
+}
+
 fn to_off(v: u64) -> io::Result<libc::off_t> {
     libc::off_t::try_from(v)
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "offset out of range"))
@@ -91,6 +111,94 @@ impl Storage for FileStorage {
     fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
         self.stats.record_write(buf.len());
         self.file.write_all_at(buf, offset)
+    }
+
+    fn read_vectored_at(&self, offset: u64, bufs: &mut [&mut [u8]]) -> io::Result<()> {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        self.stats.record_read(total);
+        let mut iov: Vec<libc::iovec> = bufs
+            .iter_mut()
+            .map(|b| libc::iovec {
+                iov_base: b.as_mut_ptr().cast(),
+                iov_len: b.len(),
+            })
+            .collect();
+        let mut done = 0usize;
+        let mut first = 0usize;
+        while first < iov.len() {
+            let cnt = (iov.len() - first).min(libc::UIO_MAXIOV as usize) as libc::c_int;
+            // SAFETY: every iovec points into a live, exclusively borrowed buffer of `bufs` and
+            // its length is that buffer's remaining length.
+            let n = unsafe {
+                libc::preadv(
+                    self.file.as_raw_fd(),
+                    iov[first..].as_ptr(),
+                    cnt,
+                    to_off(offset + done as u64)?,
+                )
+            };
+            if n < 0 {
+                let err = io::Error::last_os_error();
+                if err.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(err);
+            }
+            if n == 0 {
+                // End of file: the rest reads as zeroes.
+                for v in &iov[first..] {
+                    // SAFETY: the iovec describes a live buffer of `bufs` (see above).
+                    unsafe { std::ptr::write_bytes(v.iov_base.cast::<u8>(), 0, v.iov_len) };
+                }
+                return Ok(());
+            }
+            done += n as usize;
+            advance(&mut iov, &mut first, n as usize);
+        }
+        debug_assert_eq!(done, total);
+        Ok(())
+    }
+
+    fn write_vectored_at(&self, offset: u64, bufs: &[&[u8]]) -> io::Result<()> {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        self.stats.record_write(total);
+        let mut iov: Vec<libc::iovec> = bufs
+            .iter()
+            .map(|b| libc::iovec {
+                iov_base: b.as_ptr() as *mut libc::c_void,
+                iov_len: b.len(),
+            })
+            .collect();
+        let mut done = 0usize;
+        let mut first = 0usize;
+        while first < iov.len() {
+            let cnt = (iov.len() - first).min(libc::UIO_MAXIOV as usize) as libc::c_int;
+            // SAFETY: every iovec points into a live buffer of `bufs`; pwritev only reads them.
+            let n = unsafe {
+                libc::pwritev(
+                    self.file.as_raw_fd(),
+                    iov[first..].as_ptr(),
+                    cnt,
+                    to_off(offset + done as u64)?,
+                )
+            };
+            if n < 0 {
+                let err = io::Error::last_os_error();
+                if err.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(err);
+            }
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "pwritev wrote nothing",
+                ));
+            }
+            done += n as usize;
+            advance(&mut iov, &mut first, n as usize);
+        }
+        Ok(())
     }
 
     fn sync(&self) -> io::Result<()> {

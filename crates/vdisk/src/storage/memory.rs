@@ -22,6 +22,28 @@ impl MemStorage {
         }
     }
 
+    fn copy_out(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let data = self.data.read().unwrap_or_else(|e| e.into_inner());
+        let end = end_of(offset, buf.len())?;
+        let start = offset as usize;
+        buf.fill(0);
+        if start < data.len() {
+            let avail = end.min(data.len()) - start;
+            buf[..avail].copy_from_slice(&data[start..start + avail]);
+        }
+        Ok(())
+    }
+
+    fn copy_in(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
+        let mut data = self.data.write().unwrap_or_else(|e| e.into_inner());
+        let end = end_of(offset, buf.len())?;
+        if data.len() < end {
+            data.resize(end, 0);
+        }
+        data[offset as usize..end].copy_from_slice(buf);
+        Ok(())
+    }
+
     /// A copy of the whole contents.
     pub fn to_bytes(&self) -> Vec<u8> {
         self.data.read().unwrap_or_else(|e| e.into_inner()).clone()
@@ -38,25 +60,31 @@ fn end_of(offset: u64, len: usize) -> io::Result<usize> {
 impl Storage for MemStorage {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         self.stats.record_read(buf.len());
-        let data = self.data.read().unwrap_or_else(|e| e.into_inner());
-        let end = end_of(offset, buf.len())?;
-        let start = offset as usize;
-        buf.fill(0);
-        if start < data.len() {
-            let avail = end.min(data.len()) - start;
-            buf[..avail].copy_from_slice(&data[start..start + avail]);
-        }
-        Ok(())
+        self.copy_out(offset, buf)
     }
 
     fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
         self.stats.record_write(buf.len());
-        let mut data = self.data.write().unwrap_or_else(|e| e.into_inner());
-        let end = end_of(offset, buf.len())?;
-        if data.len() < end {
-            data.resize(end, 0);
+        self.copy_in(offset, buf)
+    }
+
+    fn read_vectored_at(&self, offset: u64, bufs: &mut [&mut [u8]]) -> io::Result<()> {
+        self.stats.record_read(bufs.iter().map(|b| b.len()).sum());
+        let mut pos = offset;
+        for buf in bufs.iter_mut() {
+            self.copy_out(pos, buf)?;
+            pos += buf.len() as u64;
         }
-        data[offset as usize..end].copy_from_slice(buf);
+        Ok(())
+    }
+
+    fn write_vectored_at(&self, offset: u64, bufs: &[&[u8]]) -> io::Result<()> {
+        self.stats.record_write(bufs.iter().map(|b| b.len()).sum());
+        let mut pos = offset;
+        for buf in bufs {
+            self.copy_in(pos, buf)?;
+            pos += buf.len() as u64;
+        }
         Ok(())
     }
 

@@ -31,25 +31,12 @@ pub trait Storage: Send + Sync {
     /// Writes all of `buf` at `offset`, growing the storage if needed.
     fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()>;
 
-    /// Reads into several buffers from consecutive positions starting at `offset`.
-    fn read_vectored_at(&self, offset: u64, bufs: &mut [&mut [u8]]) -> io::Result<()> {
-        let mut pos = offset;
-        for buf in bufs.iter_mut() {
-            self.read_at(pos, buf)?;
-            pos += buf.len() as u64;
-        }
-        Ok(())
-    }
+    /// Reads into several buffers from consecutive positions starting at `offset`, as one
+    /// operation.
+    fn read_vectored_at(&self, offset: u64, bufs: &mut [&mut [u8]]) -> io::Result<()>;
 
-    /// Writes several buffers to consecutive positions starting at `offset`.
-    fn write_vectored_at(&self, offset: u64, bufs: &[&[u8]]) -> io::Result<()> {
-        let mut pos = offset;
-        for buf in bufs {
-            self.write_at(pos, buf)?;
-            pos += buf.len() as u64;
-        }
-        Ok(())
-    }
+    /// Writes several buffers to consecutive positions starting at `offset`, as one operation.
+    fn write_vectored_at(&self, offset: u64, bufs: &[&[u8]]) -> io::Result<()>;
 
     /// Makes every completed write durable.
     fn sync(&self) -> io::Result<()>;

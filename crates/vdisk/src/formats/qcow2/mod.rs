@@ -206,10 +206,12 @@ impl Qcow2 {
         &self.data
     }
 
-    /// The L2 table at `offset`, from the cache or the file.
-    fn l2_table(&self, offset: u64, l1_index: usize) -> Result<Arc<L2Table>> {
+    /// The L2 table at `offset`, from the cache or the file. `None` for a table that lies wholly
+    /// beyond the end of a truncated file: it would read as zeroes (all unallocated, as QEMU
+    /// reads it), and caching such tables would spend memory the file does not justify.
+    fn l2_table(&self, offset: u64, l1_index: usize) -> Result<Option<Arc<L2Table>>> {
         if let Some(t) = self.l2_cache.get(offset) {
-            return Ok(t);
+            return Ok(Some(t));
         }
         let cs = self.header.cluster_size();
         if offset % cs != 0 {
@@ -218,13 +220,21 @@ impl Qcow2 {
             )));
         }
         self.check_not_metadata(offset, "L2 table")?;
+        if offset
+            >= self
+                .file
+                .len()
+                .context(|| "reading the image size".into())?
+        {
+            return Ok(None);
+        }
         let mut bytes = vec![0u8; cs as usize];
         self.file
             .read_at(offset, &mut bytes)
             .context(|| format!("reading the L2 table at {offset:#x}"))?;
         let table = Arc::new(L2Table::parse(&bytes, self.format.extended));
         self.l2_cache.insert(offset, table.clone());
-        Ok(table)
+        Ok(Some(table))
     }
 
     /// Refuses a table offset that points at the header, the L1 table or the refcount table:
@@ -258,7 +268,9 @@ impl Qcow2 {
         if l2_offset == 0 {
             return Ok(None);
         }
-        let table = self.l2_table(l2_offset, l1_index)?;
+        let Some(table) = self.l2_table(l2_offset, l1_index)? else {
+            return Ok(None);
+        };
         let index = ((offset >> cb) & (self.header.l2_entries() - 1)) as usize;
         Ok(Some((table, index)))
     }

@@ -1,0 +1,110 @@
+//! One set of behaviours every `Storage` must have, run against each implementation.
+
+use std::sync::Arc;
+
+use vdisk::storage::{FileStorage, MemStorage, OpenOptions, Storage};
+
+fn backends() -> Vec<(&'static str, Arc<dyn Storage>, tempfile::TempDir)> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("file");
+    let file = FileStorage::open(
+        &path,
+        OpenOptions {
+            write: true,
+            create: true,
+            direct: false,
+        },
+    )
+    .unwrap();
+    let dir2 = tempfile::tempdir().unwrap();
+    vec![
+        ("file", Arc::new(file), dir),
+        ("memory", Arc::new(MemStorage::new()), dir2),
+    ]
+}
+
+#[test]
+fn writes_read_back_and_the_tail_reads_as_zero() {
+    for (name, s, _dir) in backends() {
+        s.write_at(4096, b"hello").unwrap();
+        assert_eq!(s.len().unwrap(), 4101, "{name}");
+        let mut buf = [0xffu8; 16];
+        s.read_at(4096, &mut buf).unwrap();
+        assert_eq!(&buf[..5], b"hello", "{name}");
+        assert!(
+            buf[5..].iter().all(|&b| b == 0),
+            "{name}: bytes beyond the end read as zero"
+        );
+        let mut head = [0xffu8; 8];
+        s.read_at(0, &mut head).unwrap();
+        assert_eq!(head, [0; 8], "{name}: the gap reads as zero");
+    }
+}
+
+#[test]
+fn vectored_io_matches_plain_io_and_counts_one_operation() {
+    for (name, s, _dir) in backends() {
+        let before = s.stats().snapshot();
+        s.write_vectored_at(100, &[b"abc", b"", b"defgh"]).unwrap();
+        let after = s.stats().snapshot();
+        assert_eq!(after.writes - before.writes, 1, "{name}");
+        assert_eq!(after.bytes_written - before.bytes_written, 8, "{name}");
+        let (mut a, mut b) = ([0u8; 3], [0u8; 10]);
+        s.read_vectored_at(100, &mut [&mut a, &mut b]).unwrap();
+        assert_eq!(&a, b"abc", "{name}");
+        assert_eq!(&b, b"defgh\0\0\0\0\0", "{name}");
+    }
+}
+
+#[test]
+fn punch_hole_zeroes_without_shrinking_and_allocate_grows() {
+    for (name, s, _dir) in backends() {
+        s.write_at(0, &[7u8; 65536]).unwrap();
+        s.punch_hole(4096, 8192).unwrap();
+        assert_eq!(s.len().unwrap(), 65536, "{name}");
+        let mut buf = vec![0xffu8; 65536];
+        s.read_at(0, &mut buf).unwrap();
+        assert!(buf[..4096].iter().all(|&b| b == 7), "{name}");
+        assert!(buf[4096..12288].iter().all(|&b| b == 0), "{name}");
+        assert!(buf[12288..].iter().all(|&b| b == 7), "{name}");
+        s.allocate(65536, 65536).unwrap();
+        assert_eq!(s.len().unwrap(), 131072, "{name}");
+        s.set_len(1000).unwrap();
+        assert_eq!(s.len().unwrap(), 1000, "{name}");
+        let st = s.stats().snapshot();
+        assert_eq!((st.punches, st.allocations), (1, 1), "{name}");
+    }
+}
+
+#[test]
+fn syncs_are_counted() {
+    for (name, s, _dir) in backends() {
+        s.write_at(0, b"x").unwrap();
+        s.sync().unwrap();
+        s.sync().unwrap();
+        assert_eq!(s.stats().snapshot().syncs, 2, "{name}");
+    }
+}
+
+#[test]
+fn file_extents_report_holes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sparse");
+    let s = FileStorage::open(
+        &path,
+        OpenOptions {
+            write: true,
+            create: true,
+            direct: false,
+        },
+    )
+    .unwrap();
+    s.set_len(1 << 20).unwrap();
+    s.write_at(512 << 10, &[1u8; 4096]).unwrap();
+    let (data, run) = s.extent_at(0, 1 << 20).unwrap();
+    assert!(!data);
+    assert_eq!(run, 512 << 10);
+    let (data, run) = s.extent_at(512 << 10, 1 << 20).unwrap();
+    assert!(data);
+    assert!((4096..(512 << 10)).contains(&run));
+}
