@@ -65,6 +65,35 @@ impl FileStorage {
     }
 }
 
+/// Runs a positioned vectored syscall until every iovec is transferred, retrying on EINTR and
+/// short transfers. Returns the index of the first untransferred iovec if the call transferred
+/// nothing (end of file for reads).
+fn transfer_all(
+    iov: &mut [libc::iovec],
+    offset: u64,
+    call: impl Fn(*const libc::iovec, libc::c_int, libc::off_t) -> isize,
+) -> io::Result<Option<usize>> {
+    let mut pos = offset;
+    let mut first = 0usize;
+    while first < iov.len() {
+        let cnt = (iov.len() - first).min(libc::UIO_MAXIOV as usize) as libc::c_int;
+        let n = call(iov[first..].as_ptr(), cnt, to_off(pos)?);
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        if n == 0 {
+            return Ok(Some(first));
+        }
+        pos += n as u64;
+        advance(iov, &mut first, n as usize);
+    }
+    Ok(None)
+}
+
 /// Moves past `n` transferred bytes of an iovec list: whole entries are skipped by raising
 /// `first`, a partly transferred entry is shortened in place.
 fn advance(iov: &mut [libc::iovec], first: &mut usize, mut n: usize) {
@@ -114,8 +143,7 @@ impl Storage for FileStorage {
     }
 
     fn read_vectored_at(&self, offset: u64, bufs: &mut [&mut [u8]]) -> io::Result<()> {
-        let total: usize = bufs.iter().map(|b| b.len()).sum();
-        self.stats.record_read(total);
+        self.stats.record_read(bufs.iter().map(|b| b.len()).sum());
         let mut iov: Vec<libc::iovec> = bufs
             .iter_mut()
             .map(|b| libc::iovec {
@@ -123,45 +151,23 @@ impl Storage for FileStorage {
                 iov_len: b.len(),
             })
             .collect();
-        let mut done = 0usize;
-        let mut first = 0usize;
-        while first < iov.len() {
-            let cnt = (iov.len() - first).min(libc::UIO_MAXIOV as usize) as libc::c_int;
-            // SAFETY: every iovec points into a live, exclusively borrowed buffer of `bufs` and
-            // its length is that buffer's remaining length.
-            let n = unsafe {
-                libc::preadv(
-                    self.file.as_raw_fd(),
-                    iov[first..].as_ptr(),
-                    cnt,
-                    to_off(offset + done as u64)?,
-                )
-            };
-            if n < 0 {
-                let err = io::Error::last_os_error();
-                if err.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(err);
+        let fd = self.file.as_raw_fd();
+        // SAFETY: every iovec points into a live, exclusively borrowed buffer of `bufs`.
+        let done = transfer_all(&mut iov, offset, |v, n, off| unsafe {
+            libc::preadv(fd, v, n, off)
+        })?;
+        if let Some(first) = done {
+            // End of file: the rest reads as zeroes.
+            for v in &iov[first..] {
+                // SAFETY: the iovec describes (the untransferred rest of) a buffer of `bufs`.
+                unsafe { std::ptr::write_bytes(v.iov_base.cast::<u8>(), 0, v.iov_len) };
             }
-            if n == 0 {
-                // End of file: the rest reads as zeroes.
-                for v in &iov[first..] {
-                    // SAFETY: the iovec describes a live buffer of `bufs` (see above).
-                    unsafe { std::ptr::write_bytes(v.iov_base.cast::<u8>(), 0, v.iov_len) };
-                }
-                return Ok(());
-            }
-            done += n as usize;
-            advance(&mut iov, &mut first, n as usize);
         }
-        debug_assert_eq!(done, total);
         Ok(())
     }
 
     fn write_vectored_at(&self, offset: u64, bufs: &[&[u8]]) -> io::Result<()> {
-        let total: usize = bufs.iter().map(|b| b.len()).sum();
-        self.stats.record_write(total);
+        self.stats.record_write(bufs.iter().map(|b| b.len()).sum());
         let mut iov: Vec<libc::iovec> = bufs
             .iter()
             .map(|b| libc::iovec {
@@ -169,36 +175,18 @@ impl Storage for FileStorage {
                 iov_len: b.len(),
             })
             .collect();
-        let mut done = 0usize;
-        let mut first = 0usize;
-        while first < iov.len() {
-            let cnt = (iov.len() - first).min(libc::UIO_MAXIOV as usize) as libc::c_int;
-            // SAFETY: every iovec points into a live buffer of `bufs`; pwritev only reads them.
-            let n = unsafe {
-                libc::pwritev(
-                    self.file.as_raw_fd(),
-                    iov[first..].as_ptr(),
-                    cnt,
-                    to_off(offset + done as u64)?,
-                )
-            };
-            if n < 0 {
-                let err = io::Error::last_os_error();
-                if err.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(err);
-            }
-            if n == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::WriteZero,
-                    "pwritev wrote nothing",
-                ));
-            }
-            done += n as usize;
-            advance(&mut iov, &mut first, n as usize);
+        let fd = self.file.as_raw_fd();
+        // SAFETY: every iovec points into a live buffer of `bufs`; pwritev only reads them.
+        let done = transfer_all(&mut iov, offset, |v, n, off| unsafe {
+            libc::pwritev(fd, v, n, off)
+        })?;
+        match done {
+            Some(_) => Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "pwritev wrote nothing",
+            )),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     fn sync(&self) -> io::Result<()> {

@@ -57,16 +57,19 @@ impl std::fmt::Debug for Qcow2 {
 /// Reads and validates the header of a qcow2 image.
 pub fn read_header(file: &dyn Storage) -> Result<Header> {
     let file_len = file.len().context(|| "reading the image size".into())?;
-    // The header and its extensions live in the first cluster, at most 2 MiB.
-    let mut first = vec![0u8; file_len.min(2 << 20) as usize];
+    let mut fixed = [0u8; 24];
+    file.read_at(0, &mut fixed)
+        .context(|| "reading the qcow2 header".into())?;
+    // The header and its extensions live in the first cluster (at most 2 MiB); read just that.
+    let cluster_bits = u32::from_be_bytes([fixed[20], fixed[21], fixed[22], fixed[23]]);
+    let want = if (9..=21).contains(&cluster_bits) {
+        1u64 << cluster_bits
+    } else {
+        512
+    };
+    let mut first = vec![0u8; want.min(file_len) as usize];
     file.read_at(0, &mut first)
         .context(|| "reading the qcow2 header".into())?;
-    let cluster_bits = first
-        .get(20..24)
-        .map(|b| u32::from_be_bytes(b.try_into().unwrap_or([0; 4])));
-    if let Some(bits @ 9..=21) = cluster_bits {
-        first.truncate(first.len().min(1 << bits));
-    }
     Header::parse(&first, file_len)
 }
 

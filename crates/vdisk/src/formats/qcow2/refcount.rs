@@ -3,15 +3,24 @@
 //! Widths below 8 bits are packed least significant bit first within each byte, as QEMU's
 //! `get_refcount_ro0..2` read them; widths of 8 bits and more are big-endian integers.
 
+/// For widths below 8 bits: the byte holding entry `i`, the entry's shift and its mask.
+fn packed(i: usize, order: u32) -> (usize, u32, u8) {
+    let bits = 1usize << order;
+    let per_byte = 8 / bits;
+    (
+        i / per_byte,
+        ((i % per_byte) * bits) as u32,
+        ((1u16 << bits) - 1) as u8,
+    )
+}
+
 /// Reads entry `index` of a refcount block.
 pub fn get(block: &[u8], index: u64, order: u32) -> u64 {
     let i = index as usize;
     match order {
         0..=2 => {
-            let bits = 1usize << order;
-            let per_byte = 8 / bits;
-            let shift = (i % per_byte) * bits;
-            u64::from((block[i / per_byte] >> shift) & ((1u16 << bits) - 1) as u8)
+            let (byte, shift, mask) = packed(i, order);
+            u64::from((block[byte] >> shift) & mask)
         }
         3 => u64::from(block[i]),
         4 => u64::from(u16::from_be_bytes([block[2 * i], block[2 * i + 1]])),
@@ -27,12 +36,9 @@ pub fn set(block: &mut [u8], index: u64, order: u32, value: u64) {
     let i = index as usize;
     match order {
         0..=2 => {
-            let bits = 1usize << order;
-            let per_byte = 8 / bits;
-            let shift = (i % per_byte) * bits;
-            let mask = (((1u16 << bits) - 1) as u8) << shift;
-            let b = &mut block[i / per_byte];
-            *b = (*b & !mask) | (((value as u8) << shift) & mask);
+            let (byte, shift, mask) = packed(i, order);
+            let b = &mut block[byte];
+            *b = (*b & !(mask << shift)) | (((value as u8) & mask) << shift);
         }
         3 => block[i] = value as u8,
         4 => block[2 * i..2 * i + 2].copy_from_slice(&(value as u16).to_be_bytes()),
