@@ -396,3 +396,166 @@ impl Header {
         Ok(())
     }
 }
+
+/// The feature name table QEMU writes into every image it creates: (type, bit, name).
+const FEATURE_NAMES: [(u8, u8, &str); 8] = [
+    (0, 0, "dirty bit"),
+    (0, 1, "corrupt bit"),
+    (0, 2, "external data file"),
+    (0, 3, "compression type"),
+    (0, 4, "extended L2 entries"),
+    (1, 0, "lazy refcounts"),
+    (2, 0, "bitmaps"),
+    (2, 1, "raw external data"),
+];
+
+fn put_extension(out: &mut Vec<u8>, kind: u32, data: &[u8]) {
+    out.extend_from_slice(&kind.to_be_bytes());
+    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    out.extend_from_slice(data);
+    out.resize(out.len().next_multiple_of(8), 0);
+}
+
+impl Header {
+    /// The header cluster's bytes: the fixed header, the extensions (backing format, data file,
+    /// feature names, then every unknown extension as it was read) and the backing file name.
+    /// Fails when they do not fit in one cluster.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let fixed_len = if self.version >= 3 { 112 } else { 72 };
+        let mut out = vec![0u8; fixed_len];
+        if let Some(fmt) = &self.backing_format {
+            put_extension(&mut out, EXT_BACKING_FORMAT, fmt.as_bytes());
+        }
+        if let Some(df) = &self.data_file {
+            put_extension(&mut out, EXT_DATA_FILE, df.as_bytes());
+        }
+        if self.version >= 3 {
+            let mut table = Vec::with_capacity(FEATURE_NAMES.len() * 48);
+            for (kind, bit, name) in FEATURE_NAMES {
+                let mut entry = [0u8; 48];
+                entry[0] = kind;
+                entry[1] = bit;
+                entry[2..2 + name.len()].copy_from_slice(name.as_bytes());
+                table.extend_from_slice(&entry);
+            }
+            put_extension(&mut out, EXT_FEATURE_TABLE, &table);
+        }
+        for ext in &self.unknown_extensions {
+            put_extension(&mut out, ext.kind, &ext.data);
+        }
+        put_extension(&mut out, EXT_END, &[]);
+        let (backing_offset, backing_len) = match &self.backing_file {
+            Some(name) if name.len() <= MAX_BACKING_NAME as usize => {
+                let at = out.len() as u64;
+                out.extend_from_slice(name.as_bytes());
+                (at, name.len() as u32)
+            }
+            Some(_) => return Err(Error::invalid("backing file name is too long")),
+            None => (0, 0),
+        };
+        if out.len() as u64 > self.cluster_size() {
+            return Err(Error::invalid(
+                "the qcow2 header does not fit in one cluster",
+            ));
+        }
+        let mut put32 = |at: usize, v: u32| out[at..at + 4].copy_from_slice(&v.to_be_bytes());
+        put32(0, MAGIC);
+        put32(4, self.version);
+        put32(16, backing_len);
+        put32(20, self.cluster_bits);
+        put32(32, 0);
+        put32(36, self.l1_size);
+        put32(56, self.refcount_table_clusters);
+        put32(60, self.nb_snapshots);
+        if self.version >= 3 {
+            put32(96, self.refcount_order);
+            put32(100, fixed_len as u32);
+        }
+        let mut put64 = |at: usize, v: u64| out[at..at + 8].copy_from_slice(&v.to_be_bytes());
+        put64(8, backing_offset);
+        put64(24, self.size);
+        put64(40, self.l1_table_offset);
+        put64(48, self.refcount_table_offset);
+        put64(64, self.snapshots_offset);
+        if self.version >= 3 {
+            put64(72, self.incompatible);
+            put64(80, self.compatible);
+            put64(88, self.autoclear);
+            out[104] = match self.compression {
+                Compression::Zlib => 0,
+                Compression::Zstd => 1,
+            };
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(version: u32) -> Header {
+        Header {
+            version,
+            backing_file: Some("base.raw".into()),
+            backing_format: Some("raw".into()),
+            cluster_bits: 16,
+            size: 10 << 20,
+            l1_size: 1,
+            l1_table_offset: 3 << 16,
+            refcount_table_offset: 1 << 16,
+            refcount_table_clusters: 1,
+            nb_snapshots: 0,
+            snapshots_offset: 0,
+            incompatible: if version >= 3 {
+                INCOMPAT_COMPRESSION
+            } else {
+                0
+            },
+            compatible: 0,
+            autoclear: 0,
+            refcount_order: 4,
+            header_length: if version >= 3 { 112 } else { 72 },
+            compression: if version >= 3 {
+                Compression::Zstd
+            } else {
+                Compression::Zlib
+            },
+            data_file: None,
+            feature_names: Vec::new(),
+            unknown_extensions: vec![UnknownExtension {
+                kind: 0x1234_5678,
+                data: vec![1, 2, 3],
+            }],
+        }
+    }
+
+    #[test]
+    fn headers_round_trip_with_unknown_extensions_kept() {
+        for version in [2, 3] {
+            let h = sample(version);
+            let mut bytes = h.to_bytes().unwrap();
+            bytes.resize(1 << 16, 0);
+            let back = Header::parse(&bytes, 4 << 16).unwrap();
+            assert_eq!(back.backing_file, h.backing_file);
+            assert_eq!(back.backing_format, h.backing_format);
+            assert_eq!(back.unknown_extensions, h.unknown_extensions);
+            assert_eq!(back.compression, h.compression);
+            assert_eq!(
+                (back.size, back.l1_size, back.l1_table_offset),
+                (h.size, 1, 3 << 16)
+            );
+            assert_eq!(back.feature_names.len(), if version >= 3 { 8 } else { 0 });
+        }
+    }
+
+    #[test]
+    fn unknown_incompatible_bits_are_named_in_the_error() {
+        let mut h = sample(3);
+        h.incompatible |= 1 << 9;
+        let mut bytes = h.to_bytes().unwrap();
+        bytes.resize(1 << 16, 0);
+        let err = Header::parse(&bytes, 4 << 16).unwrap_err().to_string();
+        assert!(err.contains("Unknown incompatible feature: 200"), "{err}");
+    }
+}
