@@ -12,12 +12,10 @@ use crate::{fail, read_options, Output};
 const NO_CHECK: u8 = 63;
 
 pub fn run(filename: &str, format: Option<&str>, output: Output, quiet: bool) -> ExitCode {
-    let mut opts = match read_options(format) {
+    let opts = match read_options(format) {
         Ok(o) => o,
         Err(e) => return fail(e, 1),
     };
-    // The check reads this image's own metadata only.
-    opts.no_backing = true;
     let image = match open_image(filename, &opts) {
         Ok(i) => i,
         Err(e) => return fail(e, 1),

@@ -8,7 +8,8 @@ use vdisk::{open_image, BlockDev, Image};
 use crate::text::Progress;
 use crate::{fail, read_options};
 
-const CHUNK: u64 = 1 << 20;
+/// qemu-img's IO_BUF_SIZE: the most one comparison step reads.
+const CHUNK: u64 = 2 << 20;
 const SECTOR: usize = 512;
 
 pub struct Args<'a> {
@@ -44,79 +45,105 @@ pub fn run(args: Args) -> ExitCode {
         say("Strict mode: Image size mismatch!".into());
         return ExitCode::from(1);
     }
-    match first_difference(&a, &b, args.strict, args.progress) {
-        Ok(None) => {
-            if a.size() != b.size() {
-                say("Warning: Image size mismatch!".into());
-            }
+    match compare(&a, &b, args.strict, args.progress, &say) {
+        Ok(Verdict::Identical) => {
             say("Images are identical.".into());
             ExitCode::SUCCESS
         }
-        Ok(Some(Difference::Content(at))) => {
+        Ok(Verdict::Content(at)) => {
             say(format!("Content mismatch at offset {at}!"));
             ExitCode::from(1)
         }
-        Ok(Some(Difference::Allocation(at))) => {
-            say(format!("Strict mode: Offset {at} allocation mismatch!"));
+        Ok(Verdict::Status(at)) => {
+            say(format!("Strict mode: Offset {at} block status mismatch!"));
             ExitCode::from(1)
         }
         Err(e) => fail(format!("Error while reading: {e}"), 3),
     }
 }
 
-enum Difference {
+enum Verdict {
+    Identical,
     Content(u64),
-    Allocation(u64),
+    Status(u64),
 }
 
-/// The first sector where the images differ; beyond the shorter image the longer must read
-/// as zeroes.
-fn first_difference(
+/// qemu-img's compare loop: both images are walked in chunks bounded by either one's block
+/// status; ranges both know to be zero are skipped, ranges stored in one image only must read as
+/// zero, and the rest is compared sector by sector. A mismatch is reported at the first
+/// differing sector counted from the chunk's start, as qemu-img counts it.
+fn compare(
     a: &Image,
     b: &Image,
     strict: bool,
     show: bool,
-) -> vdisk::Result<Option<Difference>> {
-    let size = a.size().max(b.size());
+    say: &dyn Fn(String),
+) -> vdisk::Result<Verdict> {
     let common = a.size().min(b.size());
+    let total = a.size().max(b.size());
+    let progress = show.then(|| Progress::new(total));
     let mut buf_a = vec![0u8; CHUNK as usize];
     let mut buf_b = vec![0u8; CHUNK as usize];
-    let progress = show.then(|| Progress::new(size));
     let mut pos = 0;
-    while pos < size {
-        let n = (size - pos)
-            .min(CHUNK)
-            .min(if pos < common { common - pos } else { u64::MAX });
-        if strict && pos < common {
-            let (sa, sb) = (a.block_status(pos, n)?, b.block_status(pos, n)?);
-            if sa.present != sb.present {
-                return Ok(Some(Difference::Allocation(pos)));
+    while pos < common {
+        let sa = a.block_status(pos, common - pos)?;
+        let sb = b.block_status(pos, common - pos)?;
+        let chunk = sa.len.min(sb.len).min(CHUNK);
+        let key = |s: &vdisk::BlockStatus| (s.present, s.data, s.zero, s.compressed);
+        if strict && key(&sa) != key(&sb) {
+            return Ok(Verdict::Status(pos));
+        }
+        let len = chunk as usize;
+        if sa.zero && sb.zero {
+            // Both read as zero: nothing to compare.
+        } else if sa.present == sb.present {
+            a.read(pos, &mut buf_a[..len])?;
+            b.read(pos, &mut buf_b[..len])?;
+            if let Some(i) = first_sector(len, |r| buf_a[r.clone()] != buf_b[r]) {
+                return Ok(Verdict::Content(pos + i));
+            }
+        } else {
+            let stored = if sa.present { a } else { b };
+            if let Some(i) = nonzero_sector(stored, pos, &mut buf_a[..len])? {
+                return Ok(Verdict::Content(pos + i));
             }
         }
-        let len = n as usize;
-        read_or_zero(a, pos, &mut buf_a[..len])?;
-        read_or_zero(b, pos, &mut buf_b[..len])?;
-        if let Some(i) = (0..len)
-            .step_by(SECTOR)
-            .find(|&i| buf_a[i..(i + SECTOR).min(len)] != buf_b[i..(i + SECTOR).min(len)])
-        {
-            return Ok(Some(Difference::Content(pos + i as u64)));
-        }
-        pos += n;
+        pos += chunk;
         if let Some(p) = &progress {
             p.show(pos);
+        }
+    }
+    if a.size() != b.size() {
+        say("Warning: Image size mismatch!".into());
+        let longer = if a.size() > b.size() { a } else { b };
+        while pos < total {
+            let s = longer.block_status(pos, total - pos)?;
+            let chunk = s.len.min(CHUNK);
+            if s.present {
+                if let Some(i) = nonzero_sector(longer, pos, &mut buf_a[..chunk as usize])? {
+                    return Ok(Verdict::Content(pos + i));
+                }
+            }
+            pos += chunk;
         }
     }
     if let Some(p) = progress {
         p.finish();
     }
-    Ok(None)
+    Ok(Verdict::Identical)
 }
 
-fn read_or_zero(image: &Image, pos: u64, buf: &mut [u8]) -> vdisk::Result<()> {
-    if pos >= image.size() {
-        buf.fill(0);
-        return Ok(());
-    }
-    image.read(pos, buf)
+/// The offset of the first sector of `len` bytes for which `differs` holds.
+fn first_sector(len: usize, differs: impl Fn(std::ops::Range<usize>) -> bool) -> Option<u64> {
+    (0..len)
+        .step_by(SECTOR)
+        .find(|&i| differs(i..(i + SECTOR).min(len)))
+        .map(|i| i as u64)
+}
+
+/// Reads `buf.len()` bytes at `pos` and returns the offset of the first sector that is not
+/// all zero.
+fn nonzero_sector(image: &Image, pos: u64, buf: &mut [u8]) -> vdisk::Result<Option<u64>> {
+    image.read(pos, buf)?;
+    Ok(first_sector(buf.len(), |r| buf[r].iter().any(|&x| x != 0)))
 }

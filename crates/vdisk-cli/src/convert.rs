@@ -11,7 +11,7 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use vdisk::{open_image, BlockDev, Error, Image, ImageOptions};
+use vdisk::{open_image, BlockDev, Error, Image};
 
 use crate::text::Progress;
 use crate::{fail, read_options};
@@ -28,6 +28,8 @@ pub struct Args<'a> {
     pub output_format: &'a str,
     pub snapshot: Option<&'a str>,
     pub progress: bool,
+    /// Make the target durable before returning.
+    pub sync: bool,
 }
 
 /// Parses `-l`: "ID_OR_NAME", "snapshot.id=ID" or "snapshot.name=NAME" (comma separated).
@@ -45,17 +47,15 @@ fn snapshot_param(param: &str) -> String {
 }
 
 pub fn run(args: Args) -> ExitCode {
-    let opts = match read_options(args.format) {
-        Ok(o) => ImageOptions {
-            snapshot: args.snapshot.map(snapshot_param),
-            ..o
-        },
-        Err(e) => return fail(e, 1),
-    };
-    let source = match open_image(args.source, &opts) {
+    let mut source = match read_options(args.format).and_then(|o| open_image(args.source, &o)) {
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };
+    if let Some(param) = args.snapshot {
+        if let Err(e) = source.load_snapshot(&snapshot_param(param)) {
+            return fail(e, 1);
+        }
+    }
     if args.output_format != "raw" {
         return fail(
             format!(
@@ -75,8 +75,10 @@ pub fn run(args: Args) -> ExitCode {
     if let Err(e) = copy(&source, &target, args.progress) {
         return fail(format!("error while converting: {e}"), 1);
     }
-    if let Err(e) = target.sync_data() {
-        return fail(format!("error while syncing '{}': {e}", args.target), 1);
+    if args.sync {
+        if let Err(e) = target.sync_data() {
+            return fail(format!("error while syncing '{}': {e}", args.target), 1);
+        }
     }
     ExitCode::SUCCESS
 }

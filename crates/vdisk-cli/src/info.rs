@@ -1,31 +1,20 @@
 //! `vdisk info`: what `qemu-img info` reports, in its human and JSON forms.
 
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use vdisk::formats::qcow2::Qcow2;
-use vdisk::{open_image, BlockDev, Image};
+use vdisk::{open_image, BlockDev, Image, ImageOptions};
 
 use crate::qjson::{self, Dict, Value};
 use crate::text::{local_date, size_to_str};
 use crate::{fail, read_options, Output};
 
 pub fn run(filename: &str, format: Option<&str>, output: Output, chain: bool) -> ExitCode {
-    let mut opts = match read_options(format) {
-        Ok(o) => o,
+    let images = match open_chain(filename, format, chain) {
+        Ok(images) => images,
         Err(e) => return fail(e, 1),
     };
-    // Like qemu-img, info does not need the backing file unless it walks the chain.
-    opts.no_backing = !chain;
-    let image = match open_image(filename, &opts) {
-        Ok(i) => Arc::new(i),
-        Err(e) => return fail(e, 1),
-    };
-    let mut images = vec![image];
-    while let Some(b) = images.last().and_then(|i| i.backing().cloned()) {
-        images.push(b);
-    }
-    let infos: Vec<Info> = images.iter().map(|i| Info::of(i)).collect();
+    let infos: Vec<Info> = images.iter().map(Info::of).collect();
     match output {
         Output::Json if chain => {
             let list = Value::Array(infos.iter().map(Info::json).collect());
@@ -38,6 +27,40 @@ pub fn run(filename: &str, format: Option<&str>, output: Output, chain: bool) ->
         }
     }
     ExitCode::SUCCESS
+}
+
+/// Opens the image and, with `chain`, each image below it, one at a time and without its own
+/// backing file, as qemu-img does: a broken link fails on the image that is missing.
+fn open_chain(filename: &str, format: Option<&str>, chain: bool) -> vdisk::Result<Vec<Image>> {
+    let mut images: Vec<Image> = Vec::new();
+    let mut seen = Vec::new();
+    let mut next = Some((filename.to_string(), format.map(str::to_string)));
+    while let Some((name, fmt)) = next.take() {
+        let canonical = std::fs::canonicalize(&name).ok();
+        if canonical.is_some() && seen.contains(&canonical) {
+            return Err(vdisk::Error::corrupt(format!(
+                "Backing file '{name}' creates an infinite loop."
+            )));
+        }
+        seen.push(canonical);
+        let opts = ImageOptions {
+            no_backing: true,
+            ..read_options(fmt.as_deref())?
+        };
+        let image = open_image(&name, &opts)?;
+        if chain {
+            next = image.qcow2().and_then(|q| {
+                let h = q.header();
+                let backing = h.backing_file.as_ref()?;
+                Some((
+                    vdisk::backing_path(&name, backing),
+                    h.backing_format.clone(),
+                ))
+            });
+        }
+        images.push(image);
+    }
+    Ok(images)
 }
 
 /// What qemu-img's ImageInfo holds for one image of a chain.

@@ -31,6 +31,16 @@ pub enum Output {
     Json,
 }
 
+/// qemu-img's cache modes.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CacheMode {
+    None,
+    Writeback,
+    Writethrough,
+    Directsync,
+    Unsafe,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Show information about an image (like `qemu-img info`).
@@ -85,6 +95,10 @@ enum Command {
         /// Show progress.
         #[arg(short = 'p')]
         progress: bool,
+        /// Cache mode of the target: like qemu-img convert, `unsafe` (the default) never syncs;
+        /// every other mode makes the target durable before exiting.
+        #[arg(short = 't', value_enum, default_value = "unsafe")]
+        cache: CacheMode,
         #[arg(short = 'U', long = "force-share")]
         force_share: bool,
         source: String,
@@ -160,6 +174,7 @@ fn main() -> ExitCode {
             output_format,
             snapshot,
             progress,
+            cache,
             source,
             target,
             ..
@@ -170,6 +185,7 @@ fn main() -> ExitCode {
             output_format: &output_format,
             snapshot: snapshot.as_deref(),
             progress,
+            sync: cache != CacheMode::Unsafe,
         }),
         Command::Compare {
             format1,

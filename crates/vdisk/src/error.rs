@@ -10,7 +10,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[non_exhaustive]
 pub enum Error {
     /// The host storage failed.
-    #[error("{context}: {source}")]
+    #[error("{context}: {}", strerror(source))]
     Io {
         context: String,
         #[source]
@@ -30,7 +30,31 @@ pub enum Error {
     ReadOnly(String),
 }
 
+/// An I/O error as C's `strerror` spells it ("No such file or directory"), which is what QEMU's
+/// messages carry, without Rust's " (os error N)" suffix.
+fn strerror(e: &io::Error) -> String {
+    let text = e.to_string();
+    match text.rfind(" (os error ") {
+        Some(at) if e.raw_os_error().is_some() => text[..at].to_string(),
+        _ => text,
+    }
+}
+
 impl Error {
+    /// The same error with `prefix` put before its message, to say which step it failed in.
+    pub fn prefixed(self, prefix: &str) -> Self {
+        match self {
+            Error::Io { context, source } => Error::Io {
+                context: format!("{prefix}{context}"),
+                source,
+            },
+            Error::Corrupt(m) => Error::Corrupt(format!("{prefix}{m}")),
+            Error::Unsupported(m) => Error::Unsupported(format!("{prefix}{m}")),
+            Error::InvalidArgument(m) => Error::InvalidArgument(format!("{prefix}{m}")),
+            Error::ReadOnly(m) => Error::ReadOnly(format!("{prefix}{m}")),
+        }
+    }
+
     pub fn corrupt(msg: impl Into<String>) -> Self {
         Error::Corrupt(msg.into())
     }

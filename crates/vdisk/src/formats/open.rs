@@ -45,8 +45,6 @@ pub struct ImageOptions {
     pub direct: bool,
     /// Do not open the backing file (as `qemu-img info` does): unallocated areas read as zero.
     pub no_backing: bool,
-    /// Read this internal snapshot (id or name) instead of the active image.
-    pub snapshot: Option<String>,
 }
 
 /// The format driver of an open image.
@@ -94,6 +92,16 @@ impl Image {
         self.qcow2()
             .and_then(|q| q.header().data_file.as_deref())
             .unwrap_or(&self.filename)
+    }
+
+    /// Reads internal snapshot `name` (id or name) instead of the active image.
+    pub fn load_snapshot(&mut self, name: &str) -> Result<()> {
+        match &mut self.driver {
+            Driver::Qcow2(q) => q.load_snapshot(name),
+            Driver::Raw(_) => Err(Error::unsupported(
+                "Failed to load snapshot: Operation not supported",
+            )),
+        }
     }
 
     fn dev(&self) -> &dyn BlockDev {
@@ -154,10 +162,11 @@ pub fn backing_path(image: &str, name: &str) -> String {
     }
 }
 
-/// Opens the image at `path` and, unless told not to, its whole backing chain.
+/// Opens the image at `path` and, unless told not to, its whole backing chain. Errors read as
+/// QEMU's do: "Could not open 'top.qcow2': Could not open backing file: ...".
 pub fn open_image(path: &str, opts: &ImageOptions) -> Result<Image> {
     let mut seen = Vec::new();
-    open_chain(path, opts, &mut seen)
+    open_chain(path, opts, &mut seen).map_err(|e| e.prefixed(&format!("Could not open '{path}': ")))
 }
 
 /// Opens an image held in `storage` by itself: no backing file and no external data file are
@@ -180,7 +189,7 @@ pub fn open_storage(
                     "an external data file needs a path to open",
                 ));
             }
-            Driver::Qcow2(Box::new(Qcow2::open(storage, header, None, None, None)?))
+            Driver::Qcow2(Box::new(Qcow2::open(storage, header, None, None)?))
         }
     };
     Ok(Image {
@@ -208,11 +217,10 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
     // not name. Like QEMU we follow plain paths only, read-only, and refuse loops.
     let canonical = path
         .canonicalize()
-        .context(|| format!("Could not open '{}'", path.display()))?;
+        .context(|| format!("Could not open '{filename}'"))?;
     if seen.contains(&canonical) {
         return Err(Error::corrupt(format!(
-            "Backing file chain of '{}' has a loop",
-            path.display()
+            "Backing file chain has a loop at '{filename}'"
         )));
     }
     if seen.len() >= MAX_CHAIN_DEPTH {
@@ -227,7 +235,7 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
     let driver = match format {
         Format::Raw => Driver::Raw(Raw::open(file, !opts.write)?),
         Format::Qcow2 => {
-            let header = qcow2::read_header(&*file).map_err(|e| with_path(e, path))?;
+            let header = qcow2::read_header(&*file)?;
             // QEMU opens the external data file by its name as stored, relative to the current
             // directory rather than the image's.
             let data = match &header.data_file {
@@ -247,15 +255,15 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
                         write: false,
                         direct: opts.direct,
                         no_backing: false,
-                        snapshot: None,
                     };
                     let bpath = backing_path(filename, name);
-                    Some(Arc::new(open_chain(&bpath, &backing_opts, seen)?))
+                    let backing = open_chain(&bpath, &backing_opts, seen)
+                        .map_err(|e| e.prefixed("Could not open backing file: "))?;
+                    Some(Arc::new(backing))
                 }
                 _ => None,
             };
-            let q = Qcow2::open(file, header, data, backing, opts.snapshot.as_deref())
-                .map_err(|e| with_path(e, path))?;
+            let q = Qcow2::open(file, header, data, backing)?;
             Driver::Qcow2(Box::new(q))
         }
     };
@@ -263,12 +271,4 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
         filename: filename.to_string(),
         driver,
     })
-}
-
-fn with_path(e: Error, path: &Path) -> Error {
-    match e {
-        Error::Corrupt(m) => Error::Corrupt(format!("'{}': {m}", path.display())),
-        Error::Unsupported(m) => Error::Unsupported(format!("'{}': {m}", path.display())),
-        other => other,
-    }
 }

@@ -85,13 +85,15 @@ impl<'a> RefcountReader<'a> {
             if !self.reported_unaligned {
                 self.reported_unaligned = true;
                 messages.push(format!(
-                    "qcow2: Image is corrupt: Refblock offset {block_offset:#x} unaligned \
-                     (reftable index: {index:#x}); further non-fatal corruption events will be \
-                     suppressed"
+                    "qcow2: Image is corrupt: Refblock offset {} unaligned \
+                     (reftable index: {}); further non-fatal corruption events will be \
+                     suppressed",
+                    hx(block_offset),
+                    hx(index)
                 ));
             }
             return Err(Error::Io {
-                context: format!("refcount block at {block_offset:#x} is unaligned"),
+                context: format!("refcount block at {} is unaligned", hx(block_offset)),
                 source: std::io::Error::from_raw_os_error(libc::EIO),
             });
         }
@@ -99,7 +101,7 @@ impl<'a> RefcountReader<'a> {
             let mut bytes = vec![0u8; 1 << self.cluster_bits];
             self.file
                 .read_at(block_offset, &mut bytes)
-                .context(|| format!("reading the refcount block at {block_offset:#x}"))?;
+                .context(|| format!("reading the refcount block at {}", hx(block_offset)))?;
             self.block = Some((block_offset, bytes));
         }
         let (_, bytes) = self.block.as_ref().expect("block just loaded");
@@ -204,7 +206,9 @@ impl<'a> Checker<'a> {
         if end >= u128::from(self.file_size) + u128::from(self.cs) {
             self.corruption(format!(
                 "ERROR: counting reference for region exceeding the end of the file by one \
-                 cluster or more: offset {offset:#x} size {size:#x}"
+                 cluster or more: offset {} size {}",
+                hx(offset),
+                hx(size)
             ));
             return;
         }
@@ -217,7 +221,7 @@ impl<'a> Checker<'a> {
             let r = &mut self.refs[k as usize];
             if u64::from(*r) == self.refcount_max {
                 let at = k << self.cb;
-                self.corruption(format!("ERROR: overflow cluster offset={at:#x}"));
+                self.corruption(format!("ERROR: overflow cluster offset={}", hx(at)));
                 self.say(
                     "Use qemu-img amend to increase the refcount entry width or qemu-img convert \
                      to create a clean copy if the image cannot be opened for writing"
@@ -244,17 +248,21 @@ impl<'a> Checker<'a> {
         for s in &snapshots {
             if s.l1_table_offset % self.cs != 0 {
                 self.corruption(format!(
-                    "ERROR snapshot {} ({}) l1_offset={:#x}: L1 table is not cluster aligned; \
+                    "ERROR snapshot {} ({}) l1_offset={}: L1 table is not cluster aligned; \
                      snapshot table entry corrupted",
-                    s.id, s.name, s.l1_table_offset
+                    s.id,
+                    s.name,
+                    hx(s.l1_table_offset)
                 ));
                 continue;
             }
             if u64::from(s.l1_size) * 8 > super::header::MAX_L1_BYTES {
                 self.corruption(format!(
-                    "ERROR snapshot {} ({}) l1_size={:#x}: L1 table is too large; snapshot \
+                    "ERROR snapshot {} ({}) l1_size={}: L1 table is too large; snapshot \
                      table entry corrupted",
-                    s.id, s.name, s.l1_size
+                    s.id,
+                    s.name,
+                    hx(u64::from(s.l1_size))
                 ));
                 continue;
             }
@@ -291,7 +299,7 @@ impl<'a> Checker<'a> {
         self.q
             .file()
             .read_at(offset, &mut bytes)
-            .context(|| format!("reading the L2 table at {offset:#x}"))?;
+            .context(|| format!("reading the L2 table at {}", hx(offset)))?;
         Ok(L2Table::parse(&bytes, self.q.header().extended_l2()))
     }
 
@@ -337,20 +345,25 @@ impl<'a> Checker<'a> {
                     let (coffset, csize) = fmt.compressed_extent(e);
                     if w & OFLAG_COPIED != 0 {
                         self.corruption(format!(
-                            "ERROR: coffset={coffset:#x}: copied flag must never be set for \
-                             compressed clusters"
+                            "ERROR: coffset={}: copied flag must never be set for \
+                             compressed clusters",
+                            hx(coffset)
                         ));
                     }
                     if external {
                         self.corruption(format!(
-                            "ERROR compressed cluster {i} with data file, entry={w:#x}"
+                            "ERROR compressed cluster {} with data file, entry={}",
+                            i,
+                            hx(w)
                         ));
                         continue;
                     }
                     if fmt.extended && e.bitmap != 0 {
                         self.corruption(format!(
-                            "ERROR compressed cluster {i} with non-zero subcluster allocation \
-                             bitmap, entry={w:#x}"
+                            "ERROR compressed cluster {} with non-zero subcluster allocation \
+                             bitmap, entry={}",
+                            i,
+                            hx(w)
                         ));
                         continue;
                     }
@@ -574,6 +587,15 @@ impl<'a> Checker<'a> {
             }
         }
         Ok(())
+    }
+}
+
+/// C's `%#x`: "0x1f", but "0" for zero.
+fn hx(v: u64) -> String {
+    if v == 0 {
+        "0".into()
+    } else {
+        format!("{v:#x}")
     }
 }
 

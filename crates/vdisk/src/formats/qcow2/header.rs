@@ -142,28 +142,28 @@ impl Header {
     /// first cluster where the file is that long); `file_len` bounds every table.
     pub fn parse(cluster0: &[u8], file_len: u64) -> Result<Header> {
         if cluster0.len() < 72 {
-            return Err(Error::corrupt("image is too short to hold a qcow2 header"));
+            return Err(Error::corrupt("qcow2 header too short"));
         }
         if be32(cluster0, 0) != MAGIC {
-            return Err(Error::corrupt("image is not in qcow2 format (bad magic)"));
+            return Err(Error::corrupt("Image is not in qcow2 format"));
         }
         let version = be32(cluster0, 4);
         if version != 2 && version != 3 {
             return Err(Error::unsupported(format!(
-                "unsupported qcow2 version {version}"
+                "Unsupported qcow2 version {version}"
             )));
         }
         let cluster_bits = be32(cluster0, 20);
         if !(9..=21).contains(&cluster_bits) {
             return Err(Error::corrupt(format!(
-                "unsupported cluster size: 2^{cluster_bits} (must be 512 B to 2 MiB)"
+                "Unsupported cluster size: 2^{cluster_bits}"
             )));
         }
         let cluster_size = 1u64 << cluster_bits;
         let crypt_method = be32(cluster0, 32);
         if crypt_method != 0 {
             return Err(Error::unsupported(
-                "encrypted qcow2 images are not supported",
+                "Encrypted qcow2 images are not supported",
             ));
         }
         let mut h = Header {
@@ -229,10 +229,9 @@ impl Header {
         h.parse_extensions(cluster0, ext_end as usize)?;
         h.check_features()?;
         if h.refcount_order > 6 {
-            return Err(Error::corrupt(format!(
-                "refcount width 2^{} bits is invalid (at most 64)",
-                h.refcount_order
-            )));
+            return Err(Error::corrupt(
+                "Reference count entry width too large; may not exceed 64 bits",
+            ));
         }
         if h.compression == Compression::Zstd && h.incompatible & INCOMPAT_COMPRESSION == 0 {
             return Err(Error::corrupt(
@@ -347,32 +346,26 @@ impl Header {
         let cs = self.cluster_size();
         let table = |what: &str, offset: u64, bytes: u64, max: u64| -> Result<()> {
             if bytes > max {
-                return Err(Error::corrupt(format!(
-                    "{what} is too large ({bytes} bytes)"
-                )));
+                return Err(Error::corrupt(format!("{what} too large")));
             }
-            if bytes == 0 {
-                return Ok(());
-            }
-            if offset % cs != 0 {
-                return Err(Error::corrupt(format!(
-                    "{what} offset {offset:#x} is not aligned"
-                )));
-            }
-            if offset
-                .checked_add(bytes)
-                .is_none_or(|end| end > l2::OFFSET_MASK)
-            {
-                return Err(Error::corrupt(format!(
-                    "{what} offset {offset:#x} is invalid"
-                )));
+            let misplaced = offset % cs != 0
+                || offset
+                    .checked_add(bytes)
+                    .is_none_or(|end| end > l2::OFFSET_MASK);
+            if bytes != 0 && misplaced {
+                return Err(Error::corrupt(format!("{what} offset invalid")));
             }
             Ok(())
         };
         let l1_bytes = u64::from(self.l1_size) * 8;
-        table("L1 table", self.l1_table_offset, l1_bytes, MAX_L1_BYTES)?;
+        table(
+            "Active L1 table",
+            self.l1_table_offset,
+            l1_bytes,
+            MAX_L1_BYTES,
+        )?;
         if u64::from(self.l1_size) < self.l1_entries_needed() {
-            return Err(Error::corrupt("L1 table is too small for the virtual size"));
+            return Err(Error::corrupt("L1 table is too small"));
         }
         if self.refcount_table_clusters == 0 {
             return Err(Error::corrupt("image has no refcount table"));

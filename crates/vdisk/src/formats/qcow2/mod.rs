@@ -92,6 +92,16 @@ pub(crate) fn read_table(
         .collect())
 }
 
+fn read_l1(file: &dyn Storage, header: &Header, offset: u64, entries: u32) -> Result<Vec<u64>> {
+    let bytes = u64::from(entries) * 8;
+    if bytes > header::MAX_L1_BYTES || offset % header.cluster_size() != 0 {
+        return Err(Error::corrupt(format!(
+            "L1 table at {offset:#x} is invalid"
+        )));
+    }
+    read_table(file, offset, u64::from(entries), "L1 table")
+}
+
 fn read_snapshots(file: &dyn Storage, h: &Header) -> Result<(Vec<Snapshot>, u64)> {
     if h.nb_snapshots == 0 {
         return Ok((Vec::new(), 0));
@@ -117,39 +127,17 @@ fn read_snapshots(file: &dyn Storage, h: &Header) -> Result<(Vec<Snapshot>, u64)
 
 impl Qcow2 {
     /// Opens a qcow2 image whose header has been read. `data` is the external data file, if the
-    /// image has one; `snapshot` selects an internal snapshot (by id or name) to read instead of
-    /// the active image.
+    /// image has one.
     pub fn open(
         file: Arc<dyn Storage>,
         header: Header,
         data: Option<Arc<dyn Storage>>,
         backing: Option<Arc<Image>>,
-        snapshot: Option<&str>,
     ) -> Result<Qcow2> {
         let (snapshots, snapshot_table_bytes) = read_snapshots(&*file, &header)?;
-        let (l1_offset, l1_size, size) = match snapshot {
-            // Like QEMU, the disk is whole sectors: a size that is not is truncated.
-            None => (header.l1_table_offset, header.l1_size, header.size & !511),
-            Some(want) => {
-                let s = snapshots
-                    .iter()
-                    .find(|s| s.id == want)
-                    .or_else(|| snapshots.iter().find(|s| s.name == want))
-                    .ok_or_else(|| Error::invalid(format!("snapshot '{want}' not found")))?;
-                (
-                    s.l1_table_offset,
-                    s.l1_size,
-                    s.disk_size.unwrap_or(header.size) & !511,
-                )
-            }
-        };
-        let l1_bytes = u64::from(l1_size) * 8;
-        if l1_bytes > header::MAX_L1_BYTES || l1_offset % header.cluster_size() != 0 {
-            return Err(Error::corrupt(format!(
-                "L1 table at {l1_offset:#x} is invalid"
-            )));
-        }
-        let l1 = read_table(&*file, l1_offset, u64::from(l1_size), "L1 table")?;
+        let l1 = read_l1(&*file, &header, header.l1_table_offset, header.l1_size)?;
+        // Like QEMU, the disk is whole sectors: a size that is not is truncated.
+        let size = header.size & !511;
         let format = EntryFormat {
             cluster_bits: header.cluster_bits,
             extended: header.extended_l2(),
@@ -170,6 +158,22 @@ impl Qcow2 {
             data_holes: OnceLock::new(),
             header,
         })
+    }
+
+    /// Reads internal snapshot `want` (an id, else a name) instead of the active image. Like
+    /// QEMU's temporary snapshot load, only the L1 table becomes the snapshot's: the virtual size
+    /// stays the image's.
+    pub fn load_snapshot(&mut self, want: &str) -> Result<()> {
+        let s = (self.snapshots.iter().find(|s| s.id == want))
+            .or_else(|| self.snapshots.iter().find(|s| s.name == want))
+            .ok_or_else(|| Error::invalid("Failed to load snapshot: Can't find snapshot"))?;
+        self.l1 = read_l1(&*self.file, &self.header, s.l1_table_offset, s.l1_size)?;
+        self.l2_cache = L2Cache::new(self.l2_cache.capacity);
+        *self
+            .last_compressed
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner()) = None;
+        Ok(())
     }
 
     pub fn header(&self) -> &Header {
