@@ -4,6 +4,7 @@
 mod check;
 mod compare;
 mod convert;
+mod create;
 mod info;
 mod map;
 mod qjson;
@@ -43,6 +44,27 @@ pub enum CacheMode {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Create a new image (like `qemu-img create`).
+    Create {
+        #[arg(short = 'f', default_value = "raw")]
+        format: String,
+        /// Format options, comma separated (repeatable): cluster_size, compat, lazy_refcounts,
+        /// extended_l2, refcount_bits, preallocation, compression_type, data_file,
+        /// data_file_raw, backing_file, backing_fmt, size.
+        #[arg(short = 'o')]
+        options: Vec<String>,
+        #[arg(short = 'b')]
+        backing: Option<String>,
+        #[arg(short = 'F')]
+        backing_format: Option<String>,
+        /// Do not open the backing file.
+        #[arg(short = 'u')]
+        unsafe_backing: bool,
+        #[arg(short = 'q')]
+        quiet: bool,
+        filename: String,
+        size: Option<String>,
+    },
     /// Show information about an image (like `qemu-img info`).
     Info {
         #[arg(short = 'f')]
@@ -141,6 +163,25 @@ pub fn read_options(format: Option<&str>) -> vdisk::Result<ImageOptions> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Create {
+            format,
+            options,
+            backing,
+            backing_format,
+            unsafe_backing,
+            quiet,
+            filename,
+            size,
+        } => create::run(create::Args {
+            format: &format,
+            options: &options,
+            backing: backing.as_deref(),
+            backing_format: backing_format.as_deref(),
+            unsafe_backing,
+            quiet,
+            filename: &filename,
+            size: size.as_deref(),
+        }),
         Command::Info {
             format,
             output,

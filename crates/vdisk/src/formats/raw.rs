@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use super::qcow2::create::{preallocate, Preallocation};
 use super::{status_mapped, Holes, Image, Layer, Mapping};
 use crate::blockdev::{check_range, BlockDev, BlockStatus};
 use crate::error::{Error, IoContext, Result};
@@ -11,6 +12,17 @@ pub struct Raw {
     storage: Arc<dyn Storage>,
     size: u64,
     read_only: bool,
+}
+
+/// Writes a new raw image of `size` bytes into the empty `storage`. Like QEMU, the first 4 KiB
+/// are written (with zeroes) whatever the preallocation, so the file is never wholly a hole.
+pub fn create(storage: &dyn Storage, size: u64, prealloc: Preallocation) -> Result<()> {
+    let what = || "creating the raw image".to_string();
+    storage.set_len(0).context(what)?;
+    preallocate(storage, 0, size, prealloc)?;
+    let first = size.min(4096) as usize;
+    storage.write_at(0, &vec![0u8; first]).context(what)?;
+    Ok(())
 }
 
 impl Raw {

@@ -6,6 +6,7 @@
 
 pub mod check;
 mod compress;
+pub mod create;
 pub mod header;
 pub mod l2;
 pub mod refcount;

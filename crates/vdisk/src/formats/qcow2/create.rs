@@ -1,0 +1,358 @@
+//! Creating qcow2 images, with QEMU's defaults, option checks and layout.
+//!
+//! Layout, as `qemu-img create` lays it out: the header in cluster 0, the refcount table from
+//! cluster 1, the refcount blocks after it, then the L1 table; with preallocation the first L2
+//! table, then all data clusters in one contiguous run, then the other L2 tables. Every cluster written is counted in the refcount
+//! blocks written here, so a new image passes `qemu-img check` without leaks.
+
+use super::header::{
+    Compression, Header, AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS, INCOMPAT_COMPRESSION,
+    INCOMPAT_DATA_FILE, INCOMPAT_EXTL2, MAX_L1_BYTES,
+};
+use super::l2::OFLAG_COPIED;
+use super::refcount;
+use crate::error::{Error, IoContext, Result};
+use crate::storage::Storage;
+
+/// How much of a new image is allocated up front (qemu-img's `preallocation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Preallocation {
+    #[default]
+    Off,
+    /// L2 tables and data clusters are allocated; the file stays sparse.
+    Metadata,
+    /// As metadata, and the file's space is reserved with fallocate.
+    Falloc,
+    /// As metadata, and the data clusters are written with zeroes.
+    Full,
+}
+
+impl Preallocation {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "off" => Ok(Preallocation::Off),
+            "metadata" => Ok(Preallocation::Metadata),
+            "falloc" => Ok(Preallocation::Falloc),
+            "full" => Ok(Preallocation::Full),
+            other => Err(Error::invalid(format!("Invalid parameter '{other}'"))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Preallocation::Off => "off",
+            Preallocation::Metadata => "metadata",
+            Preallocation::Falloc => "falloc",
+            Preallocation::Full => "full",
+        }
+    }
+}
+
+/// The options of `qemu-img create -f qcow2`, with its defaults.
+#[derive(Debug, Clone)]
+pub struct CreateOptions {
+    pub size: u64,
+    pub cluster_size: u64,
+    /// 2 for compat=0.10, 3 for compat=1.1.
+    pub version: u32,
+    pub lazy_refcounts: bool,
+    pub extended_l2: bool,
+    pub refcount_bits: u64,
+    pub preallocation: Preallocation,
+    pub compression: Compression,
+    pub data_file: Option<String>,
+    pub data_file_raw: bool,
+    pub backing_file: Option<String>,
+    pub backing_format: Option<String>,
+}
+
+impl Default for CreateOptions {
+    fn default() -> Self {
+        CreateOptions {
+            size: 0,
+            cluster_size: 65536,
+            version: 3,
+            lazy_refcounts: false,
+            extended_l2: false,
+            refcount_bits: 16,
+            preallocation: Preallocation::Off,
+            compression: Compression::Zlib,
+            data_file: None,
+            data_file_raw: false,
+            backing_file: None,
+            backing_format: None,
+        }
+    }
+}
+
+impl CreateOptions {
+    /// Refuses combinations QEMU refuses, with QEMU's messages.
+    pub fn validate(&self) -> Result<()> {
+        let cs = self.cluster_size;
+        if !cs.is_power_of_two() || !(512..=2 << 20).contains(&cs) {
+            return Err(Error::invalid(
+                "Cluster size must be a power of two between 512 and 2048k",
+            ));
+        }
+        if !self.refcount_bits.is_power_of_two() || self.refcount_bits > 64 {
+            return Err(Error::invalid(
+                "Refcount width must be a power of two and may not exceed 64 bits",
+            ));
+        }
+        if self.version == 2 {
+            let v3_only = [
+                (self.lazy_refcounts, "Lazy refcounts"),
+                (
+                    self.refcount_bits != 16,
+                    "Different refcount widths than 16 bits",
+                ),
+                (self.extended_l2, "Extended L2 entries"),
+                (self.data_file.is_some(), "External data files"),
+                (
+                    self.compression != Compression::Zlib,
+                    "Compression types other than zlib",
+                ),
+            ];
+            if let Some((_, what)) = v3_only.iter().find(|(on, _)| *on) {
+                return Err(Error::invalid(format!(
+                    "{what} are only supported with compatibility level 1.1 and above (use \
+                     compat=1.1 or greater)"
+                )));
+            }
+        }
+        if self.extended_l2 && cs < 16384 {
+            return Err(Error::invalid(
+                "Extended L2 entries are only supported with cluster sizes of at least 16384 bytes",
+            ));
+        }
+        if self.data_file_raw && self.data_file.is_none() {
+            return Err(Error::invalid("data-file-raw requires data-file"));
+        }
+        if self.data_file_raw && self.backing_file.is_some() {
+            return Err(Error::invalid(
+                "Backing file and data-file-raw cannot be used at the same time",
+            ));
+        }
+        if self.backing_file.is_some() && self.backing_format.is_none() {
+            return Err(Error::invalid(
+                "Backing file specified without backing format",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Where everything of a new image goes, in clusters.
+struct Layout {
+    refcount_table: u64,
+    refcount_table_clusters: u64,
+    refcount_blocks: u64,
+    l1: u64,
+    l1_entries: u64,
+    /// First cluster of the preallocated L2 tables and data, and their count.
+    prealloc: u64,
+    l2_tables: u64,
+    data_clusters: u64,
+    /// Clusters that get a refcount of 1.
+    total: u64,
+}
+
+fn layout(o: &CreateOptions, per_block: u64) -> Result<Layout> {
+    let cs = o.cluster_size;
+    let l2_entries = cs / if o.extended_l2 { 16 } else { 8 };
+    let l1_entries = o.size.div_ceil(cs * l2_entries);
+    if l1_entries * 8 > MAX_L1_BYTES {
+        return Err(Error::invalid(
+            "Image size is too large for this cluster size",
+        ));
+    }
+    let l1_clusters = (l1_entries * 8).div_ceil(cs);
+    let raw_data = o.data_file_raw;
+    let prealloc = o.preallocation != Preallocation::Off || raw_data;
+    let l2_tables = if prealloc { l1_entries } else { 0 };
+    // Data in an external file needs no refcounts in the image.
+    let data_clusters = if prealloc && o.data_file.is_none() {
+        o.size.div_ceil(cs)
+    } else {
+        0
+    };
+    let fixed = 1 + l1_clusters + l2_tables + data_clusters;
+    // The refcount structures count themselves: grow them until they cover everything.
+    let (mut table, mut blocks) = (1, 1);
+    loop {
+        let total = fixed + table + blocks;
+        let need_blocks = total.div_ceil(per_block);
+        let need_table = (need_blocks * 8).div_ceil(cs);
+        if need_blocks <= blocks && need_table <= table {
+            break;
+        }
+        blocks = blocks.max(need_blocks);
+        table = table.max(need_table);
+    }
+    let l1 = 1 + table + blocks;
+    Ok(Layout {
+        refcount_table: 1,
+        refcount_table_clusters: table,
+        refcount_blocks: blocks,
+        l1,
+        l1_entries,
+        prealloc: l1 + l1_clusters,
+        l2_tables,
+        data_clusters,
+        total: fixed + table + blocks,
+    })
+}
+
+/// The header a new image starts with.
+fn new_header(o: &CreateOptions, l: &Layout) -> Header {
+    let cs = o.cluster_size;
+    let mut incompatible = 0;
+    if o.extended_l2 {
+        incompatible |= INCOMPAT_EXTL2;
+    }
+    if o.data_file.is_some() {
+        incompatible |= INCOMPAT_DATA_FILE;
+    }
+    if o.compression != Compression::Zlib {
+        incompatible |= INCOMPAT_COMPRESSION;
+    }
+    Header {
+        version: o.version,
+        backing_file: o.backing_file.clone(),
+        backing_format: o.backing_format.clone(),
+        cluster_bits: cs.trailing_zeros(),
+        size: o.size,
+        l1_size: l.l1_entries as u32,
+        l1_table_offset: l.l1 * cs,
+        refcount_table_offset: l.refcount_table * cs,
+        refcount_table_clusters: l.refcount_table_clusters as u32,
+        nb_snapshots: 0,
+        snapshots_offset: 0,
+        incompatible,
+        compatible: if o.lazy_refcounts {
+            COMPAT_LAZY_REFCOUNTS
+        } else {
+            0
+        },
+        autoclear: if o.data_file_raw {
+            AUTOCLEAR_DATA_FILE_RAW
+        } else {
+            0
+        },
+        refcount_order: o.refcount_bits.trailing_zeros(),
+        header_length: if o.version >= 3 { 112 } else { 72 },
+        compression: o.compression,
+        data_file: o.data_file.clone(),
+        feature_names: Vec::new(),
+        unknown_extensions: Vec::new(),
+    }
+}
+
+/// Writes a new qcow2 image into the empty `file`. `data` is the external data file, when the
+/// options name one.
+pub fn create(file: &dyn Storage, data: Option<&dyn Storage>, o: &CreateOptions) -> Result<()> {
+    o.validate()?;
+    let cs = o.cluster_size;
+    let order = o.refcount_bits.trailing_zeros();
+    let per_block = refcount::entries_per_block(cs.trailing_zeros(), order);
+    let l = layout(o, per_block)?;
+    let io = |what: &'static str| move || format!("writing the new image's {what}");
+
+    // The header is written as a whole cluster, as QEMU writes it: the file's allocation then
+    // matches QEMU's, which its metadata-preallocation heuristic (and so `map`) depends on.
+    let mut header = new_header(o, &l).to_bytes()?;
+    header.resize(cs as usize, 0);
+    file.write_at(0, &header).context(io("header"))?;
+
+    let mut table = vec![0u8; (l.refcount_table_clusters * cs) as usize];
+    for b in 0..l.refcount_blocks {
+        let at = (l.refcount_table + l.refcount_table_clusters + b) * cs;
+        table[(b * 8) as usize..(b * 8 + 8) as usize].copy_from_slice(&at.to_be_bytes());
+    }
+    file.write_at(l.refcount_table * cs, &table)
+        .context(io("refcount table"))?;
+    let mut blocks = vec![0u8; (l.refcount_blocks * cs) as usize];
+    for cluster in 0..l.total {
+        refcount::set(&mut blocks, cluster, order, 1);
+    }
+    let blocks_at = (l.refcount_table + l.refcount_table_clusters) * cs;
+    file.write_at(blocks_at, &blocks)
+        .context(io("refcount blocks"))?;
+
+    let first_data = l.prealloc + 1;
+    if l.data_clusters > 0 {
+        let end = (first_data + l.data_clusters) * cs;
+        preallocate(file, first_data * cs, end, o.preallocation)?;
+    }
+    let l2_cluster = |t: u64| {
+        if t == 0 {
+            l.prealloc
+        } else {
+            first_data + l.data_clusters + t - 1
+        }
+    };
+    let mut l1 = vec![0u8; (l.l1_entries * 8) as usize];
+    let entry_bytes = if o.extended_l2 { 16 } else { 8 };
+    let entries_per_l2 = cs / entry_bytes;
+    for t in 0..l.l2_tables {
+        l1[(t * 8) as usize..(t * 8 + 8) as usize]
+            .copy_from_slice(&((l2_cluster(t) * cs) | OFLAG_COPIED).to_be_bytes());
+        let mut l2 = vec![0u8; cs as usize];
+        for i in 0..entries_per_l2 {
+            let guest = (t * entries_per_l2 + i) * cs;
+            if guest >= o.size {
+                break;
+            }
+            // Data in an external file sits at its guest offset.
+            let host = match o.data_file {
+                Some(_) => guest,
+                None => (first_data + t * entries_per_l2 + i) * cs,
+            };
+            // With extended L2 entries QEMU preallocates the host cluster but leaves every
+            // subcluster unallocated (bitmap 0): reads still go to the backing file.
+            let at = (i * entry_bytes) as usize;
+            l2[at..at + 8].copy_from_slice(&(host | OFLAG_COPIED).to_be_bytes());
+        }
+        file.write_at(l2_cluster(t) * cs, &l2)
+            .context(io("L2 tables"))?;
+    }
+    file.write_at(l.l1 * cs, &l1).context(io("L1 table"))?;
+    if let Some(data) = data {
+        data.set_len(0).context(io("data file"))?;
+        preallocate(data, 0, o.size, o.preallocation)?;
+        data.set_len(o.size).context(io("data file"))?;
+    }
+    Ok(())
+}
+
+/// Reserves or fills `[start, end)` of `storage` as the preallocation mode asks and makes the
+/// storage at least `end` bytes long.
+pub(crate) fn preallocate(
+    storage: &dyn Storage,
+    start: u64,
+    end: u64,
+    mode: Preallocation,
+) -> Result<()> {
+    let what = || "preallocating the new image".to_string();
+    match mode {
+        Preallocation::Off | Preallocation::Metadata => {
+            if storage.len().context(what)? < end {
+                storage.set_len(end).context(what)?;
+            }
+        }
+        Preallocation::Falloc if end > start => {
+            storage.allocate(start, end - start).context(what)?
+        }
+        Preallocation::Falloc => {}
+        Preallocation::Full => {
+            let zeros = vec![0u8; 1 << 20];
+            let mut at = start;
+            while at < end {
+                let n = (end - at).min(zeros.len() as u64);
+                storage.write_at(at, &zeros[..n as usize]).context(what)?;
+                at += n;
+            }
+        }
+    }
+    Ok(())
+}
