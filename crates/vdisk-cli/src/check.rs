@@ -23,18 +23,10 @@ pub fn run(filename: &str, format: Option<&str>, output: Output, quiet: bool) ->
     let Some(q) = image.qcow2() else {
         return fail("This image format does not support checks", NO_CHECK);
     };
-    let report = match check(q) {
+    let report = match check(q, &mut |m| eprintln!("{m}")) {
         Ok(r) => r,
-        Err(failed) => {
-            for m in &failed.report.messages {
-                eprintln!("{m}");
-            }
-            return fail(format!("Check failed: {}", failed.error), 1);
-        }
+        Err(failed) => return fail(format!("Check failed: {}", failed.error), 1),
     };
-    for m in &report.messages {
-        eprintln!("{m}");
-    }
     if !quiet {
         match output {
             Output::Human => print!("{}", human(&report)),

@@ -58,7 +58,7 @@ pub fn run(args: Args) -> ExitCode {
             say(format!("Strict mode: Offset {at} block status mismatch!"));
             ExitCode::from(1)
         }
-        Err(e) => fail(format!("Error while reading: {e}"), 3),
+        Err(Failure { error, status }) => fail(error, status),
     }
 }
 
@@ -78,7 +78,7 @@ fn compare(
     strict: bool,
     show: bool,
     say: &dyn Fn(String),
-) -> vdisk::Result<Verdict> {
+) -> Result<Verdict, Failure> {
     let common = a.size().min(b.size());
     let total = a.size().max(b.size());
     let progress = show.then(|| Progress::new(total));
@@ -86,8 +86,8 @@ fn compare(
     let mut buf_b = vec![0u8; CHUNK as usize];
     let mut pos = 0;
     while pos < common {
-        let sa = a.block_status(pos, common - pos)?;
-        let sb = b.block_status(pos, common - pos)?;
+        let sa = status(a, pos, common - pos)?;
+        let sb = status(b, pos, common - pos)?;
         let chunk = sa.len.min(sb.len).min(CHUNK);
         let key = |s: &vdisk::BlockStatus| (s.present, s.data, s.zero, s.compressed);
         if strict && key(&sa) != key(&sb) {
@@ -97,8 +97,8 @@ fn compare(
         if sa.zero && sb.zero {
             // Both read as zero: nothing to compare.
         } else if sa.present == sb.present {
-            a.read(pos, &mut buf_a[..len])?;
-            b.read(pos, &mut buf_b[..len])?;
+            read(a, pos, &mut buf_a[..len])?;
+            read(b, pos, &mut buf_b[..len])?;
             if let Some(i) = first_sector(len, |r| buf_a[r.clone()] != buf_b[r]) {
                 return Ok(Verdict::Content(pos + i));
             }
@@ -117,7 +117,7 @@ fn compare(
         say("Warning: Image size mismatch!".into());
         let longer = if a.size() > b.size() { a } else { b };
         while pos < total {
-            let s = longer.block_status(pos, total - pos)?;
+            let s = status(longer, pos, total - pos)?;
             let chunk = s.len.min(CHUNK);
             if s.present {
                 if let Some(i) = nonzero_sector(longer, pos, &mut buf_a[..chunk as usize])? {
@@ -143,7 +143,31 @@ fn first_sector(len: usize, differs: impl Fn(std::ops::Range<usize>) -> bool) ->
 
 /// Reads `buf.len()` bytes at `pos` and returns the offset of the first sector that is not
 /// all zero.
-fn nonzero_sector(image: &Image, pos: u64, buf: &mut [u8]) -> vdisk::Result<Option<u64>> {
-    image.read(pos, buf)?;
+fn nonzero_sector(image: &Image, pos: u64, buf: &mut [u8]) -> Result<Option<u64>, Failure> {
+    read(image, pos, buf)?;
     Ok(first_sector(buf.len(), |r| buf[r].iter().any(|&x| x != 0)))
+}
+
+/// Why a comparison could not finish, with qemu-img's exit status for it: 3 when block status
+/// fails, 4 when reading does.
+struct Failure {
+    error: vdisk::Error,
+    status: u8,
+}
+
+/// Reads from one image, naming it and the offset on failure as qemu-img does.
+fn read(image: &Image, pos: u64, buf: &mut [u8]) -> Result<(), Failure> {
+    let name = &image.filename;
+    image.read(pos, buf).map_err(|e| Failure {
+        error: e.prefixed(&format!("Error while reading offset {pos} of {name}: ")),
+        status: 4,
+    })
+}
+
+fn status(image: &Image, pos: u64, len: u64) -> Result<vdisk::BlockStatus, Failure> {
+    let name = &image.filename;
+    image.block_status(pos, len).map_err(|e| Failure {
+        error: e.prefixed(&format!("Sector allocation test failed for {name}: ")),
+        status: 3,
+    })
 }

@@ -1,5 +1,6 @@
 //! Opening images by path: format probing, external data files and backing chains.
 
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -199,6 +200,16 @@ pub fn open_storage(
 }
 
 fn open_file(path: &Path, write: bool, direct: bool) -> Result<Arc<dyn Storage>> {
+    let name = path.display();
+    // Only regular files and block devices hold images; a directory would fail obscurely later,
+    // and opening a FIFO would block until something writes to it.
+    let meta = std::fs::metadata(path).context(|| format!("Could not open '{name}'"))?;
+    let kind = meta.file_type();
+    if !(kind.is_file() || kind.is_block_device()) {
+        return Err(Error::invalid(format!(
+            "'file' driver requires '{name}' to be a regular file"
+        )));
+    }
     let storage = FileStorage::open(
         path,
         OpenOptions {
@@ -207,7 +218,7 @@ fn open_file(path: &Path, write: bool, direct: bool) -> Result<Arc<dyn Storage>>
             direct,
         },
     )
-    .context(|| format!("Could not open '{}'", path.display()))?;
+    .context(|| format!("Could not open '{name}'"))?;
     Ok(Arc::new(storage))
 }
 

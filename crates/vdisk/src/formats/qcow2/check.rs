@@ -17,6 +17,10 @@ const L2E_STD_RESERVED: u64 = 0x3f00_0000_0000_01fe;
 const REFT_OFFSET_MASK: u64 = !0x1ff;
 const BITMAP_EXTENSION: u32 = 0x2385_2875;
 const BME_RESERVED: u64 = 0xff00_0000_0000_01fe;
+/// QEMU's limits on persistent bitmaps (block/qcow2-bitmap.c).
+const MAX_BITMAPS: u32 = 65535;
+const BME_MAX_TABLE_SIZE: u64 = 0x800_0000;
+const BME_MAX_PHYS_SIZE: u64 = 0x2000_0000;
 
 /// What a check found. Field names follow QEMU's `ImageCheck`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -31,9 +35,11 @@ pub struct CheckReport {
     pub allocated_clusters: u64,
     pub fragmented_clusters: u64,
     pub compressed_clusters: u64,
-    /// One line per problem, in the order found (QEMU prints them to stderr).
-    pub messages: Vec<String>,
 }
+
+/// Receives one line per problem, in the order found (QEMU prints them to stderr as it goes).
+/// Streaming them keeps a check's memory independent of how many problems an image has.
+pub type Messages<'a> = &'a mut dyn FnMut(String);
 
 /// Why a check could not complete; the report so far is kept.
 #[derive(Debug)]
@@ -73,8 +79,8 @@ impl<'a> RefcountReader<'a> {
     }
 
     /// The stored refcount of host cluster `cluster` (0 where no refcount block covers it).
-    /// A misaligned refcount block is an I/O error, reported once in `messages`.
-    pub fn get(&mut self, cluster: u64, messages: &mut Vec<String>) -> Result<u64> {
+    /// A misaligned refcount block is an I/O error, reported once through `say`.
+    pub fn get(&mut self, cluster: u64, say: Messages) -> Result<u64> {
         let per_block = refcount::entries_per_block(self.cluster_bits, self.order);
         let index = cluster / per_block;
         let block_offset = self.table.get(index as usize).copied().unwrap_or(0) & REFT_OFFSET_MASK;
@@ -84,7 +90,7 @@ impl<'a> RefcountReader<'a> {
         if block_offset & ((1 << self.cluster_bits) - 1) != 0 {
             if !self.reported_unaligned {
                 self.reported_unaligned = true;
-                messages.push(format!(
+                say(format!(
                     "qcow2: Image is corrupt: Refblock offset {} unaligned \
                      (reftable index: {}); further non-fatal corruption events will be \
                      suppressed",
@@ -122,19 +128,18 @@ pub fn detect_metadata_preallocation(q: &Qcow2) -> Result<bool> {
     let threshold = (real_clusters * 10 / 9).max(real_clusters + 2);
     let end = file_len.div_ceil(cs);
     let mut reader = RefcountReader::new(q)?;
-    let mut ignored = Vec::new();
     let mut count = 0;
     let mut i = 0;
     while i < end && count < threshold {
-        count += u64::from(reader.get(i, &mut ignored)? != 0);
+        count += u64::from(reader.get(i, &mut |_| {})? != 0);
         i += 1;
     }
     Ok(count >= threshold)
 }
 
-/// Checks the image's metadata and refcounts (read-only).
-pub fn check(q: &Qcow2) -> std::result::Result<CheckReport, Box<CheckFailed>> {
-    let mut c = match Checker::new(q) {
+/// Checks the image's metadata and refcounts (read-only), telling `say` each problem found.
+pub fn check(q: &Qcow2, say: Messages) -> std::result::Result<CheckReport, Box<CheckFailed>> {
+    let mut c = match Checker::new(q, say) {
         Ok(c) => c,
         Err(error) => {
             return Err(Box::new(CheckFailed {
@@ -155,30 +160,30 @@ pub fn check(q: &Qcow2) -> std::result::Result<CheckReport, Box<CheckFailed>> {
     }
 }
 
-struct Checker<'a> {
+struct Checker<'a, 's> {
     q: &'a Qcow2,
+    sink: Messages<'s>,
     file_size: u64,
     cs: u64,
     cb: u32,
-    nb_clusters: u64,
     /// References counted so far, per host cluster.
     refs: Vec<u32>,
     refcount_max: u64,
     report: CheckReport,
 }
 
-impl<'a> Checker<'a> {
-    fn new(q: &'a Qcow2) -> Result<Self> {
+impl<'a, 's> Checker<'a, 's> {
+    fn new(q: &'a Qcow2, sink: Messages<'s>) -> Result<Self> {
         let h = q.header();
         let file_size = q.file().len().context(|| "reading the image size".into())?;
         let cs = h.cluster_size();
         let nb_clusters = file_size.div_ceil(cs);
         Ok(Checker {
             q,
+            sink,
             file_size,
             cs,
             cb: h.cluster_bits,
-            nb_clusters,
             refs: vec![0; nb_clusters as usize],
             refcount_max: refcount::max_value(h.refcount_order).min(u64::from(u32::MAX)),
             report: CheckReport {
@@ -189,7 +194,7 @@ impl<'a> Checker<'a> {
     }
 
     fn say(&mut self, msg: String) {
-        self.report.messages.push(msg);
+        (self.sink)(msg);
     }
 
     fn corruption(&mut self, msg: String) {
@@ -294,13 +299,18 @@ impl<'a> Checker<'a> {
         }
     }
 
-    fn read_l2(&mut self, offset: u64) -> Result<L2Table> {
+    /// The L2 table at `offset`; `None` when it lies wholly beyond the end of the file (it
+    /// would read as zeroes: no entries to count).
+    fn read_l2(&mut self, offset: u64) -> Result<Option<L2Table>> {
+        if offset >= self.file_size {
+            return Ok(None);
+        }
         let mut bytes = vec![0u8; self.cs as usize];
         self.q
             .file()
             .read_at(offset, &mut bytes)
             .context(|| format!("reading the L2 table at {}", hx(offset)))?;
-        Ok(L2Table::parse(&bytes, self.q.header().extended_l2()))
+        Ok(Some(L2Table::parse(&bytes, self.q.header().extended_l2())))
     }
 
     fn check_l1(&mut self, offset: u64, l1_size: u32, frag: bool) -> Result<()> {
@@ -328,7 +338,9 @@ impl<'a> Checker<'a> {
     }
 
     fn check_l2(&mut self, offset: u64, frag: bool) -> Result<()> {
-        let table = self.read_l2(offset)?;
+        let Some(table) = self.read_l2(offset)? else {
+            return Ok(());
+        };
         let fmt = self.q.entry_format();
         let external = self.q.has_external_data();
         let mut next_contig = 0u64;
@@ -444,7 +456,10 @@ impl<'a> Checker<'a> {
         }
         self.inc_refs(dir_offset, dir_size);
         let file_len = self.file_size;
-        if dir_size > 64 << 20 || dir_offset.saturating_add(dir_size) > file_len {
+        if nb > MAX_BITMAPS
+            || dir_size > 1024 * u64::from(MAX_BITMAPS)
+            || dir_offset.saturating_add(dir_size) > file_len
+        {
             self.report.corruptions += 1;
             return Err(Error::corrupt("bitmap directory is invalid"));
         }
@@ -453,24 +468,22 @@ impl<'a> Checker<'a> {
             .file()
             .read_at(dir_offset, &mut dir)
             .context(|| "reading bitmaps".into())?;
+        // Like QEMU's bitmap_list_load, every directory entry is validated before any table
+        // is read, so a hostile directory costs nothing more than reading it.
+        let mut tables = Vec::new();
         let mut at = 0usize;
         for _ in 0..nb {
-            let Some(fixed) = dir.get(at..at + 24) else {
+            let entry = dir.get(at..at + 24).and_then(|e| self.bitmap_entry(e));
+            let Some((table_offset, table_size, next)) = entry else {
                 self.report.corruptions += 1;
-                return Err(Error::corrupt("bitmap directory is truncated"));
+                return Err(Error::corrupt("bitmap directory entry is invalid"));
             };
-            let table_offset = u64::from_be_bytes(fixed[0..8].try_into().expect("8 bytes"));
-            let table_size = u32::from_be_bytes(fixed[8..12].try_into().expect("4 bytes"));
-            let name_size = u16::from_be_bytes(fixed[18..20].try_into().expect("2 bytes"));
-            let extra = u32::from_be_bytes(fixed[20..24].try_into().expect("4 bytes"));
-            at = (at + 24 + extra as usize + name_size as usize).next_multiple_of(8);
-            self.inc_refs(table_offset, u64::from(table_size) * 8);
-            let entries = read_table(
-                &**self.q.file(),
-                table_offset,
-                u64::from(table_size),
-                "bitmap table",
-            )?;
+            tables.push((table_offset, table_size));
+            at = (at + next).next_multiple_of(8);
+        }
+        for (table_offset, table_size) in tables {
+            self.inc_refs(table_offset, table_size * 8);
+            let entries = read_table(&**self.q.file(), table_offset, table_size, "bitmap table")?;
             for e in entries {
                 let off = e & l2::OFFSET_MASK;
                 let invalid =
@@ -483,6 +496,32 @@ impl<'a> Checker<'a> {
             }
         }
         Ok(())
+    }
+
+    /// QEMU's `check_dir_entry`: the table's offset and size, and the entry's length, of a
+    /// valid bitmap directory entry.
+    fn bitmap_entry(&self, e: &[u8]) -> Option<(u64, u64, usize)> {
+        let table_offset = u64::from_be_bytes(e[0..8].try_into().ok()?);
+        let table_size = u64::from(u32::from_be_bytes(e[8..12].try_into().ok()?));
+        let flags = u32::from_be_bytes(e[12..16].try_into().ok()?);
+        let (kind, granularity_bits) = (e[16], u32::from(e[17]));
+        let name_size = usize::from(u16::from_be_bytes(e[18..20].try_into().ok()?));
+        let extra = u32::from_be_bytes(e[20..24].try_into().ok()?) as usize;
+        let phys = table_size * self.cs;
+        let valid = table_size != 0
+            && table_offset != 0
+            && table_offset % self.cs == 0
+            && table_size <= BME_MAX_TABLE_SIZE
+            && (9..=31).contains(&granularity_bits)
+            && flags & !3 == 0
+            && name_size <= 1023
+            && kind == 1
+            && phys <= BME_MAX_PHYS_SIZE
+            // A bitmap not in use must cover the whole disk.
+            && (flags & 1 != 0
+                || u128::from(self.q.header().size)
+                    <= (u128::from(phys) * 8) << granularity_bits);
+        valid.then_some((table_offset, table_size, 24 + extra + name_size))
     }
 
     fn check_refblocks(&mut self, table: Vec<u64>) {
@@ -501,7 +540,7 @@ impl<'a> Checker<'a> {
                 ));
                 continue;
             }
-            if off >> self.cb >= self.nb_clusters {
+            if off >> self.cb >= self.refs.len() as u64 {
                 self.corruption(format!("ERROR refcount block {i} is outside image"));
                 continue;
             }
@@ -517,8 +556,10 @@ impl<'a> Checker<'a> {
 
     fn compare_refcounts(&mut self, reader: &mut RefcountReader) {
         let mut highest = 0u64;
-        for i in 0..self.nb_clusters {
-            let stored = match reader.get(i, &mut self.report.messages) {
+        // QEMU compares every cluster it counted, including references that reach (less than a
+        // cluster) past the end of the file.
+        for i in 0..self.refs.len() as u64 {
+            let stored = match reader.get(i, &mut *self.sink) {
                 Ok(r) => r,
                 Err(e) => {
                     let reason = io_reason(&e);
@@ -554,8 +595,7 @@ impl<'a> Checker<'a> {
             if l2_offset == 0 {
                 continue;
             }
-            let mut ignored = Vec::new();
-            if let Ok(r) = reader.get(l2_offset >> self.cb, &mut ignored) {
+            if let Ok(r) = reader.get(l2_offset >> self.cb, &mut |_| {}) {
                 if (r == 1) != (l1e & OFLAG_COPIED != 0) {
                     self.corruption(format!(
                         "ERROR OFLAG_COPIED L2 cluster: l1_index={l1_index} l1_entry={l1e:x} \
@@ -563,7 +603,9 @@ impl<'a> Checker<'a> {
                     ));
                 }
             }
-            let table = self.read_l2(l2_offset)?;
+            let Some(table) = self.read_l2(l2_offset)? else {
+                continue;
+            };
             for i in 0..table.len() {
                 let e = table.get(i);
                 if cluster_type(&fmt, e) != ClusterType::Allocated {
@@ -573,7 +615,7 @@ impl<'a> Checker<'a> {
                 let r = if external {
                     1
                 } else {
-                    match reader.get(host >> self.cb, &mut ignored) {
+                    match reader.get(host >> self.cb, &mut |_| {}) {
                         Ok(r) => r,
                         Err(_) => continue,
                     }

@@ -34,21 +34,23 @@ fn inflate(input: &[u8], out: &mut [u8]) -> bool {
     }
 }
 
+/// Decodes zstd frames one after another straight into `out` until it is full, as QEMU's
+/// streaming loop does. Single-pass decoding uses `out` itself as the history window, so a frame
+/// that declares a huge window (up to 2 GiB) costs no memory beyond the cluster.
 fn unzstd(input: &[u8], out: &mut [u8]) -> bool {
-    use zstd::stream::raw::{Decoder, InBuffer, Operation, OutBuffer};
-    let Ok(mut d) = Decoder::new() else {
-        return false;
-    };
-    let mut inb = InBuffer::around(input);
-    let mut outb = OutBuffer::around(out);
-    while outb.pos() < outb.capacity() {
-        let (in_before, out_before) = (inb.pos(), outb.pos());
-        if d.run(&mut inb, &mut outb).is_err() {
+    use zstd::zstd_safe::{find_frame_compressed_size, DCtx};
+    let mut dctx = DCtx::create();
+    let (mut inp, mut outp) = (0usize, 0usize);
+    while outp < out.len() {
+        let Ok(frame) = find_frame_compressed_size(&input[inp..]) else {
             return false;
+        };
+        match dctx.decompress(&mut out[outp..], &input[inp..inp + frame]) {
+            Ok(0) if frame == 0 => return false,
+            Ok(n) => outp += n,
+            Err(_) => return false,
         }
-        if inb.pos() == in_before && outb.pos() == out_before {
-            return false;
-        }
+        inp += frame;
     }
     true
 }
