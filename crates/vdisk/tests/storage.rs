@@ -2,24 +2,31 @@
 
 use std::sync::Arc;
 
-use vdisk::storage::{FileStorage, MemStorage, OpenOptions, Storage};
+use vdisk::storage::{CrashStorage, FaultStorage, FileStorage, MemStorage, OpenOptions, Storage};
 
-fn backends() -> Vec<(&'static str, Arc<dyn Storage>, tempfile::TempDir)> {
+/// A new empty file in a temporary directory (kept alive by the returned guard).
+fn new_file() -> (FileStorage, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("file");
-    let file = FileStorage::open(
-        &path,
-        OpenOptions {
-            write: true,
-            create: true,
-            direct: false,
-        },
+    let opts = OpenOptions {
+        write: true,
+        create: true,
+        direct: false,
+    };
+    (
+        FileStorage::open(&dir.path().join("file"), opts).unwrap(),
+        dir,
     )
-    .unwrap();
-    let dir2 = tempfile::tempdir().unwrap();
+}
+
+fn backends() -> Vec<(&'static str, Arc<dyn Storage>, Option<tempfile::TempDir>)> {
+    let (file, dir) = new_file();
+    // With no fault armed, a FaultStorage must behave exactly like what it wraps.
+    let fault = FaultStorage::new(Arc::new(MemStorage::new()));
     vec![
-        ("file", Arc::new(file), dir),
-        ("memory", Arc::new(MemStorage::new()), dir2),
+        ("file", Arc::new(file), Some(dir)),
+        ("memory", Arc::new(MemStorage::new()), None),
+        ("crash", Arc::new(CrashStorage::new()), None),
+        ("fault", Arc::new(fault), None),
     ]
 }
 
@@ -88,17 +95,7 @@ fn syncs_are_counted() {
 
 #[test]
 fn file_extents_report_holes() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("sparse");
-    let s = FileStorage::open(
-        &path,
-        OpenOptions {
-            write: true,
-            create: true,
-            direct: false,
-        },
-    )
-    .unwrap();
+    let (s, _dir) = new_file();
     s.set_len(1 << 20).unwrap();
     s.write_at(512 << 10, &[1u8; 4096]).unwrap();
     let (data, run) = s.extent_at(0, 1 << 20).unwrap();

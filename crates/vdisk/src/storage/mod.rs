@@ -8,13 +8,21 @@
 //!   formats (qcow2, raw, ...)
 //!        │  read_at / write_at / sync / allocate / punch_hole
 //!   Storage ── FileStorage (host file, optional O_DIRECT)
-//!           └─ MemStorage  (in memory, for tests)
+//!           ├─ MemStorage  (in memory, for tests)
+//!           ├─ CrashStorage (in memory; records syncs and produces every post-crash disk)
+//!           └─ FaultStorage (wraps any Storage; fails chosen calls with EIO, ENOSPC, short writes)
 //! ```
 
+mod crash;
+mod fault;
 mod file;
 mod memory;
 mod stats;
 
+pub use crash::{
+    CrashImage, CrashImages, CrashOptions, CrashStorage, Epoch, Epochs, Op, Persisted, SECTOR,
+};
+pub use fault::{Fault, FaultStorage, OpKind, When};
 pub use file::{FileStorage, OpenOptions};
 pub use memory::MemStorage;
 pub use stats::{IoStats, IoStatsSnapshot};
