@@ -2,6 +2,7 @@
 
 use std::process::ExitCode;
 
+use vdisk::formats::qcow2::snapshot::Snapshot;
 use vdisk::formats::qcow2::Qcow2;
 use vdisk::{open_image, BlockDev, Image, ImageOptions};
 
@@ -74,7 +75,7 @@ struct Info {
     cluster_size: Option<u64>,
     dirty: bool,
     backing: Option<(String, String, Option<String>)>,
-    snapshots: Vec<vdisk::formats::qcow2::snapshot::Snapshot>,
+    snapshots: Vec<Snapshot>,
     specific: Option<Vec<(String, Value)>>,
 }
 
@@ -207,33 +208,7 @@ impl Info {
                 s += &format!("backing file format: {fmt}\n");
             }
         }
-        if !self.snapshots.is_empty() {
-            s += "Snapshot list:\n";
-            s += &format!(
-                "{:<7} {:<16} {:>8} {:>19} {:>15} {:>10}\n",
-                "ID", "TAG", "VM_SIZE", "DATE", "VM_CLOCK", "ICOUNT"
-            );
-            for sn in &self.snapshots {
-                let secs = sn.vm_clock_nsec / 1_000_000_000;
-                let clock = format!(
-                    "{:04}:{:02}:{:02}.{:03}",
-                    secs / 3600,
-                    (secs / 60) % 60,
-                    secs % 60,
-                    (sn.vm_clock_nsec / 1_000_000) % 1000
-                );
-                let icount = sn.icount.map(|i| i.to_string()).unwrap_or_default();
-                s += &format!(
-                    "{:<7} {:<16} {:>8} {:>19} {:>15} {:>10}\n",
-                    sn.id,
-                    sn.name,
-                    size_to_str(sn.vm_state_size),
-                    local_date(sn.date_sec),
-                    clock,
-                    icount
-                );
-            }
-        }
+        s += &snapshot_list(&self.snapshots);
         if let Some(spec) = &self.specific {
             s += "Format specific information:\n";
             for (key, value) in qjson::qdict_order(spec) {
@@ -251,7 +226,41 @@ impl Info {
     }
 }
 
-fn snapshot_json(sn: &vdisk::formats::qcow2::snapshot::Snapshot) -> Value {
+/// The "Snapshot list:" table of `qemu-img info` and `qemu-img snapshot -l` (empty without
+/// snapshots).
+pub fn snapshot_list(snapshots: &[Snapshot]) -> String {
+    if snapshots.is_empty() {
+        return String::new();
+    }
+    let mut s = String::from("Snapshot list:\n");
+    s += &format!(
+        "{:<7} {:<16} {:>8} {:>19} {:>15} {:>10}\n",
+        "ID", "TAG", "VM_SIZE", "DATE", "VM_CLOCK", "ICOUNT"
+    );
+    for sn in snapshots {
+        let secs = sn.vm_clock_nsec / 1_000_000_000;
+        let clock = format!(
+            "{:04}:{:02}:{:02}.{:03}",
+            secs / 3600,
+            (secs / 60) % 60,
+            secs % 60,
+            (sn.vm_clock_nsec / 1_000_000) % 1000
+        );
+        let icount = sn.icount.map(|i| i.to_string()).unwrap_or_default();
+        s += &format!(
+            "{:<7} {:<16} {:>8} {:>19} {:>15} {:>10}\n",
+            sn.id,
+            sn.name,
+            size_to_str(sn.vm_state_size),
+            local_date(sn.date_sec),
+            clock,
+            icount
+        );
+    }
+    s
+}
+
+fn snapshot_json(sn: &Snapshot) -> Value {
     let mut d = Dict::new();
     if let Some(icount) = sn.icount {
         d.put("icount", icount);

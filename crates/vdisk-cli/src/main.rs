@@ -8,6 +8,7 @@ mod create;
 mod info;
 mod map;
 mod qjson;
+mod snapshot;
 mod text;
 
 use std::process::ExitCode;
@@ -126,6 +127,26 @@ enum Command {
         source: String,
         target: String,
     },
+    /// Manage internal snapshots (like `qemu-img snapshot`); listing (`-l`) is supported,
+    /// creating, applying and deleting come with the qcow2 write path.
+    Snapshot {
+        #[arg(short = 'f')]
+        format: Option<String>,
+        /// List the snapshots.
+        #[arg(short = 'l')]
+        list: bool,
+        #[arg(short = 'c', value_name = "SNAPSHOT")]
+        create: Option<String>,
+        #[arg(short = 'a', value_name = "SNAPSHOT")]
+        apply: Option<String>,
+        #[arg(short = 'd', value_name = "SNAPSHOT")]
+        delete: Option<String>,
+        #[arg(short = 'q')]
+        quiet: bool,
+        #[arg(short = 'U', long = "force-share")]
+        force_share: bool,
+        filename: String,
+    },
     /// Compare the contents of two images (like `qemu-img compare`): exit 0 same, 1 different.
     Compare {
         #[arg(short = 'f')]
@@ -228,6 +249,18 @@ fn main() -> ExitCode {
             progress,
             sync: cache != CacheMode::Unsafe,
         }),
+        Command::Snapshot {
+            format,
+            list,
+            create,
+            apply,
+            delete,
+            filename,
+            ..
+        } => {
+            let changes = create.is_some() || apply.is_some() || delete.is_some();
+            snapshot::run(&filename, format.as_deref(), list && !changes)
+        }
         Command::Compare {
             format1,
             format2,

@@ -258,6 +258,7 @@ fn verify(wd: &Workdir, img: &Image, f: &mut Failures) {
         &["map", path],
         &["check", path],
         &["check", "--output=json", path],
+        &["snapshot", "-l", path],
     ] {
         let (q, v) = both(wd, &with_format(img, args));
         let what = args[..args.len() - 1].join(" ");
