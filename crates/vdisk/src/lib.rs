@@ -11,4 +11,6 @@ pub mod storage;
 
 pub use blockdev::{BlockDev, BlockStatus};
 pub use error::{Error, Result};
-pub use formats::{backing_path, open_image, open_storage, Driver, Format, Image, ImageOptions};
+pub use formats::{
+    backing_path, open_image, open_storage, open_storage_with, Driver, Format, Image, ImageOptions,
+};

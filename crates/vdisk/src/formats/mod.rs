@@ -15,7 +15,9 @@ use crate::blockdev::{BlockDev, BlockStatus};
 use crate::error::{IoContext, Result};
 use crate::storage::Storage;
 
-pub use open::{backing_path, open_image, open_storage, Driver, Format, Image, ImageOptions};
+pub use open::{
+    backing_path, open_image, open_storage, open_storage_with, Driver, Format, Image, ImageOptions,
+};
 
 /// Where a run of guest bytes lives in one layer of a backing chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,7 +85,7 @@ pub(crate) fn read_mapped(layer: &dyn Layer, offset: u64, buf: &mut [u8]) -> Res
 }
 
 /// Reads from a backing image; bytes beyond its end (or without one) read as zeroes.
-fn read_backing(backing: Option<&Arc<Image>>, pos: u64, buf: &mut [u8]) -> Result<()> {
+pub(crate) fn read_backing(backing: Option<&Arc<Image>>, pos: u64, buf: &mut [u8]) -> Result<()> {
     let avail = match backing {
         Some(b) => b.size().saturating_sub(pos).min(buf.len() as u64) as usize,
         None => 0,

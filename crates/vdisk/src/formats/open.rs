@@ -170,19 +170,29 @@ pub fn open_image(path: &str, opts: &ImageOptions) -> Result<Image> {
     open_chain(path, opts, &mut seen).map_err(|e| e.prefixed(&format!("Could not open '{path}': ")))
 }
 
-/// Opens an image held in `storage` by itself: no backing file and no external data file are
-/// opened (unallocated areas read as zero). For tests, fuzzing and images not in a file.
+/// Opens an image held in `storage` by itself, read-only: no backing file and no external data
+/// file are opened (unallocated areas read as zero). For tests, fuzzing and images not in a file.
 pub fn open_storage(
     storage: Arc<dyn Storage>,
     format: Option<Format>,
     name: &str,
+) -> Result<Image> {
+    open_storage_with(storage, format, name, false)
+}
+
+/// [`open_storage`], writable when `write` is set.
+pub fn open_storage_with(
+    storage: Arc<dyn Storage>,
+    format: Option<Format>,
+    name: &str,
+    write: bool,
 ) -> Result<Image> {
     let format = match format {
         Some(f) => f,
         None => probe(&*storage)?,
     };
     let driver = match format {
-        Format::Raw => Driver::Raw(Raw::open(storage, true)?),
+        Format::Raw => Driver::Raw(Raw::open(storage, !write)?),
         Format::Qcow2 => {
             let header = qcow2::read_header(&*storage)?;
             if header.incompatible & qcow2::header::INCOMPAT_DATA_FILE != 0 {
@@ -190,7 +200,7 @@ pub fn open_storage(
                     "an external data file needs a path to open",
                 ));
             }
-            Driver::Qcow2(Box::new(Qcow2::open(storage, header, None, None)?))
+            Driver::Qcow2(Box::new(Qcow2::open(storage, header, None, None, write)?))
         }
     };
     Ok(Image {
@@ -274,7 +284,7 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
                 }
                 _ => None,
             };
-            let q = Qcow2::open(file, header, data, backing)?;
+            let q = Qcow2::open(file, header, data, backing, opts.write)?;
             Driver::Qcow2(Box::new(q))
         }
     };

@@ -156,6 +156,27 @@ impl L2Table {
         self.words.is_empty()
     }
 
+    /// A table of unallocated entries for a cluster of `cluster_bytes`.
+    pub fn empty(cluster_bytes: usize, extended: bool) -> L2Table {
+        L2Table {
+            words: vec![0; cluster_bytes / 8],
+            extended,
+        }
+    }
+
+    pub fn set(&mut self, index: usize, e: L2Entry) {
+        if self.extended {
+            self.words[2 * index] = e.word;
+            self.words[2 * index + 1] = e.bitmap;
+        } else {
+            self.words[index] = e.word;
+        }
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        self.words.iter().flat_map(|w| w.to_be_bytes()).collect()
+    }
+
     pub fn get(&self, index: usize) -> L2Entry {
         if self.extended {
             L2Entry {

@@ -4,6 +4,8 @@
 //! L2 entry names the host cluster (or says zero, compressed, or "ask the backing file").
 //! L2 tables are read on demand and kept in a bounded cache.
 
+mod alloc;
+mod cache;
 pub mod check;
 mod compress;
 pub mod create;
@@ -11,10 +13,11 @@ pub mod header;
 pub mod l2;
 pub mod refcount;
 pub mod snapshot;
+mod write;
 
-use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use self::cache::Meta;
 use self::header::Header;
 use self::l2::{EntryFormat, L2Table, SubclusterType};
 use self::snapshot::Snapshot;
@@ -35,12 +38,14 @@ pub struct Qcow2 {
     format: EntryFormat,
     /// Virtual size of what is read: the image's, or the snapshot's with `-l`.
     size: u64,
-    l1: Vec<u64>,
+    /// L1 table, cached L2 tables and, when writable, refcounts: one lock, taken briefly for
+    /// each lookup and held across an allocating write (see `write.rs`).
+    meta: Mutex<Meta>,
+    writable: bool,
     snapshots: Vec<Snapshot>,
     /// Bytes the snapshot table occupies, as parsed.
     snapshot_table_bytes: u64,
     backing: Option<Arc<Image>>,
-    l2_cache: L2Cache,
     /// The last decompressed cluster, by L2 entry: sequential reads of a compressed cluster
     /// decode it once.
     last_compressed: Mutex<Option<(u64, Arc<Vec<u8>>)>>,
@@ -134,9 +139,17 @@ impl Qcow2 {
         header: Header,
         data: Option<Arc<dyn Storage>>,
         backing: Option<Arc<Image>>,
+        writable: bool,
     ) -> Result<Qcow2> {
         let (snapshots, snapshot_table_bytes) = read_snapshots(&*file, &header)?;
-        let l1 = read_l1(&*file, &header, header.l1_table_offset, header.l1_size)?;
+        let mut l1 = read_l1(&*file, &header, header.l1_table_offset, header.l1_size)?;
+        let refs = if writable {
+            write::check_writable(&header)?;
+            l1.resize(header.l1_size as usize, 0);
+            Some(alloc::Refcounts::load(&*file, &header)?)
+        } else {
+            None
+        };
         // Like QEMU, the disk is whole sectors: a size that is not is truncated.
         let size = header.size & !511;
         let format = EntryFormat {
@@ -150,11 +163,11 @@ impl Qcow2 {
             file,
             format,
             size,
-            l1,
+            meta: Mutex::new(Meta::new(l1, tables, refs)),
+            writable,
             snapshots,
             snapshot_table_bytes,
             backing,
-            l2_cache: L2Cache::new(tables),
             last_compressed: Mutex::new(None),
             data_holes: OnceLock::new(),
             header,
@@ -168,8 +181,13 @@ impl Qcow2 {
         let s = (self.snapshots.iter().find(|s| s.id == want))
             .or_else(|| self.snapshots.iter().find(|s| s.name == want))
             .ok_or_else(|| Error::invalid("Failed to load snapshot: Can't find snapshot"))?;
-        self.l1 = read_l1(&*self.file, &self.header, s.l1_table_offset, s.l1_size)?;
-        self.l2_cache = L2Cache::new(self.l2_cache.capacity);
+        if self.writable {
+            return Err(Error::unsupported("snapshots are loaded read-only"));
+        }
+        let l1 = read_l1(&*self.file, &self.header, s.l1_table_offset, s.l1_size)?;
+        let meta = self.meta.get_mut().unwrap_or_else(|e| e.into_inner());
+        meta.l1 = l1;
+        meta.clear();
         *self
             .last_compressed
             .get_mut()
@@ -198,8 +216,12 @@ impl Qcow2 {
     }
 
     /// The L1 table in use (the active image's, or the snapshot's with `-l`).
-    pub fn l1_table(&self) -> &[u64] {
-        &self.l1
+    pub fn l1_table(&self) -> Vec<u64> {
+        self.lock().l1.clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Meta> {
+        self.meta.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn snapshot_table_bytes(&self) -> u64 {
@@ -217,8 +239,13 @@ impl Qcow2 {
     /// The L2 table at `offset`, from the cache or the file. `None` for a table that lies wholly
     /// beyond the end of a truncated file: it would read as zeroes (all unallocated, as QEMU
     /// reads it), and caching such tables would spend memory the file does not justify.
-    fn l2_table(&self, offset: u64, l1_index: usize) -> Result<Option<Arc<L2Table>>> {
-        if let Some(t) = self.l2_cache.get(offset) {
+    fn l2_table(
+        &self,
+        meta: &mut Meta,
+        offset: u64,
+        l1_index: usize,
+    ) -> Result<Option<Arc<L2Table>>> {
+        if let Some(t) = meta.get(offset) {
             return Ok(Some(t));
         }
         let cs = self.header.cluster_size();
@@ -241,7 +268,7 @@ impl Qcow2 {
             .read_at(offset, &mut bytes)
             .context(|| format!("reading the L2 table at {offset:#x}"))?;
         let table = Arc::new(L2Table::parse(&bytes, self.format.extended));
-        self.l2_cache.insert(offset, table.clone());
+        meta.insert(offset, table.clone());
         Ok(Some(table))
     }
 
@@ -271,12 +298,13 @@ impl Qcow2 {
         let cb = self.header.cluster_bits;
         let l2_bits = self.header.l2_entries().trailing_zeros();
         let l1_index = (offset >> (cb + l2_bits)) as usize;
-        let l1e = self.l1.get(l1_index).copied().unwrap_or(0);
+        let mut meta = self.lock();
+        let l1e = meta.l1.get(l1_index).copied().unwrap_or(0);
         let l2_offset = l1e & l2::OFFSET_MASK;
         if l2_offset == 0 {
             return Ok(None);
         }
-        let Some(table) = self.l2_table(l2_offset, l1_index)? else {
+        let Some(table) = self.l2_table(&mut meta, l2_offset, l1_index)? else {
             return Ok(None);
         };
         let index = ((offset >> cb) & (self.header.l2_entries() - 1)) as usize;
@@ -376,31 +404,22 @@ impl Layer for Qcow2 {
         let Some((table, index)) = self.lookup(offset)? else {
             return Err(Error::corrupt("compressed cluster vanished"));
         };
-        let entry = table.get(index).word;
+        let entry = table.get(index);
         let cached = self
             .last_compressed
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
         let cluster = match cached {
-            Some((e, c)) if e == entry => c,
+            Some((e, c)) if e == entry.word => c,
             _ => {
-                let (host, csize) = self.format.compressed_extent(table.get(index));
-                let mut packed = vec![0u8; csize as usize];
-                self.file
-                    .read_at(host, &mut packed)
-                    .context(|| format!("reading a compressed cluster at {host:#x}"))?;
                 let mut out = vec![0u8; cs as usize];
-                compress::decompress(self.header.compression, &packed, &mut out).map_err(|e| {
-                    Error::corrupt(format!(
-                        "{e} (host offset {host:#x}, guest offset {offset:#x})"
-                    ))
-                })?;
+                self.decompress_entry(entry, offset & !(cs - 1), &mut out)?;
                 let out = Arc::new(out);
                 *self
                     .last_compressed
                     .lock()
-                    .unwrap_or_else(|e| e.into_inner()) = Some((entry, out.clone()));
+                    .unwrap_or_else(|e| e.into_inner()) = Some((entry.word, out.clone()));
                 out
             }
         };
@@ -431,71 +450,27 @@ impl BlockDev for Qcow2 {
         read_mapped(self, offset, buf)
     }
 
-    fn write(&self, _offset: u64, _buf: &[u8]) -> Result<()> {
-        Err(Error::unsupported(
-            "writing qcow2 images is not implemented yet",
-        ))
+    fn write(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        check_range(self.size, offset, buf.len() as u64)?;
+        self.write_impl(offset, buf)
     }
 
     fn flush(&self) -> Result<()> {
-        Ok(())
+        self.flush_impl()
     }
 
-    fn discard(&self, _offset: u64, _len: u64) -> Result<()> {
-        Err(Error::unsupported(
-            "writing qcow2 images is not implemented yet",
-        ))
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        check_range(self.size, offset, len)?;
+        self.zero_impl(offset, len, write::Zeroing::Discard)
     }
 
-    fn write_zeroes(&self, _offset: u64, _len: u64) -> Result<()> {
-        Err(Error::unsupported(
-            "writing qcow2 images is not implemented yet",
-        ))
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        check_range(self.size, offset, len)?;
+        self.zero_impl(offset, len, write::Zeroing::Zeroes)
     }
 
     fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
         check_range(self.size, offset, len)?;
         status_mapped(self, offset, len)
-    }
-}
-
-/// Cached tables by host offset, and their insertion order for eviction.
-type L2Map = (HashMap<u64, Arc<L2Table>>, VecDeque<u64>);
-
-/// A bounded cache of L2 tables keyed by host offset, evicting the oldest insertion.
-struct L2Cache {
-    inner: Mutex<L2Map>,
-    capacity: usize,
-}
-
-impl L2Cache {
-    fn new(capacity: usize) -> Self {
-        L2Cache {
-            inner: Mutex::new((HashMap::new(), VecDeque::new())),
-            capacity,
-        }
-    }
-
-    fn get(&self, offset: u64) -> Option<Arc<L2Table>> {
-        self.inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .0
-            .get(&offset)
-            .cloned()
-    }
-
-    fn insert(&self, offset: u64, table: Arc<L2Table>) {
-        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let (map, order) = &mut *guard;
-        if map.insert(offset, table).is_none() {
-            order.push_back(offset);
-        }
-        while map.len() > self.capacity {
-            match order.pop_front() {
-                Some(old) => map.remove(&old),
-                None => break,
-            };
-        }
     }
 }

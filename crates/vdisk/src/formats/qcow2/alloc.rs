@@ -1,0 +1,263 @@
+//! Refcounts in memory for a writable image: the refcount table, the refcount blocks read so
+//! far, and cluster allocation.
+//!
+//! On-disk invariant kept here: a stored refcount is never lower than the number of references
+//! to its cluster that are durable. Increments are written before the metadata that uses them
+//! (see `write.rs`); decrements are applied only after the metadata that dropped the reference
+//! is durable, so a cluster freed in this epoch is not handed out again before then.
+
+use std::collections::{BTreeSet, HashMap};
+
+use super::header::Header;
+use super::{read_table, refcount};
+use crate::error::{Error, IoContext, Result};
+use crate::storage::Storage;
+
+pub(super) struct Refcounts {
+    /// Refcount table entries (offsets of refcount blocks, 0 for none).
+    table: Vec<u64>,
+    table_offset: u64,
+    table_clusters: u64,
+    table_dirty: bool,
+    /// The table was moved to a new place: the header must point there.
+    pub table_moved: bool,
+    /// Refcount blocks read or created, by block index.
+    blocks: HashMap<u64, Vec<u8>>,
+    dirty_blocks: BTreeSet<u64>,
+    order: u32,
+    cluster_bits: u32,
+    per_block: u64,
+    /// No cluster below this one is free.
+    free_hint: u64,
+    /// No cluster from this one on is allocated or promised to an allocation in progress.
+    end: u64,
+    /// Clusters whose reference is gone from metadata that is not durable yet: their refcount
+    /// drops once it is (see [`Refcounts::apply_frees`]).
+    pending_frees: Vec<u64>,
+}
+
+impl Refcounts {
+    pub fn load(file: &dyn Storage, h: &Header) -> Result<Refcounts> {
+        let cs = h.cluster_size();
+        let entries = u64::from(h.refcount_table_clusters) * cs / 8;
+        let mut table = read_table(file, h.refcount_table_offset, entries, "refcount table")?;
+        let file_len = file.len().context(|| "reading the image size".into())?;
+        table.resize(entries as usize, 0);
+        Ok(Refcounts {
+            table,
+            table_offset: h.refcount_table_offset,
+            table_clusters: u64::from(h.refcount_table_clusters),
+            table_dirty: false,
+            table_moved: false,
+            blocks: HashMap::new(),
+            dirty_blocks: BTreeSet::new(),
+            order: h.refcount_order,
+            cluster_bits: h.cluster_bits,
+            per_block: refcount::entries_per_block(h.cluster_bits, h.refcount_order),
+            free_hint: 0,
+            end: file_len.div_ceil(cs),
+            pending_frees: Vec::new(),
+        })
+    }
+
+    pub fn table_location(&self) -> (u64, u64) {
+        (self.table_offset, self.table_clusters)
+    }
+
+    pub fn is_dirty(&self) -> bool {
+        self.table_dirty || !self.dirty_blocks.is_empty()
+    }
+
+    fn cs(&self) -> u64 {
+        1 << self.cluster_bits
+    }
+
+    /// The refcount block with index `b`, read on first use; `None` if the table has none.
+    fn block(&mut self, file: &dyn Storage, b: u64) -> Result<Option<&mut Vec<u8>>> {
+        let offset = self.table.get(b as usize).copied().unwrap_or(0) & !0x1ff;
+        if offset == 0 {
+            return Ok(None);
+        }
+        if offset % self.cs() != 0 {
+            return Err(Error::corrupt(format!(
+                "refcount block {offset:#x} is unaligned"
+            )));
+        }
+        if !self.blocks.contains_key(&b) {
+            let mut bytes = vec![0u8; self.cs() as usize];
+            file.read_at(offset, &mut bytes)
+                .context(|| format!("reading the refcount block at {offset:#x}"))?;
+            self.blocks.insert(b, bytes);
+        }
+        Ok(self.blocks.get_mut(&b))
+    }
+
+    pub fn get(&mut self, file: &dyn Storage, cluster: u64) -> Result<u64> {
+        let (b, i, order) = (
+            cluster / self.per_block,
+            cluster % self.per_block,
+            self.order,
+        );
+        Ok(self
+            .block(file, b)?
+            .map_or(0, |blk| refcount::get(blk, i, order)))
+    }
+
+    /// Sets the refcount of `cluster`, creating its refcount block (and growing the table) when
+    /// there is none.
+    pub fn set(&mut self, file: &dyn Storage, cluster: u64, value: u64) -> Result<()> {
+        if value > refcount::max_value(self.order) {
+            return Err(Error::unsupported(
+                "refcount overflow: the refcount width is too small",
+            ));
+        }
+        let b = cluster / self.per_block;
+        if self.block(file, b)?.is_none() {
+            if value == 0 {
+                return Ok(());
+            }
+            self.create_block(file, b)?;
+        }
+        let (i, order) = (cluster % self.per_block, self.order);
+        let blk = self.blocks.get_mut(&b).expect("block exists");
+        refcount::set(blk, i, order, value);
+        self.dirty_blocks.insert(b);
+        if value == 0 {
+            self.free_hint = self.free_hint.min(cluster);
+        }
+        Ok(())
+    }
+
+    /// A new refcount block for block index `b`, placed in the first cluster of the range it
+    /// covers: with no block, nothing in that range is allocated, so the cluster is free, and
+    /// the block describes itself.
+    fn create_block(&mut self, file: &dyn Storage, b: u64) -> Result<()> {
+        if b as usize >= self.table.len() {
+            self.grow_table(file, b)?;
+            // Growing sets the refcounts of the new table, which may have created this very
+            // block already.
+            if self.blocks.contains_key(&b) {
+                return Ok(());
+            }
+        }
+        let at = b * self.per_block;
+        self.end = self.end.max(at + 1);
+        let mut bytes = vec![0u8; self.cs() as usize];
+        refcount::set(&mut bytes, 0, self.order, 1);
+        self.blocks.insert(b, bytes);
+        self.dirty_blocks.insert(b);
+        self.table[b as usize] = at << self.cluster_bits;
+        self.table_dirty = true;
+        Ok(())
+    }
+
+    /// Moves the refcount table to a larger place at the end of the allocated space. The old
+    /// table's clusters are returned to the caller to free once the header points elsewhere.
+    fn grow_table(&mut self, file: &dyn Storage, needed: u64) -> Result<()> {
+        let cs = self.cs();
+        let entries_per_cluster = cs / 8;
+        let want = (needed + 1).max(self.table.len() as u64 * 2);
+        let clusters = want.div_ceil(entries_per_cluster);
+        if clusters * cs > super::header::MAX_REFTABLE_BYTES {
+            return Err(Error::unsupported(
+                "the refcount table cannot grow any further",
+            ));
+        }
+        self.table
+            .resize((clusters * entries_per_cluster) as usize, 0);
+        let old = (self.table_offset >> self.cluster_bits, self.table_clusters);
+        // Past everything allocated or promised: this may run in the middle of an allocation
+        // whose clusters do not have their refcounts yet.
+        let mut first = self.end;
+        // Nor may it cover the place a refcount block still to be created will take.
+        while let Some(slot) = (first..first + clusters).find(|&c| self.is_block_slot(c)) {
+            first = slot + 1;
+        }
+        self.end = first + clusters;
+        for c in first..first + clusters {
+            self.set(file, c, 1)?;
+        }
+        self.pending_frees.extend(old.0..old.0 + old.1);
+        self.table_offset = first << self.cluster_bits;
+        self.table_clusters = clusters;
+        self.table_dirty = true;
+        self.table_moved = true;
+        Ok(())
+    }
+
+    /// Whether `c` is the first cluster of a range without a refcount block: where that block
+    /// will go when it is created.
+    fn is_block_slot(&self, c: u64) -> bool {
+        c % self.per_block == 0
+            && self
+                .table
+                .get((c / self.per_block) as usize)
+                .is_none_or(|&e| e == 0)
+    }
+
+    /// Allocates `n` contiguous free clusters (refcount 1) and returns the first.
+    pub fn alloc(&mut self, file: &dyn Storage, n: u64) -> Result<u64> {
+        let mut start = self.free_hint;
+        let mut run = 0;
+        let mut c = start;
+        while run < n {
+            if !self.is_block_slot(c) && self.get(file, c)? == 0 {
+                run += 1;
+            } else {
+                run = 0;
+                start = c + 1;
+            }
+            c += 1;
+        }
+        // Promise the run first: setting these refcounts may create a refcount block or grow
+        // the table, and those must not take clusters from it.
+        self.end = self.end.max(start + n);
+        if self.free_hint == start {
+            self.free_hint = start + n;
+        }
+        for k in start..start + n {
+            self.set(file, k, 1)?;
+        }
+        Ok(start)
+    }
+
+    /// Drops a reference to `cluster` once the metadata that dropped it is durable.
+    pub fn free_later(&mut self, cluster: u64) {
+        self.pending_frees.push(cluster);
+    }
+
+    /// Applies the decrements [`Refcounts::free_later`] deferred: called right after the
+    /// metadata that dropped those references became durable.
+    pub fn apply_frees(&mut self, file: &dyn Storage) -> Result<()> {
+        for c in std::mem::take(&mut self.pending_frees) {
+            let r = self.get(file, c)?;
+            self.set(file, c, r.saturating_sub(1))?;
+        }
+        Ok(())
+    }
+
+    /// Writes the dirty refcount blocks.
+    pub fn write_blocks(&mut self, file: &dyn Storage) -> Result<()> {
+        for b in std::mem::take(&mut self.dirty_blocks) {
+            let offset = self.table[b as usize] & !0x1ff;
+            file.write_at(offset, &self.blocks[&b])
+                .context(|| format!("writing the refcount block at {offset:#x}"))?;
+        }
+        Ok(())
+    }
+
+    /// Whether the table changed (it names a new block, or moved).
+    pub fn table_dirty(&self) -> bool {
+        self.table_dirty
+    }
+
+    /// Writes the refcount table at its current place.
+    pub fn write_table(&mut self, file: &dyn Storage) -> Result<()> {
+        let bytes: Vec<u8> = self.table.iter().flat_map(|e| e.to_be_bytes()).collect();
+        let offset = self.table_offset;
+        file.write_at(offset, &bytes)
+            .context(|| format!("writing the refcount table at {offset:#x}"))?;
+        self.table_dirty = false;
+        Ok(())
+    }
+}

@@ -1,0 +1,77 @@
+//! The mapping metadata in memory: the L1 table, a bounded cache of L2 tables, and which of
+//! them changed since the last flush.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
+
+use super::alloc::Refcounts;
+use super::l2::L2Table;
+
+pub(super) struct Meta {
+    pub l1: Vec<u64>,
+    pub l1_dirty: bool,
+    tables: HashMap<u64, Arc<L2Table>>,
+    order: VecDeque<u64>,
+    capacity: usize,
+    /// Tables changed since the last flush, by host offset.
+    pub dirty: BTreeSet<u64>,
+    /// Of those, tables placed in newly allocated clusters: nothing durable points to them yet,
+    /// so they are written with the refcounts, before the L1 entries that name them.
+    pub fresh: BTreeSet<u64>,
+    /// Refcounts, for a writable image.
+    pub refs: Option<Refcounts>,
+    /// Guest data was written since the last flush.
+    pub data_written: bool,
+}
+
+impl Meta {
+    pub fn new(l1: Vec<u64>, capacity: usize, refs: Option<Refcounts>) -> Meta {
+        Meta {
+            l1,
+            l1_dirty: false,
+            tables: HashMap::new(),
+            order: VecDeque::new(),
+            capacity,
+            dirty: BTreeSet::new(),
+            fresh: BTreeSet::new(),
+            refs,
+            data_written: false,
+        }
+    }
+
+    pub fn get(&self, offset: u64) -> Option<Arc<L2Table>> {
+        self.tables.get(&offset).cloned()
+    }
+
+    /// Caches a table read from disk, evicting the oldest clean tables beyond the capacity.
+    /// Dirty tables stay until a flush has written them.
+    pub fn insert(&mut self, offset: u64, table: Arc<L2Table>) {
+        if self.tables.insert(offset, table).is_none() {
+            self.order.push_back(offset);
+        }
+        let mut scanned = 0;
+        while self.tables.len() > self.capacity && scanned < self.order.len() {
+            let Some(old) = self.order.pop_front() else {
+                break;
+            };
+            if self.dirty.contains(&old) {
+                self.order.push_back(old);
+                scanned += 1;
+            } else {
+                self.tables.remove(&old);
+            }
+        }
+    }
+
+    /// The table at `offset` for changing: cached tables are copied only if a reader still
+    /// holds them. The caller marks it dirty.
+    pub fn get_mut(&mut self, offset: u64) -> Option<&mut L2Table> {
+        self.tables.get_mut(&offset).map(Arc::make_mut)
+    }
+
+    /// Forgets every cached table (after the L1 table was replaced).
+    pub fn clear(&mut self) {
+        self.tables.clear();
+        self.order.clear();
+    }
+}
