@@ -43,6 +43,14 @@ pub trait BlockDev: Send + Sync {
     /// Makes every acknowledged write durable.
     fn flush(&self) -> Result<()>;
 
+    /// Writes `buf` at `offset` and makes it durable before returning (NBD's FUA, and every
+    /// write in the writethrough cache modes). Formats that can group the commits of
+    /// concurrent callers override this.
+    fn write_fua(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        self.write(offset, buf)?;
+        self.flush()
+    }
+
     /// Tells the disk the range is no longer needed; it may then read as anything the format
     /// allows (zeroes or the backing file's data).
     fn discard(&self, offset: u64, len: u64) -> Result<()>;

@@ -5,11 +5,13 @@
 //! is the only layer that touches the host.
 
 pub mod blockdev;
+pub mod counters;
 pub mod error;
 pub mod formats;
 pub mod storage;
 
 pub use blockdev::{BlockDev, BlockStatus};
+pub use counters::{Counters, CountersSnapshot};
 pub use error::{Error, Result};
 pub use formats::{
     backing_path, open_image, open_storage, open_storage_with, Driver, Format, Image, ImageOptions,

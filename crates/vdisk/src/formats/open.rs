@@ -7,6 +7,7 @@ use std::sync::Arc;
 use super::qcow2::{self, Qcow2};
 use super::raw::Raw;
 use crate::blockdev::{BlockDev, BlockStatus};
+use crate::counters::CountersSnapshot;
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{FileStorage, OpenOptions, Storage};
 
@@ -105,6 +106,11 @@ impl Image {
         }
     }
 
+    /// The format's counters (all zero for raw, which allocates nothing and copies nothing).
+    pub fn counters(&self) -> CountersSnapshot {
+        self.qcow2().map(|q| q.counters().snapshot()).unwrap_or_default()
+    }
+
     fn dev(&self) -> &dyn BlockDev {
         match &self.driver {
             Driver::Raw(r) => r,
@@ -125,6 +131,9 @@ impl BlockDev for Image {
     }
     fn flush(&self) -> Result<()> {
         self.dev().flush()
+    }
+    fn write_fua(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        self.dev().write_fua(offset, buf)
     }
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         self.dev().discard(offset, len)

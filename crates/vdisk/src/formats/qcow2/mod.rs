@@ -23,6 +23,7 @@ use self::l2::{EntryFormat, L2Table, SubclusterType};
 use self::snapshot::Snapshot;
 use super::{read_mapped, status_mapped, Holes, Image, Layer, Mapping};
 use crate::blockdev::{check_range, BlockDev, BlockStatus};
+use crate::counters::Counters;
 use crate::error::{Error, IoContext, Result};
 use crate::storage::Storage;
 
@@ -42,6 +43,7 @@ pub struct Qcow2 {
     /// each lookup and held across an allocating write (see `write.rs`).
     meta: Mutex<Meta>,
     writable: bool,
+    counters: Counters,
     snapshots: Vec<Snapshot>,
     /// Bytes the snapshot table occupies, as parsed.
     snapshot_table_bytes: u64,
@@ -165,6 +167,7 @@ impl Qcow2 {
             size,
             meta: Mutex::new(Meta::new(l1, tables, refs)),
             writable,
+            counters: Counters::default(),
             snapshots,
             snapshot_table_bytes,
             backing,
@@ -222,6 +225,10 @@ impl Qcow2 {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Meta> {
         self.meta.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
     }
 
     pub fn snapshot_table_bytes(&self) -> u64 {
