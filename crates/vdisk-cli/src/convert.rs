@@ -153,13 +153,6 @@ fn copy_range(
     Ok(())
 }
 
-/// Whether `block` is all zero bytes, tested a machine word at a time.
-fn is_zero(block: &[u8]) -> bool {
-    // SAFETY: every bit pattern is a valid u64, so viewing the aligned middle as u64s is sound.
-    let (head, words, tail) = unsafe { block.align_to::<u64>() };
-    head.iter().all(|&b| b == 0) && words.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
-}
-
 /// Writes `data` at `offset`, skipping 4 KiB blocks that are all zero.
 fn write_nonzero(target: &File, offset: u64, data: &[u8]) -> vdisk::Result<()> {
     let io = |source: std::io::Error| Error::Io {
@@ -170,7 +163,7 @@ fn write_nonzero(target: &File, offset: u64, data: &[u8]) -> vdisk::Result<()> {
     let mut at = 0;
     while at < data.len() {
         let block = &data[at..(at + SPARSE).min(data.len())];
-        let zero = is_zero(block);
+        let zero = vdisk::bytes::is_zero(block);
         match (zero, run_start) {
             (false, None) => run_start = Some(at),
             (true, Some(s)) => {

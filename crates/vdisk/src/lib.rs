@@ -5,6 +5,7 @@
 //! is the only layer that touches the host.
 
 pub mod blockdev;
+pub mod bytes;
 pub mod counters;
 pub mod error;
 pub mod formats;
@@ -14,5 +15,6 @@ pub use blockdev::{BlockDev, BlockStatus};
 pub use counters::{Counters, CountersSnapshot};
 pub use error::{Error, Result};
 pub use formats::{
-    backing_path, open_image, open_storage, open_storage_with, Driver, Format, Image, ImageOptions,
+    backing_path, open_image, open_overlay, open_storage, open_storage_with, Driver, Format, Image,
+    ImageOptions,
 };

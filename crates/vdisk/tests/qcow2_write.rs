@@ -16,7 +16,7 @@ use proptest::strategy::ValueTree;
 use vdisk::formats::qcow2::check::check;
 use vdisk::formats::qcow2::create::{create, CreateOptions};
 use vdisk::storage::{CrashOptions, CrashStorage, MemStorage, Storage};
-use vdisk::{open_storage, open_storage_with, BlockDev, Format, Image};
+use vdisk::{open_overlay, open_storage, open_storage_with, BlockDev, Format, Image};
 
 const SIZE: u64 = 1 << 20;
 
@@ -55,8 +55,11 @@ fn options() -> impl Strategy<Value = CreateOptions> {
         any::<bool>(),
         0..7u32,
         any::<bool>(),
+        any::<bool>(),
     )
-        .prop_map(|(bits, extended, order, v2)| {
+        .prop_map(|(bits, extended, order, v2, backing)| {
+            // A header with a backing file name and QEMU's feature table needs more than 512 B.
+            let bits = if backing { bits.max(12) } else { bits };
             let cluster_size = 1u64 << bits;
             let v2 = v2 && !extended;
             CreateOptions {
@@ -65,22 +68,65 @@ fn options() -> impl Strategy<Value = CreateOptions> {
                 version: if v2 { 2 } else { 3 },
                 extended_l2: extended && bits >= 14,
                 refcount_bits: if v2 { 16 } else { 1 << order },
+                backing_file: backing.then(|| "base.raw".to_string()),
+                backing_format: backing.then(|| "raw".to_string()),
                 ..CreateOptions::default()
             }
         })
 }
 
-fn new_image(storage: &dyn Storage, o: &CreateOptions) {
-    create(storage, None, o).expect("create");
+/// The content of the backing file, when the options name one: no sector is zero, so reading
+/// a sector that should come from the backing file as zero (or the reverse) is caught.
+fn backing_content() -> Vec<u8> {
+    (0..SIZE).map(|i| (i / 512 % 251) as u8 + 1).collect()
 }
 
-fn open_rw(storage: &Arc<dyn Storage>) -> Image {
-    open_storage_with(storage.clone(), Some(Format::Qcow2), "test.qcow2", true).expect("open")
+/// An image under test: its storage and, with a backing file, the open backing image.
+struct Disk {
+    storage: Arc<dyn Storage>,
+    backing: Option<Arc<Image>>,
+}
+
+impl Disk {
+    fn new(storage: Arc<dyn Storage>, o: &CreateOptions) -> Disk {
+        create(&*storage, None, o).expect("create");
+        let backing = o.backing_file.as_ref().map(|_| {
+            let base: Arc<dyn Storage> = Arc::new(MemStorage::from_bytes(backing_content()));
+            Arc::new(open_storage(base, Some(Format::Raw), "base.raw").unwrap())
+        });
+        Disk { storage, backing }
+    }
+
+    fn with_storage(&self, storage: Arc<dyn Storage>) -> Disk {
+        Disk {
+            storage,
+            backing: self.backing.clone(),
+        }
+    }
+
+    fn open(&self, write: bool) -> Image {
+        let name = "test.qcow2";
+        match &self.backing {
+            Some(b) => open_overlay(self.storage.clone(), b.clone(), name, write),
+            None => open_storage_with(self.storage.clone(), Some(Format::Qcow2), name, write),
+        }
+        .expect("open")
+    }
+
+    /// The model's starting content.
+    fn initial(&self) -> Vec<u8> {
+        match self.backing {
+            Some(_) => backing_content(),
+            None => vec![0; SIZE as usize],
+        }
+    }
 }
 
 /// Applies `op` to the image and the model. Discard of whole clusters reads back as zero (v3
-/// zero clusters; unallocated without a backing file on v2); partial discards change nothing.
-fn apply(image: &Image, model: &mut [u8], op: &Op, cluster: u64) {
+/// zero clusters), or as the backing file (v2: the clusters become unallocated); partial
+/// discards change nothing.
+fn apply(image: &Image, model: &mut [u8], op: &Op, o: &CreateOptions) {
+    let cluster = o.cluster_size;
     match *op {
         Op::Write { offset, len, fill } => {
             let data = vec![fill; len as usize];
@@ -96,7 +142,12 @@ fn apply(image: &Image, model: &mut [u8], op: &Op, cluster: u64) {
             let start = offset.next_multiple_of(cluster);
             let end = (offset + len) / cluster * cluster;
             if start < end {
-                model[start as usize..end as usize].fill(0);
+                let range = start as usize..end as usize;
+                if o.version == 2 && o.backing_file.is_some() {
+                    model[range.clone()].copy_from_slice(&backing_content()[range]);
+                } else {
+                    model[range].fill(0);
+                }
             }
         }
         Op::Flush => image.flush().unwrap(),
@@ -131,22 +182,22 @@ proptest! {
     #[test]
     fn writes_match_a_flat_model(o in options(), ops in prop::collection::vec(op(), 1..40)) {
         let storage: Arc<dyn Storage> = Arc::new(MemStorage::new());
-        new_image(&*storage, &o);
-        let mut model = vec![0u8; SIZE as usize];
-        let mut image = open_rw(&storage);
+        let disk = Disk::new(storage.clone(), &o);
+        let mut model = disk.initial();
+        let mut image = disk.open(true);
         for op in &ops {
             if let Op::Reopen = op {
                 drop(image);
-                image = open_rw(&storage);
+                image = disk.open(true);
             } else {
-                apply(&image, &mut model, op, o.cluster_size);
+                apply(&image, &mut model, op, &o);
             }
         }
         prop_assert!(contents(&image) == model, "contents differ from the model");
         image.qcow2().unwrap().close().unwrap();
         drop(image);
         prop_assert_eq!(check_clean(&storage, false), Ok(()));
-        let image = open_storage(storage.clone(), Some(Format::Qcow2), "t").unwrap();
+        let image = disk.open(false);
         prop_assert!(contents(&image) == model, "contents differ after close");
     }
 }
@@ -171,8 +222,8 @@ fn every_crash_state_is_consistent_and_keeps_flushed_writes() {
 }
 
 fn crash_case(case: usize, o: &CreateOptions, ops: &[Op]) {
-    let base = MemStorage::new();
-    new_image(&base, o);
+    let base = Arc::new(MemStorage::new());
+    let disk = Disk::new(base.clone(), o);
     let crash = Arc::new(
         CrashStorage::from_bytes(base.to_bytes()).with_options(CrashOptions {
             exhaustive_limit: 8,
@@ -182,11 +233,12 @@ fn crash_case(case: usize, o: &CreateOptions, ops: &[Op]) {
     );
     let storage: Arc<dyn Storage> = crash.clone();
     let sectors = (SIZE / 512) as usize;
-    let mut model = vec![0u8; SIZE as usize];
+    let disk = disk.with_storage(storage.clone());
+    let mut model = disk.initial();
     // (syncs completed when the flush returned, the model then)
     let mut flushes: Vec<(usize, Vec<u8>)> = vec![(0, model.clone())];
     let mut written: Vec<(usize, Vec<(usize, u8)>)> = Vec::new();
-    let image = open_rw(&storage);
+    let image = disk.open(true);
     for op in ops {
         let syncs = crash.epochs().count() - 1;
         let before = model.clone();
@@ -196,7 +248,7 @@ fn crash_case(case: usize, o: &CreateOptions, ops: &[Op]) {
                 flushes.push((crash.epochs().count() - 1, model.clone()));
                 continue;
             }
-            other => apply(&image, &mut model, other, o.cluster_size),
+            other => apply(&image, &mut model, other, o),
         }
         let changed: Vec<(usize, u8)> = (0..sectors)
             .filter(|&s| before[s * 512..(s + 1) * 512] != model[s * 512..(s + 1) * 512])
@@ -213,7 +265,7 @@ fn crash_case(case: usize, o: &CreateOptions, ops: &[Op]) {
         if let Err(e) = check_clean(&storage, true) {
             panic!("case {case} {o:?}: crash image {img}: {e}");
         }
-        let image = open_storage(storage, Some(Format::Qcow2), "crash").unwrap();
+        let image = disk.with_storage(storage).open(false);
         let got = contents(&image);
         let mut possible = Possible {
             flushed: flushed.clone(),
@@ -264,7 +316,7 @@ fn refcount_table_growth_is_consistent() {
         }),
     );
     let storage: Arc<dyn Storage> = crash.clone();
-    let image = open_rw(&storage);
+    let image = open_storage_with(storage.clone(), Some(Format::Qcow2), "t", true).unwrap();
     let data: Vec<u8> = (0..size).map(|i| (i / 512 % 251) as u8 + 1).collect();
     for chunk in 0..4 {
         let at = chunk * (size / 4);

@@ -16,7 +16,8 @@ use crate::error::{IoContext, Result};
 use crate::storage::Storage;
 
 pub use open::{
-    backing_path, open_image, open_storage, open_storage_with, Driver, Format, Image, ImageOptions,
+    backing_path, open_image, open_overlay, open_storage, open_storage_with, Driver, Format, Image,
+    ImageOptions,
 };
 
 /// Where a run of guest bytes lives in one layer of a backing chain.

@@ -108,7 +108,9 @@ impl Image {
 
     /// The format's counters (all zero for raw, which allocates nothing and copies nothing).
     pub fn counters(&self) -> CountersSnapshot {
-        self.qcow2().map(|q| q.counters().snapshot()).unwrap_or_default()
+        self.qcow2()
+            .map(|q| q.counters().snapshot())
+            .unwrap_or_default()
     }
 
     fn dev(&self) -> &dyn BlockDev {
@@ -215,6 +217,27 @@ pub fn open_storage_with(
     Ok(Image {
         filename: name.to_string(),
         driver,
+    })
+}
+
+/// Opens the qcow2 image held in `storage` on top of `backing`, an image already open: for tests
+/// and for images not in files. No external data file is opened.
+pub fn open_overlay(
+    storage: Arc<dyn Storage>,
+    backing: Arc<Image>,
+    name: &str,
+    write: bool,
+) -> Result<Image> {
+    let header = qcow2::read_header(&*storage)?;
+    if header.incompatible & qcow2::header::INCOMPAT_DATA_FILE != 0 {
+        return Err(Error::unsupported(
+            "an external data file needs a path to open",
+        ));
+    }
+    let q = Qcow2::open(storage, header, None, Some(backing), write)?;
+    Ok(Image {
+        filename: name.to_string(),
+        driver: Driver::Qcow2(Box::new(q)),
     })
 }
 

@@ -6,8 +6,9 @@
 //! (see `write.rs`); decrements are applied only after the metadata that dropped the reference
 //! is durable, so a cluster freed in this epoch is not handed out again before then.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use super::cache::Dirty;
 use super::header::Header;
 use super::{read_table, refcount};
 use crate::error::{Error, IoContext, Result};
@@ -23,7 +24,8 @@ pub(super) struct Refcounts {
     pub table_moved: bool,
     /// Refcount blocks read or created, by block index.
     blocks: HashMap<u64, Vec<u8>>,
-    dirty_blocks: BTreeSet<u64>,
+    /// Changed refcount blocks, with their changed bytes.
+    dirty_blocks: BTreeMap<u64, Dirty>,
     order: u32,
     cluster_bits: u32,
     per_block: u64,
@@ -34,6 +36,16 @@ pub(super) struct Refcounts {
     /// Clusters whose reference is gone from metadata that is not durable yet: their refcount
     /// drops once it is (see [`Refcounts::apply_frees`]).
     pending_frees: Vec<u64>,
+    /// Clusters from this one on lay beyond the end of the file when it was opened: they read
+    /// as zero until something is written there.
+    zero_from: u64,
+    /// Clusters at or past `zero_from` that were allocated and freed again: no longer zero.
+    recycled: BTreeSet<u64>,
+    /// Bytes of the file reserved with `allocate` (the file grows in steps, not per cluster).
+    reserved: u64,
+    /// One past the highest cluster ever allocated.
+    high_water: u64,
+    opened_len: u64,
 }
 
 impl Refcounts {
@@ -50,13 +62,18 @@ impl Refcounts {
             table_dirty: false,
             table_moved: false,
             blocks: HashMap::new(),
-            dirty_blocks: BTreeSet::new(),
+            dirty_blocks: BTreeMap::new(),
             order: h.refcount_order,
             cluster_bits: h.cluster_bits,
             per_block: refcount::entries_per_block(h.cluster_bits, h.refcount_order),
             free_hint: 0,
             end: file_len.div_ceil(cs),
             pending_frees: Vec::new(),
+            zero_from: file_len.div_ceil(cs),
+            recycled: BTreeSet::new(),
+            reserved: file_len,
+            high_water: file_len.div_ceil(cs),
+            opened_len: file_len,
         })
     }
 
@@ -121,9 +138,19 @@ impl Refcounts {
         let (i, order) = (cluster % self.per_block, self.order);
         let blk = self.blocks.get_mut(&b).expect("block exists");
         refcount::set(blk, i, order, value);
-        self.dirty_blocks.insert(b);
+        let byte = ((i << order) / 8) as usize;
+        let width = (1usize << order).div_ceil(8);
+        self.dirty_blocks
+            .entry(b)
+            .or_default()
+            .add(byte, byte + width);
         if value == 0 {
             self.free_hint = self.free_hint.min(cluster);
+            if cluster >= self.zero_from {
+                self.recycled.insert(cluster);
+            }
+        } else {
+            self.high_water = self.high_water.max(cluster + 1);
         }
         Ok(())
     }
@@ -145,7 +172,9 @@ impl Refcounts {
         let mut bytes = vec![0u8; self.cs() as usize];
         refcount::set(&mut bytes, 0, self.order, 1);
         self.blocks.insert(b, bytes);
-        self.dirty_blocks.insert(b);
+        let cs = self.cs() as usize;
+        self.dirty_blocks.insert(b, Dirty::new(0, cs));
+        self.high_water = self.high_water.max(at + 1);
         self.table[b as usize] = at << self.cluster_bits;
         self.table_dirty = true;
         Ok(())
@@ -195,6 +224,44 @@ impl Refcounts {
                 .is_none_or(|&e| e == 0)
     }
 
+    /// Whether cluster `c` reads as zero where nothing was written to it since the open.
+    pub fn is_known_zero(&self, c: u64) -> bool {
+        c >= self.zero_from && !self.recycled.contains(&c)
+    }
+
+    /// The end of the space in use: where the file can be cut at close.
+    fn used_end(&self) -> u64 {
+        self.high_water << self.cluster_bits
+    }
+
+    /// The length the file can be cut to at a clean close: the space reserved ahead and not
+    /// used is given back, but the file never gets shorter than it was (preallocated images).
+    pub fn trim_len(&self) -> u64 {
+        self.used_end().max(self.opened_len)
+    }
+
+    /// Makes sure the file has space up to cluster `end`, reserving in steps of an eighth of
+    /// the file (1 MiB to 64 MiB) so that the file grows rarely and a full disk is reported
+    /// here, before any metadata changes, rather than by a later data write.
+    fn reserve(&mut self, file: &dyn Storage, end: u64) -> Result<()> {
+        let need = end << self.cluster_bits;
+        if need <= self.reserved {
+            return Ok(());
+        }
+        let step = (self.reserved / 8).clamp(1 << 20, 64 << 20);
+        let want = need.max(self.reserved + step).next_multiple_of(self.cs());
+        let from = self.reserved;
+        if file.allocate(from, want - from).is_err() {
+            // Maybe the step is too much for the space left: try what is needed.
+            file.allocate(from, need - from)
+                .context(|| format!("growing the image file to {need} bytes"))?;
+            self.reserved = need;
+            return Ok(());
+        }
+        self.reserved = want;
+        Ok(())
+    }
+
     /// Allocates `n` contiguous free clusters (refcount 1) and returns the first.
     pub fn alloc(&mut self, file: &dyn Storage, n: u64) -> Result<u64> {
         let mut start = self.free_hint;
@@ -209,6 +276,7 @@ impl Refcounts {
             }
             c += 1;
         }
+        self.reserve(file, start + n)?;
         // Promise the run first: setting these refcounts may create a refcount block or grow
         // the table, and those must not take clusters from it.
         self.end = self.end.max(start + n);
@@ -236,14 +304,19 @@ impl Refcounts {
         Ok(())
     }
 
-    /// Writes the dirty refcount blocks.
-    pub fn write_blocks(&mut self, file: &dyn Storage) -> Result<()> {
-        for b in std::mem::take(&mut self.dirty_blocks) {
-            let offset = self.table[b as usize] & !0x1ff;
-            file.write_at(offset, &self.blocks[&b])
+    /// Writes the changed parts of the refcount blocks; returns the bytes written.
+    pub fn write_blocks(&mut self, file: &dyn Storage) -> Result<u64> {
+        let mut written = 0;
+        for (&b, dirty) in &self.dirty_blocks {
+            let block = &self.blocks[&b];
+            let (from, to) = dirty.sectors(block.len());
+            let offset = (self.table[b as usize] & !0x1ff) + from as u64;
+            file.write_at(offset, &block[from..to])
                 .context(|| format!("writing the refcount block at {offset:#x}"))?;
+            written += (to - from) as u64;
         }
-        Ok(())
+        self.dirty_blocks.clear();
+        Ok(written)
     }
 
     /// Whether the table changed (it names a new block, or moved).
@@ -251,13 +324,13 @@ impl Refcounts {
         self.table_dirty
     }
 
-    /// Writes the refcount table at its current place.
-    pub fn write_table(&mut self, file: &dyn Storage) -> Result<()> {
+    /// Writes the refcount table at its current place; returns the bytes written.
+    pub fn write_table(&mut self, file: &dyn Storage) -> Result<u64> {
         let bytes: Vec<u8> = self.table.iter().flat_map(|e| e.to_be_bytes()).collect();
         let offset = self.table_offset;
         file.write_at(offset, &bytes)
             .context(|| format!("writing the refcount table at {offset:#x}"))?;
         self.table_dirty = false;
-        Ok(())
+        Ok(bytes.len() as u64)
     }
 }

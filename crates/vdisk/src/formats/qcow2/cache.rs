@@ -1,20 +1,53 @@
 //! The mapping metadata in memory: the L1 table, a bounded cache of L2 tables, and which of
 //! them changed since the last flush.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
 use super::alloc::Refcounts;
+use super::cow::PendingMap;
 use super::l2::L2Table;
+
+/// The changed byte range of a metadata table: only that part is written at flush, widened to
+/// whole 512-byte sectors (the unit a disk writes atomically).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Dirty {
+    from: usize,
+    to: usize,
+}
+
+impl Dirty {
+    pub fn new(from: usize, to: usize) -> Dirty {
+        Dirty { from, to }
+    }
+
+    pub fn add(&mut self, from: usize, to: usize) {
+        if self.from == self.to {
+            *self = Dirty { from, to };
+        } else {
+            self.from = self.from.min(from);
+            self.to = self.to.max(to);
+        }
+    }
+
+    /// The range widened to sectors, within a table of `len` bytes.
+    pub fn sectors(&self, len: usize) -> (usize, usize) {
+        (
+            self.from / 512 * 512,
+            self.to.next_multiple_of(512).min(len),
+        )
+    }
+}
 
 pub(super) struct Meta {
     pub l1: Vec<u64>,
-    pub l1_dirty: bool,
+    /// Changed entries of the L1 table, as a byte range.
+    pub l1_dirty: Option<Dirty>,
     tables: HashMap<u64, Arc<L2Table>>,
     order: VecDeque<u64>,
     capacity: usize,
-    /// Tables changed since the last flush, by host offset.
-    pub dirty: BTreeSet<u64>,
+    /// Tables changed since the last flush, by host offset, with the changed bytes.
+    pub dirty: BTreeMap<u64, Dirty>,
     /// Of those, tables placed in newly allocated clusters: nothing durable points to them yet,
     /// so they are written with the refcounts, before the L1 entries that name them.
     pub fresh: BTreeSet<u64>,
@@ -22,20 +55,23 @@ pub(super) struct Meta {
     pub refs: Option<Refcounts>,
     /// Guest data was written since the last flush.
     pub data_written: bool,
+    /// New clusters whose gaps are not filled yet (see `cow.rs`).
+    pub pending: PendingMap,
 }
 
 impl Meta {
     pub fn new(l1: Vec<u64>, capacity: usize, refs: Option<Refcounts>) -> Meta {
         Meta {
             l1,
-            l1_dirty: false,
+            l1_dirty: None,
             tables: HashMap::new(),
             order: VecDeque::new(),
             capacity,
-            dirty: BTreeSet::new(),
+            dirty: BTreeMap::new(),
             fresh: BTreeSet::new(),
             refs,
             data_written: false,
+            pending: PendingMap::new(),
         }
     }
 
@@ -54,7 +90,7 @@ impl Meta {
             let Some(old) = self.order.pop_front() else {
                 break;
             };
-            if self.dirty.contains(&old) {
+            if self.dirty.contains_key(&old) {
                 self.order.push_back(old);
                 scanned += 1;
             } else {

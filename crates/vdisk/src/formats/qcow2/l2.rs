@@ -177,6 +177,23 @@ impl L2Table {
         self.words.iter().flat_map(|w| w.to_be_bytes()).collect()
     }
 
+    /// Bytes one entry takes on disk.
+    pub fn entry_bytes(&self) -> usize {
+        if self.extended {
+            16
+        } else {
+            8
+        }
+    }
+
+    /// The on-disk bytes `[from, to)` of the table (multiples of 8).
+    pub fn bytes(&self, from: usize, to: usize) -> Vec<u8> {
+        self.words[from / 8..to / 8]
+            .iter()
+            .flat_map(|w| w.to_be_bytes())
+            .collect()
+    }
+
     pub fn get(&self, index: usize) -> L2Entry {
         if self.extended {
             L2Entry {

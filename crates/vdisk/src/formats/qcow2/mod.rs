@@ -7,7 +7,9 @@
 mod alloc;
 mod cache;
 pub mod check;
+mod commit;
 mod compress;
+mod cow;
 pub mod create;
 pub mod header;
 pub mod l2;
@@ -15,7 +17,7 @@ pub mod refcount;
 pub mod snapshot;
 mod write;
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use self::cache::Meta;
 use self::header::Header;
@@ -43,6 +45,10 @@ pub struct Qcow2 {
     /// each lookup and held across an allocating write (see `write.rs`).
     meta: Mutex<Meta>,
     writable: bool,
+    /// Held shared by every write for as long as it is in flight, exclusively by a flush (see
+    /// `write.rs`).
+    gate: RwLock<()>,
+    group: commit::Group,
     counters: Counters,
     snapshots: Vec<Snapshot>,
     /// Bytes the snapshot table occupies, as parsed.
@@ -167,6 +173,8 @@ impl Qcow2 {
             size,
             meta: Mutex::new(Meta::new(l1, tables, refs)),
             writable,
+            gate: RwLock::new(()),
+            group: commit::Group::default(),
             counters: Counters::default(),
             snapshots,
             snapshot_table_bytes,
@@ -454,6 +462,9 @@ impl BlockDev for Qcow2 {
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         check_range(self.size, offset, buf.len() as u64)?;
+        if self.writable {
+            self.fill_range(offset, buf.len() as u64)?;
+        }
         read_mapped(self, offset, buf)
     }
 
@@ -464,6 +475,11 @@ impl BlockDev for Qcow2 {
 
     fn flush(&self) -> Result<()> {
         self.flush_impl()
+    }
+
+    fn write_fua(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        self.write(offset, buf)?;
+        self.commit_group()
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {

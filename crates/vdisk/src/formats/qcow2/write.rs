@@ -1,32 +1,23 @@
-//! The qcow2 write path: cluster allocation, copy-on-write, and the ordered commit of metadata
-//! at flush.
+//! The qcow2 write path: where guest writes go, cluster allocation, zeroes and discards.
 //!
-//! All metadata changes between two flushes are collected in memory (L1, L2 tables, refcount
-//! blocks) and written by [`Qcow2::flush_impl`] as one group, in this order:
+//! A write takes the metadata lock only to decide where each piece goes (allocating clusters
+//! and updating L2 entries in memory); the data itself is written after the lock is released,
+//! so writes to different parts of one new cluster, or to different clusters, run in parallel.
+//! The unwritten parts of new clusters are filled later (`cow.rs`), and metadata reaches the
+//! disk only at flush (`commit.rs`).
 //!
-//! 1. Guest data is already in place; new L2 tables and changed refcount blocks are written,
-//!    (if a refcount block is new: a sync, then the refcount table that names it), then one
-//!    sync. Everything the metadata of step 3 will point to, and every refcount increment it
-//!    needs, is then durable.
-//! 2. Only if the refcount table moved: the header, then a sync.
-//! 3. Changed L2 tables and the L1 table, then a sync. The flush is complete.
-//! 4. Refcount decrements for references dropped in step 3 are applied in memory only now, and
-//!    reach the disk in step 1 of the next flush: a stored refcount is never below the number of
-//!    durable references (a crash leaves at most leaked clusters), and a freed cluster cannot be
-//!    reused while durable metadata may still point to it.
-//!
-//! A flush therefore costs one sync when only allocated clusters were overwritten and two when
-//! anything was allocated (three when the refcount table grew), however many requests it covers.
-//!
-//! This first version copies on write at once (the whole cluster is written when a write
-//! allocates it) and holds the metadata lock across an allocating write.
+//! Every request holds the commit gate shared; a flush holds it exclusively, so a flush never
+//! commits metadata that points at data still being written.
 
+use std::ops::Range;
 use std::sync::Arc;
 
+use super::cache::{Dirty, Meta};
+use super::cow::{Pending, SECTOR};
 use super::header::Header;
 use super::l2::OFLAG_ZERO;
 use super::l2::{L2Entry, L2Table, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
-use super::{cache::Meta, compress, Qcow2};
+use super::{compress, Qcow2};
 use crate::error::{Error, IoContext, Result};
 use crate::formats::read_backing;
 
@@ -61,6 +52,14 @@ pub(super) fn check_writable(h: &Header) -> Result<()> {
     Ok(())
 }
 
+/// One piece of a guest write: its host offset, its bytes in the request, and the guest cluster
+/// it lands in when that cluster is pending (so a failed write can be forgotten).
+struct Piece {
+    host: u64,
+    bytes: Range<usize>,
+    pending: Option<(u64, u64)>,
+}
+
 impl Qcow2 {
     fn writable_or_err(&self, what: &str) -> Result<()> {
         if self.writable {
@@ -72,86 +71,206 @@ impl Qcow2 {
 
     pub(super) fn write_impl(&self, offset: u64, buf: &[u8]) -> Result<()> {
         self.writable_or_err("write")?;
+        let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
+        let pieces = self.place_all(offset, buf)?;
+        let mut at = 0;
+        while at < pieces.len() {
+            // Pieces in contiguous host clusters go out as one write.
+            let mut end = at + 1;
+            while end < pieces.len()
+                && pieces[end].host == pieces[end - 1].host + pieces[end - 1].bytes.len() as u64
+            {
+                end += 1;
+            }
+            let host = pieces[at].host;
+            let bytes = pieces[at].bytes.start..pieces[end - 1].bytes.end;
+            if let Err(e) = self.data.write_at(host, &buf[bytes]) {
+                self.forget_pieces(&pieces[at..]);
+                return Err(e).context(|| format!("writing guest data at host offset {host:#x}"));
+            }
+            at = end;
+        }
+        Ok(())
+    }
+
+    /// Decides under the metadata lock where every piece of the write goes.
+    fn place_all(&self, offset: u64, buf: &[u8]) -> Result<Vec<Piece>> {
         let cs = self.header.cluster_size();
         let mut meta = self.lock();
+        let mut pieces = Vec::with_capacity(buf.len() / cs as usize + 2);
         let mut done = 0usize;
         while done < buf.len() {
             let pos = offset + done as u64;
             let within = pos & (cs - 1);
             let n = ((cs - within) as usize).min(buf.len() - done);
-            self.write_cluster(
-                &mut meta,
-                pos - within,
-                within as usize,
-                &buf[done..done + n],
-            )?;
+            let guest = pos - within;
+            let (host, pending) = self.place(&mut meta, guest, within, n as u64)?;
+            pieces.push(Piece {
+                host: host + within,
+                bytes: done..done + n,
+                pending: pending.then_some((guest, within)),
+            });
             done += n;
         }
         meta.data_written = true;
-        Ok(())
+        self.limit_pending(&mut meta)?;
+        Ok(pieces)
     }
 
-    /// Writes `piece` at `within` of the guest cluster at `guest`: in place when the cluster is
-    /// allocated, ours alone and fully allocated; otherwise into a whole-cluster image of its
-    /// current content, written to a cluster of our own.
-    fn write_cluster(
-        &self,
-        meta: &mut Meta,
-        guest: u64,
-        within: usize,
-        piece: &[u8],
-    ) -> Result<()> {
-        let cs = self.header.cluster_size() as usize;
+    /// After a failed data write: the pieces' sectors of pending clusters are not the guest's,
+    /// so they are filled with the old content again.
+    fn forget_pieces(&self, pieces: &[Piece]) {
+        let mut meta = self.lock();
+        for p in pieces {
+            if let Some((guest, within)) = p.pending {
+                if let Some(rec) = meta.pending.get_mut(&guest) {
+                    rec.unmark(within, within + p.bytes.len() as u64);
+                }
+            }
+        }
+    }
+
+    /// Where bytes `[within, within + len)` of the guest cluster at `guest` go: the host
+    /// cluster, and whether it is pending. Allocates the cluster (or makes one of ours writable
+    /// again) when it is not plainly ours.
+    fn place(&self, meta: &mut Meta, guest: u64, within: u64, len: u64) -> Result<(u64, bool)> {
         let (table_off, index) = self.writable_table(meta, guest)?;
         let e = meta.get(table_off).expect("table just loaded").get(index);
+        let aligned = within % SECTOR == 0 && len % SECTOR == 0;
+        let touched = self.touched_subclusters(within, len);
+        if let Some(p) = meta.pending.get_mut(&guest) {
+            let host = p.host;
+            if aligned {
+                p.mark(within, within + len);
+            }
+            self.allocate_subclusters(meta, table_off, index, e, touched);
+            if !aligned {
+                self.fill(meta, guest)?;
+            }
+            return Ok((host, aligned));
+        }
         let host = e.word & OFFSET_MASK;
         let ours = e.word & OFLAG_COMPRESSED == 0 && host != 0 && e.word & OFLAG_COPIED != 0;
         let complete = if self.format.extended {
-            e.bitmap == ALL_ALLOC
+            e.bitmap & ALL_ALLOC == ALL_ALLOC
         } else {
             e.word & OFLAG_ZERO == 0
         };
         if ours && complete {
-            return self
-                .data
-                .write_at(host + within as u64, piece)
-                .context(|| format!("writing guest data at host offset {host:#x}"));
+            return Ok((host, false));
         }
-        let mut cluster = vec![0u8; cs];
-        if piece.len() < cs {
-            self.cluster_content(e, guest, &mut cluster)?;
-        }
-        cluster[within..within + piece.len()].copy_from_slice(piece);
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
-        let target = if ours {
-            host
+        let cs = self.header.cluster_size();
+        let mut pending = if ours {
+            // One of our clusters with parts that read as zero or from the backing file: those
+            // parts are filled; the parts that hold data stay where they are.
+            let mut p = Pending::new(host, e, false, cs);
+            for sc in 0..self.subclusters() {
+                if self.format.subcluster_type(e, sc)? == SubclusterType::Normal {
+                    let scs = cs / self.subclusters();
+                    p.mark(sc * scs, (sc + 1) * scs);
+                }
+            }
+            p
         } else {
-            refs.alloc(&*self.file, 1)? << self.header.cluster_bits
-        };
-        self.data
-            .write_at(target, &cluster)
-            .context(|| format!("writing guest data at host offset {target:#x}"))?;
-        if !ours {
+            let cluster = self.alloc_clusters(meta, 1)?;
+            let refs = meta.refs.as_ref().expect("writable images have refcounts");
+            let zero = refs.is_known_zero(cluster);
             self.free_entry_later(meta, e);
-        }
-        let bitmap = if self.format.extended { ALL_ALLOC } else { 0 };
+            Pending::new(cluster << self.header.cluster_bits, e, zero, cs)
+        };
+        let host = pending.host;
+        let bitmap = if self.format.extended {
+            self.new_bitmap(e, touched)?
+        } else {
+            0
+        };
         self.set_entry(
             meta,
             table_off,
             index,
             L2Entry {
-                word: target | OFLAG_COPIED,
+                word: host | OFLAG_COPIED,
                 bitmap,
             },
         );
-        Ok(())
+        if aligned {
+            pending.mark(within, within + len);
+        }
+        meta.pending.insert(guest, pending);
+        if !aligned {
+            self.fill(meta, guest)?;
+        }
+        Ok((host, aligned))
     }
 
-    /// The current guest content of the cluster at `guest`, as entry `e` describes it.
-    fn cluster_content(&self, e: L2Entry, guest: u64, buf: &mut [u8]) -> Result<()> {
-        if e.word & OFLAG_COMPRESSED != 0 {
-            return self.decompress_entry(e, guest, buf);
+    fn subclusters(&self) -> u64 {
+        1 << (self.header.cluster_bits - self.format.subcluster_bits())
+    }
+
+    /// Bitmap of the subclusters bytes `[within, within + len)` of a cluster touch.
+    fn touched_subclusters(&self, within: u64, len: u64) -> u64 {
+        let scb = self.format.subcluster_bits();
+        let first = within >> scb;
+        let last = (within + len - 1) >> scb;
+        (first..=last).fold(0, |m, sc| m | 1 << sc)
+    }
+
+    /// The extended L2 bitmap of a new cluster replacing entry `old`: the subclusters the guest
+    /// writes and those whose old data must be copied are allocated; the others keep reading
+    /// as zero or from the backing file, as before, and need no copy.
+    fn new_bitmap(&self, old: L2Entry, touched: u64) -> Result<u64> {
+        let mut alloc = touched;
+        let mut zero = 0;
+        for sc in 0..self.subclusters() {
+            match self.format.subcluster_type(old, sc)? {
+                SubclusterType::Normal | SubclusterType::Compressed => alloc |= 1 << sc,
+                SubclusterType::ZeroPlain | SubclusterType::ZeroAlloc => zero |= 1 << sc,
+                SubclusterType::UnallocatedPlain | SubclusterType::UnallocatedAlloc => {}
+            }
         }
+        Ok(alloc | (zero & !alloc) << 32)
+    }
+
+    /// Marks the `touched` subclusters of a pending cluster allocated (extended L2 only).
+    fn allocate_subclusters(
+        &self,
+        meta: &mut Meta,
+        table: u64,
+        index: usize,
+        e: L2Entry,
+        touched: u64,
+    ) {
+        if !self.format.extended || e.bitmap & touched == touched {
+            return;
+        }
+        let bitmap = (e.bitmap | touched) & !(touched << 32);
+        self.set_entry(
+            meta,
+            table,
+            index,
+            L2Entry {
+                word: e.word,
+                bitmap,
+            },
+        );
+    }
+
+    /// Allocates `n` contiguous clusters and counts it.
+    fn alloc_clusters(&self, meta: &mut Meta, n: u64) -> Result<u64> {
+        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        let first = refs.alloc(&*self.file, n)?;
+        self.counters.allocated(n);
+        Ok(first)
+    }
+
+    /// The current guest content of the cluster at `guest`, as entry `e` describes it. Returns
+    /// the bytes read for it (from the image or the backing file).
+    pub(super) fn cluster_content(&self, e: L2Entry, guest: u64, buf: &mut [u8]) -> Result<u64> {
+        if e.word & OFLAG_COMPRESSED != 0 {
+            self.decompress_entry(e, guest, buf)?;
+            return Ok(self.format.compressed_extent(e).1);
+        }
+        let mut read = 0;
         let scs = 1usize << self.format.subcluster_bits();
         for (sc, chunk) in buf.chunks_mut(scs).enumerate() {
             let at = guest + (sc * scs) as u64;
@@ -161,15 +280,19 @@ impl Qcow2 {
                     self.data
                         .read_at(host, chunk)
                         .context(|| format!("reading data at host offset {host:#x}"))?;
+                    read += chunk.len() as u64;
                 }
                 SubclusterType::ZeroPlain | SubclusterType::ZeroAlloc => chunk.fill(0),
                 SubclusterType::UnallocatedPlain | SubclusterType::UnallocatedAlloc => {
-                    read_backing(self.backing.as_ref(), at, chunk)?
+                    read_backing(self.backing.as_ref(), at, chunk)?;
+                    if self.backing.is_some() {
+                        read += chunk.len() as u64;
+                    }
                 }
                 SubclusterType::Compressed => unreachable!("handled above"),
             }
         }
-        Ok(())
+        Ok(read)
     }
 
     /// Decompresses the cluster entry `e` describes (guest offset `guest`) into `buf`.
@@ -200,11 +323,24 @@ impl Qcow2 {
         }
     }
 
-    fn set_entry(&self, meta: &mut Meta, table_off: u64, index: usize, e: L2Entry) {
-        meta.get_mut(table_off)
-            .expect("table is cached")
-            .set(index, e);
-        meta.dirty.insert(table_off);
+    pub(super) fn set_entry(&self, meta: &mut Meta, table_off: u64, index: usize, e: L2Entry) {
+        let table = meta.get_mut(table_off).expect("table is cached");
+        table.set(index, e);
+        let size = table.entry_bytes();
+        meta.dirty
+            .entry(table_off)
+            .or_default()
+            .add(index * size, (index + 1) * size);
+    }
+
+    /// The current L2 entry of the guest cluster at `guest`, if its table is cached (the
+    /// tables of pending clusters are: they are dirty).
+    pub(super) fn cached_entry(&self, meta: &Meta, guest: u64) -> Option<L2Entry> {
+        let cb = self.header.cluster_bits;
+        let l2_bits = self.header.l2_entries().trailing_zeros();
+        let l1e = *meta.l1.get((guest >> (cb + l2_bits)) as usize)?;
+        let index = ((guest >> cb) & (self.header.l2_entries() - 1)) as usize;
+        Some(meta.get(l1e & OFFSET_MASK)?.get(index))
     }
 
     /// The L2 table (host offset, index) for guest offset `guest`, made writable: a missing
@@ -236,16 +372,18 @@ impl Qcow2 {
                     .unwrap_or_else(|| L2Table::empty(1 << cb, self.format.extended))
             }
         };
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        let new = self.alloc_clusters(meta, 1)? << cb;
         if old != 0 {
+            let refs = meta.refs.as_mut().expect("writable images have refcounts");
             refs.free_later(old >> cb);
         }
-        let new = refs.alloc(&*self.file, 1)? << cb;
         meta.insert(new, Arc::new(table));
-        meta.dirty.insert(new);
+        meta.dirty.insert(new, Dirty::new(0, 1 << cb));
         meta.fresh.insert(new);
         meta.l1[l1_index] = new | OFLAG_COPIED;
-        meta.l1_dirty = true;
+        meta.l1_dirty
+            .get_or_insert_default()
+            .add(l1_index * 8, l1_index * 8 + 8);
         Ok((new, index))
     }
 
@@ -260,129 +398,43 @@ impl Qcow2 {
         })?;
         let cs = self.header.cluster_size();
         let v3 = self.header.version >= 3;
-        let mut meta = self.lock();
-        let mut pos = offset;
         let end = offset + len;
-        while pos < end {
-            let within = pos & (cs - 1);
-            let n = (cs - within).min(end - pos);
-            let guest = pos - within;
-            if n == cs && (v3 || kind == Zeroing::Discard) {
-                let (table_off, index) = self.writable_table(&mut meta, guest)?;
-                let e = meta.get(table_off).expect("table just loaded").get(index);
-                self.free_entry_later(&mut meta, e);
-                let zero = match (self.format.extended, v3) {
-                    (true, _) => L2Entry {
-                        word: 0,
-                        bitmap: ALL_ZERO,
-                    },
-                    (false, true) => L2Entry {
-                        word: OFLAG_ZERO,
-                        bitmap: 0,
-                    },
-                    (false, false) => L2Entry::default(),
-                };
-                self.set_entry(&mut meta, table_off, index, zero);
-            } else if kind == Zeroing::Zeroes {
-                let zeros = vec![0u8; n as usize];
-                self.write_cluster(&mut meta, guest, within as usize, &zeros)?;
-                meta.data_written = true;
-            }
-            pos += n;
-        }
-        Ok(())
-    }
-
-    /// Commits everything written since the last flush, in the order the module docs give.
-    pub(super) fn flush_impl(&self) -> Result<()> {
-        if !self.writable {
-            return Ok(());
-        }
-        let mut meta = self.lock();
-        let refs_dirty = meta.refs.as_ref().is_some_and(|r| r.is_dirty());
-        let metadata = refs_dirty || meta.l1_dirty || !meta.dirty.is_empty();
-        if !metadata && !meta.data_written {
-            return Ok(());
-        }
-        let sync = |what: &'static str| self.file.sync().context(|| format!("syncing {what}"));
-        // Step 1: what metadata will point to.
-        for off in std::mem::take(&mut meta.fresh) {
-            let bytes = meta.get(off).expect("dirty tables stay cached").to_bytes();
-            self.file
-                .write_at(off, &bytes)
-                .context(|| format!("writing the new L2 table at {off:#x}"))?;
-            meta.dirty.remove(&off);
-        }
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
-        refs.write_blocks(&*self.file)?;
-        if refs.table_dirty() {
-            // A new refcount block must be durable before the table entry naming it: the block
-            // holds its own refcount, and a table entry to a lost block reads as refcount 0.
-            sync("new refcount blocks")?;
-            refs.write_table(&*self.file)?;
-        }
-        sync("data and refcounts")?;
-        // Step 2: a moved refcount table.
-        if refs.table_moved {
-            let mut h = self.header.clone();
-            (h.refcount_table_offset, h.refcount_table_clusters) = {
-                let (offset, clusters) = refs.table_location();
-                (offset, clusters as u32)
-            };
-            self.file
-                .write_at(0, &h.to_bytes()?)
-                .context(|| "writing the header".into())?;
-            sync("the header")?;
-            refs.table_moved = false;
-        }
-        // Step 3: the mapping.
-        let mut mapped = false;
-        for off in std::mem::take(&mut meta.dirty) {
-            let bytes = meta.get(off).expect("dirty tables stay cached").to_bytes();
-            self.file
-                .write_at(off, &bytes)
-                .context(|| format!("writing the L2 table at {off:#x}"))?;
-            mapped = true;
-        }
-        if meta.l1_dirty {
-            let bytes: Vec<u8> = meta.l1.iter().flat_map(|e| e.to_be_bytes()).collect();
-            let at = self.header.l1_table_offset;
-            self.file
-                .write_at(at, &bytes)
-                .context(|| format!("writing the L1 table at {at:#x}"))?;
-            meta.l1_dirty = false;
-            mapped = true;
-        }
-        if mapped {
-            sync("the mapping")?;
-        }
-        // Step 4: references dropped by what is now durable.
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
-        refs.apply_frees(&*self.file)?;
-        meta.data_written = false;
-        Ok(())
-    }
-
-    /// Flushes until nothing is left in memory: decrements applied by a flush are written by
-    /// the next one.
-    pub fn close(&self) -> Result<()> {
-        self.flush_impl()?;
-        let pending = self.lock().refs.as_ref().is_some_and(|r| r.is_dirty());
-        if pending {
-            self.flush_impl()?;
-        }
-        Ok(())
-    }
-}
-
-impl Drop for Qcow2 {
-    /// Never loses acknowledged writes silently: an image dropped without `close` is closed
-    /// here, and a failure is reported on stderr (there is no caller left to return it to).
-    fn drop(&mut self) {
-        if self.writable {
-            if let Err(e) = self.close() {
-                eprintln!("vdisk: closing the image failed: {e}");
+        let mut parts = Vec::new();
+        {
+            let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
+            let mut meta = self.lock();
+            let mut pos = offset;
+            while pos < end {
+                let within = pos & (cs - 1);
+                let n = (cs - within).min(end - pos);
+                let guest = pos - within;
+                if n == cs && (v3 || kind == Zeroing::Discard) {
+                    let (table_off, index) = self.writable_table(&mut meta, guest)?;
+                    let e = meta.get(table_off).expect("table just loaded").get(index);
+                    // A pending cluster's gaps need no filling any more: it is given up.
+                    meta.pending.remove(&guest);
+                    self.free_entry_later(&mut meta, e);
+                    let zero = match (self.format.extended, v3) {
+                        (true, _) => L2Entry {
+                            word: 0,
+                            bitmap: ALL_ZERO,
+                        },
+                        (false, true) => L2Entry {
+                            word: OFLAG_ZERO,
+                            bitmap: 0,
+                        },
+                        (false, false) => L2Entry::default(),
+                    };
+                    self.set_entry(&mut meta, table_off, index, zero);
+                } else if kind == Zeroing::Zeroes {
+                    parts.push((pos, n));
+                }
+                pos += n;
             }
         }
+        for (pos, n) in parts {
+            self.write_impl(pos, &vec![0u8; n as usize])?;
+        }
+        Ok(())
     }
 }

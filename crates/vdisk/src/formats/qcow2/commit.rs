@@ -1,0 +1,219 @@
+//! Making writes durable: the ordered commit of all metadata changed since the last flush, and
+//! group commit for writes that must be durable when they complete (FUA, writethrough).
+//!
+//! [`Qcow2::flush_impl`] writes everything in one group, in this order:
+//!
+//! 1. Gaps of new clusters are filled (`cow.rs`); guest data is already in place. New L2 tables
+//!    and changed refcount blocks are written (if a refcount block is new: a sync, then the
+//!    refcount table that names it), then one sync. Everything the mapping of step 3 will point
+//!    to, and every refcount increment it needs, is then durable.
+//! 2. Only if the refcount table moved: the header, then a sync.
+//! 3. The changed parts of L2 tables and of the L1 table, then a sync. The flush is complete.
+//! 4. Refcount decrements for references dropped in step 3 are applied in memory only now, and
+//!    reach the disk in step 1 of the next flush: a stored refcount is never below the number of
+//!    durable references (a crash leaves at most leaked clusters), and a freed cluster cannot be
+//!    reused while durable metadata may still point to it.
+//!
+//! A flush therefore costs one sync when only allocated clusters were overwritten and two when
+//! anything was allocated (three when the refcount table grew), however many requests it covers.
+//! If a step fails, what was not written stays dirty in memory and the next flush retries it.
+
+use std::sync::{Condvar, Mutex};
+
+use super::Qcow2;
+use crate::error::{Error, IoContext, Result};
+
+/// State of group commit: concurrent callers that need their writes durable share flushes.
+#[derive(Debug, Default)]
+pub(super) struct Group {
+    state: Mutex<GroupState>,
+    done: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct GroupState {
+    running: bool,
+    /// Flushes completed.
+    completed: u64,
+    /// The first flush that failed since the last one that succeeded, with its errno and
+    /// message: a successful flush makes everything before it durable.
+    failed: Option<(u64, i32, String)>,
+}
+
+impl Qcow2 {
+    /// Commits everything written since the last flush, in the order the module docs give.
+    pub(super) fn flush_impl(&self) -> Result<()> {
+        if !self.writable {
+            return Ok(());
+        }
+        // No request is between placing its data and writing it while the metadata naming that
+        // data is committed.
+        let _gate = self.gate.write().unwrap_or_else(|e| e.into_inner());
+        let mut meta = self.lock();
+        self.fill_all(&mut meta)?;
+        let refs_dirty = meta.refs.as_ref().is_some_and(|r| r.is_dirty());
+        let mapping_dirty = meta.l1_dirty.is_some() || !meta.dirty.is_empty();
+        let data_written = meta.data_written;
+        if !refs_dirty && !mapping_dirty && !data_written {
+            return Ok(());
+        }
+        let sync = |what: &'static str| self.file.sync().context(|| format!("syncing {what}"));
+        let mut metadata_bytes = 0;
+        // Step 1: what the mapping will point to.
+        let fresh: Vec<u64> = meta.fresh.iter().copied().collect();
+        for &off in &fresh {
+            let bytes = meta.get(off).expect("dirty tables stay cached").to_bytes();
+            self.file
+                .write_at(off, &bytes)
+                .context(|| format!("writing the new L2 table at {off:#x}"))?;
+            metadata_bytes += bytes.len() as u64;
+        }
+        for off in &fresh {
+            meta.dirty.remove(off);
+        }
+        meta.fresh.clear();
+        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        metadata_bytes += refs.write_blocks(&*self.file)?;
+        if refs.table_dirty() {
+            // A new refcount block must be durable before the table entry naming it: the block
+            // holds its own refcount, and a table entry to a lost block reads as refcount 0.
+            sync("new refcount blocks")?;
+            metadata_bytes += refs.write_table(&*self.file)?;
+        }
+        // Without new clusters or refcount changes, and without data the mapping could point
+        // to, nothing has to be durable before the mapping.
+        if refs_dirty || !fresh.is_empty() || data_written || !mapping_dirty {
+            sync("data and refcounts")?;
+        }
+        // Step 2: a moved refcount table.
+        if refs.table_moved {
+            let mut h = self.header.clone();
+            let (offset, clusters) = refs.table_location();
+            h.refcount_table_offset = offset;
+            h.refcount_table_clusters = clusters as u32;
+            let bytes = h.to_bytes()?;
+            self.file
+                .write_at(0, &bytes)
+                .context(|| "writing the header".into())?;
+            metadata_bytes += bytes.len() as u64;
+            sync("the header")?;
+            refs.table_moved = false;
+        }
+        // Step 3: the mapping.
+        let mut mapped = false;
+        let dirty: Vec<_> = meta.dirty.iter().map(|(&o, &d)| (o, d)).collect();
+        for (off, d) in dirty {
+            let table = meta.get(off).expect("dirty tables stay cached");
+            let (from, to) = d.sectors(table.len() * table.entry_bytes());
+            let at = off + from as u64;
+            self.file
+                .write_at(at, &table.bytes(from, to))
+                .context(|| format!("writing the L2 table at {off:#x}"))?;
+            metadata_bytes += (to - from) as u64;
+            meta.dirty.remove(&off);
+            mapped = true;
+        }
+        if let Some(d) = meta.l1_dirty {
+            let (from, to) = d.sectors(meta.l1.len() * 8);
+            let bytes: Vec<u8> = meta.l1[from / 8..to.div_ceil(8)]
+                .iter()
+                .flat_map(|e| e.to_be_bytes())
+                .collect();
+            let at = self.header.l1_table_offset + from as u64;
+            self.file
+                .write_at(at, &bytes[..to - from])
+                .context(|| format!("writing the L1 table at {at:#x}"))?;
+            metadata_bytes += (to - from) as u64;
+            meta.l1_dirty = None;
+            mapped = true;
+        }
+        if mapped {
+            sync("the mapping")?;
+        }
+        // Step 4: references dropped by what is now durable.
+        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        refs.apply_frees(&*self.file)?;
+        meta.data_written = false;
+        self.counters.metadata_written(metadata_bytes);
+        self.counters.committed();
+        Ok(())
+    }
+
+    /// Makes every write completed before this call durable, sharing the flush with concurrent
+    /// callers: a flush already running may have started before the caller's write completed,
+    /// so the caller needs the one after it, which one waiting caller runs for all of them.
+    pub(super) fn commit_group(&self) -> Result<()> {
+        let group = &self.group;
+        let mut g = group.state.lock().unwrap_or_else(|e| e.into_inner());
+        let target = g.completed + if g.running { 2 } else { 1 };
+        loop {
+            if g.completed >= target {
+                return match &g.failed {
+                    Some((n, errno, msg)) if *n <= target => Err(Error::Io {
+                        context: msg.clone(),
+                        source: std::io::Error::from_raw_os_error(*errno),
+                    }),
+                    _ => Ok(()),
+                };
+            }
+            if g.running {
+                g = group.done.wait(g).unwrap_or_else(|e| e.into_inner());
+                continue;
+            }
+            g.running = true;
+            drop(g);
+            let result = self.flush_impl();
+            g = group.state.lock().unwrap_or_else(|e| e.into_inner());
+            g.running = false;
+            g.completed += 1;
+            match &result {
+                Ok(()) => g.failed = None,
+                Err(e) if g.failed.is_none() => {
+                    g.failed = Some((g.completed, e.errno(), e.to_string()))
+                }
+                Err(_) => {}
+            }
+            group.done.notify_all();
+            if g.completed >= target {
+                return result;
+            }
+        }
+    }
+
+    /// Flushes until nothing is left in memory (decrements applied by a flush are written by
+    /// the next one), then gives back the file space reserved ahead but not used.
+    pub fn close(&self) -> Result<()> {
+        self.flush_impl()?;
+        let pending = self.lock().refs.as_ref().is_some_and(|r| r.is_dirty());
+        if pending {
+            self.flush_impl()?;
+        }
+        let meta = self.lock();
+        if let Some(refs) = meta.refs.as_ref() {
+            let trim = refs.trim_len();
+            if self
+                .file
+                .len()
+                .context(|| "reading the image size".into())?
+                > trim
+            {
+                self.file
+                    .set_len(trim)
+                    .context(|| "giving back reserved space".into())?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Qcow2 {
+    /// Never loses acknowledged writes silently: an image dropped without `close` is closed
+    /// here, and a failure is reported on stderr (there is no caller left to return it to).
+    fn drop(&mut self) {
+        if self.writable {
+            if let Err(e) = self.close() {
+                eprintln!("vdisk: closing the image failed: {e}");
+            }
+        }
+    }
+}

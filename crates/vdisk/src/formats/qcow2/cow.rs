@@ -1,0 +1,202 @@
+//! Deferred copy-on-write: new clusters whose unwritten parts are not filled yet.
+//!
+//! When a write allocates a cluster, only the guest's bytes are written. The rest of the cluster
+//! (the "gaps") must hold the cluster's old content (backing file, old cluster, zeroes) before
+//! anything durable points to the new cluster, so a [`Pending`] record remembers which sectors
+//! the guest wrote and what the old content was. Gaps are filled only when they must be:
+//!
+//! - at flush, before the metadata naming the cluster is written (step 1 of the commit in
+//!   `commit.rs`);
+//! - when a read touches the cluster (it would otherwise see the gaps unfilled);
+//! - when too many clusters are pending (memory pressure).
+//!
+//! Sequential small writes that cover a whole cluster before the next flush thus copy nothing.
+//! Gaps whose old content is zero are not written at all when the host cluster is known to read
+//! as zero (it lies beyond the end the file had when it was opened and was never used since).
+
+use std::collections::BTreeMap;
+
+use super::cache::Meta;
+use super::l2::{L2Entry, SubclusterType, OFFSET_MASK};
+use super::Qcow2;
+use crate::bytes::is_zero;
+use crate::error::{IoContext, Result};
+
+/// Granularity of the written-sector map.
+pub(super) const SECTOR: u64 = 512;
+
+/// Pending clusters beyond which the oldest are filled at once.
+const MAX_PENDING: usize = 4096;
+
+/// A new cluster with gaps that are not filled yet.
+#[derive(Debug, Clone)]
+pub(super) struct Pending {
+    pub host: u64,
+    /// The entry the cluster had before: where the gaps' content comes from.
+    pub old: L2Entry,
+    /// The host cluster reads as zero wherever nothing was written.
+    pub host_zero: bool,
+    /// One bit per sector the guest has written.
+    written: Vec<u64>,
+    sectors: u64,
+}
+
+impl Pending {
+    pub fn new(host: u64, old: L2Entry, host_zero: bool, cluster_size: u64) -> Pending {
+        let sectors = cluster_size / SECTOR;
+        Pending {
+            host,
+            old,
+            host_zero,
+            written: vec![0; sectors.div_ceil(64) as usize],
+            sectors,
+        }
+    }
+
+    /// Marks the sectors of byte range `[from, to)` of the cluster as written. Partly covered
+    /// sectors count: callers only pass sector-aligned ranges.
+    pub fn mark(&mut self, from: u64, to: u64) {
+        for s in from / SECTOR..to.div_ceil(SECTOR) {
+            self.written[(s / 64) as usize] |= 1 << (s % 64);
+        }
+    }
+
+    /// Forgets that the sectors of `[from, to)` were written (their write failed): they are
+    /// filled with the old content again.
+    pub fn unmark(&mut self, from: u64, to: u64) {
+        for s in from / SECTOR..to.div_ceil(SECTOR) {
+            self.written[(s / 64) as usize] &= !(1 << (s % 64));
+        }
+    }
+
+    pub fn is_written(&self, sector: u64) -> bool {
+        self.written[(sector / 64) as usize] & (1 << (sector % 64)) != 0
+    }
+
+    pub fn complete(&self) -> bool {
+        (0..self.sectors).all(|s| self.is_written(s))
+    }
+
+    /// The unwritten byte ranges of the cluster, in order.
+    fn gaps(&self) -> Vec<(u64, u64)> {
+        let mut gaps = Vec::new();
+        let mut s = 0;
+        while s < self.sectors {
+            if self.is_written(s) {
+                s += 1;
+                continue;
+            }
+            let start = s;
+            while s < self.sectors && !self.is_written(s) {
+                s += 1;
+            }
+            gaps.push((start * SECTOR, s * SECTOR));
+        }
+        gaps
+    }
+}
+
+/// Pending clusters by guest cluster offset.
+pub(super) type PendingMap = BTreeMap<u64, Pending>;
+
+impl Qcow2 {
+    /// Fills the gaps of the pending cluster at guest offset `guest` and forgets it.
+    pub(super) fn fill(&self, meta: &mut Meta, guest: u64) -> Result<()> {
+        let Some(p) = meta.pending.get(&guest).cloned() else {
+            return Ok(());
+        };
+        // Forgotten only once filled: after a failure the next flush tries again.
+        self.fill_gaps(meta, guest, &p)?;
+        meta.pending.remove(&guest);
+        Ok(())
+    }
+
+    fn fill_gaps(&self, meta: &Meta, guest: u64, p: &Pending) -> Result<()> {
+        let gaps = p.gaps();
+        if gaps.is_empty() {
+            return Ok(());
+        }
+        let Some(now) = self.cached_entry(meta, guest) else {
+            return Ok(());
+        };
+        if now.word & OFFSET_MASK != p.host {
+            return Ok(());
+        }
+        let cs = self.header.cluster_size();
+        let scs = 1u64 << self.format.subcluster_bits();
+        // With extended L2 entries only allocated subclusters hold data; the others still read
+        // as zero or from the backing file and need no copy.
+        let mut parts = Vec::new();
+        for (from, to) in gaps {
+            let mut at = from;
+            while at < to {
+                let stop = (at / scs + 1) * scs;
+                let stop = stop.min(to);
+                if self.format.subcluster_type(now, at / scs)? == SubclusterType::Normal {
+                    parts.push((at, stop));
+                }
+                at = stop;
+            }
+        }
+        if parts.is_empty() {
+            return Ok(());
+        }
+        let mut old = vec![0u8; cs as usize];
+        let read = self.cluster_content(p.old, guest, &mut old)?;
+        let mut written = 0;
+        for (from, to) in parts {
+            let part = &old[from as usize..to as usize];
+            if p.host_zero && is_zero(part) {
+                continue;
+            }
+            let at = p.host + from;
+            self.data
+                .write_at(at, part)
+                .context(|| format!("copying on write to host offset {at:#x}"))?;
+            written += to - from;
+        }
+        self.counters.cow(read, written);
+        Ok(())
+    }
+
+    /// Fills every pending cluster overlapping guest range `[offset, offset + len)`: a read is
+    /// about to see them.
+    pub(super) fn fill_range(&self, offset: u64, len: u64) -> Result<()> {
+        let mut meta = self.lock();
+        if meta.pending.is_empty() {
+            return Ok(());
+        }
+        let cs = self.header.cluster_size();
+        let first = offset & !(cs - 1);
+        let hit: Vec<u64> = meta
+            .pending
+            .range(first..offset + len)
+            .map(|(&g, _)| g)
+            .collect();
+        for guest in hit {
+            self.fill(&mut meta, guest)?;
+        }
+        Ok(())
+    }
+
+    /// Fills every pending cluster (before a commit).
+    pub(super) fn fill_all(&self, meta: &mut Meta) -> Result<()> {
+        while let Some((&guest, _)) = meta.pending.first_key_value() {
+            self.fill(meta, guest)?;
+        }
+        Ok(())
+    }
+
+    /// Keeps the pending set bounded: drops records of complete clusters and fills the oldest.
+    pub(super) fn limit_pending(&self, meta: &mut Meta) -> Result<()> {
+        if meta.pending.len() <= MAX_PENDING {
+            return Ok(());
+        }
+        meta.pending.retain(|_, p| !p.complete());
+        while meta.pending.len() > MAX_PENDING / 2 {
+            let (&guest, _) = meta.pending.first_key_value().expect("not empty");
+            self.fill(meta, guest)?;
+        }
+        Ok(())
+    }
+}

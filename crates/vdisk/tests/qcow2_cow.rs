@@ -1,0 +1,268 @@
+//! Copy-on-write work, concurrency and failures of the qcow2 write path, read from the engine's
+//! counters: clusters covered completely before a flush copy nothing, gaps are filled from the
+//! backing file once, new space beyond the end of the file is never zero-filled, concurrent
+//! writes into one new cluster all land, and an injected EIO or ENOSPC at any storage call
+//! leaves an image that checks without corruption and holds every acknowledged write.
+
+use std::sync::Arc;
+
+use vdisk::formats::qcow2::check::check;
+use vdisk::formats::qcow2::create::{create, CreateOptions};
+use vdisk::storage::{Fault, FaultStorage, MemStorage, OpKind, Storage, When};
+use vdisk::{open_overlay, open_storage, open_storage_with, BlockDev, Format, Image};
+
+const CLUSTER: u64 = 64 << 10;
+const SIZE: u64 = 4 << 20;
+
+fn base() -> Arc<Image> {
+    let bytes: Vec<u8> = (0..SIZE).map(|i| (i / 512 % 251) as u8 + 1).collect();
+    let storage: Arc<dyn Storage> = Arc::new(MemStorage::from_bytes(bytes));
+    Arc::new(open_storage(storage, Some(Format::Raw), "base.raw").unwrap())
+}
+
+fn overlay(backing: &Arc<Image>) -> (Arc<dyn Storage>, Image) {
+    let storage: Arc<dyn Storage> = Arc::new(MemStorage::new());
+    let o = CreateOptions {
+        size: SIZE,
+        backing_file: Some("base.raw".into()),
+        backing_format: Some("raw".into()),
+        ..CreateOptions::default()
+    };
+    create(&*storage, None, &o).unwrap();
+    let image = open_overlay(storage.clone(), backing.clone(), "top.qcow2", true).unwrap();
+    (storage, image)
+}
+
+fn options() -> CreateOptions {
+    CreateOptions {
+        size: SIZE,
+        ..CreateOptions::default()
+    }
+}
+
+fn fresh(storage: Arc<dyn Storage>) -> Image {
+    create(&*storage, None, &options()).unwrap();
+    open_storage_with(storage, Some(Format::Qcow2), "fresh.qcow2", true).unwrap()
+}
+
+fn assert_clean(storage: &Arc<dyn Storage>, allow_leaks: bool) {
+    let image = open_storage(storage.clone(), Some(Format::Qcow2), "t").unwrap();
+    let report = check(image.qcow2().unwrap(), &mut |_| {}).unwrap();
+    assert_eq!(report.corruptions, 0, "corruptions");
+    if !allow_leaks {
+        assert_eq!(report.leaks, 0, "leaks");
+    }
+}
+
+#[test]
+fn clusters_covered_before_a_flush_copy_nothing() {
+    let backing = base();
+    let (_, image) = overlay(&backing);
+    for at in (0..2 * CLUSTER).step_by(4096) {
+        image.write(at, &[7u8; 4096]).unwrap();
+    }
+    image.flush().unwrap();
+    let c = image.counters();
+    assert_eq!(c.cow_bytes_read, 0, "{c:?}");
+    assert_eq!(c.cow_bytes_written, 0, "{c:?}");
+    let mut got = vec![0u8; 2 * CLUSTER as usize];
+    image.read(0, &mut got).unwrap();
+    assert!(got.iter().all(|&b| b == 7));
+}
+
+#[test]
+fn gaps_are_filled_from_the_backing_file_once() {
+    let backing = base();
+    let (storage, image) = overlay(&backing);
+    image.write(CLUSTER + 8192, &[9u8; 4096]).unwrap();
+    image.write(CLUSTER + 16384, &[9u8; 4096]).unwrap();
+    image.flush().unwrap();
+    let c = image.counters();
+    assert_eq!(c.cow_ops, 1, "{c:?}");
+    assert_eq!(c.cow_bytes_read, CLUSTER, "{c:?}");
+    assert_eq!(c.cow_bytes_written, CLUSTER - 8192, "{c:?}");
+    let mut got = vec![0u8; CLUSTER as usize];
+    image.read(CLUSTER, &mut got).unwrap();
+    let mut want = vec![0u8; CLUSTER as usize];
+    backing.read(CLUSTER, &mut want).unwrap();
+    want[8192..12288].fill(9);
+    want[16384..20480].fill(9);
+    assert!(got == want, "cluster content");
+    image.qcow2().unwrap().close().unwrap();
+    assert_clean(&storage, false);
+}
+
+#[test]
+fn a_read_of_a_gap_sees_the_backing_file() {
+    let backing = base();
+    let (_, image) = overlay(&backing);
+    image.write(0, &[3u8; 512]).unwrap();
+    let mut got = vec![0u8; 1024];
+    image.read(0, &mut got).unwrap();
+    let mut want = vec![0u8; 1024];
+    backing.read(0, &mut want).unwrap();
+    want[..512].fill(3);
+    assert_eq!(got, want);
+}
+
+#[test]
+fn new_space_beyond_the_file_is_not_zero_filled() {
+    let storage: Arc<dyn Storage> = Arc::new(MemStorage::new());
+    let image = fresh(storage.clone());
+    for k in 0..16 {
+        image.write(k * CLUSTER + 4096, &[5u8; 4096]).unwrap();
+    }
+    image.flush().unwrap();
+    let c = image.counters();
+    assert_eq!(c.cow_bytes_written, 0, "{c:?}");
+    assert_eq!(c.cow_bytes_read, 0, "{c:?}");
+    let mut got = vec![1u8; CLUSTER as usize];
+    image.read(3 * CLUSTER, &mut got).unwrap();
+    assert!(got[..4096].iter().all(|&b| b == 0));
+    assert!(got[4096..8192].iter().all(|&b| b == 5));
+    assert!(got[8192..].iter().all(|&b| b == 0));
+    image.qcow2().unwrap().close().unwrap();
+    assert_clean(&storage, false);
+}
+
+#[test]
+fn concurrent_writes_into_new_clusters_all_land() {
+    let backing = base();
+    let (storage, image) = overlay(&backing);
+    let threads = 8u64;
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let image = &image;
+            s.spawn(move || {
+                // Thread t writes the t-th 4 KiB of every 32 KiB, so each new cluster is
+                // written by all threads at once.
+                for k in 0..64u64 {
+                    let at = k * 32768 + t * 4096;
+                    let fill = (t * 16 + k % 16) as u8 + 1;
+                    if k % 4 == 3 {
+                        image.write_fua(at, &vec![fill; 4096]).unwrap();
+                    } else {
+                        image.write(at, &vec![fill; 4096]).unwrap();
+                    }
+                }
+            });
+        }
+    });
+    image.qcow2().unwrap().close().unwrap();
+    drop(image);
+    assert_clean(&storage, false);
+    let image = open_overlay(storage, backing.clone(), "top.qcow2", false).unwrap();
+    let mut got = vec![0u8; (64 * 32768) as usize];
+    image.read(0, &mut got).unwrap();
+    for k in 0..64u64 {
+        for t in 0..threads {
+            let at = (k * 32768 + t * 4096) as usize;
+            let fill = (t * 16 + k % 16) as u8 + 1;
+            assert!(got[at..at + 4096].iter().all(|&b| b == fill), "k {k} t {t}");
+        }
+    }
+}
+
+/// What each byte may hold: its value after the last successful request, or the value of a
+/// failed request that may or may not have reached it.
+struct Model {
+    exact: Vec<u8>,
+    maybe: Vec<Option<u8>>,
+}
+
+#[test]
+fn every_injected_failure_leaves_a_consistent_image() {
+    // (offset, length, fill): writes that allocate, overwrite, fill gaps, and grow tables.
+    let writes: Vec<(u64, u64, u8)> = vec![
+        (0, 4096, 1),
+        (CLUSTER + 512, 8192, 2),
+        (3 * CLUSTER - 4096, 2 * CLUSTER, 3),
+        (0, 512, 4),
+        (SIZE - 8192, 8192, 5),
+        (CLUSTER, CLUSTER, 6),
+    ];
+    // One clean run counts the calls of each kind.
+    let counter = {
+        let inner: Arc<dyn Storage> = Arc::new(MemStorage::new());
+        create(&*inner, None, &options()).unwrap();
+        let faulty = Arc::new(FaultStorage::new(inner));
+        let mut model = Model {
+            exact: vec![0; SIZE as usize],
+            maybe: vec![None; SIZE as usize],
+        };
+        let image = run_after_create(&faulty, &writes, &mut model).unwrap();
+        image.qcow2().unwrap().close().unwrap();
+        faulty
+    };
+    let mut fired = 0;
+    for op in [OpKind::Read, OpKind::Write, OpKind::Sync, OpKind::Allocate] {
+        let calls = counter.calls(op);
+        assert!(calls > 0 || op == OpKind::Read, "no {op:?} calls");
+        for k in 0..calls {
+            for errno in [libc::EIO, libc::ENOSPC] {
+                let inner: Arc<dyn Storage> = Arc::new(MemStorage::new());
+                let faulty = Arc::new(FaultStorage::new(inner.clone()));
+                let mut model = Model {
+                    exact: vec![0; SIZE as usize],
+                    maybe: vec![None; SIZE as usize],
+                };
+                // `create` makes its own calls: count from the open on.
+                create(&*inner, None, &options()).unwrap();
+                faulty.inject(Fault {
+                    op,
+                    when: When::From(k),
+                    errno,
+                    short: None,
+                });
+                let image = run_after_create(&faulty, &writes, &mut model);
+                // The fault goes away (space freed, disk replaced): a flush must now succeed
+                // and keep everything acknowledged.
+                fired += faulty.fired();
+                faulty.clear();
+                if let Some(image) = image {
+                    image
+                        .flush()
+                        .unwrap_or_else(|e| panic!("{op:?} call {k}: flush: {e}"));
+                    image.qcow2().unwrap().close().unwrap();
+                }
+                assert_clean(&inner, true);
+                let image = open_storage(inner, Some(Format::Qcow2), "t").unwrap();
+                let mut got = vec![0u8; SIZE as usize];
+                image.read(0, &mut got).unwrap();
+                for (b, &v) in got.iter().enumerate() {
+                    let ok = v == model.exact[b] || model.maybe[b] == Some(v);
+                    assert!(ok, "{op:?} call {k} errno {errno}: byte {b} is {v}");
+                }
+            }
+        }
+    }
+    eprintln!("faults fired: {fired}");
+    assert!(fired > 20, "faults fired: {fired}");
+}
+
+/// Opens the image in `faulty` and runs `writes` (a flush after every second one) until one
+/// fails, recording in `model` what each byte may hold.
+fn run_after_create(
+    faulty: &Arc<FaultStorage>,
+    writes: &[(u64, u64, u8)],
+    model: &mut Model,
+) -> Option<Image> {
+    let storage: Arc<dyn Storage> = faulty.clone();
+    let image = open_storage_with(storage, Some(Format::Qcow2), "f.qcow2", true).ok()?;
+    for (i, &(at, len, fill)) in writes.iter().enumerate() {
+        let written = image.write(at, &vec![fill; len as usize]).is_ok();
+        let range = at as usize..(at + len) as usize;
+        for b in range {
+            if written {
+                model.exact[b] = fill;
+                model.maybe[b] = None;
+            } else {
+                model.maybe[b] = Some(fill);
+            }
+        }
+        if !written || (i % 2 == 1 && image.flush().is_err()) {
+            break;
+        }
+    }
+    Some(image)
+}
