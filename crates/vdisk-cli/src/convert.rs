@@ -1,4 +1,5 @@
-//! `vdisk convert`: copy an image's guest contents into a new image.
+//! `vdisk convert`: copy an image's guest contents into a new image (raw, or qcow2 made with
+//! `create`'s options, compressed with `-c`).
 //!
 //! The copy walks the source's block status: ranges that read as zero are skipped (the new
 //! target already reads as zero there), stored data is read and written in large chunks by one
@@ -11,7 +12,7 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use vdisk::{open_image, BlockDev, Error, Image};
+use vdisk::{open_image, BlockDev, Error, Format, Image, ImageOptions};
 
 use crate::text::Progress;
 use crate::{fail, read_options};
@@ -27,6 +28,10 @@ pub struct Args<'a> {
     pub format: Option<&'a str>,
     pub output_format: &'a str,
     pub snapshot: Option<&'a str>,
+    /// Options for the new image, as `create -o` takes them.
+    pub options: &'a [String],
+    /// Compress every cluster (`-c`, qcow2 only).
+    pub compress: bool,
     pub progress: bool,
     /// Make the target durable before returning.
     pub sync: bool,
@@ -56,35 +61,93 @@ pub fn run(args: Args) -> ExitCode {
             return fail(e, 1);
         }
     }
-    if args.output_format != "raw" {
-        return fail(
-            format!(
-                "output format '{}' is not supported yet (raw is)",
-                args.output_format
-            ),
-            1,
-        );
-    }
-    let target = match File::create(args.target) {
-        Ok(f) => f,
-        Err(e) => return fail(format!("Could not create '{}': {e}", args.target), 1),
+    let result = match args.output_format {
+        "raw" if !args.compress && args.options.is_empty() => to_raw(&source, &args),
+        "raw" | "qcow2" => to_image(&source, &args),
+        other => Err(Error::invalid(format!(
+            "output format '{other}' is not supported (raw and qcow2 are)"
+        ))),
     };
-    if let Err(e) = target.set_len(source.size()) {
-        return fail(format!("Could not resize '{}': {e}", args.target), 1);
-    }
-    if let Err(e) = copy(&source, &target, args.progress) {
-        return fail(format!("error while converting: {e}"), 1);
-    }
-    if args.sync {
-        if let Err(e) = target.sync_data() {
-            return fail(format!("error while syncing '{}': {e}", args.target), 1);
-        }
+    if let Err(e) = result {
+        return fail(e, 1);
     }
     ExitCode::SUCCESS
 }
 
+/// Converts into a raw file written directly (the fast path: no format layer to go through).
+fn to_raw(source: &Image, args: &Args) -> vdisk::Result<()> {
+    let create_error = |e: std::io::Error| Error::Io {
+        context: format!("Could not create '{}'", args.target),
+        source: e,
+    };
+    let target = File::create(args.target).map_err(create_error)?;
+    target.set_len(source.size()).map_err(create_error)?;
+    copy(source, &Target::File(&target), args.progress)
+        .map_err(|e| e.prefixed("error while converting: "))?;
+    if args.sync {
+        target.sync_data().map_err(|e| Error::Io {
+            context: format!("error while syncing '{}'", args.target),
+            source: e,
+        })?;
+    }
+    Ok(())
+}
+
+/// Converts into a new image created like `vdisk create` would, written through the engine.
+fn to_image(source: &Image, args: &Args) -> vdisk::Result<()> {
+    if args.compress && args.output_format != "qcow2" {
+        return Err(Error::unsupported(
+            "Compression not supported for this file format",
+        ));
+    }
+    let size = source.size().to_string();
+    let target_error = |e: Error| {
+        e.prefixed(&format!(
+            "{}: error while converting {}: ",
+            args.target, args.output_format
+        ))
+    };
+    crate::create::create(&crate::create::Args {
+        format: args.output_format,
+        options: args.options,
+        backing: None,
+        backing_format: None,
+        unsafe_backing: false,
+        quiet: true,
+        filename: args.target,
+        size: Some(&size),
+    })
+    .map_err(target_error)?;
+    let opts = ImageOptions {
+        format: Some(Format::parse(args.output_format)?),
+        write: true,
+        ..ImageOptions::default()
+    };
+    let target = open_image(args.target, &opts)?;
+    let copied = copy(
+        source,
+        &Target::Image(&target, args.compress),
+        args.progress,
+    )
+    .map_err(|e| e.prefixed("error while converting: "));
+    // Closing commits the metadata: always, so that the image is consistent whatever happened.
+    let closed = match target.qcow2() {
+        Some(q) => q.close(),
+        None => target.flush(),
+    };
+    copied?;
+    closed
+}
+
+/// Where converted data goes.
+enum Target<'a> {
+    File(&'a File),
+    /// An image, and whether to compress its clusters.
+    Image(&'a Image, bool),
+}
+
 /// Copies all guest data of `source` into `target` with one worker per core.
-fn copy(source: &Image, target: &File, show_progress: bool) -> vdisk::Result<()> {
+fn copy(source: &Image, target: &Target, show_progress: bool) -> vdisk::Result<()> {
     let size = source.size();
     let next = AtomicU64::new(0);
     let done = AtomicU64::new(0);
@@ -133,11 +196,14 @@ fn copy(source: &Image, target: &File, show_progress: bool) -> vdisk::Result<()>
 
 fn copy_range(
     source: &Image,
-    target: &File,
+    target: &Target,
     start: u64,
     end: u64,
     buf: &mut [u8],
 ) -> vdisk::Result<()> {
+    if let Target::Image(image, true) = target {
+        return copy_compressed(source, image, start, end, buf);
+    }
     let mut pos = start;
     while pos < end {
         let st = source.block_status(pos, end - pos)?;
@@ -153,11 +219,38 @@ fn copy_range(
     Ok(())
 }
 
-/// Writes `data` at `offset`, skipping 4 KiB blocks that are all zero.
-fn write_nonzero(target: &File, offset: u64, data: &[u8]) -> vdisk::Result<()> {
-    let io = |source: std::io::Error| Error::Io {
-        context: format!("writing the target at {offset:#x}"),
-        source,
+/// Copies `[start, end)` cluster by cluster into compressed clusters, skipping all-zero ones.
+fn copy_compressed(
+    source: &Image,
+    target: &Image,
+    start: u64,
+    end: u64,
+    buf: &mut [u8],
+) -> vdisk::Result<()> {
+    let cs = target.qcow2().map_or(CHUNK, |q| q.header().cluster_size()) as usize;
+    let data = &mut buf[..(end - start) as usize];
+    source.read(start, data)?;
+    for (k, cluster) in data.chunks(cs).enumerate() {
+        if !vdisk::bytes::is_zero(cluster) {
+            let at = start + (k * cs) as u64;
+            match target.qcow2() {
+                Some(q) => q.write_compressed(at, cluster)?,
+                None => target.write(at, cluster)?,
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes `data` at `offset`, skipping 4 KiB blocks that are all zero (the new target already
+/// reads as zero there).
+fn write_nonzero(target: &Target, offset: u64, data: &[u8]) -> vdisk::Result<()> {
+    let write = |bytes: &[u8], at: u64| match target {
+        Target::File(f) => f.write_all_at(bytes, at).map_err(|source| Error::Io {
+            context: format!("writing the target at {at:#x}"),
+            source,
+        }),
+        Target::Image(image, _) => image.write(at, bytes),
     };
     let mut run_start = None;
     let mut at = 0;
@@ -167,9 +260,7 @@ fn write_nonzero(target: &File, offset: u64, data: &[u8]) -> vdisk::Result<()> {
         match (zero, run_start) {
             (false, None) => run_start = Some(at),
             (true, Some(s)) => {
-                target
-                    .write_all_at(&data[s..at], offset + s as u64)
-                    .map_err(io)?;
+                write(&data[s..at], offset + s as u64)?;
                 run_start = None;
             }
             _ => {}
@@ -177,9 +268,7 @@ fn write_nonzero(target: &File, offset: u64, data: &[u8]) -> vdisk::Result<()> {
         at += block.len();
     }
     if let Some(s) = run_start {
-        target
-            .write_all_at(&data[s..], offset + s as u64)
-            .map_err(io)?;
+        write(&data[s..], offset + s as u64)?;
     }
     Ok(())
 }

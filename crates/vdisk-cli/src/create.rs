@@ -77,7 +77,8 @@ pub fn run(args: Args) -> ExitCode {
     }
 }
 
-fn create(args: &Args) -> vdisk::Result<()> {
+/// Creates the image `args` describe (also used by `convert` for its target).
+pub fn create(args: &Args) -> vdisk::Result<()> {
     let format = Format::parse(args.format)?;
     let mut o = CreateOptions::default();
     let mut shown: Vec<(String, String)> = Vec::new();

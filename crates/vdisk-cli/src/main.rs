@@ -115,6 +115,12 @@ enum Command {
         /// Read this internal snapshot ("ID", "NAME" or "snapshot.id=ID,snapshot.name=NAME").
         #[arg(short = 'l')]
         snapshot: Option<String>,
+        /// Options for the new image, as for `create -o` (repeatable).
+        #[arg(short = 'o')]
+        options: Vec<String>,
+        /// Compress the target's clusters (qcow2).
+        #[arg(short = 'c')]
+        compress: bool,
         /// Show progress.
         #[arg(short = 'p')]
         progress: bool,
@@ -235,6 +241,8 @@ fn main() -> ExitCode {
             format,
             output_format,
             snapshot,
+            options,
+            compress,
             progress,
             cache,
             source,
@@ -246,6 +254,8 @@ fn main() -> ExitCode {
             format: format.as_deref(),
             output_format: &output_format,
             snapshot: snapshot.as_deref(),
+            options: &options,
+            compress,
             progress,
             sync: cache != CacheMode::Unsafe,
         }),

@@ -240,6 +240,10 @@ impl Refcounts {
         self.used_end().max(self.opened_len)
     }
 
+    pub fn opened_len(&self) -> u64 {
+        self.opened_len
+    }
+
     /// Makes sure the file has space up to cluster `end`, reserving in steps of an eighth of
     /// the file (1 MiB to 64 MiB) so that the file grows rarely and a full disk is reported
     /// here, before any metadata changes, rather than by a later data write.
@@ -251,12 +255,17 @@ impl Refcounts {
         let step = (self.reserved / 8).clamp(1 << 20, 64 << 20);
         let want = need.max(self.reserved + step).next_multiple_of(self.cs());
         let from = self.reserved;
-        if file.allocate(from, want - from).is_err() {
-            // Maybe the step is too much for the space left: try what is needed.
-            file.allocate(from, need - from)
-                .context(|| format!("growing the image file to {need} bytes"))?;
-            self.reserved = need;
-            return Ok(());
+        match file.allocate(from, want - from) {
+            Ok(()) => {}
+            // A file system without fallocate: the file grows as it is written.
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => self.reserved = want,
+            Err(_) => {
+                // Maybe the step is too much for the space left: try what is needed.
+                file.allocate(from, need - from)
+                    .context(|| format!("growing the image file to {need} bytes"))?;
+                self.reserved = need;
+                return Ok(());
+            }
         }
         self.reserved = want;
         Ok(())

@@ -57,6 +57,11 @@ pub(super) struct Meta {
     pub data_written: bool,
     /// New clusters whose gaps are not filled yet (see `cow.rs`).
     pub pending: PendingMap,
+    /// Where the next compressed cluster can be packed: the first free byte in the host
+    /// cluster compressed data went to last (0 for none).
+    pub packed_tail: u64,
+    /// The end of the last byte of compressed data written.
+    pub packed_end: u64,
 }
 
 impl Meta {
@@ -72,6 +77,8 @@ impl Meta {
             refs,
             data_written: false,
             pending: PendingMap::new(),
+            packed_tail: 0,
+            packed_end: 0,
         }
     }
 

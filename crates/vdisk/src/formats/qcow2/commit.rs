@@ -133,6 +133,8 @@ impl Qcow2 {
         // Step 4: references dropped by what is now durable.
         let refs = meta.refs.as_mut().expect("writable images have refcounts");
         refs.apply_frees(&*self.file)?;
+        // A host cluster of packed compressed data may now be free and handed out again.
+        meta.packed_tail = 0;
         meta.data_written = false;
         self.counters.metadata_written(metadata_bytes);
         self.counters.committed();
@@ -190,7 +192,13 @@ impl Qcow2 {
         }
         let meta = self.lock();
         if let Some(refs) = meta.refs.as_ref() {
-            let trim = refs.trim_len();
+            // Compressed data may end inside the last cluster: the file ends with it, at a
+            // sector boundary, as QEMU leaves it.
+            let mut trim = refs.trim_len();
+            let cs = self.header.cluster_size();
+            if meta.packed_end + cs > trim && meta.packed_end < trim {
+                trim = meta.packed_end.next_multiple_of(512).max(refs.opened_len());
+            }
             if self
                 .file
                 .len()

@@ -3,7 +3,7 @@
 //! A compressed cluster's stored extent is rounded up to 512-byte sectors, so the input may
 //! carry trailing bytes after the stream; decompression stops once a whole cluster is produced.
 
-use flate2::{Decompress, FlushDecompress, Status};
+use flate2::{Compress, Compression as Level, Decompress, FlushCompress, FlushDecompress, Status};
 
 use super::header::Compression;
 use crate::error::{Error, Result};
@@ -22,6 +22,23 @@ pub fn decompress(kind: Compression, input: &[u8], out: &mut [u8]) -> Result<()>
             kind.name()
         )))
     }
+}
+
+/// Compresses one cluster as QEMU does (raw deflate with a 4 KiB window, or one zstd frame).
+/// `None` when the result would not be smaller than the cluster: it is then stored plainly.
+pub fn compress(kind: Compression, input: &[u8]) -> Option<Vec<u8>> {
+    let out = match kind {
+        Compression::Zlib => {
+            let mut c = Compress::new_with_window_bits(Level::default(), false, 12);
+            let mut out = Vec::with_capacity(input.len());
+            match c.compress_vec(input, &mut out, FlushCompress::Finish) {
+                Ok(Status::StreamEnd) => out,
+                _ => return None,
+            }
+        }
+        Compression::Zstd => zstd::bulk::compress(input, 0).ok()?,
+    };
+    (out.len() < input.len()).then_some(out)
 }
 
 fn inflate(input: &[u8], out: &mut [u8]) -> bool {

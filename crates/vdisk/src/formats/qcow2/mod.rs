@@ -10,6 +10,7 @@ pub mod check;
 mod commit;
 mod compress;
 mod cow;
+mod packed;
 pub mod create;
 pub mod header;
 pub mod l2;

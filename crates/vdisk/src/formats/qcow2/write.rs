@@ -256,7 +256,7 @@ impl Qcow2 {
     }
 
     /// Allocates `n` contiguous clusters and counts it.
-    fn alloc_clusters(&self, meta: &mut Meta, n: u64) -> Result<u64> {
+    pub(super) fn alloc_clusters(&self, meta: &mut Meta, n: u64) -> Result<u64> {
         let refs = meta.refs.as_mut().expect("writable images have refcounts");
         let first = refs.alloc(&*self.file, n)?;
         self.counters.allocated(n);
@@ -310,7 +310,7 @@ impl Qcow2 {
     }
 
     /// Drops, once the change is durable, the references entry `e` held.
-    fn free_entry_later(&self, meta: &mut Meta, e: L2Entry) {
+    pub(super) fn free_entry_later(&self, meta: &mut Meta, e: L2Entry) {
         let refs = meta.refs.as_mut().expect("writable images have refcounts");
         let cb = self.header.cluster_bits;
         if e.word & OFLAG_COMPRESSED != 0 {
@@ -345,7 +345,7 @@ impl Qcow2 {
 
     /// The L2 table (host offset, index) for guest offset `guest`, made writable: a missing
     /// table is allocated, one shared with a snapshot (no COPIED flag) is copied.
-    fn writable_table(&self, meta: &mut Meta, guest: u64) -> Result<(u64, usize)> {
+    pub(super) fn writable_table(&self, meta: &mut Meta, guest: u64) -> Result<(u64, usize)> {
         let cb = self.header.cluster_bits;
         let l2_bits = self.header.l2_entries().trailing_zeros();
         let l1_index = (guest >> (cb + l2_bits)) as usize;
