@@ -8,6 +8,7 @@ mod create;
 mod info;
 mod map;
 mod qjson;
+mod resize;
 mod snapshot;
 mod text;
 
@@ -132,6 +133,19 @@ enum Command {
         force_share: bool,
         source: String,
         target: String,
+    },
+    /// Change the virtual size of an image (like `qemu-img resize`): SIZE, +SIZE or -SIZE.
+    Resize {
+        #[arg(short = 'f')]
+        format: Option<String>,
+        /// Allow the image to get smaller (data beyond the new end is lost).
+        #[arg(long)]
+        shrink: bool,
+        #[arg(short = 'q')]
+        quiet: bool,
+        filename: String,
+        #[arg(allow_hyphen_values = true)]
+        size: String,
     },
     /// Manage internal snapshots (like `qemu-img snapshot`); listing (`-l`) is supported,
     /// creating, applying and deleting come with the qcow2 write path.
@@ -258,6 +272,19 @@ fn main() -> ExitCode {
             compress,
             progress,
             sync: cache != CacheMode::Unsafe,
+        }),
+        Command::Resize {
+            format,
+            shrink,
+            quiet,
+            filename,
+            size,
+        } => resize::run(resize::Args {
+            format: format.as_deref(),
+            shrink,
+            quiet,
+            filename: &filename,
+            size: &size,
         }),
         Command::Snapshot {
             format,

@@ -106,6 +106,14 @@ impl Image {
         }
     }
 
+    /// Sets the virtual size (the image must be open for writing).
+    pub fn resize(&mut self, new_size: u64) -> Result<()> {
+        match &mut self.driver {
+            Driver::Raw(r) => r.resize(new_size),
+            Driver::Qcow2(q) => q.resize(new_size),
+        }
+    }
+
     /// The format's counters (all zero for raw, which allocates nothing and copies nothing).
     pub fn counters(&self) -> CountersSnapshot {
         self.qcow2()

@@ -44,6 +44,16 @@ impl Raw {
         &self.storage
     }
 
+    /// Sets the size, truncating or extending the file (new space reads as zero).
+    pub fn resize(&mut self, new_size: u64) -> Result<()> {
+        self.writable("resize")?;
+        self.storage
+            .set_len(new_size)
+            .context(|| format!("resizing the raw image to {new_size} bytes"))?;
+        self.size = new_size;
+        Ok(())
+    }
+
     fn writable(&self, what: &str) -> Result<()> {
         if self.read_only {
             return Err(Error::ReadOnly(what.into()));

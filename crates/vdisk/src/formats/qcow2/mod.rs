@@ -11,6 +11,7 @@ mod commit;
 mod compress;
 mod cow;
 mod packed;
+mod resize;
 pub mod create;
 pub mod header;
 pub mod l2;

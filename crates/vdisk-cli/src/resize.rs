@@ -1,0 +1,81 @@
+//! `vdisk resize`: change an image's virtual size, with qemu-img's size syntax, checks and
+//! messages (`+SIZE` grows, `-SIZE` shrinks, shrinking needs `--shrink`).
+
+use std::process::ExitCode;
+
+use vdisk::{open_image, BlockDev, Format, ImageOptions};
+
+use crate::create::parse_size;
+use crate::fail;
+
+pub struct Args<'a> {
+    pub format: Option<&'a str>,
+    pub shrink: bool,
+    pub quiet: bool,
+    pub filename: &'a str,
+    pub size: &'a str,
+}
+
+const SIZE_HELP: &str = "Parameter 'size' expects a non-negative number below 2^64\n\
+Optional suffix k, M, G, T, P or E means kilo-, mega-, giga-, tera-, peta-\n\
+and exabytes, respectively.";
+
+const SHRINK_WARNING: &str = "warning: Shrinking an image will delete all data beyond the \
+shrunken image's end. Before performing such an operation, make sure there is no important \
+data there.";
+
+pub fn run(args: Args) -> ExitCode {
+    let (sign, number) = match args.size.as_bytes().first() {
+        Some(b'+') => (1, &args.size[1..]),
+        Some(b'-') => (-1, &args.size[1..]),
+        _ => (0, args.size),
+    };
+    let Some(amount) = parse_size(number) else {
+        return fail(SIZE_HELP, 1);
+    };
+    let opts = ImageOptions {
+        format: match args.format.map(Format::parse).transpose() {
+            Ok(f) => f,
+            Err(e) => return fail(e, 1),
+        },
+        write: true,
+        ..ImageOptions::default()
+    };
+    let mut image = match open_image(args.filename, &opts) {
+        Ok(i) => i,
+        Err(e) => return fail(e, 1),
+    };
+    if args.format.is_none() && image.format() == Format::Raw {
+        eprintln!(
+            "WARNING: Image format was not specified for '{}' and probing guessed raw.\n         \
+             Automatically detecting the format is dangerous for raw images, write operations \
+             on block 0 will be restricted.\n         Specify the 'raw' format explicitly to \
+             remove the restrictions.",
+            args.filename
+        );
+    }
+    let old = image.size();
+    let new = match sign {
+        1 => old.checked_add(amount),
+        -1 => old.checked_sub(amount).filter(|&n| n > 0),
+        _ => Some(amount),
+    };
+    let Some(new) = new.filter(|&n| n > 0) else {
+        return fail("New image size must be positive", 1);
+    };
+    if new < old && !args.shrink {
+        eprintln!("vdisk: Use the --shrink option to perform a shrink operation.");
+        return fail(SHRINK_WARNING, 1);
+    }
+    let result = image.resize(new).and_then(|()| match image.qcow2() {
+        Some(q) => q.close(),
+        None => image.flush(),
+    });
+    if let Err(e) = result {
+        return fail(e, 1);
+    }
+    if !args.quiet {
+        println!("Image resized.");
+    }
+    ExitCode::SUCCESS
+}

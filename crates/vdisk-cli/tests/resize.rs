@@ -1,0 +1,90 @@
+//! `vdisk resize` against `qemu-img resize`: the same command on copies of the same image must
+//! print the same, exit the same, and leave images that check clean, have the same virtual size
+//! and hold the same contents.
+
+mod common;
+
+use common::{tools, Failures, Workdir};
+
+/// (format[:create options], size, resize options, new size).
+const CASES: &[(&str, &str, &[&str], &str)] = &[
+    ("qcow2", "10M", &[], "+5M"),
+    ("qcow2", "10M", &[], "10G"),
+    ("qcow2", "10M", &["--shrink"], "4M"),
+    ("qcow2", "10M", &["--shrink"], "-3M"),
+    ("qcow2", "10M", &[], "4M"),
+    ("qcow2", "10M", &[], "abc"),
+    ("qcow2", "10M", &[], "-20M"),
+    ("qcow2", "10M", &[], "20000001"),
+    ("qcow2", "10M", &["-q"], "+1M"),
+    ("qcow2:cluster_size=512", "4M", &[], "100M"),
+    ("qcow2:cluster_size=512", "40M", &["--shrink"], "1M"),
+    ("qcow2:compat=0.10", "10M", &[], "+100M"),
+    ("qcow2:extended_l2=on", "10M", &[], "2G"),
+    ("qcow2:refcount_bits=1,cluster_size=4k", "10M", &[], "3G"),
+    ("raw", "10M", &["-f", "raw"], "20M"),
+    ("raw", "10M", &["-f", "raw", "--shrink"], "3M"),
+];
+
+#[test]
+fn resize_matches_qemu() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "resize");
+    let mut failures = Failures::new("resize", &wd);
+    for (i, (recipe, size, options, new_size)) in CASES.iter().enumerate() {
+        let name = format!("case {i}: {recipe} {size}, resize {options:?} {new_size}");
+        let (format, create_options) = recipe.split_once(':').unwrap_or((recipe, ""));
+        let mut create = vec!["create", "-q", "-f", format];
+        if !create_options.is_empty() {
+            create.extend(["-o", create_options]);
+        }
+        create.extend(["q.img", size]);
+        wd.setup_img(&create);
+        wd.setup_io(
+            "q.img",
+            Some(format),
+            &[
+                "write -P 0x5a 0 1M",
+                "write -P 0x33 2M 64k",
+                "write -z 3M 512k",
+            ],
+        );
+        wd.copy_dense("q.img", "v.img");
+        let command = |image: &'static str| {
+            let mut args = vec!["resize"];
+            args.extend(options.iter());
+            args.push(image);
+            if new_size.starts_with('-') {
+                args.push("--");
+            }
+            args.push(new_size);
+            args
+        };
+        let q = wd.qemu_img(&command("q.img"));
+        let v = wd.vdisk(&command("v.img"));
+        if failures.same_outcome(&name, "resize", &q, &v) && v.success() {
+            if format == "qcow2" {
+                let check = wd.qemu_img(&["check", "-f", format, "v.img"]);
+                if !failures.count(check.success()) {
+                    failures.add(&name, "qemu-img check", &check.stdout);
+                }
+            }
+            let size_of = |image: &str| {
+                let info = wd.qemu_img(&["info", "-f", format, image]);
+                let line = info
+                    .stdout
+                    .lines()
+                    .find(|l| l.starts_with("virtual size: "));
+                line.expect("virtual size").to_string()
+            };
+            failures.same_text(&name, "virtual size", &size_of("q.img"), &size_of("v.img"));
+            let cmp = wd.qemu_img(&["compare", "-f", format, "-F", format, "q.img", "v.img"]);
+            if !failures.count(cmp.success()) {
+                failures.add(&name, "qemu-img compare", &cmp.stdout);
+            }
+        }
+        wd.remove("q.img");
+        wd.remove("v.img");
+    }
+    failures.finish();
+}

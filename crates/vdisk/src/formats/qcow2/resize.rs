@@ -1,0 +1,146 @@
+//! Changing the virtual size of a qcow2 image (`vdisk resize`).
+//!
+//! Growing needs more L1 entries when the new size reaches past what the L1 table maps: a new,
+//! larger table is written to new clusters and made durable before the header points to it
+//! (one header write switches size and table together), and the old table's clusters are freed
+//! only after that. Shrinking drops every cluster past the new end first (committed like any
+//! discard), then lowers the size in the header.
+
+use super::l2::{L2Entry, OFFSET_MASK};
+use super::Qcow2;
+use crate::error::{Error, IoContext, Result};
+
+impl Qcow2 {
+    /// Sets the virtual size to `new_size` (a multiple of 512).
+    pub fn resize(&mut self, new_size: u64) -> Result<()> {
+        if !self.writable {
+            return Err(Error::ReadOnly("resize".into()));
+        }
+        if new_size % 512 != 0 {
+            return Err(Error::invalid("The new size must be a multiple of 512"));
+        }
+        // Snapshots keep their own L1 tables and sizes; clusters they share with the active
+        // image lose one reference when it drops them.
+        if new_size < self.size {
+            self.drop_beyond(new_size)?;
+        }
+        self.flush_impl()?;
+        let mut h = self.header.clone();
+        h.size = new_size;
+        let needed = h.l1_entries_needed();
+        if needed > u64::from(h.l1_size) {
+            if needed * 8 > super::header::MAX_L1_BYTES {
+                return Err(Error::invalid(
+                    "Image size is too large for this cluster size",
+                ));
+            }
+            self.grow_l1(&mut h, needed)?;
+        }
+        self.write_header(&h)?;
+        self.header = h;
+        self.size = new_size;
+        Ok(())
+    }
+
+    /// Unmaps every cluster that starts at or after `new_size`, and the L2 tables wholly past it.
+    fn drop_beyond(&self, new_size: u64) -> Result<()> {
+        let cs = self.header.cluster_size();
+        let span = cs * self.header.l2_entries();
+        let first = new_size.next_multiple_of(cs);
+        let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
+        let mut meta = self.lock();
+        let l1_len = meta.l1.len();
+        for l1_index in (first / span) as usize..l1_len {
+            let l1e = meta.l1[l1_index];
+            if l1e & OFFSET_MASK == 0 {
+                continue;
+            }
+            let table_start = l1_index as u64 * span;
+            let mut guest = table_start.max(first);
+            while guest < table_start + span {
+                let (table, index) = self.writable_table(&mut meta, guest)?;
+                let e = meta.get(table).expect("table just loaded").get(index);
+                if e != L2Entry::default() {
+                    meta.pending.remove(&guest);
+                    self.free_entry_later(&mut meta, e);
+                    self.set_entry(&mut meta, table, index, L2Entry::default());
+                }
+                guest += cs;
+            }
+            if table_start >= first {
+                // The whole table is past the end: it goes too.
+                let table = meta.l1[l1_index] & OFFSET_MASK;
+                meta.l1[l1_index] = 0;
+                meta.dirty.remove(&table);
+                meta.fresh.remove(&table);
+                let refs = meta.refs.as_mut().expect("writable images have refcounts");
+                refs.free_later(table >> self.header.cluster_bits);
+                meta.l1_dirty
+                    .get_or_insert_default()
+                    .add(l1_index * 8, l1_index * 8 + 8);
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves the L1 table to new clusters with `entries` entries; `h` gets its new place.
+    fn grow_l1(&self, h: &mut super::header::Header, entries: u64) -> Result<()> {
+        let cs = self.header.cluster_size();
+        let clusters = (entries * 8).div_ceil(cs);
+        let _gate = self.gate.write().unwrap_or_else(|e| e.into_inner());
+        let mut meta = self.lock();
+        let first = self.alloc_clusters(&mut meta, clusters)?;
+        let mut l1 = meta.l1.clone();
+        l1.resize(entries as usize, 0);
+        let mut bytes: Vec<u8> = l1.iter().flat_map(|e| e.to_be_bytes()).collect();
+        bytes.resize((clusters * cs) as usize, 0);
+        let at = first << self.header.cluster_bits;
+        self.file
+            .write_at(at, &bytes)
+            .context(|| format!("writing the new L1 table at {at:#x}"))?;
+        // The new table and its refcounts must be durable before the header names it.
+        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        self.counters
+            .metadata_written(bytes.len() as u64 + refs.write_blocks(&*self.file)?);
+        if refs.table_dirty() {
+            self.file
+                .sync()
+                .context(|| "syncing new refcount blocks".into())?;
+            refs.write_table(&*self.file)?;
+        }
+        self.file
+            .sync()
+            .context(|| "syncing the new L1 table".into())?;
+        let old = h.l1_table_offset;
+        let old_clusters = (u64::from(h.l1_size) * 8).div_ceil(cs);
+        for c in 0..old_clusters {
+            refs.free_later((old >> self.header.cluster_bits) + c);
+        }
+        if refs.table_moved {
+            let (offset, n) = refs.table_location();
+            h.refcount_table_offset = offset;
+            h.refcount_table_clusters = n as u32;
+            refs.table_moved = false;
+        }
+        h.l1_table_offset = at;
+        h.l1_size = entries as u32;
+        meta.l1 = l1;
+        meta.l1_dirty = None;
+        Ok(())
+    }
+
+    /// Writes header `h` and syncs it, then commits what it freed.
+    fn write_header(&self, h: &super::header::Header) -> Result<()> {
+        let bytes = h.to_bytes()?;
+        self.file
+            .write_at(0, &bytes)
+            .context(|| "writing the header".into())?;
+        self.file.sync().context(|| "syncing the header".into())?;
+        self.counters.metadata_written(bytes.len() as u64);
+        // The old L1 table's clusters are free now that the header points elsewhere.
+        let mut meta = self.lock();
+        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        refs.apply_frees(&*self.file)?;
+        Ok(())
+    }
+}
