@@ -147,8 +147,8 @@ enum Command {
         #[arg(allow_hyphen_values = true)]
         size: String,
     },
-    /// Manage internal snapshots (like `qemu-img snapshot`); listing (`-l`) is supported,
-    /// creating, applying and deleting come with the qcow2 write path.
+    /// Manage internal snapshots (like `qemu-img snapshot`): list (-l, the default), create
+    /// (-c), apply (-a) or delete (-d).
     Snapshot {
         #[arg(short = 'f')]
         format: Option<String>,
@@ -295,8 +295,19 @@ fn main() -> ExitCode {
             filename,
             ..
         } => {
-            let changes = create.is_some() || apply.is_some() || delete.is_some();
-            snapshot::run(&filename, format.as_deref(), list && !changes)
+            let actions = [create.is_some(), apply.is_some(), delete.is_some(), list];
+            if actions.iter().filter(|&&a| a).count() > 1 {
+                eprintln!("vdisk: Cannot mix '-l', '-a', '-c', '-d'");
+                eprintln!("Try 'vdisk snapshot --help' for more info");
+                return ExitCode::from(1);
+            }
+            let action = match (&create, &apply, &delete) {
+                (Some(n), _, _) => snapshot::Action::Create(n),
+                (_, Some(n), _) => snapshot::Action::Apply(n),
+                (_, _, Some(n)) => snapshot::Action::Delete(n),
+                _ => snapshot::Action::List,
+            };
+            snapshot::run(&filename, format.as_deref(), action)
         }
         Command::Compare {
             format1,

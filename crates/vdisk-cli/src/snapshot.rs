@@ -1,16 +1,55 @@
-//! `vdisk snapshot`: internal snapshots, as `qemu-img snapshot` handles them. Listing works on
-//! any image; creating, applying and deleting need the qcow2 write path.
+//! `vdisk snapshot`: internal snapshots, as `qemu-img snapshot` handles them: `-l` lists (also
+//! the default), `-c` creates, `-a` applies (by id, else by name), `-d` deletes (by name).
 
 use std::process::ExitCode;
 
-use vdisk::open_image;
+use vdisk::{open_image, Error, Format, ImageOptions};
 
 use crate::{fail, info, read_options};
 
-pub fn run(filename: &str, format: Option<&str>, list: bool) -> ExitCode {
-    if !list {
-        return fail("only listing snapshots (-l) is supported yet", 1);
+pub enum Action<'a> {
+    List,
+    Create(&'a str),
+    Apply(&'a str),
+    Delete(&'a str),
+}
+
+pub fn run(filename: &str, format: Option<&str>, action: Action) -> ExitCode {
+    let (name, verb) = match action {
+        Action::List => return list(filename, format),
+        Action::Create(n) => (n, "create"),
+        Action::Apply(n) => (n, "apply"),
+        Action::Delete(n) => (n, "delete"),
+    };
+    let opts = format
+        .map(Format::parse)
+        .transpose()
+        .map(|format| ImageOptions {
+            format,
+            write: true,
+            ..ImageOptions::default()
+        });
+    let mut image = match opts.and_then(|o| open_image(filename, &o)) {
+        Ok(i) => i,
+        Err(e) => return fail(e, 1),
+    };
+    let result = match image.qcow2_mut() {
+        None => Err(Error::unsupported("Operation not supported")),
+        Some(q) => match action {
+            Action::Create(n) => q.snapshot_create(n),
+            Action::Apply(n) => q.snapshot_apply(n),
+            Action::Delete(n) => q.snapshot_delete(n),
+            Action::List => unreachable!("handled above"),
+        }
+        .and_then(|()| q.close()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(format!("Could not {verb} snapshot '{name}': {e}"), 1),
     }
+}
+
+fn list(filename: &str, format: Option<&str>) -> ExitCode {
     let image = match read_options(format).and_then(|o| open_image(filename, &o)) {
         Ok(i) => i,
         Err(e) => return fail(e, 1),

@@ -22,11 +22,25 @@ const SIZE: u64 = 1 << 20;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Write { offset: u64, len: u64, fill: u8 },
-    Zeroes { offset: u64, len: u64 },
-    Discard { offset: u64, len: u64 },
+    Write {
+        offset: u64,
+        len: u64,
+        fill: u8,
+    },
+    Zeroes {
+        offset: u64,
+        len: u64,
+    },
+    Discard {
+        offset: u64,
+        len: u64,
+    },
     Flush,
     Reopen,
+    /// Internal snapshots: take one, go back to the k-th (modulo how many there are), delete it.
+    TakeSnapshot,
+    ApplySnapshot(usize),
+    DeleteSnapshot(usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -46,6 +60,16 @@ fn op() -> impl Strategy<Value = Op> {
         1 => range.prop_map(|(offset, len)| Op::Discard { offset, len }),
         1 => Just(Op::Flush),
         1 => Just(Op::Reopen),
+    ]
+}
+
+/// [`op`] and snapshot operations.
+fn model_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        12 => op(),
+        1 => Just(Op::TakeSnapshot),
+        1 => (0..4usize).prop_map(Op::ApplySnapshot),
+        1 => (0..4usize).prop_map(Op::DeleteSnapshot),
     ]
 }
 
@@ -151,7 +175,7 @@ fn apply(image: &Image, model: &mut [u8], op: &Op, o: &CreateOptions) {
             }
         }
         Op::Flush => image.flush().unwrap(),
-        Op::Reopen => unreachable!("handled by the caller"),
+        _ => unreachable!("handled by the caller"),
     }
 }
 
@@ -180,17 +204,41 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
     #[test]
-    fn writes_match_a_flat_model(o in options(), ops in prop::collection::vec(op(), 1..40)) {
+    fn writes_match_a_flat_model(o in options(), ops in prop::collection::vec(model_op(), 1..40)) {
         let storage: Arc<dyn Storage> = Arc::new(MemStorage::new());
         let disk = Disk::new(storage.clone(), &o);
         let mut model = disk.initial();
+        let mut snapshots: Vec<(String, Vec<u8>)> = Vec::new();
+        let mut taken = 0;
         let mut image = disk.open(true);
         for op in &ops {
-            if let Op::Reopen = op {
-                drop(image);
-                image = disk.open(true);
-            } else {
-                apply(&image, &mut model, op, &o);
+            match *op {
+                Op::Reopen => {
+                    drop(image);
+                    image = disk.open(true);
+                }
+                // A 1-bit refcount cannot count a second reference.
+                Op::TakeSnapshot if o.refcount_bits > 1 => {
+                    taken += 1;
+                    let name = format!("s{taken}");
+                    image.qcow2_mut().unwrap().snapshot_create(&name).unwrap();
+                    snapshots.push((name, model.clone()));
+                }
+                Op::TakeSnapshot => {
+                    let err = image.qcow2_mut().unwrap().snapshot_create("x");
+                    prop_assert!(err.is_err() || contents(&image) == model);
+                }
+                Op::ApplySnapshot(k) if !snapshots.is_empty() => {
+                    let (name, content) = &snapshots[k % snapshots.len()];
+                    image.qcow2_mut().unwrap().snapshot_apply(name).unwrap();
+                    model = content.clone();
+                }
+                Op::DeleteSnapshot(k) if !snapshots.is_empty() => {
+                    let (name, _) = snapshots.remove(k % snapshots.len());
+                    image.qcow2_mut().unwrap().snapshot_delete(&name).unwrap();
+                }
+                Op::ApplySnapshot(_) | Op::DeleteSnapshot(_) => {}
+                _ => apply(&image, &mut model, op, &o),
             }
         }
         prop_assert!(contents(&image) == model, "contents differ from the model");

@@ -77,6 +77,13 @@ impl Image {
         }
     }
 
+    pub fn qcow2_mut(&mut self) -> Option<&mut Qcow2> {
+        match &mut self.driver {
+            Driver::Qcow2(q) => Some(q),
+            Driver::Raw(_) => None,
+        }
+    }
+
     pub fn backing(&self) -> Option<&Arc<Image>> {
         self.qcow2().and_then(|q| q.backing())
     }

@@ -109,6 +109,11 @@ impl Refcounts {
         Ok(self.blocks.get_mut(&b))
     }
 
+    /// The largest refcount the image's refcount width holds.
+    pub fn max_value(&self) -> u64 {
+        refcount::max_value(self.order)
+    }
+
     pub fn get(&mut self, file: &dyn Storage, cluster: u64) -> Result<u64> {
         let (b, i, order) = (
             cluster / self.per_block,

@@ -12,6 +12,7 @@ mod compress;
 mod cow;
 mod packed;
 mod resize;
+mod snapshot_ops;
 pub mod create;
 pub mod header;
 pub mod l2;

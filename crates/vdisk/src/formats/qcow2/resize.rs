@@ -130,7 +130,7 @@ impl Qcow2 {
     }
 
     /// Writes header `h` and syncs it, then commits what it freed.
-    fn write_header(&self, h: &super::header::Header) -> Result<()> {
+    pub(super) fn write_header(&self, h: &super::header::Header) -> Result<()> {
         let bytes = h.to_bytes()?;
         self.file
             .write_at(0, &bytes)

@@ -21,6 +21,61 @@ pub struct Snapshot {
     pub icount: Option<u64>,
     /// Bytes of extra data in the entry (v3 requires at least 16).
     pub extra_len: u32,
+    /// The extra data as stored, kept so that rewriting the table loses nothing of it.
+    pub extra: Vec<u8>,
+}
+
+/// Extra data QEMU writes for a new snapshot: vm_state_size_large, disk_size, icount.
+pub const EXTRA_LEN: u32 = 24;
+
+impl Snapshot {
+    /// A snapshot of the active image taken now, as `qemu-img snapshot -c` records it.
+    pub fn new(
+        id: String,
+        name: String,
+        l1_table_offset: u64,
+        l1_size: u32,
+        disk_size: u64,
+    ) -> Snapshot {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let mut extra = vec![0u8; EXTRA_LEN as usize];
+        extra[8..16].copy_from_slice(&disk_size.to_be_bytes());
+        Snapshot {
+            l1_table_offset,
+            l1_size,
+            id,
+            name,
+            date_sec: now.as_secs() as u32,
+            date_nsec: now.subsec_nanos(),
+            vm_clock_nsec: 0,
+            vm_state_size: 0,
+            disk_size: Some(disk_size),
+            icount: Some(0),
+            extra_len: EXTRA_LEN,
+            extra,
+        }
+    }
+
+    /// The entry as stored in the snapshot table, padded to 8 bytes.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64 + self.extra.len());
+        out.extend_from_slice(&self.l1_table_offset.to_be_bytes());
+        out.extend_from_slice(&self.l1_size.to_be_bytes());
+        out.extend_from_slice(&(self.id.len() as u16).to_be_bytes());
+        out.extend_from_slice(&(self.name.len() as u16).to_be_bytes());
+        out.extend_from_slice(&self.date_sec.to_be_bytes());
+        out.extend_from_slice(&self.date_nsec.to_be_bytes());
+        out.extend_from_slice(&self.vm_clock_nsec.to_be_bytes());
+        out.extend_from_slice(&(self.vm_state_size.min(u64::from(u32::MAX)) as u32).to_be_bytes());
+        out.extend_from_slice(&(self.extra.len() as u32).to_be_bytes());
+        out.extend_from_slice(&self.extra);
+        out.extend_from_slice(self.id.as_bytes());
+        out.extend_from_slice(self.name.as_bytes());
+        out.resize(out.len().next_multiple_of(8), 0);
+        out
+    }
 }
 
 fn be16(b: &[u8], at: usize) -> u16 {
@@ -71,6 +126,7 @@ pub fn parse_table(table: &[u8], count: u32) -> Result<Option<(Vec<Snapshot>, u6
             disk_size: None,
             icount: None,
             extra_len,
+            extra: extra.to_vec(),
         };
         if extra.len() >= 8 {
             snap.vm_state_size = be64(extra, 0);

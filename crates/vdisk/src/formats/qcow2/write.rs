@@ -61,7 +61,7 @@ struct Piece {
 }
 
 impl Qcow2 {
-    fn writable_or_err(&self, what: &str) -> Result<()> {
+    pub(super) fn writable_or_err(&self, what: &str) -> Result<()> {
         if self.writable {
             Ok(())
         } else {

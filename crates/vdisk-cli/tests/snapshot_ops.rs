@@ -1,0 +1,116 @@
+//! `vdisk snapshot -c|-a|-d` against `qemu-img snapshot`: the same sequence of commands on two
+//! copies of an image must print and exit the same; after every step the copy vdisk changed must
+//! check clean with `qemu-img check`, its active image and every snapshot must read the same as
+//! the copy qemu-img changed, and the snapshot lists must agree (apart from the dates).
+
+mod common;
+
+use common::{tools, Failures, Workdir};
+
+/// Steps: a snapshot command (`-c NAME`, `-a NAME`, `-d NAME`) or a qemu-io write ("w ...")
+/// applied to both copies.
+const STEPS: &[&str] = &[
+    "-c first",
+    "w write -P 0x22 0 128k",
+    "w write -z 1M 64k",
+    "-c second",
+    "w discard 0 64k",
+    "w write -P 0x33 3M 1M",
+    "-c second",
+    "-a first",
+    "w write -P 0x44 64k 4k",
+    "-d second",
+    "-a 2",
+    "-d nosuch",
+    "-a nosuch",
+    "-d first",
+    "-c third",
+    "-l",
+];
+
+#[test]
+fn snapshot_commands_match_qemu() {
+    let Some(tools) = tools() else { return };
+    for options in [
+        "cluster_size=65536",
+        "cluster_size=4096,refcount_bits=4",
+        "compat=0.10",
+    ] {
+        let wd = Workdir::new(&tools, "snapshot-ops");
+        let mut failures = Failures::new("snapshot-ops", &wd);
+        wd.setup_img(&[
+            "create", "-q", "-f", "qcow2", "-o", options, "q.qcow2", "8M",
+        ]);
+        wd.setup_io(
+            "q.qcow2",
+            Some("qcow2"),
+            &["write -P 0x11 0 2M", "write -P 0x12 5M 64k"],
+        );
+        wd.copy_dense("q.qcow2", "v.qcow2");
+        for (i, step) in STEPS.iter().enumerate() {
+            let name = format!("{options} step {i}: {step}");
+            if let Some(io) = step.strip_prefix("w ") {
+                wd.setup_io("q.qcow2", Some("qcow2"), &[io]);
+                wd.setup_io("v.qcow2", Some("qcow2"), &[io]);
+                continue;
+            }
+            let args: Vec<&str> = step.split_whitespace().collect();
+            let q = wd.qemu_img(&[&["snapshot"], &args[..], &["q.qcow2"]].concat());
+            let v = wd.vdisk(&[&["snapshot"], &args[..], &["v.qcow2"]].concat());
+            if args[0] == "-l" {
+                failures.same_text(&name, "list", &undated(&q.stdout), &undated(&v.stdout));
+            } else {
+                failures.same_outcome(&name, "snapshot", &q, &v);
+            }
+            let check = wd.qemu_img(&["check", "v.qcow2"]);
+            if !failures.count(check.success()) {
+                failures.add(
+                    &name,
+                    "qemu-img check",
+                    format!("{}{}", check.stdout, check.stderr),
+                );
+            }
+            let cmp = wd.qemu_img(&["compare", "q.qcow2", "v.qcow2"]);
+            if !failures.count(cmp.success()) {
+                failures.add(&name, "active image", &cmp.stdout);
+            }
+            let list = wd.qemu_img(&["snapshot", "-l", "q.qcow2"]);
+            for id in snapshot_ids(&list.stdout) {
+                let q = wd.qemu_img(&["convert", "-l", &id, "-O", "raw", "q.qcow2", "q.raw"]);
+                let v = wd.qemu_img(&["convert", "-l", &id, "-O", "raw", "v.qcow2", "v.raw"]);
+                let same =
+                    q.success() && v.success() && wd.read_file("q.raw") == wd.read_file("v.raw");
+                if !failures.count(same) {
+                    failures.add(
+                        &name,
+                        &format!("snapshot {id}"),
+                        format!("{}{}", q.stderr, v.stderr),
+                    );
+                }
+            }
+        }
+        failures.finish();
+    }
+}
+
+/// The IDs of a `snapshot -l` listing.
+fn snapshot_ids(list: &str) -> Vec<String> {
+    list.lines()
+        .skip(2)
+        .filter_map(|l| l.split_whitespace().next().map(String::from))
+        .collect()
+}
+
+/// A listing without its DATE column (the two tools take their snapshots at different times).
+fn undated(list: &str) -> String {
+    list.lines()
+        .map(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            match cols.len() {
+                8 => [0, 1, 2, 3, 6, 7].map(|i| cols[i]).join(" "),
+                _ => l.to_string(),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
