@@ -2,12 +2,14 @@
 //! that a user's scripts keep working.
 
 mod check;
+mod commit;
 mod compare;
 mod convert;
 mod create;
 mod info;
 mod map;
 mod qjson;
+mod rebase;
 mod resize;
 mod snapshot;
 mod text;
@@ -133,6 +135,48 @@ enum Command {
         force_share: bool,
         source: String,
         target: String,
+    },
+    /// Write an overlay's data into its backing file and empty it (like `qemu-img commit`).
+    Commit {
+        #[arg(short = 'f')]
+        format: Option<String>,
+        /// Commit into this image of the backing chain (the overlay is then kept as it is).
+        #[arg(short = 'b')]
+        base: Option<String>,
+        /// Do not empty the overlay after the commit.
+        #[arg(short = 'd')]
+        keep: bool,
+        /// Accepted for qemu-img compatibility.
+        #[arg(short = 't')]
+        cache: Option<String>,
+        #[arg(short = 'p')]
+        progress: bool,
+        #[arg(short = 'q')]
+        quiet: bool,
+        filename: String,
+    },
+    /// Give an image another backing file (like `qemu-img rebase`); `-b ""` removes it.
+    Rebase {
+        #[arg(short = 'f')]
+        format: Option<String>,
+        #[arg(short = 'b')]
+        backing: String,
+        #[arg(short = 'F')]
+        backing_format: Option<String>,
+        /// Only change the header: the caller vouches that the contents stay the same.
+        #[arg(short = 'u')]
+        unsafe_: bool,
+        /// Accepted for qemu-img compatibility.
+        #[arg(short = 't')]
+        cache: Option<String>,
+        /// Accepted for qemu-img compatibility.
+        #[arg(short = 'T')]
+        source_cache: Option<String>,
+        #[arg(short = 'p')]
+        progress: bool,
+        #[arg(short = 'q')]
+        quiet: bool,
+        filename: String,
     },
     /// Change the virtual size of an image (like `qemu-img resize`): SIZE, +SIZE or -SIZE.
     Resize {
@@ -272,6 +316,38 @@ fn main() -> ExitCode {
             compress,
             progress,
             sync: cache != CacheMode::Unsafe,
+        }),
+        Command::Commit {
+            format,
+            base,
+            keep,
+            progress,
+            quiet,
+            filename,
+            ..
+        } => commit::run(commit::Args {
+            format: format.as_deref(),
+            base: base.as_deref(),
+            keep,
+            progress,
+            quiet,
+            filename: &filename,
+        }),
+        Command::Rebase {
+            format,
+            backing,
+            backing_format,
+            unsafe_,
+            progress,
+            filename,
+            ..
+        } => rebase::run(rebase::Args {
+            format: format.as_deref(),
+            backing: &backing,
+            backing_format: backing_format.as_deref(),
+            unsafe_,
+            progress,
+            filename: &filename,
         }),
         Command::Resize {
             format,

@@ -13,6 +13,7 @@ mod cow;
 mod packed;
 mod resize;
 mod snapshot_ops;
+mod update;
 pub mod create;
 pub mod header;
 pub mod l2;

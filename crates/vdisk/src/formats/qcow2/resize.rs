@@ -43,7 +43,7 @@ impl Qcow2 {
     }
 
     /// Unmaps every cluster that starts at or after `new_size`, and the L2 tables wholly past it.
-    fn drop_beyond(&self, new_size: u64) -> Result<()> {
+    pub(super) fn drop_beyond(&self, new_size: u64) -> Result<()> {
         let cs = self.header.cluster_size();
         let span = cs * self.header.l2_entries();
         let first = new_size.next_multiple_of(cs);
@@ -126,21 +126,6 @@ impl Qcow2 {
         h.l1_size = entries as u32;
         meta.l1 = l1;
         meta.l1_dirty = None;
-        Ok(())
-    }
-
-    /// Writes header `h` and syncs it, then commits what it freed.
-    pub(super) fn write_header(&self, h: &super::header::Header) -> Result<()> {
-        let bytes = h.to_bytes()?;
-        self.file
-            .write_at(0, &bytes)
-            .context(|| "writing the header".into())?;
-        self.file.sync().context(|| "syncing the header".into())?;
-        self.counters.metadata_written(bytes.len() as u64);
-        // The old L1 table's clusters are free now that the header points elsewhere.
-        let mut meta = self.lock();
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
-        refs.apply_frees(&*self.file)?;
         Ok(())
     }
 }

@@ -1,0 +1,120 @@
+//! `vdisk commit`: write an overlay's data into its backing file (or a deeper base with `-b`),
+//! then empty the overlay (unless `-d`, or `-b`, as qemu-img does).
+
+use std::process::ExitCode;
+
+use vdisk::{open_image, BlockDev, Image, ImageOptions};
+
+use crate::text::Progress;
+use crate::{fail, read_options};
+
+/// Bytes copied at a time.
+const CHUNK: u64 = 2 << 20;
+
+pub struct Args<'a> {
+    pub format: Option<&'a str>,
+    pub base: Option<&'a str>,
+    pub keep: bool,
+    pub progress: bool,
+    pub quiet: bool,
+    pub filename: &'a str,
+}
+
+pub fn run(args: Args) -> ExitCode {
+    match commit(&args) {
+        Ok(()) => {
+            if !args.quiet {
+                println!("Image committed.");
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(e, 1),
+    }
+}
+
+fn commit(args: &Args) -> vdisk::Result<()> {
+    let top = open_image(args.filename, &read_options(args.format)?)?;
+    // The chain below the top, with each layer's depth.
+    let mut chain: Vec<&Image> = Vec::new();
+    let mut layer = top.backing();
+    while let Some(image) = layer {
+        chain.push(image);
+        layer = image.backing();
+    }
+    let (depth, base) = match args.base {
+        None => match chain.first() {
+            Some(b) => (1, *b),
+            None => return Err(vdisk::Error::invalid("Image does not have a backing file")),
+        },
+        Some(name) => match chain.iter().position(|l| same_file(&l.filename, name)) {
+            Some(i) => (i as u32 + 1, chain[i]),
+            None => {
+                return Err(vdisk::Error::invalid(format!(
+                    "Did not find '{name}' in the backing chain of '{}'",
+                    args.filename
+                )))
+            }
+        },
+    };
+    let opts = ImageOptions {
+        format: Some(base.format()),
+        write: true,
+        no_backing: true,
+        ..ImageOptions::default()
+    };
+    let mut target = open_image(&base.filename, &opts)?;
+    let size = top.size();
+    if target.size() < size {
+        target.resize(size)?;
+    }
+    let progress = args.progress.then(|| Progress::new(size));
+    let mut buf = vec![0u8; CHUNK as usize];
+    let mut pos = 0;
+    while pos < size {
+        let st = top.block_status(pos, (size - pos).min(CHUNK))?;
+        if st.present && st.depth < depth {
+            if st.zero && !st.data {
+                target.write_zeroes(pos, st.len)?;
+            } else {
+                let data = &mut buf[..st.len as usize];
+                top.read(pos, data)?;
+                target.write(pos, data)?;
+            }
+        }
+        pos += st.len;
+        if let Some(p) = &progress {
+            p.show(pos);
+        }
+    }
+    match target.qcow2() {
+        Some(q) => q.close()?,
+        None => target.flush()?,
+    }
+    drop(target);
+    if let Some(p) = progress {
+        p.finish();
+    }
+    if !args.keep && args.base.is_none() {
+        let opts = ImageOptions {
+            format: Some(top.format()),
+            write: true,
+            no_backing: true,
+            ..ImageOptions::default()
+        };
+        drop(top);
+        let mut top = open_image(args.filename, &opts)?;
+        if let Some(q) = top.qcow2_mut() {
+            q.make_empty()?;
+            q.close()?;
+        }
+    }
+    Ok(())
+}
+
+/// Whether two names reach the same file (compared by canonical path, else by name).
+fn same_file(a: &str, b: &str) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => a == b,
+    }
+}

@@ -1,0 +1,119 @@
+//! `vdisk rebase`: give an image another backing file. Safe mode (the default) first copies into
+//! the image every cluster it does not hold itself whose content would change under the new
+//! backing file; `-u` only rewrites the header. `-b ""` removes the backing file.
+
+use std::process::ExitCode;
+
+use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
+
+use crate::fail;
+use crate::text::Progress;
+
+pub struct Args<'a> {
+    pub format: Option<&'a str>,
+    pub backing: &'a str,
+    pub backing_format: Option<&'a str>,
+    pub unsafe_: bool,
+    pub progress: bool,
+    pub filename: &'a str,
+}
+
+pub fn run(args: Args) -> ExitCode {
+    match rebase(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(e, 1),
+    }
+}
+
+fn rebase(args: &Args) -> vdisk::Result<()> {
+    let new = (!args.backing.is_empty()).then_some(args.backing);
+    if new.is_some() && args.backing_format.is_none() {
+        return Err(Error::invalid(format!(
+            "Could not change the backing file to '{}': backing format must be specified",
+            args.backing
+        )));
+    }
+    let format = args.format.map(Format::parse).transpose()?;
+    let opts = ImageOptions {
+        format,
+        write: true,
+        no_backing: args.unsafe_,
+        ..ImageOptions::default()
+    };
+    let mut image = open_image(args.filename, &opts)?;
+    if image.qcow2().is_none() {
+        return Err(Error::unsupported(format!(
+            "Could not change the backing file to '{}': Operation not supported",
+            args.backing
+        )));
+    }
+    if !args.unsafe_ {
+        let new_backing = match new {
+            Some(name) => {
+                let path = vdisk::backing_path(args.filename, name);
+                let opts = ImageOptions {
+                    format: args.backing_format.map(Format::parse).transpose()?,
+                    ..ImageOptions::default()
+                };
+                // QEMU names the file once here, not twice as its open error chain does.
+                let named = format!("Could not open '{path}': ");
+                Some(open_image(&path, &opts).map_err(|e| {
+                    let text = e.to_string();
+                    let inner = text.strip_prefix(&named).unwrap_or(&text);
+                    Error::invalid(format!("Could not open new backing file '{path}': {inner}"))
+                })?)
+            }
+            None => None,
+        };
+        keep_contents(&image, new_backing.as_ref(), args.progress)?;
+    }
+    let q = image.qcow2_mut().expect("checked above");
+    q.set_backing(new, new.and(args.backing_format))?;
+    q.close()
+}
+
+/// Copies into `image` every cluster it does not hold itself whose content differs under
+/// `new_backing` (zeroes without one).
+fn keep_contents(
+    image: &vdisk::Image,
+    new_backing: Option<&vdisk::Image>,
+    progress: bool,
+) -> vdisk::Result<()> {
+    let size = image.size();
+    let cs = image.qcow2().map_or(65536, |q| q.header().cluster_size());
+    let progress = progress.then(|| Progress::new(size));
+    let mut old = vec![0u8; cs as usize];
+    let mut new = vec![0u8; cs as usize];
+    let mut pos = 0;
+    while pos < size {
+        let st = image.block_status(pos, size - pos)?;
+        if st.depth == 0 && st.present {
+            pos += st.len;
+            continue;
+        }
+        // Whole clusters, so each copy is one allocating write.
+        let end = (pos + st.len).next_multiple_of(cs).min(size);
+        let mut at = pos - pos % cs;
+        while at < end {
+            let n = cs.min(size - at) as usize;
+            image.read(at, &mut old[..n])?;
+            new[..n].fill(0);
+            if let Some(b) = new_backing {
+                let m = (b.size().saturating_sub(at) as usize).min(n);
+                b.read(at, &mut new[..m])?;
+            }
+            if old[..n] != new[..n] {
+                image.write(at, &old[..n])?;
+            }
+            at += n as u64;
+        }
+        pos = end;
+        if let Some(p) = &progress {
+            p.show(pos);
+        }
+    }
+    if let Some(p) = progress {
+        p.finish();
+    }
+    Ok(())
+}

@@ -1,0 +1,154 @@
+//! `vdisk commit` and `vdisk rebase` against qemu-img's: the same command on copies of the same
+//! three-layer chain (base <- mid <- top) must print and exit the same, and leave every layer
+//! with the same contents, the same backing file, and passing `qemu-img check`.
+
+mod common;
+
+use common::{tools, Failures, Workdir};
+
+const COMMANDS: &[&[&str]] = &[
+    &["commit", "top.qcow2"],
+    &["commit", "-q", "top.qcow2"],
+    &["commit", "-d", "top.qcow2"],
+    &["commit", "-b", "base.qcow2", "top.qcow2"],
+    &["commit", "base.qcow2"],
+    &["rebase", "-b", "base.qcow2", "-F", "qcow2", "top.qcow2"],
+    &["rebase", "-b", "", "top.qcow2"],
+    &[
+        "rebase",
+        "-u",
+        "-b",
+        "base.qcow2",
+        "-F",
+        "qcow2",
+        "top.qcow2",
+    ],
+    &["rebase", "-b", "base.qcow2", "top.qcow2"],
+    &["rebase", "-b", "other.raw", "-F", "raw", "top.qcow2"],
+    &["rebase", "-b", "nosuch", "-F", "qcow2", "top.qcow2"],
+    &["rebase", "-b", "base.qcow2", "-F", "qcow2", "mid.qcow2"],
+];
+
+const LAYERS: &[&str] = &["top.qcow2", "mid.qcow2", "base.qcow2"];
+
+fn build_chain(wd: &Workdir, options: &str) {
+    for name in LAYERS {
+        if wd.abs(name).exists() {
+            wd.remove(name);
+        }
+    }
+    wd.setup_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        options,
+        "base.qcow2",
+        "4M",
+    ]);
+    wd.setup_io(
+        "base.qcow2",
+        Some("qcow2"),
+        &["write -P 1 0 2M", "write -P 9 3M 64k"],
+    );
+    wd.setup_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        options,
+        "-b",
+        "base.qcow2",
+        "-F",
+        "qcow2",
+        "mid.qcow2",
+    ]);
+    wd.setup_io(
+        "mid.qcow2",
+        Some("qcow2"),
+        &["write -P 2 1M 96k", "write -z 2M 64k"],
+    );
+    wd.setup_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        options,
+        "-b",
+        "mid.qcow2",
+        "-F",
+        "qcow2",
+        "top.qcow2",
+    ]);
+    wd.setup_io(
+        "top.qcow2",
+        Some("qcow2"),
+        &[
+            "write -P 3 0 64k",
+            "write -z 192k 64k",
+            "write -P 4 3M 4k",
+            "discard 1M 64k",
+        ],
+    );
+    if !wd.abs("other.raw").exists() {
+        wd.setup_img(&["create", "-q", "-f", "raw", "other.raw", "4M"]);
+        wd.setup_io("other.raw", Some("raw"), &["write -P 7 0 1M"]);
+    }
+}
+
+/// Each layer's contents (as raw bytes) and backing file line after a command.
+fn state(wd: &Workdir) -> Vec<(String, Vec<u8>, String)> {
+    LAYERS
+        .iter()
+        .map(|name| {
+            let raw = format!("{name}.raw");
+            wd.setup_img(&["convert", "-O", "raw", name, &raw]);
+            let info = wd.qemu_img(&["info", name]);
+            let backing = info
+                .stdout
+                .lines()
+                .filter(|l| l.starts_with("backing file"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            (name.to_string(), wd.read_file(&raw), backing)
+        })
+        .collect()
+}
+
+#[test]
+fn commit_and_rebase_match_qemu() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "commit-rebase");
+    let mut failures = Failures::new("commit-rebase", &wd);
+    for options in [
+        "cluster_size=65536",
+        "cluster_size=4096,extended_l2=off",
+        "cluster_size=32768,extended_l2=on",
+    ] {
+        for command in COMMANDS {
+            let name = format!("{options}: {}", command.join(" "));
+            build_chain(&wd, options);
+            let q = wd.qemu_img(command);
+            let want = state(&wd);
+            build_chain(&wd, options);
+            let v = wd.vdisk(command);
+            failures.same_outcome(&name, "command", &q, &v);
+            for layer in LAYERS {
+                let check = wd.qemu_img(&["check", layer]);
+                if !failures.count(check.success()) {
+                    failures.add(&name, &format!("qemu-img check {layer}"), &check.stdout);
+                }
+            }
+            for ((layer, qdata, qbacking), (_, vdata, vbacking)) in want.iter().zip(state(&wd)) {
+                if !failures.count(*qdata == vdata) {
+                    failures.add(&name, &format!("{layer} contents"), "differ");
+                }
+                failures.same_text(&name, &format!("{layer} backing"), qbacking, &vbacking);
+            }
+        }
+    }
+    failures.finish();
+}

@@ -1,0 +1,45 @@
+//! Changes to the header of an open image: writing it, and pointing it at another backing file
+//! (`vdisk rebase`), plus emptying the active image (`vdisk commit`).
+
+use super::header::Header;
+use super::Qcow2;
+use crate::error::{IoContext, Result};
+
+impl Qcow2 {
+    /// Writes header `h` and syncs it, then commits what it freed.
+    pub(super) fn write_header(&self, h: &super::header::Header) -> Result<()> {
+        let bytes = h.to_bytes()?;
+        self.file
+            .write_at(0, &bytes)
+            .context(|| "writing the header".into())?;
+        self.file.sync().context(|| "syncing the header".into())?;
+        self.counters.metadata_written(bytes.len() as u64);
+        // The old L1 table's clusters are free now that the header points elsewhere.
+        let mut meta = self.lock();
+        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        refs.apply_frees(&*self.file)?;
+        Ok(())
+    }
+
+    /// Names `name` (of format `format`) as the backing file, or none. Only the header
+    /// changes: the caller has made the image's content independent of the old backing file
+    /// where it must be (or asked for an unsafe rebase).
+    pub fn set_backing(&mut self, name: Option<&str>, format: Option<&str>) -> Result<()> {
+        self.writable_or_err("rebase")?;
+        self.flush_impl()?;
+        let mut h: Header = self.header.clone();
+        h.backing_file = name.map(str::to_string);
+        h.backing_format = format.map(str::to_string);
+        self.write_header(&h)?;
+        self.header = h;
+        Ok(())
+    }
+
+    /// Unmaps every cluster of the active image, so that all of it reads from the backing file
+    /// again (after its data was committed there).
+    pub fn make_empty(&mut self) -> Result<()> {
+        self.writable_or_err("commit")?;
+        self.drop_beyond(0)?;
+        self.flush_impl()
+    }
+}
