@@ -14,6 +14,10 @@ use super::{read_table, refcount};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::Storage;
 
+/// Pool refills start at this many clusters and double up to `MAX_POOL_BYTES`.
+const MIN_POOL: u64 = 16;
+const MAX_POOL_BYTES: u64 = 32 << 20;
+
 pub(super) struct Refcounts {
     /// Refcount table entries (offsets of refcount blocks, 0 for none).
     table: Vec<u64>,
@@ -45,6 +49,16 @@ pub(super) struct Refcounts {
     reserved: u64,
     /// One past the highest cluster ever allocated.
     high_water: u64,
+    /// A refcount went up (or a refcount block or the table is new) since the blocks were last
+    /// written: those writes must be durable before any mapping that relies on them.
+    increased: bool,
+    /// Clusters allocated ahead and not handed out yet (refcount 1 in memory, and on disk once
+    /// a commit wrote it). Handing one out changes no refcount, so a commit that only uses
+    /// pooled clusters needs no sync between refcounts and mapping. A crash leaks what was
+    /// unused (a leak, never a corruption); a clean close gives it back.
+    pool: std::ops::Range<u64>,
+    /// Clusters the next refill of the pool takes.
+    pool_refill: u64,
     opened_len: u64,
 }
 
@@ -74,6 +88,9 @@ impl Refcounts {
             reserved: file_len,
             high_water: file_len.div_ceil(cs),
             opened_len: file_len,
+            increased: false,
+            pool: 0..0,
+            pool_refill: MIN_POOL,
         })
     }
 
@@ -142,6 +159,7 @@ impl Refcounts {
         }
         let (i, order) = (cluster % self.per_block, self.order);
         let blk = self.blocks.get_mut(&b).expect("block exists");
+        self.increased |= value > refcount::get(blk, i, order);
         refcount::set(blk, i, order, value);
         let byte = ((i << order) / 8) as usize;
         let width = (1usize << order).div_ceil(8);
@@ -177,6 +195,7 @@ impl Refcounts {
         let mut bytes = vec![0u8; self.cs() as usize];
         refcount::set(&mut bytes, 0, self.order, 1);
         self.blocks.insert(b, bytes);
+        self.increased = true;
         let cs = self.cs() as usize;
         self.dirty_blocks.insert(b, Dirty::new(0, cs));
         self.high_water = self.high_water.max(at + 1);
@@ -276,13 +295,53 @@ impl Refcounts {
         Ok(())
     }
 
-    /// Allocates `n` contiguous free clusters (refcount 1) and returns the first.
+    /// Allocates `n` contiguous clusters (refcount 1) and returns the first: from the pool when
+    /// it holds enough, else from a new pool run that starts with them.
     pub fn alloc(&mut self, file: &dyn Storage, n: u64) -> Result<u64> {
+        if self.pool.end - self.pool.start >= n {
+            let first = self.pool.start;
+            self.pool.start += n;
+            return Ok(first);
+        }
+        self.release_pool(file)?;
+        // A run with the pool must fit between two refcount block slots, or the search below
+        // would look for it forever in new space.
+        let extra = self.pool_refill.min(self.per_block.saturating_sub(n + 1));
+        let max = (MAX_POOL_BYTES >> self.cluster_bits).max(MIN_POOL);
+        self.pool_refill = (self.pool_refill * 2).min(max);
+        let first = match self.alloc_run(file, n + extra) {
+            Ok(first) => first,
+            // Maybe there is room for the request but not for the pool.
+            Err(_) => return self.alloc_run(file, n),
+        };
+        self.pool = first + n..first + n + extra;
+        Ok(first)
+    }
+
+    /// Gives the unused pool back (before a clean close, or a refill).
+    pub fn release_pool(&mut self, file: &dyn Storage) -> Result<()> {
+        let pool = std::mem::replace(&mut self.pool, 0..0);
+        for c in pool.clone() {
+            self.set(file, c, 0)?;
+            // Never written: still zero.
+            self.recycled.remove(&c);
+        }
+        if pool.end == self.high_water {
+            self.high_water = pool.start;
+        }
+        Ok(())
+    }
+
+    /// Allocates `n` contiguous free clusters (refcount 1) and returns the first. Runs keep
+    /// clear of the slots where new refcount blocks describe themselves, unless they are too
+    /// long to fit between two slots; then the blocks they need go after them.
+    fn alloc_run(&mut self, file: &dyn Storage, n: u64) -> Result<u64> {
         let mut start = self.free_hint;
         let mut run = 0;
         let mut c = start;
+        let avoid_slots = n < self.per_block;
         while run < n {
-            if !self.is_block_slot(c) && self.get(file, c)? == 0 {
+            if !(avoid_slots && self.is_block_slot(c)) && self.get(file, c)? == 0 {
                 run += 1;
             } else {
                 run = 0;
@@ -330,7 +389,13 @@ impl Refcounts {
             written += (to - from) as u64;
         }
         self.dirty_blocks.clear();
+        self.increased = false;
         Ok(written)
+    }
+
+    /// Whether a refcount went up since the blocks were last written.
+    pub fn increased(&self) -> bool {
+        self.increased || self.table_dirty
     }
 
     /// Whether the table changed (it names a new block, or moved).

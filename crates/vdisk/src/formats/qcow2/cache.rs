@@ -55,6 +55,10 @@ pub(super) struct Meta {
     pub refs: Option<Refcounts>,
     /// Guest data was written since the last flush.
     pub data_written: bool,
+    /// Some mapping change of this commit points at data or a table that must be durable
+    /// before it: a new cluster whose unwritten parts would not read as its old content, or a
+    /// new L2 table in a cluster that does not read as zeroes (see `commit.rs`).
+    pub ordered: bool,
     /// New clusters whose gaps are not filled yet (see `cow.rs`).
     pub pending: PendingMap,
     /// Where the next compressed cluster can be packed: the first free byte in the host
@@ -76,6 +80,7 @@ impl Meta {
             fresh: BTreeSet::new(),
             refs,
             data_written: false,
+            ordered: false,
             pending: PendingMap::new(),
             packed_tail: 0,
             packed_end: 0,

@@ -14,8 +14,10 @@
 //!    durable references (a crash leaves at most leaked clusters), and a freed cluster cannot be
 //!    reused while durable metadata may still point to it.
 //!
-//! A flush therefore costs one sync when only allocated clusters were overwritten and two when
-//! anything was allocated (three when the refcount table grew), however many requests it covers.
+//! A flush therefore costs one sync, however many requests it covers, when it only overwrote
+//! allocated clusters or allocated from the pool clusters that read as zero until written; two
+//! when a refcount went up (the pool was refilled) or new clusters must hold their data before
+//! they are mapped (copy-on-write from a backing file); three when the refcount table grew.
 //! If a step fails, what was not written stays dirty in memory and the next flush retries it.
 
 use std::sync::{Condvar, Mutex};
@@ -59,6 +61,8 @@ impl Qcow2 {
         }
         let sync = |what: &'static str| self.file.sync().context(|| format!("syncing {what}"));
         let mut metadata_bytes = 0;
+        let increased = meta.refs.as_ref().is_some_and(|r| r.increased());
+        let ordered = meta.ordered || increased;
         // Step 1: what the mapping will point to.
         let fresh: Vec<u64> = meta.fresh.iter().copied().collect();
         for &off in &fresh {
@@ -80,9 +84,12 @@ impl Qcow2 {
             sync("new refcount blocks")?;
             metadata_bytes += refs.write_table(&*self.file)?;
         }
-        // Without new clusters or refcount changes, and without data the mapping could point
-        // to, nothing has to be durable before the mapping.
-        if refs_dirty || !fresh.is_empty() || data_written || !mapping_dirty {
+        // The barrier between what the mapping points to and the mapping. It is not needed
+        // when no refcount went up (new clusters came from the pool, whose refcounts are
+        // durable already) and every newly mapped cluster or table reads as its old content
+        // even if its data never lands (see `Meta::ordered`): then one sync, after the
+        // mapping, makes the whole commit durable.
+        if ordered || !mapping_dirty {
             sync("data and refcounts")?;
         }
         // Step 2: a moved refcount table.
@@ -136,6 +143,7 @@ impl Qcow2 {
         // A host cluster of packed compressed data may now be free and handed out again.
         meta.packed_tail = 0;
         meta.data_written = false;
+        meta.ordered = false;
         self.counters.metadata_written(metadata_bytes);
         self.counters.committed();
         Ok(())
@@ -186,6 +194,9 @@ impl Qcow2 {
     /// the next one), then gives back the file space reserved ahead but not used.
     pub fn close(&self) -> Result<()> {
         self.flush_impl()?;
+        if let Some(refs) = self.lock().refs.as_mut() {
+            refs.release_pool(&*self.file)?;
+        }
         let pending = self.lock().refs.as_ref().is_some_and(|r| r.is_dirty());
         if pending {
             self.flush_impl()?;

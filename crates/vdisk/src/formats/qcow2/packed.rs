@@ -49,6 +49,7 @@ impl Qcow2 {
             let word = OFLAG_COMPRESSED | sectors << shift | host;
             self.set_entry(&mut meta, table, index, L2Entry { word, bitmap: 0 });
             meta.data_written = true;
+            meta.ordered = true;
             host
         };
         self.data

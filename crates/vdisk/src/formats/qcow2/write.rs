@@ -178,6 +178,9 @@ impl Qcow2 {
             self.free_entry_later(meta, e);
             Pending::new(cluster << self.header.cluster_bits, e, zero, cs)
         };
+        // Unless the cluster reads as its old content before its data lands, the data must be
+        // durable before the entry that maps it.
+        meta.ordered |= !(pending.host_zero && self.reads_zero(e)?);
         let host = pending.host;
         let bitmap = if self.format.extended {
             self.new_bitmap(e, touched)?
@@ -201,6 +204,23 @@ impl Qcow2 {
             self.fill(meta, guest)?;
         }
         Ok((host, aligned))
+    }
+
+    /// Whether every byte of the cluster entry `e` describes reads as zero.
+    fn reads_zero(&self, e: L2Entry) -> Result<bool> {
+        for sc in 0..self.subclusters() {
+            let zero = match self.format.subcluster_type(e, sc)? {
+                SubclusterType::ZeroPlain | SubclusterType::ZeroAlloc => true,
+                SubclusterType::UnallocatedPlain | SubclusterType::UnallocatedAlloc => {
+                    self.backing.is_none()
+                }
+                SubclusterType::Normal | SubclusterType::Compressed => false,
+            };
+            if !zero {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     fn subclusters(&self) -> u64 {
@@ -373,6 +393,10 @@ impl Qcow2 {
             }
         };
         let new = self.alloc_clusters(meta, 1)? << cb;
+        // A table read from a cluster that is not zero yet, or a copy with entries, must be
+        // durable before the L1 entry naming it.
+        let refs = meta.refs.as_ref().expect("writable images have refcounts");
+        meta.ordered |= old != 0 || !refs.is_known_zero(new >> cb);
         if old != 0 {
             let refs = meta.refs.as_mut().expect("writable images have refcounts");
             refs.free_later(old >> cb);
