@@ -1,9 +1,15 @@
-//! `vdisk check`: the report, messages and exit status of `qemu-img check`.
+//! `vdisk check`: the report, messages and exit status of `qemu-img check`, and with `-r` its
+//! repairs.
 
+use std::io::Write as _;
+use std::path::Path;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use vdisk::formats::qcow2::check::{check, CheckReport};
-use vdisk::open_image;
+use vdisk::formats::qcow2::repair::{repair, Fix};
+use vdisk::storage::{FileStorage, OpenOptions, Storage};
+use vdisk::{open_image, Error};
 
 use crate::qjson::{self, Dict};
 use crate::{fail, read_options, Output};
@@ -11,7 +17,29 @@ use crate::{fail, read_options, Output};
 /// Exit status when the format has no consistency check (qemu-img's 63).
 const NO_CHECK: u8 = 63;
 
-pub fn run(filename: &str, format: Option<&str>, output: Output, quiet: bool) -> ExitCode {
+pub fn run(
+    filename: &str,
+    format: Option<&str>,
+    output: Output,
+    quiet: bool,
+    repair_mode: Option<&str>,
+) -> ExitCode {
+    let fix = match repair_mode {
+        None => None,
+        Some("leaks") => Some(Fix {
+            leaks: true,
+            errors: false,
+        }),
+        Some("all") => Some(Fix {
+            leaks: true,
+            errors: true,
+        }),
+        Some(other) => {
+            eprintln!("vdisk: --repair (-r) expects 'leaks' or 'all' not '{other}'");
+            eprintln!("Try 'vdisk check --help' for more info");
+            return ExitCode::from(1);
+        }
+    };
     let opts = match read_options(format) {
         Ok(o) => o,
         Err(e) => return fail(e, 1),
@@ -20,12 +48,26 @@ pub fn run(filename: &str, format: Option<&str>, output: Output, quiet: bool) ->
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };
-    let Some(q) = image.qcow2() else {
+    if image.qcow2().is_none() {
         return fail("This image format does not support checks", NO_CHECK);
-    };
-    let report = match check(q, &mut |m| eprintln!("{m}")) {
-        Ok(r) => r,
-        Err(failed) => return fail(format!("Check failed: {}", failed.error), 1),
+    }
+    let report = match fix {
+        None => {
+            let q = image.qcow2().expect("checked above");
+            match check(q, &mut |m| eprintln!("{m}")) {
+                Ok(r) => r,
+                Err(failed) => return fail(format!("Check failed: {}", failed.error), 1),
+            }
+        }
+        Some(fix) => {
+            // The read-only open above validated the image and gave qemu-img's errors; the
+            // repair writes through a writable handle of its own, with nothing else open on it.
+            drop(image);
+            match run_repair(filename, fix, output, quiet) {
+                Ok(r) => r,
+                Err(code) => return code,
+            }
+        }
     };
     if !quiet {
         match output {
@@ -43,6 +85,83 @@ pub fn run(filename: &str, format: Option<&str>, output: Output, quiet: bool) ->
     } else {
         0
     })
+}
+
+/// Repairs, then (when anything was fixed) checks again, as qemu-img does: the report printed
+/// is the second check's, with the first one's fixed counts.
+fn run_repair(
+    filename: &str,
+    fix: Fix,
+    output: Output,
+    quiet: bool,
+) -> Result<CheckReport, ExitCode> {
+    let writable = OpenOptions {
+        write: true,
+        ..OpenOptions::default()
+    };
+    let storage: Arc<dyn Storage> = match FileStorage::open(Path::new(filename), writable) {
+        Ok(s) => Arc::new(s),
+        Err(e) => {
+            let reason = strerror(&e);
+            return Err(fail(
+                format!("Could not open '{filename}': Could not open '{filename}': {reason}"),
+                1,
+            ));
+        }
+    };
+    let repaired = match repair(&storage, fix, &mut |m| eprintln!("{m}")) {
+        Ok(r) => r,
+        Err(failed) => {
+            if let Some(m) = &failed.message {
+                eprintln!("vdisk: {m}");
+            }
+            let reason = error_reason(&failed.error);
+            return Err(fail(format!("Check failed: {reason}"), 1));
+        }
+    };
+    drop(storage);
+    let first = repaired.report;
+    if first.corruptions_fixed == 0 && first.leaks_fixed == 0 {
+        return Ok(first);
+    }
+    if output == Output::Human && !quiet {
+        print!(
+            "The following inconsistencies were found and repaired:\n\n    {} leaked clusters\n    {} corruptions\n\nDouble checking the fixed image now...\n",
+            first.leaks_fixed, first.corruptions_fixed
+        );
+        let _ = std::io::stdout().flush();
+    }
+    if repaired.marked_corrupt {
+        // QEMU makes an image unusable once it marked it corrupt: its second check fails.
+        return Err(fail("Check failed: No medium found", 1));
+    }
+    let opts = read_options(Some("qcow2")).map_err(|e| fail(e, 1))?;
+    let image = open_image(filename, &opts).map_err(|e| fail(e, 1))?;
+    let q = image.qcow2().expect("opened as qcow2");
+    let mut report = match check(q, &mut |m| eprintln!("{m}")) {
+        Ok(r) => r,
+        Err(failed) => return Err(fail(format!("Check failed: {}", failed.error), 1)),
+    };
+    report.leaks_fixed = first.leaks_fixed;
+    report.corruptions_fixed = first.corruptions_fixed;
+    Ok(report)
+}
+
+/// The strerror text qemu-img prints after "Check failed: ".
+fn error_reason(e: &Error) -> String {
+    match e {
+        Error::Io { source, .. } => strerror(source),
+        other => other.to_string(),
+    }
+}
+
+/// C's `strerror`, without Rust's " (os error N)".
+fn strerror(e: &std::io::Error) -> String {
+    let text = e.to_string();
+    match text.rfind(" (os error ") {
+        Some(at) => text[..at].to_string(),
+        None => text,
+    }
 }
 
 fn human(r: &CheckReport) -> String {

@@ -107,6 +107,9 @@ enum Command {
         quiet: bool,
         #[arg(short = 'U', long = "force-share")]
         force_share: bool,
+        /// Repair: `leaks` or `all` (opens the image for writing).
+        #[arg(short = 'r', long = "repair")]
+        repair: Option<String>,
         filename: String,
     },
     /// Convert an image to another format (like `qemu-img convert`).
@@ -292,9 +295,16 @@ fn main() -> ExitCode {
             format,
             output,
             quiet,
+            repair,
             filename,
             ..
-        } => check::run(&filename, format.as_deref(), output, quiet),
+        } => check::run(
+            &filename,
+            format.as_deref(),
+            output,
+            quiet,
+            repair.as_deref(),
+        ),
         Command::Convert {
             format,
             output_format,

@@ -6,9 +6,16 @@
 //! corruption (a write could free a cluster still in use), one above is a leak (wasted space).
 //! Messages, counts and their order follow QEMU's `qcow2_check_refcounts` so that scripts
 //! reading either tool's output see the same thing.
+//!
+//! The same passes repair an image (`repair.rs`): with a [`Fix`], a checker also rewrites what
+//! QEMU's `-r leaks`/`-r all` rewrite while counting (misaligned preallocated clusters, refcount
+//! blocks beyond the end of the file), and [`RefcountReader::set`] corrects stored refcounts.
+
+use std::rc::Rc;
 
 use super::header::AUTOCLEAR_BITMAPS;
 use super::l2::{self, L2Entry, L2Table, OFLAG_COMPRESSED, OFLAG_COPIED, OFLAG_ZERO};
+use super::repair::{self, Fix, Signal};
 use super::{read_table, refcount, Qcow2};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::Storage;
@@ -21,6 +28,11 @@ const BME_RESERVED: u64 = 0xff00_0000_0000_01fe;
 const MAX_BITMAPS: u32 = 65535;
 const BME_MAX_TABLE_SIZE: u64 = 0x800_0000;
 const BME_MAX_PHYS_SIZE: u64 = 0x2000_0000;
+/// Subcluster bitmap bits meaning "reads as zero" (extended L2 entries).
+const BITMAP_ALL_ZEROES: u64 = 0xffff_ffff_0000_0000;
+/// Growing the file to take in a refcount block beyond its end is refused past this many
+/// clusters (or four times what the file had): the counts take memory per cluster.
+const MAX_GROWN_CLUSTERS: u64 = 1 << 20;
 
 /// What a check found. Field names follow QEMU's `ImageCheck`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -56,6 +68,9 @@ pub struct RefcountReader<'a> {
     order: u32,
     block: Option<(u64, Vec<u8>)>,
     reported_unaligned: bool,
+    /// Set when repairing: the image is writable, so a corruption event is fatal (QEMU marks
+    /// the image corrupt), and [`RefcountReader::set`] may write.
+    signal: Option<Rc<Signal>>,
 }
 
 impl<'a> RefcountReader<'a> {
@@ -75,7 +90,42 @@ impl<'a> RefcountReader<'a> {
             order: h.refcount_order,
             block: None,
             reported_unaligned: false,
+            signal: None,
         })
+    }
+
+    /// A reader for a repair: corruption events go to `signal`, and refcounts can be set.
+    pub(super) fn for_repair(q: &'a Qcow2, signal: Rc<Signal>) -> Result<Self> {
+        let mut r = RefcountReader::new(q)?;
+        r.signal = Some(signal);
+        Ok(r)
+    }
+
+    /// The refcount table as read when the reader was made.
+    pub(super) fn table(&self) -> &[u64] {
+        &self.table
+    }
+
+    /// Stores `value` as the refcount of `cluster`, whose refcount block must exist (its stored
+    /// refcount was just read as non-zero). Only the bytes holding the entry are written; the
+    /// caller syncs before anything relies on the new value.
+    pub(super) fn set(&mut self, cluster: u64, value: u64) -> Result<()> {
+        let per_block = refcount::entries_per_block(self.cluster_bits, self.order);
+        let index = cluster / per_block;
+        let block_offset = self.table.get(index as usize).copied().unwrap_or(0) & REFT_OFFSET_MASK;
+        if block_offset == 0 || value > refcount::max_value(self.order) {
+            return Err(Error::invalid("refcount update out of range"));
+        }
+        self.get(cluster, &mut |_| {})?;
+        let (_, bytes) = self.block.as_mut().expect("block just loaded");
+        let entry = cluster % per_block;
+        refcount::set(bytes, entry, self.order, value);
+        let first = ((entry << self.order) / 8) as usize;
+        let width = (1usize << self.order).div_ceil(8);
+        let at = block_offset + first as u64;
+        self.file
+            .write_at(at, &bytes[first..first + width])
+            .context(|| format!("writing the refcount block at {}", hx(block_offset)))
     }
 
     /// The stored refcount of host cluster `cluster` (0 where no refcount block covers it).
@@ -88,7 +138,17 @@ impl<'a> RefcountReader<'a> {
             return Ok(0);
         }
         if block_offset & ((1 << self.cluster_bits) - 1) != 0 {
-            if !self.reported_unaligned {
+            if let Some(signal) = &self.signal {
+                signal.fatal(
+                    self.file,
+                    &format!(
+                        "Refblock offset {} unaligned (reftable index: {})",
+                        hx(block_offset),
+                        hx(index)
+                    ),
+                    say,
+                );
+            } else if !self.reported_unaligned {
                 self.reported_unaligned = true;
                 say(format!(
                     "qcow2: Image is corrupt: Refblock offset {} unaligned \
@@ -139,7 +199,7 @@ pub fn detect_metadata_preallocation(q: &Qcow2) -> Result<bool> {
 
 /// Checks the image's metadata and refcounts (read-only), telling `say` each problem found.
 pub fn check(q: &Qcow2, say: Messages) -> std::result::Result<CheckReport, Box<CheckFailed>> {
-    let mut c = match Checker::new(q, say) {
+    let mut c = match Checker::new(q, say, Fix::default(), None) {
         Ok(c) => c,
         Err(error) => {
             return Err(Box::new(CheckFailed {
@@ -160,20 +220,31 @@ pub fn check(q: &Qcow2, say: Messages) -> std::result::Result<CheckReport, Box<C
     }
 }
 
-struct Checker<'a, 's> {
-    q: &'a Qcow2,
+/// One pass over an image's metadata: QEMU's in-memory refcount table (`refs`) and the report.
+pub(super) struct Checker<'a, 's> {
+    pub(super) q: &'a Qcow2,
     sink: Messages<'s>,
     file_size: u64,
-    cs: u64,
-    cb: u32,
+    pub(super) cs: u64,
+    pub(super) cb: u32,
     /// References counted so far, per host cluster.
-    refs: Vec<u32>,
+    pub(super) refs: Vec<u32>,
     refcount_max: u64,
-    report: CheckReport,
+    pub(super) report: CheckReport,
+    /// What counting may repair as it goes (QEMU's `fix` for `calculate_refcounts`).
+    fix: Fix,
+    /// The refcount structure is too broken to be corrected entry by entry.
+    pub(super) rebuild: bool,
+    signal: Option<Rc<Signal>>,
 }
 
 impl<'a, 's> Checker<'a, 's> {
-    fn new(q: &'a Qcow2, sink: Messages<'s>) -> Result<Self> {
+    pub(super) fn new(
+        q: &'a Qcow2,
+        sink: Messages<'s>,
+        fix: Fix,
+        signal: Option<Rc<Signal>>,
+    ) -> Result<Self> {
         let h = q.header();
         let file_size = q.file().len().context(|| "reading the image size".into())?;
         let cs = h.cluster_size();
@@ -190,10 +261,13 @@ impl<'a, 's> Checker<'a, 's> {
                 total_clusters: h.size.div_ceil(cs),
                 ..CheckReport::default()
             },
+            fix,
+            rebuild: false,
+            signal,
         })
     }
 
-    fn say(&mut self, msg: String) {
+    pub(super) fn say(&mut self, msg: String) {
         (self.sink)(msg);
     }
 
@@ -239,6 +313,18 @@ impl<'a, 's> Checker<'a, 's> {
     }
 
     fn run(&mut self) -> Result<()> {
+        let mut reader = RefcountReader::new(self.q)?;
+        let table = reader.table.clone();
+        self.calculate(&table)?;
+        let highest = self.compare_refcounts(&mut reader, Fix::default());
+        self.report.image_end_offset = (highest + 1) * self.cs;
+        self.check_oflag_copied(&mut reader, Fix::default())?;
+        Ok(())
+    }
+
+    /// QEMU's `calculate_refcounts`: counts every reference into `refs`, checking (and, with
+    /// `fix`, repairing) tables on the way; `reftable` is the refcount table in use.
+    pub(super) fn calculate(&mut self, reftable: &[u64]) -> Result<()> {
         let h = self.q.header().clone();
         self.check_snapshot_entries();
         self.inc_refs(0, self.cs);
@@ -279,10 +365,7 @@ impl<'a, 's> Checker<'a, 's> {
             u64::from(h.refcount_table_clusters) * self.cs,
         );
         self.count_bitmaps()?;
-        let mut reader = RefcountReader::new(self.q)?;
-        self.check_refblocks(reader.table.clone());
-        self.compare_refcounts(&mut reader);
-        self.check_oflag_copied(&mut reader)?;
+        self.check_refblocks(reftable);
         Ok(())
     }
 
@@ -338,7 +421,7 @@ impl<'a, 's> Checker<'a, 's> {
     }
 
     fn check_l2(&mut self, offset: u64, frag: bool) -> Result<()> {
-        let Some(table) = self.read_l2(offset)? else {
+        let Some(mut table) = self.read_l2(offset)? else {
             return Ok(());
         };
         let fmt = self.q.entry_format();
@@ -400,11 +483,27 @@ impl<'a, 's> Checker<'a, 's> {
                         } else {
                             w & OFLAG_ZERO == 0
                         };
-                        let kind = if has_data { "Data" } else { "Preallocated" };
-                        self.corruption(format!(
-                            "ERROR offset={host:x}: {kind} cluster is not properly aligned; L2 \
-                             entry corrupted."
-                        ));
+                        if has_data {
+                            self.corruption(format!(
+                                "ERROR offset={host:x}: Data cluster is not properly aligned; \
+                                 L2 entry corrupted."
+                            ));
+                        } else {
+                            let verb = if self.fix.errors {
+                                "Repairing"
+                            } else {
+                                "ERROR"
+                            };
+                            self.corruption(format!(
+                                "{verb} offset={host:x}: Preallocated cluster is not properly \
+                                 aligned; L2 entry corrupted."
+                            ));
+                            // The entry becomes a plain zero cluster: it no longer references
+                            // the cluster, which is then not counted (and freed as a leak).
+                            if self.fix.errors && self.zero_entry(offset, &mut table, i, frag)? {
+                                continue;
+                            }
+                        }
                     }
                     if frag {
                         self.report.allocated_clusters += 1;
@@ -429,6 +528,76 @@ impl<'a, 's> Checker<'a, 's> {
             }
         }
         Ok(())
+    }
+
+    /// QEMU's `fix_l2_entry_by_zero`: makes entry `i` of the L2 table at `l2_offset` read as
+    /// zero without a host cluster, and writes it. True when the entry was fixed; a refused
+    /// write (it would overwrite other metadata) fails the check.
+    fn zero_entry(
+        &mut self,
+        l2_offset: u64,
+        table: &mut L2Table,
+        i: usize,
+        active: bool,
+    ) -> Result<bool> {
+        let mut e = table.get(i);
+        if self.q.header().extended_l2() {
+            e.bitmap = (e.bitmap | (e.bitmap << 32)) & BITMAP_ALL_ZEROES;
+            e.word = 0;
+        } else {
+            e.word = OFLAG_ZERO;
+        }
+        table.set(i, e);
+        let size = table.entry_bytes() as u64;
+        let at = l2_offset + i as u64 * size;
+        let ign = if active {
+            repair::OL_ACTIVE_L2
+        } else {
+            repair::OL_INACTIVE_L2
+        };
+        if let Err(err) = self.overlap_check(ign, at, size) {
+            self.say("ERROR: Overlap check failed".into());
+            self.report.check_errors += 1;
+            return Err(err);
+        }
+        let first = i * table.entry_bytes();
+        let bytes = table.bytes(first, first + table.entry_bytes());
+        let written = (self.q.file().write_at(at, &bytes))
+            .and_then(|()| self.q.file().sync())
+            .context(|| format!("writing the L2 entry at {}", hx(at)));
+        match written {
+            Ok(()) => {
+                self.report.corruptions -= 1;
+                self.report.corruptions_fixed += 1;
+                Ok(true)
+            }
+            Err(err) => {
+                self.say(format!(
+                    "ERROR: Failed to overwrite L2 table entry: {}",
+                    io_reason(&err)
+                ));
+                self.report.check_errors += 1;
+                Ok(false)
+            }
+        }
+    }
+
+    /// QEMU's `qcow2_pre_write_overlap_check` for a write to `[offset, offset + size)`, with the
+    /// refcount table as it is on disk now.
+    pub(super) fn overlap_check(&mut self, ign: u32, offset: u64, size: u64) -> Result<()> {
+        let reftable = RefcountReader::new(self.q)?.table;
+        let l1 = self.q.l1_table();
+        let signal = self.signal.clone();
+        repair::pre_write_check(
+            self.q,
+            &l1,
+            &reftable,
+            ign,
+            offset,
+            size,
+            signal.as_deref(),
+            &mut *self.sink,
+        )
     }
 
     /// Counts the clusters of persistent dirty bitmaps: the directory, each bitmap's table and
@@ -524,12 +693,16 @@ impl<'a, 's> Checker<'a, 's> {
         valid.then_some((table_offset, table_size, 24 + extra + name_size))
     }
 
-    fn check_refblocks(&mut self, table: Vec<u64>) {
-        for (i, e) in table.into_iter().enumerate() {
+    /// QEMU's `check_refblocks`: counts each refcount block, flags the structure for a rebuild
+    /// where a table entry is unusable, and with `fix.errors` grows the file to take in a block
+    /// that lies beyond its end.
+    fn check_refblocks(&mut self, table: &[u64]) {
+        for (i, &e) in table.iter().enumerate() {
             if e & 0x1ff != 0 {
                 self.corruption(format!(
                     "ERROR refcount table entry {i} has reserved bits set"
                 ));
+                self.rebuild = true;
                 continue;
             }
             let off = e & REFT_OFFSET_MASK;
@@ -538,10 +711,31 @@ impl<'a, 's> Checker<'a, 's> {
                     "ERROR refcount block {i} is not cluster aligned; refcount table entry \
                      corrupted"
                 ));
+                self.rebuild = true;
                 continue;
             }
             if off >> self.cb >= self.refs.len() as u64 {
-                self.corruption(format!("ERROR refcount block {i} is outside image"));
+                let verb = if self.fix.errors {
+                    "Repairing"
+                } else {
+                    "ERROR"
+                };
+                self.corruption(format!("{verb} refcount block {i} is outside image"));
+                if self.fix.errors {
+                    match self.grow_file_to(off + self.cs) {
+                        Ok(()) => {
+                            self.report.corruptions -= 1;
+                            self.report.corruptions_fixed += 1;
+                            // The block now reads as zeroes: it describes no cluster, and its
+                            // own refcount is exactly this one reference.
+                            self.inc_refs(off, self.cs);
+                        }
+                        Err(err) => {
+                            self.rebuild = true;
+                            self.say(format!("ERROR could not resize image: {}", io_reason(&err)));
+                        }
+                    }
+                }
                 continue;
             }
             if off != 0 {
@@ -549,12 +743,49 @@ impl<'a, 's> Checker<'a, 's> {
                 let count = self.refs[(off >> self.cb) as usize];
                 if count != 1 {
                     self.corruption(format!("ERROR refcount block {i} refcount={count}"));
+                    self.rebuild = true;
                 }
             }
         }
     }
 
-    fn compare_refcounts(&mut self, reader: &mut RefcountReader) {
+    /// Extends the file to `len` bytes (QEMU's truncate of the image file when a refcount block
+    /// lies beyond its end). The counts grow with it; a length far beyond what the file holds
+    /// is refused, so that a hostile table entry cannot make us allocate without bound.
+    fn grow_file_to(&mut self, len: u64) -> Result<()> {
+        let too_large = || Error::Io {
+            context: "growing the image file".into(),
+            source: std::io::Error::from_raw_os_error(libc::EFBIG),
+        };
+        let clusters = len.div_ceil(self.cs);
+        let bound = (self.refs.len() as u64 * 4).max(MAX_GROWN_CLUSTERS);
+        if len > i64::MAX as u64 || clusters > bound {
+            return Err(too_large());
+        }
+        let file = self.q.file();
+        if file.len().context(|| "reading the image size".into())? < len {
+            file.set_len(len)
+                .context(|| format!("growing the image file to {len} bytes"))?;
+        }
+        self.file_size = file.len().context(|| "reading the image size".into())?;
+        let nb = self.file_size.div_ceil(self.cs);
+        if (self.refs.len() as u64) < nb {
+            self.refs.resize(nb as usize, 0);
+        }
+        if clusters > self.refs.len() as u64 {
+            return Err(Error::Io {
+                context: "growing the image file".into(),
+                source: std::io::Error::from_raw_os_error(libc::EINVAL),
+            });
+        }
+        Ok(())
+    }
+
+    /// QEMU's `compare_refcounts`: compares stored and counted refcounts, and with `fix`
+    /// corrects them (leaks with `fix.leaks`, refcounts too low with `fix.errors`; a stored
+    /// refcount of 0 for a referenced cluster can only be rebuilt). Returns the highest cluster
+    /// in use.
+    pub(super) fn compare_refcounts(&mut self, reader: &mut RefcountReader, fix: Fix) -> u64 {
         let mut highest = 0u64;
         // QEMU compares every cluster it counted, including references that reach (less than a
         // cluster) past the end of the file.
@@ -572,25 +803,64 @@ impl<'a, 's> Checker<'a, 's> {
             if stored > 0 || counted > 0 {
                 highest = i;
             }
-            if stored < counted {
-                self.corruption(format!(
-                    "ERROR cluster {i} refcount={stored} reference={counted}"
-                ));
+            if stored == counted {
+                continue;
+            }
+            let repair = if stored == 0 {
+                self.rebuild = true;
+                false
             } else if stored > counted {
+                fix.leaks
+            } else {
+                fix.errors
+            };
+            let verb = if repair {
+                "Repairing"
+            } else if stored < counted {
+                "ERROR"
+            } else {
+                "Leaked"
+            };
+            self.say(format!(
+                "{verb} cluster {i} refcount={stored} reference={counted}"
+            ));
+            if repair && reader.set(i, counted).is_ok() {
+                if counted == 0 {
+                    // Like QEMU (discard "always" for repairs), a freed cluster's space goes
+                    // back to the host; nothing references it. Discarding is optional.
+                    let _ = self.q.file().punch_hole(i << self.cb, self.cs);
+                }
+                if stored > counted {
+                    self.report.leaks_fixed += 1;
+                } else {
+                    self.report.corruptions_fixed += 1;
+                }
+                continue;
+            }
+            if stored < counted {
+                self.report.corruptions += 1;
+            } else {
                 self.report.leaks += 1;
-                self.say(format!(
-                    "Leaked cluster {i} refcount={stored} reference={counted}"
-                ));
             }
         }
-        self.report.image_end_offset = (highest + 1) * self.cs;
+        highest
     }
 
-    fn check_oflag_copied(&mut self, reader: &mut RefcountReader) -> Result<()> {
+    /// QEMU's `check_oflag_copied`: the COPIED flag of every active L1 and L2 entry must say
+    /// whether the refcount is exactly 1. With `fix.errors` (or `fix.leaks` when nothing else
+    /// was found) wrong flags are corrected; the caller has made the refcounts durable first.
+    pub(super) fn check_oflag_copied(
+        &mut self,
+        reader: &mut RefcountReader,
+        fix: Fix,
+    ) -> Result<()> {
+        let r = &self.report;
+        let repair =
+            fix.errors || (fix.leaks && r.check_errors == 0 && r.corruptions == 0 && r.leaks == 0);
+        let verb = if repair { "Repairing" } else { "ERROR" };
         let fmt = self.q.entry_format();
         let external = self.q.has_external_data();
-        let l1 = self.q.l1_table().to_vec();
-        for (l1_index, l1e) in l1.into_iter().enumerate() {
+        for (l1_index, l1e) in self.q.l1_table().into_iter().enumerate() {
             let l2_offset = l1e & l2::OFFSET_MASK;
             if l2_offset == 0 {
                 continue;
@@ -598,16 +868,30 @@ impl<'a, 's> Checker<'a, 's> {
             if let Ok(r) = reader.get(l2_offset >> self.cb, &mut |_| {}) {
                 if (r == 1) != (l1e & OFLAG_COPIED != 0) {
                     self.corruption(format!(
-                        "ERROR OFLAG_COPIED L2 cluster: l1_index={l1_index} l1_entry={l1e:x} \
+                        "{verb} OFLAG_COPIED L2 cluster: l1_index={l1_index} l1_entry={l1e:x} \
                          refcount={r}"
                     ));
+                    if repair {
+                        let fixed = if r == 1 {
+                            l1e | OFLAG_COPIED
+                        } else {
+                            l1e & !OFLAG_COPIED
+                        };
+                        if let Err(e) = self.write_l1_entry(l1_index, fixed) {
+                            self.report.check_errors += 1;
+                            return Err(e);
+                        }
+                        self.report.corruptions -= 1;
+                        self.report.corruptions_fixed += 1;
+                    }
                 }
             }
-            let Some(table) = self.read_l2(l2_offset)? else {
+            let Some(mut table) = self.read_l2(l2_offset)? else {
                 continue;
             };
+            let mut dirty = 0;
             for i in 0..table.len() {
-                let e = table.get(i);
+                let mut e = table.get(i);
                 if cluster_type(&fmt, e) != ClusterType::Allocated {
                     continue;
                 }
@@ -622,13 +906,55 @@ impl<'a, 's> Checker<'a, 's> {
                 };
                 if (r == 1) != (e.word & OFLAG_COPIED != 0) {
                     self.corruption(format!(
-                        "ERROR OFLAG_COPIED data cluster: l2_entry={:x} refcount={r}",
+                        "{verb} OFLAG_COPIED data cluster: l2_entry={:x} refcount={r}",
                         e.word
                     ));
+                    if repair {
+                        e.word = if r == 1 {
+                            e.word | OFLAG_COPIED
+                        } else {
+                            e.word & !OFLAG_COPIED
+                        };
+                        table.set(i, e);
+                        dirty += 1;
+                    }
                 }
+            }
+            if dirty > 0 {
+                if let Err(e) = self.overlap_check(repair::OL_ACTIVE_L2, l2_offset, self.cs) {
+                    self.say(format!(
+                        "ERROR: Could not write L2 table; metadata overlap check failed: {}",
+                        io_reason(&e)
+                    ));
+                    self.report.check_errors += 1;
+                    return Err(e);
+                }
+                let written = (self.q.file().write_at(l2_offset, &table.to_bytes()))
+                    .context(|| format!("writing the L2 table at {}", hx(l2_offset)));
+                if let Err(e) = written {
+                    self.say(format!(
+                        "ERROR: Could not write L2 table: {}",
+                        io_reason(&e)
+                    ));
+                    self.report.check_errors += 1;
+                    return Err(e);
+                }
+                self.report.corruptions -= dirty;
+                self.report.corruptions_fixed += dirty;
             }
         }
         Ok(())
+    }
+
+    /// QEMU's `qcow2_write_l1_entry`: writes one active L1 entry, synced, unless the write would
+    /// land on other metadata.
+    fn write_l1_entry(&mut self, index: usize, entry: u64) -> Result<()> {
+        let at = self.q.header().l1_table_offset + 8 * index as u64;
+        self.overlap_check(repair::OL_ACTIVE_L1, at, 8)?;
+        let file = self.q.file();
+        (file.write_at(at, &entry.to_be_bytes()))
+            .and_then(|()| file.sync())
+            .context(|| format!("writing the L1 entry at {}", hx(at)))
     }
 }
 

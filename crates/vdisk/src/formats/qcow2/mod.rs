@@ -15,6 +15,7 @@ pub mod header;
 pub mod l2;
 mod packed;
 pub mod refcount;
+pub mod repair;
 mod resize;
 pub mod snapshot;
 mod snapshot_ops;
