@@ -11,6 +11,7 @@ mod map;
 mod qjson;
 mod rebase;
 mod resize;
+mod serve;
 mod snapshot;
 mod text;
 
@@ -214,6 +215,39 @@ enum Command {
         force_share: bool,
         filename: String,
     },
+    /// Export images over NBD (like qemu-nbd) until SIGINT or SIGTERM.
+    Serve {
+        /// Images to export: IMG, or IMG=NAME for several exports from one process.
+        #[arg(required = true)]
+        images: Vec<String>,
+        #[arg(short = 'f')]
+        format: Option<String>,
+        /// Listen on unix:PATH or tcp:HOST:PORT (repeatable).
+        #[arg(long, required = true)]
+        nbd: Vec<String>,
+        /// Name of the (single) export; default "".
+        #[arg(long, short = 'x')]
+        export_name: Option<String>,
+        #[arg(long, short = 'D')]
+        description: Option<String>,
+        #[arg(long, short = 'r')]
+        read_only: bool,
+        /// Clients served at once (0: no limit).
+        #[arg(long, default_value_t = 0)]
+        max_connections: usize,
+        /// Worker threads per connection.
+        #[arg(long, default_value_t = 16)]
+        workers: usize,
+        #[arg(long)]
+        pid_file: Option<String>,
+        /// Answer unix:PATH or tcp:HOST:PORT with live counters (Prometheus text format).
+        #[arg(long)]
+        stats: Option<String>,
+        #[arg(short = 'v', long)]
+        verbose: bool,
+    },
+    /// Print the live counters of a `vdisk serve --stats ADDR` (Prometheus text format).
+    Stats { address: String },
     /// Compare the contents of two images (like `qemu-img compare`): exit 0 same, 1 different.
     Compare {
         #[arg(short = 'f')]
@@ -395,6 +429,32 @@ fn main() -> ExitCode {
             };
             snapshot::run(&filename, format.as_deref(), action)
         }
+        Command::Serve {
+            images,
+            format,
+            nbd,
+            export_name,
+            description,
+            read_only,
+            max_connections,
+            workers,
+            pid_file,
+            stats,
+            verbose,
+        } => serve::run(serve::Args {
+            images: &images,
+            format: format.as_deref(),
+            nbd: &nbd,
+            export_name: export_name.as_deref(),
+            description: description.as_deref(),
+            read_only,
+            max_connections,
+            workers,
+            pid_file: pid_file.as_deref(),
+            stats: stats.as_deref(),
+            verbose,
+        }),
+        Command::Stats { address } => serve::stats(&address),
         Command::Compare {
             format1,
             format2,

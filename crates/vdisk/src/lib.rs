@@ -8,6 +8,7 @@ pub mod blockdev;
 pub mod bytes;
 pub mod counters;
 pub mod error;
+pub mod export;
 pub mod formats;
 pub mod storage;
 

@@ -1,0 +1,241 @@
+//! `vdisk serve`: exports images over NBD until SIGINT or SIGTERM, then finishes the requests
+//! in flight, flushes and closes every image clean. `vdisk stats`: prints a server's live
+//! counters.
+
+use std::io::{Read, Write};
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use vdisk::export::nbd::{Address, Export, ExportOptions, Limits, Server, ServerOptions};
+use vdisk::{BlockDev, Format, Image, ImageOptions};
+
+use crate::fail;
+
+pub struct Args<'a> {
+    /// `IMG` or `IMG=NAME`, one per export.
+    pub images: &'a [String],
+    pub format: Option<&'a str>,
+    /// Listen addresses (`unix:PATH`, `tcp:HOST:PORT`).
+    pub nbd: &'a [String],
+    pub export_name: Option<&'a str>,
+    pub description: Option<&'a str>,
+    pub read_only: bool,
+    pub max_connections: usize,
+    pub workers: usize,
+    pub pid_file: Option<&'a str>,
+    pub stats: Option<&'a str>,
+    pub verbose: bool,
+}
+
+/// Splits `IMG=NAME`; a path that exists as given is an image name even with a `=` in it.
+fn split_spec(spec: &str) -> (&str, Option<&str>) {
+    if Path::new(spec).exists() {
+        return (spec, None);
+    }
+    match spec.rsplit_once('=') {
+        Some((path, name)) if !path.is_empty() => (path, Some(name)),
+        _ => (spec, None),
+    }
+}
+
+/// Blocks the stop signals in this thread and every thread it starts later, so that they are
+/// only ever taken by `sigwait` in [`wait_for_signal`].
+fn block_signals() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data that sigemptyset initialises; the calls only read and
+    // write that set and the calling thread's signal mask.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            libc::sigaddset(&mut set, sig);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+fn wait_for_signal(set: &libc::sigset_t) -> i32 {
+    let mut sig: libc::c_int = 0;
+    loop {
+        // SAFETY: `set` is an initialised signal set and `sig` a valid place for the result.
+        let r = unsafe { libc::sigwait(set, &mut sig) };
+        if r == 0 {
+            return sig;
+        }
+    }
+}
+
+pub fn run(a: Args) -> ExitCode {
+    let signals = block_signals();
+    if a.nbd.is_empty() {
+        return fail(
+            "serve needs at least one --nbd unix:PATH or tcp:HOST:PORT",
+            1,
+        );
+    }
+    if a.images.len() > 1 && a.export_name.is_some() {
+        return fail(
+            "--export-name names a single export; name several with IMG=NAME",
+            1,
+        );
+    }
+    let format = match a.format.map(Format::parse).transpose() {
+        Ok(f) => f,
+        Err(e) => return fail(e, 1),
+    };
+    let addresses = match a
+        .nbd
+        .iter()
+        .map(|s| Address::parse(s))
+        .collect::<Result<Vec<_>, _>>()
+    {
+        Ok(v) => v,
+        Err(e) => return fail(e, 1),
+    };
+    let stats = match a.stats.map(Address::parse).transpose() {
+        Ok(v) => v,
+        Err(e) => return fail(e, 1),
+    };
+
+    let mut images = Vec::new();
+    let mut exports = Vec::new();
+    for spec in a.images {
+        let (path, name) = split_spec(spec);
+        let name = match (name, a.export_name) {
+            (Some(n), _) | (None, Some(n)) => n.to_string(),
+            (None, None) if a.images.len() == 1 => String::new(),
+            (None, None) => Path::new(path)
+                .file_name()
+                .map_or_else(|| path.to_string(), |n| n.to_string_lossy().into_owned()),
+        };
+        let opts = ImageOptions {
+            format,
+            write: !a.read_only,
+            direct: false,
+            no_backing: false,
+        };
+        let image = match vdisk::open_image(path, &opts) {
+            Ok(i) => Arc::new(i),
+            Err(e) => return fail(e, 1),
+        };
+        let preferred = image.qcow2().map_or(4096, |q| {
+            q.header().cluster_size().clamp(512, 2 << 20) as u32
+        });
+        let eopts = ExportOptions {
+            name,
+            description: a.description.map(str::to_string),
+            read_only: a.read_only,
+            preferred_block: preferred,
+            allocation_depth: image.backing().is_some(),
+        };
+        if a.verbose {
+            eprintln!(
+                "vdisk: exporting '{}' ({}, {} bytes) as '{}'{}",
+                path,
+                image.format().name(),
+                image.size(),
+                eopts.name,
+                if a.read_only { ", read-only" } else { "" }
+            );
+        }
+        images.push(image.clone());
+        exports.push(Export::from_image(image, eopts));
+    }
+
+    let server_opts = ServerOptions {
+        max_connections: a.max_connections,
+        limits: Limits {
+            workers: a.workers.max(1),
+            ..Limits::default()
+        },
+        verbose: a.verbose,
+        ..ServerOptions::default()
+    };
+    let server = match Server::new(exports, server_opts) {
+        Ok(s) => s,
+        Err(e) => return fail(e, 1),
+    };
+    for addr in &addresses {
+        match server.listen(addr) {
+            Ok(bound) if a.verbose => eprintln!("vdisk: listening on {bound}"),
+            Ok(_) => {}
+            Err(e) => {
+                server.shutdown();
+                return fail(format!("cannot listen on {addr}: {e}"), 1);
+            }
+        }
+    }
+    if let Some(addr) = &stats {
+        if let Err(e) = server.serve_metrics(addr) {
+            server.shutdown();
+            return fail(format!("cannot listen on {addr} for stats: {e}"), 1);
+        }
+    }
+    if let Some(p) = a.pid_file {
+        // Written once the sockets listen, so whoever waits for it can connect right away.
+        if let Err(e) = std::fs::write(p, format!("{}\n", std::process::id())) {
+            server.shutdown();
+            return fail(format!("cannot write the pid file '{p}': {e}"), 1);
+        }
+    }
+
+    let sig = wait_for_signal(&signals);
+    if a.verbose {
+        eprintln!("vdisk: signal {sig}: stopping");
+    }
+    server.shutdown();
+    drop(server);
+    let mut status = ExitCode::SUCCESS;
+    for image in &images {
+        if let Err(e) = close(image, a.read_only) {
+            eprintln!("vdisk: closing '{}': {e}", image.filename);
+            status = ExitCode::from(1);
+        }
+    }
+    if let Some(p) = a.pid_file {
+        let _ = std::fs::remove_file(p);
+    }
+    status
+}
+
+/// Makes everything durable and leaves the image clean (qcow2: no reserved tail, refcounts
+/// written).
+fn close(image: &Image, read_only: bool) -> vdisk::Result<()> {
+    if read_only {
+        return Ok(());
+    }
+    image.flush()?;
+    if let Some(q) = image.qcow2() {
+        q.close()?;
+    }
+    Ok(())
+}
+
+/// `vdisk stats ADDR`: prints the metrics of the server whose stats endpoint is `ADDR`.
+pub fn stats(addr: &str) -> ExitCode {
+    let addr = match Address::parse(addr) {
+        Ok(a) => a,
+        Err(e) => return fail(e, 1),
+    };
+    let mut s = match addr.connect() {
+        Ok(s) => s,
+        Err(e) => return fail(format!("cannot connect to {addr}: {e}"), 1),
+    };
+    let mut text = Vec::new();
+    let r = s
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: vdisk\r\n\r\n")
+        .and_then(|()| s.read_to_end(&mut text));
+    if let Err(e) = r {
+        return fail(format!("reading the stats from {addr}: {e}"), 1);
+    }
+    let body = match text.windows(4).position(|w| w == b"\r\n\r\n") {
+        Some(at) if text.starts_with(b"HTTP/") => &text[at + 4..],
+        _ => &text[..],
+    };
+    let mut out = std::io::stdout().lock();
+    if out.write_all(body).and_then(|()| out.flush()).is_err() {
+        return ExitCode::from(1);
+    }
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,1114 @@
+//! `vdisk serve` against real NBD clients (qemu-img, qemu-io, nbdinfo, nbdcopy, fio), started
+//! by the tests; the protocol itself through a small client of our own (options, errors,
+//! structured replies, block status, pipelining); and a fuzz test that throws random and
+//! mutated byte streams at an in-process server while a well-behaved client keeps working.
+
+mod nbd_common;
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nbd_common::client::{self, Chunk, Client, Opts};
+use nbd_common::{fuzz, *};
+use vdisk::export::nbd::proto::*;
+use vdisk::export::nbd::ExportOptions;
+use vdisk::BlockDev;
+
+const MIB: u64 = 1 << 20;
+
+fn opts(name: &str) -> ExportOptions {
+    ExportOptions::new(name)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The protocol, through our own client against in-process servers.
+
+#[test]
+fn handshake_answers_every_option() {
+    let img = mem_raw(4 << 20);
+    let mut described = opts("");
+    described.description = Some("the disk".into());
+    let mut ro = opts("ro");
+    ro.read_only = true;
+    let (server, _) = server(vec![(img.clone(), described), (img, ro)]);
+    let (mut s, b) = std::os::unix::net::UnixStream::pair().unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    server.serve_stream(b.into());
+    let hs = client::start(&mut s).unwrap();
+    assert_eq!(hs, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+
+    client::send_option(&mut s, OPT_LIST, &[]).unwrap();
+    let r = client::option_replies(&mut s).unwrap();
+    let servers: Vec<Vec<u8>> = r
+        .iter()
+        .filter(|r| r.kind == REP_SERVER)
+        .map(|r| r.data.clone())
+        .collect();
+    assert_eq!(servers.len(), 2);
+    assert_eq!(&servers[0][..4], &0u32.to_be_bytes());
+    assert_eq!(&servers[0][4..], b"the disk");
+    assert_eq!(&servers[1][4..6], b"ro");
+    assert_eq!(r.last().unwrap().kind, REP_ACK);
+
+    client::send_option(&mut s, OPT_LIST, b"x").unwrap();
+    assert_eq!(client::option_reply(&mut s).unwrap().kind, REP_ERR_INVALID);
+    client::send_option(&mut s, 0x4242, &[1, 2, 3]).unwrap();
+    let r = client::option_reply(&mut s).unwrap();
+    assert_eq!((r.opt, r.kind), (0x4242, REP_ERR_UNSUP));
+    client::send_option(&mut s, OPT_STARTTLS, &[]).unwrap();
+    assert_eq!(client::option_reply(&mut s).unwrap().kind, REP_ERR_POLICY);
+    client::send_option(
+        &mut s,
+        OPT_SET_META_CONTEXT,
+        &client::meta_data("", &["base:allocation"]),
+    )
+    .unwrap();
+    assert_eq!(
+        client::option_reply(&mut s).unwrap().kind,
+        REP_ERR_INVALID,
+        "needs structured replies"
+    );
+
+    // INFO with the name and block sizes.
+    client::send_option(
+        &mut s,
+        OPT_INFO,
+        &client::info_data("ro", &[INFO_NAME, INFO_BLOCK_SIZE]),
+    )
+    .unwrap();
+    let r = client::option_replies(&mut s).unwrap();
+    let info = |t: u16| {
+        r.iter()
+            .find(|r| r.kind == REP_INFO && r.data[..2] == t.to_be_bytes())
+            .map(|r| r.data[2..].to_vec())
+    };
+    assert_eq!(info(INFO_NAME).unwrap(), b"ro");
+    let bs = info(INFO_BLOCK_SIZE).unwrap();
+    assert_eq!(bs.len(), 12);
+    assert_eq!(&bs[0..4], &1u32.to_be_bytes());
+    assert_eq!(&bs[4..8], &4096u32.to_be_bytes());
+    assert_eq!(&bs[8..12], &(32u32 << 20).to_be_bytes());
+    let e = info(INFO_EXPORT).unwrap();
+    assert_eq!(&e[0..8], &(4u64 << 20).to_be_bytes());
+    let flags = u16::from_be_bytes([e[8], e[9]]);
+    assert_ne!(flags & FLAG_READ_ONLY, 0);
+    assert_eq!(flags & FLAG_SEND_TRIM, 0);
+    assert_ne!(flags & FLAG_CAN_MULTI_CONN, 0);
+    assert_eq!(r.last().unwrap().kind, REP_ACK);
+
+    client::send_option(&mut s, OPT_INFO, &client::info_data("missing", &[])).unwrap();
+    let r = client::option_reply(&mut s).unwrap();
+    assert_eq!(r.kind, REP_ERR_UNKNOWN);
+    assert!(String::from_utf8_lossy(&r.data).contains("missing"));
+    // Inconsistent lengths inside the option data.
+    let mut bad = client::info_data("", &[]);
+    bad[3] = 200;
+    client::send_option(&mut s, OPT_GO, &bad).unwrap();
+    assert_eq!(client::option_reply(&mut s).unwrap().kind, REP_ERR_INVALID);
+
+    client::send_option(&mut s, OPT_STRUCTURED_REPLY, &[]).unwrap();
+    assert_eq!(client::option_reply(&mut s).unwrap().kind, REP_ACK);
+    client::send_option(&mut s, OPT_STRUCTURED_REPLY, &[]).unwrap();
+    assert_eq!(client::option_reply(&mut s).unwrap().kind, REP_ERR_INVALID);
+
+    // Contexts: a raw image without backing offers base:allocation only.
+    client::send_option(&mut s, OPT_LIST_META_CONTEXT, &client::meta_data("", &[])).unwrap();
+    let r = client::option_replies(&mut s).unwrap();
+    let names: Vec<&[u8]> = r
+        .iter()
+        .filter(|r| r.kind == REP_META_CONTEXT)
+        .map(|r| &r.data[4..])
+        .collect();
+    assert_eq!(names, vec![b"base:allocation".as_slice()]);
+    client::send_option(
+        &mut s,
+        OPT_SET_META_CONTEXT,
+        &client::meta_data(
+            "",
+            &[
+                "qemu:allocation-depth",
+                "x-other:thing",
+                "base:allocation",
+                "base:",
+            ],
+        ),
+    )
+    .unwrap();
+    let r = client::option_replies(&mut s).unwrap();
+    let set: Vec<(u32, &[u8])> = r
+        .iter()
+        .filter(|r| r.kind == REP_META_CONTEXT)
+        .map(|r| {
+            (
+                u32::from_be_bytes(r.data[..4].try_into().unwrap()),
+                &r.data[4..],
+            )
+        })
+        .collect();
+    assert_eq!(
+        set,
+        vec![(CONTEXT_ID_BASE_ALLOCATION, b"base:allocation".as_slice())]
+    );
+
+    client::send_option(&mut s, OPT_ABORT, &[]).unwrap();
+    assert_eq!(client::option_reply(&mut s).unwrap().kind, REP_ACK);
+}
+
+#[test]
+fn export_name_option_and_simple_replies() {
+    let img = mem_raw(1 << 20);
+    let (server, _) = server(vec![(img.clone(), opts("disk"))]);
+    let (mut s, b) = std::os::unix::net::UnixStream::pair().unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    server.serve_stream(b.into());
+    client::start(&mut s).unwrap();
+    client::send_option(&mut s, OPT_EXPORT_NAME, b"disk").unwrap();
+    let mut reply = [0u8; 10];
+    std::io::Read::read_exact(&mut s, &mut reply).unwrap();
+    assert_eq!(&reply[..8], &(1u64 << 20).to_be_bytes());
+    let flags = u16::from_be_bytes([reply[8], reply[9]]);
+    assert_eq!(flags & FLAG_SEND_DF, 0, "DF only with structured replies");
+    // Simple replies: reads carry the data right after the header.
+    let mut c = client_from(s, 1 << 20, flags);
+    assert_eq!(c.write(4096, &[7u8; 512]), 0);
+    let r = c.call(0, CMD_READ, 4096, 1024, &[]);
+    assert!(r.simple);
+    assert_eq!(&r.data[..512], &[7u8; 512]);
+    assert_eq!(&r.data[512..], &[0u8; 512]);
+    let r = c.call(0, CMD_READ, 1 << 20, 512, &[]);
+    assert_eq!((r.simple, r.error, r.data.len()), (true, EINVAL, 0));
+    let r = c.call(CMD_FLAG_DF, CMD_READ, 0, 512, &[]);
+    assert_eq!(r.error, EINVAL, "DF without structured replies");
+    assert_eq!(c.write(0, &[1u8; 16]), 0);
+    c.disconnect();
+}
+
+/// A client for a connection that already entered transmission.
+fn client_from(s: std::os::unix::net::UnixStream, size: u64, flags: u16) -> Client {
+    // Reuse Client's reply machinery by building it through a trivial handshake-free path.
+    let mut c = Client::connect_raw(s);
+    c.size = size;
+    c.flags = flags;
+    c
+}
+
+#[test]
+fn errors_keep_the_connection_usable() {
+    let img = mem_raw(1 << 20);
+    let mut ro = opts("ro");
+    ro.read_only = true;
+    let (server, _) = server(vec![(img.clone(), opts("")), (img, ro)]);
+    let mut c = connect(&server, &Opts::default());
+    let size = c.size;
+    let check = |c: &mut Client, r: client::Reply, want: u32| {
+        assert_eq!(r.error, want, "{r:?}");
+        if want != 0 {
+            assert!(
+                matches!(r.chunks.last(), Some(Chunk::Error { msg, .. }) if !msg.is_empty()),
+                "{r:?}"
+            );
+        }
+        // The connection still works.
+        assert_eq!(c.write(0, &[9u8; 512]), 0);
+    };
+    let r = c.call(0, CMD_WRITE, size - 256, 512, &[1u8; 512]);
+    check(&mut c, r, ENOSPC);
+    let r = c.call(0, CMD_READ, size, 1, &[]);
+    check(&mut c, r, EINVAL);
+    let r = c.call(0, CMD_READ, u64::MAX - 10, 512, &[]);
+    check(&mut c, r, EINVAL);
+    let r = c.call(0, CMD_WRITE_ZEROES, size - 512, 1024, &[]);
+    check(&mut c, r, ENOSPC);
+    let r = c.call(0, CMD_TRIM, size, 512, &[]);
+    check(&mut c, r, EINVAL);
+    let r = c.call(0, 42, 0, 512, &[]);
+    check(&mut c, r, EINVAL);
+    let r = c.call(CMD_FLAG_REQ_ONE, CMD_WRITE, 0, 512, &[1u8; 512]);
+    check(&mut c, r, EINVAL);
+    let r = c.call(0, CMD_BLOCK_STATUS, 0, 512, &[]);
+    check(&mut c, r, EINVAL); // no context negotiated
+    let r = c.call(
+        CMD_FLAG_FAST_ZERO | CMD_FLAG_NO_HOLE,
+        CMD_WRITE_ZEROES,
+        0,
+        512,
+        &[],
+    );
+    check(&mut c, r, ENOTSUP);
+    let r = c.call(0, CMD_READ, 0, MAX_PAYLOAD + 1, &[]);
+    check(&mut c, r, EOVERFLOW);
+    let r = c.call(0, CMD_CACHE, 0, MAX_PAYLOAD + 1, &[]);
+    check(&mut c, r, EOVERFLOW);
+    // A write too large to hold: its payload is consumed, the stream stays in step.
+    let big = vec![0x5au8; MAX_PAYLOAD as usize + 4096];
+    let r = c.call(0, CMD_WRITE, 0, big.len() as u32, &big);
+    check(&mut c, r, EINVAL);
+    assert_eq!(c.read(0, 512).unwrap(), vec![9u8; 512]);
+    // Zero-length requests succeed.
+    for kind in [CMD_READ, CMD_WRITE, CMD_TRIM, CMD_WRITE_ZEROES, CMD_CACHE] {
+        let r = c.call(0, kind, 0, 0, &[]);
+        assert_eq!(r.error, 0, "zero-length {}", command_name(kind));
+    }
+    c.disconnect();
+
+    let mut c = connect(
+        &server,
+        &Opts {
+            export: "ro",
+            ..Opts::default()
+        },
+    );
+    assert_ne!(c.flags & FLAG_READ_ONLY, 0);
+    assert_eq!(c.call(0, CMD_WRITE, 0, 512, &[1u8; 512]).error, EPERM);
+    assert_eq!(c.call(0, CMD_TRIM, 0, 512, &[]).error, EPERM);
+    assert_eq!(c.call(0, CMD_WRITE_ZEROES, 0, 512, &[]).error, EPERM);
+    assert_eq!(c.call(0, CMD_FLUSH, 0, 0, &[]).error, 0);
+    assert_eq!(c.read(0, 512).unwrap(), vec![9u8; 512]);
+    c.disconnect();
+}
+
+#[test]
+fn reads_send_holes_and_block_status_reports_the_chain() {
+    // A qcow2 overlay on a raw backing file, both in memory.
+    let backing = mem_raw(8 << 20);
+    backing.write(MIB, &[0xbbu8; 65536]).unwrap();
+    let storage: Arc<dyn vdisk::storage::Storage> = Arc::new(vdisk::storage::MemStorage::new());
+    let co = vdisk::formats::qcow2::create::CreateOptions {
+        size: 8 << 20,
+        backing_file: Some("backing.raw".into()),
+        backing_format: Some("raw".into()),
+        ..Default::default()
+    };
+    vdisk::formats::qcow2::create::create(&*storage, None, &co).unwrap();
+    let top = Arc::new(vdisk::open_overlay(storage, backing, "top.qcow2", true).unwrap());
+    top.write(0, &[0xaau8; 65536]).unwrap();
+    let mut o = opts("");
+    o.allocation_depth = true;
+    o.preferred_block = 65536;
+    let (server, _) = server(vec![(top.clone(), o)]);
+    let mut c = connect(
+        &server,
+        &Opts {
+            contexts: &["base:allocation", "qemu:allocation-depth"],
+            ..Opts::default()
+        },
+    );
+    assert_eq!(c.contexts.len(), 2);
+    assert_ne!(c.flags & FLAG_SEND_DF, 0);
+
+    // A small read across data and zeroes: data chunk, then a hole.
+    let r = c.call(0, CMD_READ, 61440, 8192, &[]);
+    assert_eq!(
+        r.chunks,
+        vec![
+            Chunk::Data {
+                offset: 61440,
+                data: vec![0xaa; 4096]
+            },
+            Chunk::Hole {
+                offset: 65536,
+                len: 4096
+            },
+        ]
+    );
+    // DF: one data chunk with the zeroes in it.
+    let r = c.call(CMD_FLAG_DF, CMD_READ, 61440, 8192, &[]);
+    assert_eq!(r.chunks.len(), 1);
+    assert!(matches!(&r.chunks[0], Chunk::Data { offset: 61440, data } if data.len() == 8192));
+    // A large read planned from block status: holes are not read.
+    let r = c.call(0, CMD_READ, 0, 4 << 20, &[]);
+    let data = client::assemble(&r, 0, 4 << 20).unwrap();
+    assert_eq!(&data[..65536], &[0xaa; 65536][..]);
+    assert_eq!(&data[1 << 20..(1 << 20) + 65536], &[0xbb; 65536][..]);
+    assert!(r.chunks.iter().any(|c| matches!(c, Chunk::Hole { .. })));
+
+    // A read with more runs than chunks allowed, into a buffer a read of other data used
+    // before: 512 runs of 4 KiB in the lower half (zeroes inside data clusters), then whole
+    // zero clusters in the upper half, which are not read and merge into the last data chunk.
+    let (at, len) = (4u64 << 20, 4usize << 20);
+    let junk = random_bytes(len, 11);
+    assert_eq!(c.write(at, &junk), 0);
+    assert_eq!(c.read(at, len as u32).unwrap(), junk);
+    let mut want = junk.clone();
+    for i in (0..512usize).step_by(2) {
+        assert_eq!(
+            c.call(0, CMD_WRITE_ZEROES, at + i as u64 * 4096, 4096, &[])
+                .error,
+            0
+        );
+        want[i * 4096..(i + 1) * 4096].fill(0);
+    }
+    for i in (0..32usize).step_by(2) {
+        let o = (2 << 20) + i * 65536;
+        assert_eq!(
+            c.call(0, CMD_WRITE_ZEROES, at + o as u64, 65536, &[]).error,
+            0
+        );
+        want[o..o + 65536].fill(0);
+    }
+    let r = c.call(0, CMD_READ, at, len as u32, &[]);
+    assert!(r.chunks.len() <= 64, "{} chunks", r.chunks.len());
+    assert!(
+        client::assemble(&r, at, len as u32).unwrap() == want,
+        "fragmented read differs"
+    );
+
+    // Block status: base:allocation and the depth in the chain.
+    let r = c.call(0, CMD_BLOCK_STATUS, 0, 2 << 20, &[]);
+    assert_eq!(r.error, 0, "{r:?}");
+    let ext = |id: u32| -> Vec<(u32, u32)> {
+        r.chunks
+            .iter()
+            .find_map(|c| match c {
+                Chunk::Status { id: i, extents } if *i == id => Some(extents.clone()),
+                _ => None,
+            })
+            .unwrap()
+    };
+    let depth = ext(CONTEXT_ID_ALLOCATION_DEPTH);
+    assert_eq!(depth[0], (65536, 1), "{depth:?}");
+    let mut pos = 0u64;
+    let at = |e: &[(u32, u32)], off: u64| {
+        let mut p = 0u64;
+        e.iter()
+            .find(|(l, _)| {
+                p += u64::from(*l);
+                p > off
+            })
+            .map(|x| x.1)
+    };
+    assert_eq!(at(&depth, MIB), Some(2), "{depth:?}");
+    for (l, _) in &depth {
+        pos += u64::from(*l);
+    }
+    assert_eq!(pos, 2 << 20);
+    let base = ext(CONTEXT_ID_BASE_ALLOCATION);
+    // The raw backing file in memory cannot tell holes: everything is data.
+    assert_eq!(base, vec![(2 << 20, 0)]);
+    // REQ_ONE: one extent each, no longer than asked.
+    let r = c.call(CMD_FLAG_REQ_ONE, CMD_BLOCK_STATUS, 0, 4096, &[]);
+    for ch in &r.chunks {
+        let Chunk::Status { extents, .. } = ch else {
+            panic!("{ch:?}")
+        };
+        assert_eq!(extents, &vec![(4096, extents[0].1)]);
+    }
+    // Zeroing without holes, and fast zeroing.
+    assert_eq!(
+        c.call(CMD_FLAG_NO_HOLE, CMD_WRITE_ZEROES, 0, 4096, &[])
+            .error,
+        0
+    );
+    assert_eq!(
+        c.call(
+            CMD_FLAG_FAST_ZERO | CMD_FLAG_FUA,
+            CMD_WRITE_ZEROES,
+            4096,
+            4096,
+            &[]
+        )
+        .error,
+        0
+    );
+    assert_eq!(c.read(0, 8192).unwrap(), vec![0u8; 8192]);
+    assert_eq!(c.call(0, CMD_CACHE, 0, 1 << 20, &[]).error, 0);
+    c.disconnect();
+}
+
+#[test]
+fn pipelined_requests_complete_out_of_order() {
+    let img = mem_qcow2(64 << 20);
+    let (server, _) = server(vec![(img.clone(), opts(""))]);
+    let mut c = connect(&server, &Opts::default());
+    // 256 writes of distinct data in flight at once (a mix of sizes, some with FUA), then a
+    // flush, then 256 reads.
+    let mut expect = std::collections::HashMap::new();
+    let mut cookies = std::collections::HashSet::new();
+    for i in 0..256u64 {
+        let len = if i % 3 == 0 { 65536 } else { 4096 };
+        let off = i * 131072 + (i % 7) * 512;
+        let data = random_bytes(len, i);
+        let flags = if i % 5 == 0 { CMD_FLAG_FUA } else { 0 };
+        cookies.insert(c.send(flags, CMD_WRITE, off, len as u32, &data));
+        expect.insert(off, data);
+    }
+    let mut order = Vec::new();
+    while !cookies.is_empty() {
+        let r = c.reply().unwrap();
+        assert_eq!(r.error, 0);
+        assert!(
+            cookies.remove(&r.cookie),
+            "reply to an unknown or repeated cookie"
+        );
+        order.push(r.cookie);
+    }
+    assert_eq!(c.call(0, CMD_FLUSH, 0, 0, &[]).error, 0);
+    let mut reads = std::collections::HashMap::new();
+    for (off, data) in &expect {
+        reads.insert(
+            c.send(0, CMD_READ, *off, data.len() as u32, &[]),
+            (*off, data.len()),
+        );
+    }
+    while !reads.is_empty() {
+        let r = c.reply().unwrap();
+        let (off, len) = reads.remove(&r.cookie).expect("known cookie");
+        assert_eq!(
+            &client::assemble(&r, off, len as u32).unwrap(),
+            &expect[&off]
+        );
+    }
+    c.disconnect();
+    let sorted = order.windows(2).all(|w| w[0] < w[1]);
+    eprintln!(
+        "write replies {}in request order",
+        if sorted { "" } else { "not " }
+    );
+}
+
+#[test]
+fn garbage_closes_only_its_own_connection() {
+    let img = mem_raw(1 << 20);
+    let (server, lines) = server(vec![(img, opts(""))]);
+    let mut good = connect(&server, &Opts::default());
+    let mut bad = connect(&server, &Opts::default());
+    std::io::Write::write_all(&mut bad.s, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n........").unwrap();
+    let mut rest = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut bad.s, &mut rest);
+    assert!(rest.is_empty(), "no reply to garbage");
+    assert_eq!(good.write(0, &[1u8; 4096]), 0);
+    assert_eq!(good.read(0, 4096).unwrap(), vec![1u8; 4096]);
+    good.disconnect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.connections() > 0 {
+        assert!(Instant::now() < deadline, "connections did not close");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let log = lines.all();
+    assert!(
+        log.iter()
+            .any(|l| l.contains("bad request magic 0x47455420")),
+        "no log line for the garbage: {log:?}"
+    );
+    assert!(server
+        .metrics()
+        .contains("vdisk_nbd_protocol_errors_total 1"));
+}
+
+/// Random and mutated byte streams, each on its own connection to one in-process server,
+/// while a well-behaved client on another export writes and verifies all along. Nothing may
+/// panic, every fuzz connection must end once its stream does, and the good client must never
+/// see a wrong byte or an error. `NBD_FUZZ_CASES` sets the number of streams (default 600).
+#[test]
+fn fuzzed_streams_never_disturb_a_good_client() {
+    let panicked = Arc::new(AtomicBool::new(false));
+    {
+        let p = panicked.clone();
+        let prev = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            p.store(true, Ordering::SeqCst);
+            prev(info);
+        }));
+    }
+    let cases: u64 = std::env::var("NBD_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(600);
+    let size = 8u64 << 20;
+    let mut depth = opts("");
+    depth.allocation_depth = true;
+    let (server, lines) = server(vec![
+        (mem_qcow2(size), depth),
+        (mem_raw(size as usize), opts("raw")),
+        (mem_qcow2(16 << 20), opts("good")),
+    ]);
+    let stop = Arc::new(AtomicBool::new(false));
+    let good = {
+        let mut c = connect(
+            &server,
+            &Opts {
+                export: "good",
+                contexts: &["base:allocation"],
+                ..Opts::default()
+            },
+        );
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut rounds = 0u64;
+            while !stop.load(Ordering::Relaxed) || rounds < 10 {
+                let off = (rounds % 200) * 65536 + 512;
+                let data = random_bytes(8192 + (rounds as usize % 5) * 4096, rounds);
+                assert_eq!(c.write(off, &data), 0, "good client write");
+                assert_eq!(
+                    c.read(off, data.len() as u32).unwrap(),
+                    data,
+                    "good client read-back"
+                );
+                let r = c.call(0, CMD_BLOCK_STATUS, off, 4096, &[]);
+                assert_eq!(r.error, 0);
+                if rounds % 16 == 0 {
+                    assert_eq!(c.call(0, CMD_FLUSH, 0, 0, &[]).error, 0);
+                }
+                rounds += 1;
+            }
+            c.disconnect();
+            rounds
+        })
+    };
+    let mut rng = fuzz::Rng::new(0x5eed);
+    let started = Instant::now();
+    for case in 0..cases {
+        let stream = match case % 10 {
+            0 | 1 => fuzz::noise(&mut rng, size),
+            2 => fuzz::session(&mut rng, size).0,
+            _ => {
+                let (mut s, start) = fuzz::session(&mut rng, size);
+                fuzz::mutate(&mut rng, &mut s, start);
+                s
+            }
+        };
+        let (mut a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        server.serve_stream(b.into());
+        let mut reader = a.try_clone().unwrap();
+        reader
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        let drain = std::thread::spawn(move || {
+            let mut sink = Vec::new();
+            std::io::Read::read_to_end(&mut reader, &mut sink).map(|_| sink.len())
+        });
+        let _ = std::io::Write::write_all(&mut a, &stream);
+        let _ = a.shutdown(std::net::Shutdown::Write);
+        match drain.join().expect("drain thread") {
+            Ok(_) => {}
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut =>
+            {
+                panic!("case {case}: the server did not close the connection within 60 s")
+            }
+            Err(_) => {} // reset by the server: fine
+        }
+        assert!(
+            !panicked.load(Ordering::SeqCst),
+            "case {case}: a thread panicked"
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    let rounds = good.join().expect("the good client failed");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.connections() > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "{} connections still open",
+            server.connections()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(!panicked.load(Ordering::SeqCst), "a thread panicked");
+    let errors = lines
+        .all()
+        .iter()
+        .filter(|l| l.contains("closing the connection"))
+        .count();
+    let metrics = server.metrics();
+    let served: Vec<String> = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("vdisk_nbd_requests_total{export=\"\"")
+                || l.starts_with("vdisk_nbd_request_errors_total{export=\"\"")
+        })
+        .map(|l| l.replace("vdisk_nbd_", "").replace("export=\"\",", ""))
+        .collect();
+    eprintln!(
+        "fuzz: {cases} streams in {:.1}s, {errors} closed for protocol errors, good client {rounds} rounds; export \"\": {}",
+        started.elapsed().as_secs_f64(),
+        served.join(", ")
+    );
+    server.shutdown();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Real clients against a `vdisk serve` process.
+
+/// The qemu-io commands of the pattern test: writes of every kind, then reads that check them.
+const QEMU_IO: &[&str] = &[
+    "write -P 0xab 0 64k",
+    "write -P 0xcd 5000 3000",
+    "write -z 1M 128k",
+    "write -P 0x77 2M 192k",
+    "write -z -u 2M 64k",
+    "discard 2112k 64k",
+    "write -f -P 0x11 3M 8k",
+    "write -P 0x22 4M 1M",
+    "flush",
+    "read -P 0xab 0 4k",
+    "read -P 0xcd 5000 3000",
+    "read -P 0 1M 128k",
+    "read -P 0x77 2176k 64k",
+    "read -P 0x11 3M 8k",
+    "read -P 0x22 4M 1M",
+];
+
+fn qemu_io_ok(qemu_io: &Path, args: &[&str]) {
+    let out = run(qemu_io, args);
+    assert!(
+        !out.contains("failed") && !out.contains("Pattern verification"),
+        "qemu-io {args:?}:\n{out}"
+    );
+}
+
+fn qemu_tools_on(format: &str) {
+    let Some(t) = peers(&["qemu-img", "qemu-io"]) else {
+        return;
+    };
+    let (qemu_img, qemu_io) = (&t[0], &t[1]);
+    let dir = scratch(&format!("qemu-{format}"));
+    let d = dir.path();
+    let img = d.join(format!("disk.{format}"));
+    let reference = d.join(format!("ref.{format}"));
+    let img_s = img.to_str().unwrap();
+    let ref_s = reference.to_str().unwrap();
+    run(qemu_img, &["create", "-q", "-f", format, img_s, "16M"]);
+    run(qemu_img, &["create", "-q", "-f", format, ref_s, "16M"]);
+    let mut args = vec!["-f", "raw"];
+    for c in QEMU_IO {
+        args.extend(["-c", c]);
+    }
+    let mut ref_args = args.clone();
+    ref_args[1] = format;
+    ref_args.push(ref_s);
+    qemu_io_ok(qemu_io, &ref_args);
+
+    let serve = Serve::start(d, &[img_s, "-f", format]);
+    let uri = serve.uri("");
+    let info = run(qemu_img, &["info", "--output=json", &uri]);
+    assert!(info.contains("\"virtual-size\": 16777216"), "{info}");
+    args.push(&uri);
+    qemu_io_ok(qemu_io, &args);
+    let map = run(qemu_img, &["map", "--output=json", "-f", "raw", &uri]);
+    assert!(
+        map.contains("\"start\": 0, \"length\": 65536") && map.contains("\"data\": true"),
+        "{map}"
+    );
+    assert!(map.contains("\"zero\": true"), "{map}");
+    // convert out of the export and compare over NBD with the reference.
+    let out = d.join("out.raw");
+    run(
+        qemu_img,
+        &[
+            "convert",
+            "-f",
+            "raw",
+            "-O",
+            "raw",
+            &uri,
+            out.to_str().unwrap(),
+        ],
+    );
+    run(
+        qemu_img,
+        &["compare", "-f", "raw", "-F", format, &uri, ref_s],
+    );
+    run(
+        qemu_img,
+        &[
+            "compare",
+            "-f",
+            "raw",
+            "-F",
+            "raw",
+            &uri,
+            out.to_str().unwrap(),
+        ],
+    );
+    let stats = run(
+        &vdisk_bin(),
+        &["stats", &format!("unix:{}", serve.stats.display())],
+    );
+    assert!(
+        stats.contains("vdisk_nbd_requests_total{export=\"\",command=\"write\"}"),
+        "{stats}"
+    );
+    let log = serve.stop_clean();
+    assert!(!log.contains("closing the connection"), "{log}");
+    assert!(
+        !Path::new(&serve_socket(d)).exists(),
+        "socket file left behind"
+    );
+    if format == "qcow2" {
+        let check = run(qemu_img, &["check", "-f", format, img_s]);
+        assert!(check.contains("No errors were found"), "{check}");
+    }
+    run(
+        qemu_img,
+        &["compare", "-f", format, "-F", format, img_s, ref_s],
+    );
+
+    // convert into the export (qemu-img zeroes the target first, fast, then writes the data).
+    let serve = Serve::start(d, &[img_s, "-f", format]);
+    let src = d.join("src.raw");
+    std::fs::write(&src, random_bytes(16 << 20, 7)).unwrap();
+    // Leave some zero ranges in the source so the target gets zeroes written or punched.
+    let f = std::fs::OpenOptions::new().write(true).open(&src).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &vec![0u8; 3 << 20], 5 << 20).unwrap();
+    run(
+        qemu_img,
+        &[
+            "convert",
+            "-n",
+            "-f",
+            "raw",
+            "-O",
+            "raw",
+            src.to_str().unwrap(),
+            &serve.uri(""),
+        ],
+    );
+    run(
+        qemu_img,
+        &[
+            "compare",
+            "-f",
+            "raw",
+            "-F",
+            "raw",
+            src.to_str().unwrap(),
+            &serve.uri(""),
+        ],
+    );
+    serve.stop_clean();
+    if format == "qcow2" {
+        let check = run(qemu_img, &["check", "-f", format, img_s]);
+        assert!(check.contains("No errors were found"), "{check}");
+    }
+    run(
+        qemu_img,
+        &[
+            "compare",
+            "-f",
+            "raw",
+            "-F",
+            format,
+            src.to_str().unwrap(),
+            img_s,
+        ],
+    );
+}
+
+fn serve_socket(d: &Path) -> std::path::PathBuf {
+    d.join("nbd.sock")
+}
+
+#[test]
+fn qemu_tools_over_nbd_raw() {
+    qemu_tools_on("raw");
+}
+
+#[test]
+fn qemu_tools_over_nbd_qcow2() {
+    qemu_tools_on("qcow2");
+}
+
+#[test]
+fn nbdinfo_lists_exports_and_maps_them() {
+    let Some(t) = peers(&["qemu-img", "qemu-io", "nbdinfo", "qemu-nbd"]) else {
+        return;
+    };
+    let (qemu_img, qemu_io, nbdinfo, qemu_nbd) = (&t[0], &t[1], &t[2], &t[3]);
+    let dir = scratch("nbdinfo");
+    let d = dir.path();
+    let base = d.join("base.raw");
+    let top = d.join("top.qcow2");
+    let other = d.join("other.raw");
+    run(
+        qemu_img,
+        &["create", "-q", "-f", "raw", base.to_str().unwrap(), "8M"],
+    );
+    run(
+        qemu_io,
+        &[
+            "-f",
+            "raw",
+            "-c",
+            "write -P 1 1M 1M",
+            base.to_str().unwrap(),
+        ],
+    );
+    run(
+        qemu_img,
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            "base.raw",
+            "-F",
+            "raw",
+            top.to_str().unwrap(),
+        ],
+    );
+    run(
+        qemu_io,
+        &[
+            "-f",
+            "qcow2",
+            "-c",
+            "write -P 2 0 64k",
+            top.to_str().unwrap(),
+        ],
+    );
+    run(
+        qemu_img,
+        &["create", "-q", "-f", "raw", other.to_str().unwrap(), "4M"],
+    );
+    let serve = Serve::start(
+        d,
+        &[
+            &format!("{}=top", top.display()),
+            &format!("{}=other", other.display()),
+            "--description",
+            "test disks",
+        ],
+    );
+    let list = run(nbdinfo, &["--list", "--json", &serve.uri("")]);
+    let v: serde_json::Value = serde_json::from_str(&list).unwrap();
+    let exports = v["exports"].as_array().unwrap();
+    let names: Vec<&str> = exports
+        .iter()
+        .map(|e| e["export-name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["top", "other"], "{list}");
+    assert_eq!(exports[0]["description"], "test disks");
+    assert_eq!(exports[0]["export-size"], 8 << 20);
+    assert_eq!(exports[0]["block_size_preferred"], 65536);
+    assert_eq!(exports[0]["can_multi_conn"], true);
+    let contexts = exports[0]["contexts"].as_array().unwrap();
+    assert!(
+        contexts.iter().any(|c| c == "qemu:allocation-depth"),
+        "{list}"
+    );
+    let map = run(nbdinfo, &["--map", "--totals", &serve.uri("top")]);
+    assert!(!map.is_empty());
+    let map = run(nbdinfo, &["--map", &serve.uri("top")]);
+    let lines: Vec<&str> = map.lines().collect();
+    assert!(
+        lines[0].split_whitespace().take(3).eq(["0", "65536", "0"]),
+        "{map}"
+    );
+    let depth = run(nbdinfo, &["--map=qemu:allocation-depth", &serve.uri("top")]);
+    let rows: Vec<Vec<&str>> = depth
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(&rows[0][..3], ["0", "65536", "1"], "{depth}");
+    let unknown = try_run(nbdinfo, &[&serve.uri("nope")]);
+    assert!(!unknown.0 && unknown.2.contains("nope"), "{unknown:?}");
+    serve.stop_clean();
+    // The same maps as qemu-nbd gives for the same image (raw backing: depth 2 throughout).
+    let args = [
+        "-r",
+        "-t",
+        "-A",
+        "-f",
+        "qcow2",
+        "-x",
+        "top",
+        top.to_str().unwrap(),
+    ];
+    let qn = QemuNbd::start(qemu_nbd, &d.join("qemu.sock"), &args);
+    let qdepth = run(nbdinfo, &["--map=qemu:allocation-depth", &qn.uri("top")]);
+    let qmap = run(nbdinfo, &["--map", &qn.uri("top")]);
+    assert_eq!(
+        depth, qdepth,
+        "qemu:allocation-depth differs from qemu-nbd's"
+    );
+    assert_eq!(map, qmap, "base:allocation differs from qemu-nbd's");
+}
+
+#[test]
+fn nbdcopy_both_ways_with_multi_conn() {
+    let Some(t) = peers(&["qemu-img", "nbdcopy"]) else {
+        return;
+    };
+    let (qemu_img, nbdcopy) = (&t[0], &t[1]);
+    let dir = scratch("nbdcopy");
+    let d = dir.path();
+    let img = d.join("disk.qcow2");
+    let src = d.join("src.raw");
+    let back = d.join("back.raw");
+    run(
+        qemu_img,
+        &["create", "-q", "-f", "qcow2", img.to_str().unwrap(), "32M"],
+    );
+    let mut data = random_bytes(32 << 20, 3);
+    data[(8 << 20)..(12 << 20)].fill(0);
+    std::fs::write(&src, &data).unwrap();
+    let serve = Serve::start(d, &[img.to_str().unwrap()]);
+    // nbdcopy opens at most one connection per thread, and defaults to one thread per CPU.
+    let multi = ["--connections=4", "--threads=4"];
+    run(
+        nbdcopy,
+        &[
+            &multi[..],
+            &["--requests=16", src.to_str().unwrap(), &serve.uri("")],
+        ]
+        .concat(),
+    );
+    run(
+        nbdcopy,
+        &[&multi[..], &[&serve.uri("")[..], back.to_str().unwrap()]].concat(),
+    );
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "nbdcopy read back different data"
+    );
+    let stats = run(
+        &vdisk_bin(),
+        &["stats", &format!("unix:{}", serve.stats.display())],
+    );
+    let accepted: u64 = stats
+        .lines()
+        .find_map(|l| l.strip_prefix("vdisk_nbd_connections_accepted_total "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        accepted >= 8,
+        "nbdcopy did not use several connections:\n{stats}"
+    );
+    serve.stop_clean();
+    let check = run(qemu_img, &["check", img.to_str().unwrap()]);
+    assert!(check.contains("No errors were found"), "{check}");
+    run(
+        qemu_img,
+        &[
+            "compare",
+            "-f",
+            "raw",
+            "-F",
+            "qcow2",
+            src.to_str().unwrap(),
+            img.to_str().unwrap(),
+        ],
+    );
+}
+
+#[test]
+fn fio_random_writes_verify() {
+    let Some(t) = peers(&["qemu-img", "fio", "qemu-nbd"]) else {
+        return;
+    };
+    let (qemu_img, fio, qemu_nbd) = (&t[0], &t[1], &t[2]);
+    let dir = scratch("fio");
+    let d = dir.path();
+    let img = d.join("disk.qcow2");
+    run(
+        qemu_img,
+        &["create", "-q", "-f", "qcow2", img.to_str().unwrap(), "64M"],
+    );
+    let serve = Serve::start(d, &[img.to_str().unwrap()]);
+    let job = |uri: &str, verify_only: bool| {
+        let mut a = vec![
+            "--name=verify".to_string(),
+            "--ioengine=nbd".into(),
+            format!("--uri={uri}"),
+            "--rw=randwrite".into(),
+            "--bsrange=4k-64k".into(),
+            "--size=24M".into(),
+            "--numjobs=2".into(),
+            "--offset_increment=32M".into(),
+            "--iodepth=16".into(),
+            "--verify=crc32c".into(),
+            "--randseed=42".into(),
+            "--group_reporting".into(),
+        ];
+        if verify_only {
+            a.push("--verify_only".into());
+        }
+        a
+    };
+    let a = job(&serve.uri(""), false);
+    let args: Vec<&str> = a.iter().map(String::as_str).collect();
+    let out = run(fio, &args);
+    assert!(out.contains("err= 0"), "{out}");
+    serve.stop_clean();
+    let check = run(qemu_img, &["check", img.to_str().unwrap()]);
+    assert!(check.contains("No errors were found"), "{check}");
+    // What vdisk wrote, read back by QEMU's own qcow2 driver.
+    let args = [
+        "-f",
+        "qcow2",
+        "-r",
+        "-t",
+        "--shared=4",
+        img.to_str().unwrap(),
+    ];
+    let qn = QemuNbd::start(qemu_nbd, &d.join("qemu-nbd.sock"), &args);
+    let a = job(&qn.uri(""), true);
+    let args: Vec<&str> = a.iter().map(String::as_str).collect();
+    let (ok, out, err) = try_run(fio, &args);
+    drop(qn);
+    assert!(
+        ok && out.contains("err= 0"),
+        "fio --verify_only through qemu-nbd:\n{out}\n{err}"
+    );
+}
+
+#[test]
+fn sigterm_under_load_leaves_a_clean_image() {
+    let Some(t) = peers(&["qemu-img", "fio"]) else {
+        return;
+    };
+    let (qemu_img, fio) = (&t[0], &t[1]);
+    let dir = scratch("sigterm");
+    let d = dir.path();
+    let img = d.join("disk.qcow2");
+    run(
+        qemu_img,
+        &["create", "-q", "-f", "qcow2", img.to_str().unwrap(), "256M"],
+    );
+    let serve = Serve::start(d, &[img.to_str().unwrap()]);
+    let pid_file = serve.pid_file.clone();
+    let load = std::process::Command::new(fio)
+        .args([
+            "--name=load",
+            "--ioengine=nbd",
+            &format!("--uri={}", serve.uri("")),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--size=256M",
+            "--iodepth=32",
+            "--numjobs=2",
+            "--time_based",
+            "--runtime=30",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let t = Instant::now();
+    let (status, log) = serve.stop();
+    let stop_time = t.elapsed();
+    let mut load = load;
+    let _ = load.kill();
+    let _ = load.wait();
+    assert!(
+        stop_time < Duration::from_secs(10),
+        "stopping took {stop_time:?}"
+    );
+    assert!(status.success(), "exit {status}:\n{log}");
+    assert!(!pid_file.exists(), "pid file left behind");
+    let check = run(qemu_img, &["check", "--output=json", img.to_str().unwrap()]);
+    let v: serde_json::Value = serde_json::from_str(&check).unwrap();
+    // qemu-img leaves out the counts that are zero.
+    assert_eq!(v["corruptions"].as_u64().unwrap_or(0), 0, "{check}");
+    assert_eq!(v["leaks"].as_u64().unwrap_or(0), 0, "{check}");
+    assert_eq!(v["check-errors"].as_u64().unwrap_or(0), 0, "{check}");
+    let info = run(qemu_img, &["info", "--output=json", img.to_str().unwrap()]);
+    assert!(!info.contains("\"dirty-flag\": true"), "{info}");
+}

@@ -1,0 +1,314 @@
+//! Live counters of a server in Prometheus' text format (version 0.0.4): requests by command,
+//! bytes moved, and, for exports of images, the storage's operations (syncs, allocations) and
+//! the engine's (copy-on-write bytes, allocations, commits).
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use super::export::Export;
+use super::proto::*;
+use crate::storage::IoStatsSnapshot;
+use crate::CountersSnapshot;
+
+/// Commands counted separately; anything else counts as "unknown". NBD_CMD_DISC ends the
+/// connection without running anything and is not counted.
+const COMMANDS: [u16; 7] = [
+    CMD_READ,
+    CMD_WRITE,
+    CMD_FLUSH,
+    CMD_TRIM,
+    CMD_CACHE,
+    CMD_WRITE_ZEROES,
+    CMD_BLOCK_STATUS,
+];
+const SLOTS: usize = COMMANDS.len() + 1;
+
+/// A counter family read from a snapshot: name, help text, and the field.
+type Family<S> = (&'static str, &'static str, fn(&S) -> u64);
+
+/// Per-export request counters, updated with relaxed atomics (statistics, not synchronisation).
+#[derive(Debug, Default)]
+pub struct RequestStats {
+    requests: [AtomicU64; SLOTS],
+    errors: [AtomicU64; SLOTS],
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+    bytes_zeroed: AtomicU64,
+    bytes_trimmed: AtomicU64,
+}
+
+fn slot(kind: u16) -> usize {
+    COMMANDS
+        .iter()
+        .position(|&c| c == kind)
+        .unwrap_or(COMMANDS.len())
+}
+
+impl RequestStats {
+    /// Counts a finished request; `bytes` is what it read, wrote, zeroed or trimmed.
+    pub fn record(&self, kind: u16, ok: bool, bytes: u64) {
+        let i = slot(kind);
+        self.requests[i].fetch_add(1, Relaxed);
+        if !ok {
+            self.errors[i].fetch_add(1, Relaxed);
+            return;
+        }
+        let counter = match kind {
+            CMD_READ => &self.bytes_read,
+            CMD_WRITE => &self.bytes_written,
+            CMD_WRITE_ZEROES => &self.bytes_zeroed,
+            CMD_TRIM => &self.bytes_trimmed,
+            _ => return,
+        };
+        counter.fetch_add(bytes, Relaxed);
+    }
+
+    pub fn requests(&self, kind: u16) -> u64 {
+        self.requests[slot(kind)].load(Relaxed)
+    }
+
+    pub fn errors(&self, kind: u16) -> u64 {
+        self.errors[slot(kind)].load(Relaxed)
+    }
+}
+
+/// Server-wide connection counters.
+#[derive(Debug, Default)]
+pub struct ConnectionStats {
+    pub accepted: AtomicU64,
+    pub active: AtomicU64,
+    pub protocol_errors: AtomicU64,
+}
+
+struct Writer<'a> {
+    out: &'a mut String,
+}
+
+impl Writer<'_> {
+    fn head(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.out, "# HELP {name} {help}");
+        let _ = writeln!(self.out, "# TYPE {name} {kind}");
+    }
+
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: u64) {
+        let _ = write!(self.out, "{name}");
+        if !labels.is_empty() {
+            let body: Vec<String> = labels
+                .iter()
+                .map(|(k, v)| format!("{k}=\"{}\"", escape(v)))
+                .collect();
+            let _ = write!(self.out, "{{{}}}", body.join(","));
+        }
+        let _ = writeln!(self.out, " {value}");
+    }
+}
+
+/// Label values escape backslash, double quote and newline.
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Renders every counter of the server and its exports.
+pub fn render(exports: &[Arc<Export>], conns: &ConnectionStats) -> String {
+    let mut out = String::new();
+    let mut f = Writer { out: &mut out };
+
+    f.head(
+        "vdisk_nbd_connections_accepted_total",
+        "counter",
+        "Connections accepted.",
+    );
+    f.sample(
+        "vdisk_nbd_connections_accepted_total",
+        &[],
+        conns.accepted.load(Relaxed),
+    );
+    f.head("vdisk_nbd_connections", "gauge", "Connections open now.");
+    f.sample("vdisk_nbd_connections", &[], conns.active.load(Relaxed));
+    f.head(
+        "vdisk_nbd_protocol_errors_total",
+        "counter",
+        "Connections closed because the client broke the protocol.",
+    );
+    f.sample(
+        "vdisk_nbd_protocol_errors_total",
+        &[],
+        conns.protocol_errors.load(Relaxed),
+    );
+
+    f.head(
+        "vdisk_nbd_requests_total",
+        "counter",
+        "NBD requests served, by export and command.",
+    );
+    for e in exports {
+        for &c in COMMANDS.iter() {
+            let labels = [("export", e.name()), ("command", command_name(c))];
+            f.sample("vdisk_nbd_requests_total", &labels, e.stats.requests(c));
+        }
+    }
+    f.head(
+        "vdisk_nbd_request_errors_total",
+        "counter",
+        "NBD requests answered with an error, by export and command.",
+    );
+    for e in exports {
+        for &c in COMMANDS.iter() {
+            let labels = [("export", e.name()), ("command", command_name(c))];
+            f.sample("vdisk_nbd_request_errors_total", &labels, e.stats.errors(c));
+        }
+    }
+    f.head(
+        "vdisk_nbd_bytes_total",
+        "counter",
+        "Guest bytes read, written, zeroed and trimmed by clients, by export.",
+    );
+    for e in exports {
+        let s = &e.stats;
+        for (op, v) in [
+            ("read", &s.bytes_read),
+            ("write", &s.bytes_written),
+            ("write_zeroes", &s.bytes_zeroed),
+            ("trim", &s.bytes_trimmed),
+        ] {
+            f.sample(
+                "vdisk_nbd_bytes_total",
+                &[("export", e.name()), ("op", op)],
+                v.load(Relaxed),
+            );
+        }
+    }
+
+    let images: Vec<&Export> = exports
+        .iter()
+        .filter(|e| e.image().is_some())
+        .map(|e| &**e)
+        .collect();
+    let storage = |e: &Export| {
+        e.image()
+            .map(|i| i.file().stats().snapshot())
+            .unwrap_or_default()
+    };
+    let storage_families: [Family<IoStatsSnapshot>; 7] = [
+        (
+            "vdisk_storage_reads_total",
+            "Read operations on the image file.",
+            |s| s.reads,
+        ),
+        (
+            "vdisk_storage_writes_total",
+            "Write operations on the image file.",
+            |s| s.writes,
+        ),
+        (
+            "vdisk_storage_read_bytes_total",
+            "Bytes read from the image file.",
+            |s| s.bytes_read,
+        ),
+        (
+            "vdisk_storage_written_bytes_total",
+            "Bytes written to the image file.",
+            |s| s.bytes_written,
+        ),
+        (
+            "vdisk_storage_syncs_total",
+            "Syncs (fdatasync) of the image file.",
+            |s| s.syncs,
+        ),
+        (
+            "vdisk_storage_allocations_total",
+            "Space allocations (fallocate) in the image file.",
+            |s| s.allocations,
+        ),
+        (
+            "vdisk_storage_punches_total",
+            "Holes punched in the image file.",
+            |s| s.punches,
+        ),
+    ];
+    for (name, help, get) in storage_families {
+        f.head(name, "counter", help);
+        for e in &images {
+            f.sample(name, &[("export", e.name())], get(&storage(e)));
+        }
+    }
+
+    let engine = |e: &Export| e.image().map(|i| i.counters()).unwrap_or_default();
+    let engine_families: [Family<CountersSnapshot>; 7] = [
+        (
+            "vdisk_engine_allocations_total",
+            "Allocation requests of the format (runs of clusters).",
+            |c| c.allocations,
+        ),
+        (
+            "vdisk_engine_clusters_allocated_total",
+            "Host clusters allocated for data and metadata.",
+            |c| c.clusters_allocated,
+        ),
+        (
+            "vdisk_engine_cow_ops_total",
+            "Copy-on-write fills of new clusters.",
+            |c| c.cow_ops,
+        ),
+        (
+            "vdisk_engine_cow_read_bytes_total",
+            "Bytes read for copy-on-write.",
+            |c| c.cow_bytes_read,
+        ),
+        (
+            "vdisk_engine_cow_written_bytes_total",
+            "Bytes written for copy-on-write (copies and zero fill).",
+            |c| c.cow_bytes_written,
+        ),
+        (
+            "vdisk_engine_metadata_written_bytes_total",
+            "Bytes of tables, refcounts and headers written.",
+            |c| c.metadata_bytes_written,
+        ),
+        (
+            "vdisk_engine_commits_total",
+            "Metadata commits (flushes with something to make durable).",
+            |c| c.commits,
+        ),
+    ];
+    for (name, help, get) in engine_families {
+        f.head(name, "counter", help);
+        for e in &images {
+            f.sample(name, &[("export", e.name())], get(&engine(e)));
+        }
+    }
+    f.head(
+        "vdisk_export_size_bytes",
+        "gauge",
+        "Virtual size of each export.",
+    );
+    for e in exports {
+        f.sample("vdisk_export_size_bytes", &[("export", e.name())], e.size());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_are_escaped() {
+        assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+
+    #[test]
+    fn errors_count_no_bytes() {
+        let s = RequestStats::default();
+        s.record(CMD_WRITE, true, 4096);
+        s.record(CMD_WRITE, false, 4096);
+        s.record(99, true, 1);
+        assert_eq!(s.requests(CMD_WRITE), 2);
+        assert_eq!(s.errors(CMD_WRITE), 1);
+        assert_eq!(s.bytes_written.load(Relaxed), 4096);
+        assert_eq!(s.requests(98), 1);
+    }
+}

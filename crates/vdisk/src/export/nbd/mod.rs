@@ -1,0 +1,71 @@
+//! An NBD server (the NBD project's doc/proto.md): fixed newstyle negotiation without TLS,
+//! structured replies with holes, `base:allocation` and `qemu:allocation-depth` block status,
+//! and every command of the base protocol, answered in parallel and out of order.
+//!
+//! ```text
+//!   Server ── listeners (unix, tcp) ── one thread per connection
+//!                                         │ handshake.rs: options until NBD_OPT_GO
+//!                                         │ transmission.rs: reader ─► workers ─► writer
+//!                                         │ commands.rs: one request ─► BlockDev calls ─► reply
+//!   Export (name, flags, sizes, counters) ─ Arc<dyn BlockDev>
+//! ```
+//!
+//! Nothing a client sends can crash the server: lengths are checked before anything is
+//! allocated, payloads of refused writes are read and dropped so the stream stays in step, and
+//! a client that breaks the framing (bad magic) has its connection closed with a log line.
+
+mod commands;
+mod export;
+mod handshake;
+mod metrics;
+pub mod proto;
+mod server;
+mod stream;
+mod transmission;
+
+use std::io::{self, Read};
+use std::sync::Arc;
+
+pub use export::{Export, ExportOptions};
+pub use server::{Server, ServerOptions};
+pub use stream::{Address, Listener, Stream};
+pub use transmission::Limits;
+
+/// Where the server's log lines go.
+pub type Log = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// Why a connection ended early.
+#[derive(Debug)]
+pub(crate) enum ConnError {
+    /// The socket failed or the client hung up.
+    Io(io::Error),
+    /// The client broke the protocol; the connection is closed.
+    Protocol(String),
+}
+
+impl ConnError {
+    fn protocol(msg: impl Into<String>) -> ConnError {
+        ConnError::Protocol(msg.into())
+    }
+}
+
+impl From<io::Error> for ConnError {
+    fn from(e: io::Error) -> ConnError {
+        ConnError::Io(e)
+    }
+}
+
+/// Fills `buf`; `Ok(false)` when the peer closed before sending anything of it.
+fn read_or_eof<R: Read>(r: &mut R, buf: &mut [u8]) -> io::Result<bool> {
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) if got == 0 => return Ok(false),
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}

@@ -1,0 +1,371 @@
+//! The transmission phase of one connection: a reader (the connection's thread) parses
+//! requests and reads write payloads; a pool of workers, started as requests pile up, runs them
+//! in parallel against the disk; replies go out under one lock on the socket, in whatever order
+//! requests finish.
+//!
+//! ```text
+//!   socket ─► reader ─► queue ─► worker 1..N ─► BlockDev
+//!                ▲                   │
+//!                └─ budget ◄─────────┴─► writer lock ─► socket
+//! ```
+//!
+//! A request that is alone (nothing else in flight, nothing more sent) runs on the reader
+//! itself: a client at queue depth 1 then costs no thread wake-up per request.
+//!
+//! Memory per connection is bounded: the reader waits before taking a request that would put
+//! more than [`Limits::max_bytes`] of payload buffers, or more than [`Limits::max_requests`]
+//! requests, in flight.
+
+use std::collections::VecDeque;
+use std::io::{self, BufReader, IoSlice, Read};
+use std::net::Shutdown;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::thread::Scope;
+
+use super::commands;
+use super::handshake::Session;
+use super::proto::*;
+use super::stream::Stream;
+use super::{ConnError, Log};
+
+/// Bounds on one connection.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Worker threads at most (started on demand).
+    pub workers: usize,
+    /// Requests in flight at most.
+    pub max_requests: usize,
+    /// Bytes of request and reply payload buffers in flight at most (at least one request of
+    /// [`MAX_PAYLOAD`] is always admitted).
+    pub max_bytes: usize,
+    /// Run a request on the reader itself when it is the only one in flight and no other is
+    /// waiting on the socket, saving a thread wake-up per request at queue depth 1.
+    pub inline: bool,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            workers: 16,
+            max_requests: 512,
+            max_bytes: 2 * MAX_PAYLOAD as usize,
+            inline: true,
+        }
+    }
+}
+
+/// A request taken off the socket, with its payload.
+pub(crate) struct Job {
+    pub req: Request,
+    pub payload: Payload,
+    /// Payload bytes reserved for it in the connection's budget.
+    budget: usize,
+}
+
+pub(crate) enum Payload {
+    None,
+    Data(Buf),
+    /// A write payload too large to hold, read and thrown away.
+    Dropped,
+}
+
+/// A buffer from the pool: `len` bytes of `v` are in use; all of `v` is initialised.
+pub(crate) struct Buf {
+    v: Vec<u8>,
+    len: usize,
+}
+
+impl std::ops::Deref for Buf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.v[..self.len]
+    }
+}
+
+impl std::ops::DerefMut for Buf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.v[..self.len]
+    }
+}
+
+/// Payload buffers kept for reuse, so steady traffic does not allocate (and fault in) fresh
+/// memory for every request.
+struct Pool {
+    free: Mutex<Vec<Vec<u8>>>,
+}
+
+const POOL_MAX_BUFFERS: usize = 64;
+const POOL_MAX_BYTES: usize = 16 << 20;
+
+impl Pool {
+    fn take(&self, len: usize) -> Buf {
+        let mut free = lock(&self.free);
+        let best = free
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.len() >= len)
+            .min_by_key(|(_, v)| v.len())
+            .map(|(i, _)| i);
+        let v = match best {
+            Some(i) => free.swap_remove(i),
+            None => {
+                drop(free);
+                vec![0u8; len.max(4096).next_power_of_two()]
+            }
+        };
+        Buf { v, len }
+    }
+
+    fn put(&self, buf: Buf) {
+        let mut free = lock(&self.free);
+        let held: usize = free.iter().map(Vec::len).sum();
+        if free.len() < POOL_MAX_BUFFERS && held + buf.v.len() <= POOL_MAX_BYTES {
+            free.push(buf.v);
+        }
+    }
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    /// Workers waiting for a job.
+    idle: usize,
+    workers: usize,
+    in_flight: usize,
+    in_flight_bytes: usize,
+    /// The reader waits for in-flight requests to finish.
+    reader_waiting: bool,
+    /// No more jobs will come: workers exit once the queue is empty.
+    closing: bool,
+}
+
+/// One connection in transmission.
+pub(crate) struct Conn {
+    pub session: Session,
+    writer: Mutex<Stream>,
+    /// A reply could not be sent; nothing more will be.
+    broken: AtomicBool,
+    queue: Mutex<Queue>,
+    work: Condvar,
+    done: Condvar,
+    pool: Pool,
+    limits: Limits,
+    peer: String,
+    log: Log,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A worker that panicked has already ended the connection's usefulness; the data under the
+    // lock (counters, buffers) stays consistent, so keep going.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Conn {
+    pub fn take_buf(&self, len: usize) -> Buf {
+        self.pool.take(len)
+    }
+
+    pub fn put_buf(&self, buf: Buf) {
+        self.pool.put(buf);
+    }
+
+    /// Sends one reply (all its chunks) as one write. A failure marks the connection broken and
+    /// shuts the socket down, which also ends the reader.
+    pub fn send(&self, bufs: &mut [IoSlice<'_>]) {
+        if self.broken.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut w = lock(&self.writer);
+        if let Err(e) = w.write_all_vectored(bufs) {
+            if !self.broken.swap(true, Ordering::Relaxed) {
+                if e.kind() != io::ErrorKind::BrokenPipe
+                    && e.kind() != io::ErrorKind::ConnectionReset
+                {
+                    (self.log)(&format!("nbd: {}: sending a reply failed: {e}", self.peer));
+                }
+                let _ = w.shutdown(Shutdown::Both);
+            }
+        }
+    }
+
+    /// Reserves room for a request of `bytes` payload, waiting for earlier ones to finish.
+    fn admit(&self, bytes: usize) {
+        let mut q = lock(&self.queue);
+        while q.in_flight >= self.limits.max_requests
+            || (q.in_flight > 0 && q.in_flight_bytes + bytes > self.limits.max_bytes)
+        {
+            q.reader_waiting = true;
+            q = self.done.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+        q.reader_waiting = false;
+        q.in_flight += 1;
+        q.in_flight_bytes += bytes;
+    }
+
+    fn release(&self, bytes: usize) {
+        let mut q = lock(&self.queue);
+        q.in_flight -= 1;
+        q.in_flight_bytes -= bytes;
+        if q.reader_waiting {
+            self.done.notify_one();
+        }
+    }
+
+    fn push<'s, 'e>(&'s self, job: Job, scope: &'s Scope<'s, 'e>) {
+        let mut q = lock(&self.queue);
+        q.jobs.push_back(job);
+        if q.jobs.len() > q.idle && q.workers < self.limits.workers {
+            q.workers += 1;
+            drop(q);
+            scope.spawn(move || self.worker());
+        } else if q.idle > 0 {
+            drop(q);
+            self.work.notify_one();
+        }
+    }
+
+    /// Whether the request just admitted is the only one in flight.
+    fn alone(&self) -> bool {
+        lock(&self.queue).in_flight == 1
+    }
+
+    fn close_queue(&self) {
+        lock(&self.queue).closing = true;
+        self.work.notify_all();
+    }
+
+    fn worker(&self) {
+        loop {
+            let job = {
+                let mut q = lock(&self.queue);
+                loop {
+                    if let Some(j) = q.jobs.pop_front() {
+                        break j;
+                    }
+                    if q.closing {
+                        return;
+                    }
+                    q.idle += 1;
+                    q = self.work.wait(q).unwrap_or_else(|e| e.into_inner());
+                    q.idle -= 1;
+                }
+            };
+            let budget = job.budget;
+            commands::execute(self, job);
+            self.release(budget);
+        }
+    }
+}
+
+/// Serves requests until the client disconnects, breaks the protocol or the socket is shut
+/// down; requests already read are finished and answered before this returns.
+pub(crate) fn serve(
+    session: Session,
+    reader: &mut BufReader<Stream>,
+    writer: Stream,
+    limits: Limits,
+    peer: String,
+    log: Log,
+) -> Result<(), ConnError> {
+    let conn = Conn {
+        session,
+        writer: Mutex::new(writer),
+        broken: AtomicBool::new(false),
+        queue: Mutex::new(Queue::default()),
+        work: Condvar::new(),
+        done: Condvar::new(),
+        pool: Pool {
+            free: Mutex::new(Vec::new()),
+        },
+        limits,
+        peer,
+        log,
+    };
+    let result = std::thread::scope(|scope| {
+        let result = read_requests(&conn, reader, scope);
+        conn.close_queue();
+        result
+    });
+    let _ = lock(&conn.writer).shutdown(Shutdown::Both);
+    result
+}
+
+fn read_requests<'s, 'e>(
+    conn: &'s Conn,
+    reader: &mut BufReader<Stream>,
+    scope: &'s Scope<'s, 'e>,
+) -> Result<(), ConnError> {
+    loop {
+        if conn.broken.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let mut head = [0u8; REQUEST_SIZE];
+        if !super::read_or_eof(reader, &mut head)? {
+            return Ok(());
+        }
+        let req = Request::parse(&head)
+            .map_err(|magic| ConnError::protocol(format!("bad request magic {magic:#010x}")))?;
+        if req.kind == CMD_DISC {
+            return Ok(());
+        }
+        let fits = req.len <= MAX_PAYLOAD;
+        let budget = match req.kind {
+            CMD_READ | CMD_WRITE if fits => req.len as usize,
+            _ => 0,
+        };
+        conn.admit(budget);
+        let payload = if req.kind != CMD_WRITE {
+            Payload::None
+        } else if fits {
+            let mut buf = conn.take_buf(req.len as usize);
+            if let Err(e) = reader.read_exact(&mut buf) {
+                conn.release(budget);
+                return Err(e.into());
+            }
+            Payload::Data(buf)
+        } else {
+            // Too large to hold: consume it so the stream stays in step, then refuse it.
+            let len = u64::from(req.len);
+            let skipped = io::copy(&mut reader.by_ref().take(len), &mut io::sink());
+            if !matches!(skipped, Ok(n) if n == len) {
+                conn.release(budget);
+                return Err(skipped
+                    .err()
+                    .unwrap_or_else(|| io::ErrorKind::UnexpectedEof.into())
+                    .into());
+            }
+            Payload::Dropped
+        };
+        let job = Job {
+            req,
+            payload,
+            budget,
+        };
+        if conn.limits.inline && conn.alone() && nothing_pending(reader) {
+            // The client has nothing else in flight and has sent nothing more (a client at
+            // queue depth 1): run it here rather than pay a thread wake-up on every request.
+            commands::execute(conn, job);
+            conn.release(budget);
+        } else {
+            conn.push(job, scope);
+        }
+    }
+}
+
+/// Whether no request bytes are waiting: none buffered, none in the socket.
+fn nothing_pending(reader: &BufReader<Stream>) -> bool {
+    if !reader.buffer().is_empty() {
+        return false;
+    }
+    let fd = match reader.get_ref() {
+        Stream::Unix(s) => s.as_raw_fd(),
+        Stream::Tcp(s) => s.as_raw_fd(),
+    };
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD stores the number of readable bytes in the c_int it is given; `fd` is
+    // the open socket `reader` owns.
+    let r = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n) };
+    r == 0 && n == 0
+}
