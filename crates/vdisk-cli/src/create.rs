@@ -25,6 +25,10 @@ pub struct Args<'a> {
 
 /// qemu's `qemu_strtosz`: a number, possibly with a fraction, and an optional binary suffix.
 pub fn parse_size(text: &str) -> Option<u64> {
+    // Hexadecimal takes neither a fraction nor a suffix.
+    if let Some(hex) = text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
+        return u64::from_str_radix(hex, 16).ok();
+    }
     let split = text
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(text.len());

@@ -1,6 +1,7 @@
 //! `vdisk`: image tools whose subcommands, flags, output and exit codes follow `qemu-img`, so
 //! that a user's scripts keep working.
 
+mod bench;
 mod check;
 mod commit;
 mod compare;
@@ -18,7 +19,7 @@ mod text;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use vdisk::{Format, ImageOptions};
+use vdisk::{CacheMode, Format, ImageOptions};
 
 #[derive(Parser)]
 #[command(
@@ -37,14 +38,9 @@ pub enum Output {
     Json,
 }
 
-/// qemu-img's cache modes.
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum CacheMode {
-    None,
-    Writeback,
-    Writethrough,
-    Directsync,
-    Unsafe,
+/// Parses a cache mode (`-t`) by qemu-img's names.
+fn parse_cache(name: &str) -> Result<CacheMode, String> {
+    CacheMode::parse(name).map_err(|e| e.to_string())
 }
 
 #[derive(Subcommand)]
@@ -133,7 +129,7 @@ enum Command {
         progress: bool,
         /// Cache mode of the target: like qemu-img convert, `unsafe` (the default) never syncs;
         /// every other mode makes the target durable before exiting.
-        #[arg(short = 't', value_enum, default_value = "unsafe")]
+        #[arg(short = 't', value_parser = parse_cache, default_value = "unsafe")]
         cache: CacheMode,
         #[arg(short = 'U', long = "force-share")]
         force_share: bool,
@@ -182,6 +178,9 @@ enum Command {
         quiet: bool,
         filename: String,
     },
+    /// Run a simple I/O benchmark on an image (like `qemu-img bench`), then print what the
+    /// engine and the storage did.
+    Bench(bench::Args),
     /// Change the virtual size of an image (like `qemu-img resize`): SIZE, +SIZE or -SIZE.
     Resize {
         #[arg(short = 'f')]
@@ -393,6 +392,7 @@ fn main() -> ExitCode {
             progress,
             filename: &filename,
         }),
+        Command::Bench(args) => bench::run(&args),
         Command::Resize {
             format,
             shrink,

@@ -1023,6 +1023,7 @@ fn fio_random_writes_verify() {
             "--offset_increment=32M".into(),
             "--iodepth=16".into(),
             "--verify=crc32c".into(),
+            "--verify_state_save=0".into(),
             "--randseed=42".into(),
             "--group_reporting".into(),
         ];

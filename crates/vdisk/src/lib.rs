@@ -6,6 +6,7 @@
 
 pub mod blockdev;
 pub mod bytes;
+pub mod cache;
 pub mod counters;
 pub mod error;
 pub mod export;
@@ -13,6 +14,7 @@ pub mod formats;
 pub mod storage;
 
 pub use blockdev::{BlockDev, BlockStatus};
+pub use cache::{CacheMode, WithCache};
 pub use counters::{Counters, CountersSnapshot};
 pub use error::{Error, Result};
 pub use formats::{

@@ -2,15 +2,19 @@
 
 use std::sync::Arc;
 
-use vdisk::storage::{CrashStorage, FaultStorage, FileStorage, MemStorage, OpenOptions, Storage};
+use vdisk::bytes::AlignedBuf;
+use vdisk::storage::{
+    CrashStorage, FaultStorage, FileStorage, MemStorage, OpenOptions, Storage, DIRECT_ALIGN,
+};
 
-/// A new empty file in a temporary directory (kept alive by the returned guard).
-fn new_file() -> (FileStorage, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
+/// A new empty file in a temporary directory (kept alive by the returned guard). Under
+/// cargo's target directory, so that O_DIRECT works (tmpfs refuses it).
+fn new_file(direct: bool) -> (FileStorage, tempfile::TempDir) {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let opts = OpenOptions {
         write: true,
         create: true,
-        direct: false,
+        direct,
     };
     (
         FileStorage::open(&dir.path().join("file"), opts).unwrap(),
@@ -19,11 +23,13 @@ fn new_file() -> (FileStorage, tempfile::TempDir) {
 }
 
 fn backends() -> Vec<(&'static str, Arc<dyn Storage>, Option<tempfile::TempDir>)> {
-    let (file, dir) = new_file();
+    let (file, dir) = new_file(false);
+    let (direct, direct_dir) = new_file(true);
     // With no fault armed, a FaultStorage must behave exactly like what it wraps.
     let fault = FaultStorage::new(Arc::new(MemStorage::new()));
     vec![
         ("file", Arc::new(file), Some(dir)),
+        ("direct file", Arc::new(direct), Some(direct_dir)),
         ("memory", Arc::new(MemStorage::new()), None),
         ("crash", Arc::new(CrashStorage::new()), None),
         ("fault", Arc::new(fault), None),
@@ -95,7 +101,7 @@ fn syncs_are_counted() {
 
 #[test]
 fn file_extents_report_holes() {
-    let (s, _dir) = new_file();
+    let (s, _dir) = new_file(false);
     s.set_len(1 << 20).unwrap();
     s.write_at(512 << 10, &[1u8; 4096]).unwrap();
     let (data, run) = s.extent_at(0, 1 << 20).unwrap();
@@ -104,4 +110,25 @@ fn file_extents_report_holes() {
     let (data, run) = s.extent_at(512 << 10, 1 << 20).unwrap();
     assert!(data);
     assert!((4096..(512 << 10)).contains(&run));
+}
+
+/// A direct-I/O file mixes transfers that bypass the page cache (aligned) with ones that use
+/// it (unaligned): each must see what the other wrote.
+#[test]
+fn direct_and_cached_transfers_see_each_other() {
+    let (s, _dir) = new_file(true);
+    let mut aligned = AlignedBuf::zeroed(2 * DIRECT_ALIGN);
+    aligned.fill(1);
+    s.write_at(0, &aligned).unwrap();
+    s.write_at(100, b"cached").unwrap();
+    let mut back = AlignedBuf::zeroed(2 * DIRECT_ALIGN);
+    s.read_at(0, &mut back).unwrap();
+    assert_eq!(&back[100..106], b"cached");
+    assert!(back[..100].iter().all(|&b| b == 1) && back[106..].iter().all(|&b| b == 1));
+    aligned.fill(2);
+    s.write_vectored_at(0, &[&aligned[..DIRECT_ALIGN], &aligned[DIRECT_ALIGN..]])
+        .unwrap();
+    let mut small = [0u8; 10];
+    s.read_at(DIRECT_ALIGN as u64 - 5, &mut small).unwrap();
+    assert_eq!(small, [2; 10]);
 }

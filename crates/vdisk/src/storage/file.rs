@@ -11,15 +11,26 @@ use super::{IoStats, Storage};
 pub struct OpenOptions {
     pub write: bool,
     pub create: bool,
-    /// Bypass the host page cache. Every buffer, offset and length must then be aligned to the
-    /// device's logical block size; callers that set this are responsible for that.
+    /// Bypass the host page cache (O_DIRECT) for every transfer whose offset, length and
+    /// buffers are aligned to [`DIRECT_ALIGN`]; the rest goes through the page cache.
     pub direct: bool,
 }
 
+/// The alignment of offsets, lengths and buffer addresses that O_DIRECT transfers use. 4 KiB
+/// satisfies every logical block size Linux supports for regular files' devices.
+pub const DIRECT_ALIGN: usize = 4096;
+
 /// A host file.
+///
+/// With [`OpenOptions::direct`] it holds two descriptors of the same file: aligned transfers
+/// (all guest data of images with clusters of 4 KiB and more, from aligned buffers) bypass the
+/// page cache, while small metadata updates keep the page cache, as QEMU's bounce buffers
+/// would. Linux keeps the two coherent: a direct transfer first writes back and afterwards
+/// invalidates the cached pages of its range.
 #[derive(Debug)]
 pub struct FileStorage {
     file: File,
+    direct: Option<File>,
     stats: IoStats,
 }
 
@@ -27,13 +38,34 @@ impl FileStorage {
     pub fn open(path: &Path, opts: OpenOptions) -> io::Result<Self> {
         let mut o = std::fs::OpenOptions::new();
         o.read(true).write(opts.write).create(opts.create);
-        if opts.direct {
-            o.custom_flags(libc::O_DIRECT);
-        }
+        let file = o.open(path)?;
+        let direct = if opts.direct {
+            o.create(false).custom_flags(libc::O_DIRECT);
+            Some(o.open(path)?)
+        } else {
+            None
+        };
         Ok(FileStorage {
-            file: o.open(path)?,
+            file,
+            direct,
             stats: IoStats::default(),
         })
+    }
+
+    /// The descriptor for a transfer at `offset` of the buffers `(address, length)`: the
+    /// direct one when everything is aligned for it.
+    fn fd_for(&self, offset: u64, bufs: impl IntoIterator<Item = (usize, usize)>) -> &File {
+        match &self.direct {
+            Some(direct)
+                if offset % DIRECT_ALIGN as u64 == 0
+                    && bufs
+                        .into_iter()
+                        .all(|(at, len)| at % DIRECT_ALIGN == 0 && len % DIRECT_ALIGN == 0) =>
+            {
+                direct
+            }
+            _ => &self.file,
+        }
     }
 
     pub fn file(&self) -> &File {
@@ -114,6 +146,10 @@ fn advance(iov: &mut [libc::iovec], first: &mut usize, mut n: usize) {
     }
 }
 
+fn iov_spans(iov: &[libc::iovec]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    iov.iter().map(|v| (v.iov_base as usize, v.iov_len))
+}
+
 fn to_off(v: u64) -> io::Result<libc::off_t> {
     libc::off_t::try_from(v)
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "offset out of range"))
@@ -122,9 +158,10 @@ fn to_off(v: u64) -> io::Result<libc::off_t> {
 impl Storage for FileStorage {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         self.stats.record_read(buf.len());
+        let file = self.fd_for(offset, [(buf.as_ptr() as usize, buf.len())]);
         let mut done = 0;
         while done < buf.len() {
-            match self.file.read_at(&mut buf[done..], offset + done as u64) {
+            match file.read_at(&mut buf[done..], offset + done as u64) {
                 Ok(0) => {
                     buf[done..].fill(0);
                     break;
@@ -139,7 +176,8 @@ impl Storage for FileStorage {
 
     fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
         self.stats.record_write(buf.len());
-        self.file.write_all_at(buf, offset)
+        let file = self.fd_for(offset, [(buf.as_ptr() as usize, buf.len())]);
+        file.write_all_at(buf, offset)
     }
 
     fn read_vectored_at(&self, offset: u64, bufs: &mut [&mut [u8]]) -> io::Result<()> {
@@ -151,7 +189,7 @@ impl Storage for FileStorage {
                 iov_len: b.len(),
             })
             .collect();
-        let fd = self.file.as_raw_fd();
+        let fd = self.fd_for(offset, iov_spans(&iov)).as_raw_fd();
         // SAFETY: every iovec points into a live, exclusively borrowed buffer of `bufs`.
         let done = transfer_all(&mut iov, offset, |v, n, off| unsafe {
             libc::preadv(fd, v, n, off)
@@ -175,7 +213,7 @@ impl Storage for FileStorage {
                 iov_len: b.len(),
             })
             .collect();
-        let fd = self.file.as_raw_fd();
+        let fd = self.fd_for(offset, iov_spans(&iov)).as_raw_fd();
         // SAFETY: every iovec points into a live buffer of `bufs`; pwritev only reads them.
         let done = transfer_all(&mut iov, offset, |v, n, off| unsafe {
             libc::pwritev(fd, v, n, off)

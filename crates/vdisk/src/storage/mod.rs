@@ -23,7 +23,7 @@ pub use crash::{
     CrashImage, CrashImages, CrashOptions, CrashStorage, Epoch, Epochs, Op, Persisted, SECTOR,
 };
 pub use fault::{Fault, FaultStorage, OpKind, When};
-pub use file::{FileStorage, OpenOptions};
+pub use file::{FileStorage, OpenOptions, DIRECT_ALIGN};
 pub use memory::MemStorage;
 pub use stats::{IoStats, IoStatsSnapshot};
 

@@ -155,7 +155,10 @@ impl Qcow2 {
                 .context(|| format!("copying on write to host offset {at:#x}"))?;
             written += to - from;
         }
-        self.counters.cow(read, written);
+        // A gap that reads as zero over space known to be zero needed no work.
+        if read > 0 || written > 0 {
+            self.counters.cow(read, written);
+        }
         Ok(())
     }
 

@@ -1,0 +1,383 @@
+//! `vdisk bench`: qemu-img bench's flags, schedule and output, so that one command line runs
+//! against both tools; then the counters of seed 000 (syncs, allocations, copy-on-write work,
+//! metadata written) that explain the time.
+//!
+//! The schedule is qemu-img's: COUNT requests of BUFFER_SIZE bytes, DEPTH in flight, the n-th
+//! at OFFSET + n * STEP (wrapping before the end of the image). With `--flush-interval N` a
+//! flush is due whenever the number of requests not yet sent is a multiple of N; by default
+//! the requests in flight drain first and none is sent until the flush completes, with
+//! `--no-drain` the flush runs beside them. vdisk sends requests from DEPTH threads making
+//! blocking calls into the engine (whatever `-i` says: the engine has no other I/O path).
+
+use std::process::ExitCode;
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use vdisk::bytes::AlignedBuf;
+use vdisk::{open_image, BlockDev, CacheMode, Format, Image, ImageOptions, WithCache};
+
+use crate::create::parse_size;
+use crate::fail;
+
+const INT_MAX: u64 = i32::MAX as u64;
+
+/// qemu-img bench's options; like qemu-img, a repeated option takes its last value.
+#[derive(clap::Args)]
+#[command(args_override_self = true)]
+pub struct Args {
+    #[arg(short = 'f', long = "format")]
+    format: Option<String>,
+    #[arg(long = "image-opts")]
+    image_opts: bool,
+    /// Cache mode: none, writeback (default), writethrough, directsync, unsafe.
+    #[arg(short = 't', long = "cache", default_value = "writeback")]
+    cache: String,
+    /// Number of requests.
+    #[arg(short = 'c', long = "count", default_value = "75000")]
+    count: String,
+    /// Requests in flight.
+    #[arg(short = 'd', long = "depth", default_value = "64")]
+    depth: String,
+    /// Offset of the first request.
+    #[arg(short = 'o', long = "offset", default_value = "0")]
+    offset: String,
+    /// Size of each request.
+    #[arg(short = 's', long = "buffer-size", default_value = "4096")]
+    buffer_size: String,
+    /// Distance between the offsets of consecutive requests (default: the buffer size).
+    #[arg(short = 'S', long = "step-size", default_value = "0")]
+    step_size: String,
+    /// threads, native or io_uring (vdisk always uses threads).
+    #[arg(short = 'i', long = "aio")]
+    aio: Option<String>,
+    /// Same as `-i native`.
+    #[arg(short = 'n', long = "native")]
+    native: bool,
+    /// Write instead of read.
+    #[arg(short = 'w', long = "write")]
+    write: bool,
+    /// The byte written.
+    #[arg(long = "pattern", default_value = "0")]
+    pattern: String,
+    /// Flush after this many requests.
+    #[arg(long = "flush-interval", default_value = "0")]
+    flush_interval: String,
+    /// Flush without waiting for the requests in flight.
+    #[arg(long = "no-drain")]
+    no_drain: bool,
+    #[arg(short = 'q', long = "quiet")]
+    quiet: bool,
+    #[arg(short = 'U', long = "force-share")]
+    force_share: bool,
+    filename: String,
+}
+
+/// qemu's `cvtnum_full`: a size with an optional suffix, within `[min, max]`.
+fn number(what: &str, text: &str, min: u64, max: u64) -> Result<u64, String> {
+    let v = parse_size(text).ok_or_else(|| format!("Invalid {what} specified: '{text}'."))?;
+    if v < min || v > max {
+        return Err(format!(
+            "Invalid {what} specified. Must be between {min} and {max}."
+        ));
+    }
+    Ok(v)
+}
+
+/// What one run does.
+struct Plan {
+    count: u64,
+    depth: u64,
+    offset: u64,
+    bufsize: u64,
+    step: u64,
+    write: bool,
+    pattern: u8,
+    flush_interval: u64,
+    drain: bool,
+}
+
+fn plan(a: &Args) -> Result<Plan, String> {
+    let plan = Plan {
+        count: number("request count", &a.count, 1, INT_MAX)?,
+        depth: number("queue depth", &a.depth, 1, INT_MAX)?,
+        offset: number("offset", &a.offset, 0, i64::MAX as u64)?,
+        bufsize: number("buffer size", &a.buffer_size, 1, INT_MAX)?,
+        step: number("step_size", &a.step_size, 0, INT_MAX)?,
+        write: a.write,
+        pattern: number("pattern byte", &a.pattern, 0, 255)? as u8,
+        flush_interval: number("flush interval", &a.flush_interval, 0, INT_MAX)?,
+        drain: !a.no_drain,
+    };
+    if plan.flush_interval > 0 && !plan.write {
+        return Err("--flush-interval is only available in write tests".into());
+    }
+    if plan.flush_interval > 0 && plan.flush_interval < plan.depth {
+        return Err("Flush interval can't be smaller than depth".into());
+    }
+    Ok(Plan {
+        step: if plan.step == 0 {
+            plan.bufsize
+        } else {
+            plan.step
+        },
+        ..plan
+    })
+}
+
+pub fn run(a: &Args) -> ExitCode {
+    if a.image_opts {
+        return fail("--image-opts is not supported", 1);
+    }
+    let plan = match plan(a) {
+        Ok(p) => p,
+        Err(msg) => return fail(msg, 1),
+    };
+    let mode = match CacheMode::parse(&a.cache) {
+        Ok(m) => m,
+        Err(e) => return fail(e, 1),
+    };
+    let aio = if a.native {
+        "native"
+    } else {
+        a.aio.as_deref().unwrap_or("threads")
+    };
+    if !matches!(aio, "threads" | "native" | "io_uring") {
+        return fail(format!("Invalid aio option: {aio}"), 1);
+    }
+    if aio == "native" && !mode.direct() {
+        return fail(
+            format!(
+                "Could not open '{}': aio=native was specified, but it requires \
+                 cache.direct=on, which was not specified.",
+                a.filename
+            ),
+            1,
+        );
+    }
+    let opts = ImageOptions {
+        format: match a.format.as_deref().map(Format::parse).transpose() {
+            Ok(f) => f,
+            Err(e) => return fail(e, 1),
+        },
+        write: plan.write,
+        direct: mode.direct(),
+        ..ImageOptions::default()
+    };
+    let image = match open_image(&a.filename, &opts) {
+        Ok(i) => i,
+        Err(e) => return fail(e, 1),
+    };
+    println!(
+        "Sending {} {} requests, {} bytes each, {} in parallel (starting at offset {}, step size {})",
+        plan.count,
+        if plan.write { "write" } else { "read" },
+        plan.bufsize,
+        plan.depth,
+        plan.offset,
+        plan.step
+    );
+    if plan.flush_interval > 0 {
+        println!("Sending flush every {} requests", plan.flush_interval);
+    }
+    let disk = WithCache { disk: image, mode };
+    let started = Instant::now();
+    if let Err(e) = Run::new(&plan, disk.disk.size()).execute(&disk) {
+        return fail(format!("Failed request: {e}"), 1);
+    }
+    println!(
+        "Run completed in {:.3} seconds.",
+        started.elapsed().as_secs_f64()
+    );
+    let image = disk.disk;
+    if plan.write {
+        let closed = match image.qcow2() {
+            Some(q) => q.close(),
+            None => image.flush(),
+        };
+        if let Err(e) = closed {
+            return fail(e, 1);
+        }
+    }
+    print_counters(&image);
+    ExitCode::SUCCESS
+}
+
+/// The counters after the run (and the close that made everything durable).
+fn print_counters(image: &Image) {
+    let io = image.file().stats().snapshot();
+    let c = image.counters();
+    println!("syncs: {}", io.syncs);
+    println!(
+        "storage: {} reads ({} bytes), {} writes ({} bytes), {} allocations",
+        io.reads, io.bytes_read, io.writes, io.bytes_written, io.allocations
+    );
+    println!(
+        "allocations: {} ({} clusters)",
+        c.allocations, c.clusters_allocated
+    );
+    println!(
+        "copy-on-write: {} operations, {} bytes read, {} bytes written",
+        c.cow_ops, c.cow_bytes_read, c.cow_bytes_written
+    );
+    println!("metadata written: {} bytes", c.metadata_bytes_written);
+    println!("commits: {}", c.commits);
+}
+
+/// The shared state of one run: qemu-img bench's request schedule, served by DEPTH threads.
+struct Run<'p> {
+    plan: &'p Plan,
+    image_size: u64,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    sent: u64,
+    in_flight: u64,
+    next_offset: u64,
+    /// A flush is due or running (`--flush-interval` with draining): nothing is sent.
+    flushing: bool,
+    /// The number of unsent requests at which the last flush was due (each point flushes once).
+    flushed_at: Option<u64>,
+    /// Flushes to run beside the requests (`--no-drain`).
+    undrained: u64,
+    failed: Option<vdisk::Error>,
+}
+
+impl<'p> Run<'p> {
+    fn new(plan: &'p Plan, image_size: u64) -> Run<'p> {
+        Run {
+            plan,
+            image_size,
+            state: Mutex::new(State {
+                next_offset: plan.offset,
+                ..State::default()
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    fn execute(&self, disk: &dyn BlockDev) -> vdisk::Result<()> {
+        let threads = self.plan.depth.min(self.plan.count);
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| self.worker(disk));
+            }
+            if !self.plan.drain && self.plan.flush_interval > 0 {
+                s.spawn(|| self.flusher(disk));
+            }
+        });
+        match self.state.lock().unwrap().failed.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn worker(&self, disk: &dyn BlockDev) {
+        let p = self.plan;
+        let mut buf = AlignedBuf::zeroed(p.bufsize as usize);
+        if p.write {
+            buf.fill(p.pattern);
+        }
+        let mut st = self.lock();
+        loop {
+            if st.failed.is_some() || st.sent == p.count {
+                break;
+            }
+            if st.flushing {
+                st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+                continue;
+            }
+            let offset = st.next_offset;
+            st.sent += 1;
+            st.in_flight += 1;
+            st.next_offset = self.advance(offset);
+            drop(st);
+            let result = if p.write {
+                disk.write(offset, &buf)
+            } else {
+                disk.read(offset, &mut buf)
+            };
+            st = self.lock();
+            st.in_flight -= 1;
+            if let Err(e) = result {
+                st.failed.get_or_insert(e);
+                self.changed.notify_all();
+                break;
+            }
+            st = self.after_completion(st, disk);
+        }
+        self.changed.notify_all();
+    }
+
+    /// qemu-img bench's flush rule, checked at each completion.
+    fn after_completion<'s>(
+        &'s self,
+        mut st: MutexGuard<'s, State>,
+        disk: &dyn BlockDev,
+    ) -> MutexGuard<'s, State> {
+        let p = self.plan;
+        let unsent = p.count - st.sent;
+        if p.flush_interval == 0 || unsent % p.flush_interval != 0 || st.flushed_at == Some(unsent)
+        {
+            return st;
+        }
+        if !p.drain {
+            st.flushed_at = Some(unsent);
+            st.undrained += 1;
+            self.changed.notify_all();
+            return st;
+        }
+        st.flushing = true;
+        if st.in_flight > 0 {
+            // The last request in flight to complete runs the flush.
+            return st;
+        }
+        st.flushed_at = Some(unsent);
+        drop(st);
+        let result = disk.flush();
+        let mut st = self.lock();
+        st.flushing = false;
+        if let Err(e) = result {
+            st.failed.get_or_insert(e);
+        }
+        self.changed.notify_all();
+        st
+    }
+
+    /// Runs the `--no-drain` flushes beside the requests.
+    fn flusher(&self, disk: &dyn BlockDev) {
+        let mut st = self.lock();
+        loop {
+            if st.undrained > 0 {
+                st.undrained -= 1;
+                drop(st);
+                let result = disk.flush();
+                st = self.lock();
+                if let Err(e) = result {
+                    st.failed.get_or_insert(e);
+                }
+                continue;
+            }
+            if st.failed.is_some() || (st.sent == self.plan.count && st.in_flight == 0) {
+                break;
+            }
+            st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// The offset after `offset`: STEP on, wrapping so that a request never runs past the end
+    /// of the image (QEMU since 10.1; before, a wrapped request could fail with EIO).
+    fn advance(&self, offset: u64) -> u64 {
+        let span = self.image_size.saturating_sub(self.plan.bufsize);
+        if span == 0 {
+            return 0;
+        }
+        (offset + self.plan.step) % span
+    }
+}

@@ -1,0 +1,166 @@
+//! `vdisk bench` against `qemu-img bench`: the same command line on copies of the same image
+//! prints the same schedule, refuses the same bad options with the same messages, and leaves
+//! images with the same contents that check clean; vdisk's counters follow the flush rule.
+
+mod common;
+
+use common::{tools, Failures, Outcome, Workdir};
+
+/// The lines both tools print, without the timing value and vdisk's counters.
+fn schedule(o: &Outcome) -> Vec<String> {
+    o.stdout
+        .lines()
+        .take_while(|l| !l.starts_with("Run completed in "))
+        .map(String::from)
+        .collect()
+}
+
+fn counter(o: &Outcome, name: &str) -> u64 {
+    o.stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} counter in:\n{}", o.stdout))
+}
+
+/// (create options, bench options): writes through every cache mode, with and without flushes,
+/// unaligned and wrapping schedules, and reads.
+const RUNS: &[(&str, &[&str])] = &[
+    ("", &["-w", "-c", "3000", "-d", "16", "-t", "none"]),
+    ("", &["-w", "-c", "3000", "-d", "16", "--pattern", "0x5a"]),
+    (
+        "cluster_size=2M",
+        &["-w", "-c", "2000", "-d", "8", "--flush-interval=64"],
+    ),
+    (
+        "",
+        &[
+            "-w",
+            "-c",
+            "2000",
+            "-d",
+            "8",
+            "--flush-interval",
+            "32",
+            "--no-drain",
+        ],
+    ),
+    ("", &["-w", "-c", "300", "-d", "4", "-t", "writethrough"]),
+    (
+        "extended_l2=on",
+        &[
+            "-w",
+            "-c",
+            "300",
+            "-d",
+            "4",
+            "-t",
+            "directsync",
+            "-s",
+            "1000",
+        ],
+    ),
+    (
+        "",
+        &[
+            "-w",
+            "-c",
+            "500",
+            "-s",
+            "64k",
+            "-S",
+            "96k",
+            "-o",
+            "3000",
+            "--pattern=7",
+        ],
+    ),
+    (
+        "",
+        &["-w", "-c", "3000", "-s", "4k", "-S", "1M", "-t", "unsafe"],
+    ),
+    ("", &["-c", "2000", "-d", "16"]),
+];
+
+const REFUSED: &[&[&str]] = &[
+    &["-c", "0"],
+    &["-d", "0"],
+    &["-s", "0"],
+    &["-c", "abc"],
+    &["--pattern", "256"],
+    &["--flush-interval", "4"],
+    &["-w", "--flush-interval", "4", "-d", "8"],
+    &["-i", "native"],
+];
+
+#[test]
+fn bench_matches_qemu() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "bench");
+    let mut f = Failures::new("bench", &wd);
+    for (i, (create_options, args)) in RUNS.iter().enumerate() {
+        let name = format!("run {i}: -o '{create_options}' {args:?}");
+        let mut create = vec!["create", "-q", "-f", "qcow2"];
+        if !create_options.is_empty() {
+            create.extend(["-o", create_options]);
+        }
+        create.extend(["q.qcow2", "64M"]);
+        wd.setup_img(&create);
+        wd.copy_dense("q.qcow2", "v.qcow2");
+        let run = |tool: fn(&Workdir, &[&str]) -> Outcome, image: &str| {
+            let mut a = vec!["bench"];
+            a.extend(args.iter());
+            a.push(image);
+            tool(&wd, &a)
+        };
+        let q = run(Workdir::qemu_img, "q.qcow2");
+        let v = run(Workdir::vdisk, "v.qcow2");
+        let same = q.code == Some(0) && v.code == Some(0) && schedule(&q) == schedule(&v);
+        if !f.count(same) {
+            f.add(&name, "bench", format!("{q:?}\n    {v:?}"));
+            continue;
+        }
+        let check = wd.qemu_img(&["check", "v.qcow2"]);
+        if !f.count(check.code == Some(0)) {
+            f.add(&name, "qemu-img check", &check.stdout);
+        }
+        let cmp = wd.qemu_img(&["compare", "q.qcow2", "v.qcow2"]);
+        if !f.count(cmp.code == Some(0)) {
+            f.add(&name, "qemu-img compare", &cmp.stdout);
+        }
+    }
+    for args in REFUSED {
+        let image = "q.qcow2";
+        let a: Vec<&str> = ["bench"]
+            .iter()
+            .chain(args.iter())
+            .chain([&image])
+            .copied()
+            .collect();
+        let (q, v) = (wd.qemu_img(&a), wd.vdisk(&a));
+        f.same_outcome(&format!("{args:?}"), "bench", &q, &v);
+    }
+    f.finish();
+}
+
+/// With draining, a flush is due every N requests sent: the engine commits at most that often
+/// (plus the close), and without flushes it commits only at the close.
+#[test]
+fn flushes_follow_the_interval() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "bench-flush");
+    let mut commits = Vec::new();
+    for flush in [&[][..], &["--flush-interval=100"]] {
+        wd.setup_img(&["create", "-q", "-f", "qcow2", "v.qcow2", "64M"]);
+        let mut a = vec!["bench", "-w", "-c", "1000", "-d", "10"];
+        a.extend(flush);
+        a.push("v.qcow2");
+        let v = wd.vdisk(&a);
+        assert_eq!(v.code, Some(0), "{v:?}");
+        commits.push(counter(&v, "commits"));
+        assert_eq!(counter(&v, "copy-on-write"), 0, "{v:?}");
+    }
+    assert!(commits[0] <= 2, "{commits:?}");
+    assert!((9..=12).contains(&commits[1]), "{commits:?}");
+}
