@@ -3,7 +3,8 @@
 //! metadata written) that explain the time.
 //!
 //! The schedule is qemu-img's: COUNT requests of BUFFER_SIZE bytes, DEPTH in flight, the n-th
-//! at OFFSET + n * STEP (wrapping before the end of the image). With `--flush-interval N` a
+//! at OFFSET + n * STEP modulo the image size (see `Run::advance` for requests that would
+//! run past the end). With `--flush-interval N` a
 //! flush is due whenever the number of requests not yet sent is a multiple of N; by default
 //! the requests in flight drain first and none is sent until the flush completes, with
 //! `--no-drain` the flush runs beside them. vdisk sends requests from DEPTH threads making
@@ -371,13 +372,17 @@ impl<'p> Run<'p> {
         }
     }
 
-    /// The offset after `offset`: STEP on, wrapping so that a request never runs past the end
-    /// of the image (QEMU since 10.1; before, a wrapped request could fail with EIO).
+    /// The offset after `offset`: STEP on, modulo the image size as qemu-img 10.0 does; where
+    /// that request would run past the end of the image (qemu-img 10.0 then fails with EIO) it
+    /// starts again at 0.
     fn advance(&self, offset: u64) -> u64 {
-        let span = self.image_size.saturating_sub(self.plan.bufsize);
-        if span == 0 {
+        if self.image_size == 0 {
             return 0;
         }
-        (offset + self.plan.step) % span
+        let next = (offset + self.plan.step) % self.image_size;
+        if next + self.plan.bufsize > self.image_size {
+            return 0;
+        }
+        next
     }
 }

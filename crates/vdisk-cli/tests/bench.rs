@@ -78,8 +78,21 @@ const RUNS: &[(&str, &[&str])] = &[
     ),
     (
         "",
-        &["-w", "-c", "3000", "-s", "4k", "-S", "1M", "-t", "unsafe"],
+        &[
+            "-w",
+            "-c",
+            "3000",
+            "-s",
+            "4k",
+            "-S",
+            "1M",
+            "-t",
+            "unsafe",
+            "--pattern=3",
+        ],
     ),
+    // Wraps at the end of the image: the last block is written, then the first again.
+    ("", &["-w", "-c", "20000", "-s", "4k", "--pattern=4"]),
     ("", &["-c", "2000", "-d", "16"]),
 ];
 

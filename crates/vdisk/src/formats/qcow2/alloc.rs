@@ -367,10 +367,21 @@ impl Refcounts {
         self.pending_frees.push(cluster);
     }
 
-    /// Applies the decrements [`Refcounts::free_later`] deferred: called right after the
-    /// metadata that dropped those references became durable.
-    pub fn apply_frees(&mut self, file: &dyn Storage) -> Result<()> {
-        for c in std::mem::take(&mut self.pending_frees) {
+    /// Takes the deferred decrements: the metadata that dropped those references is about to
+    /// be made durable.
+    pub fn take_frees(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.pending_frees)
+    }
+
+    /// Gives back decrements taken by [`Refcounts::take_frees`] whose commit failed.
+    pub fn defer_frees(&mut self, frees: Vec<u64>) {
+        self.pending_frees.extend(frees);
+    }
+
+    /// Applies decrements taken by [`Refcounts::take_frees`]: called right after the metadata
+    /// that dropped those references became durable.
+    pub fn apply_frees(&mut self, file: &dyn Storage, frees: Vec<u64>) -> Result<()> {
+        for c in frees {
             let r = self.get(file, c)?;
             self.set(file, c, r.saturating_sub(1))?;
         }

@@ -61,6 +61,8 @@ pub(super) struct Meta {
     pub ordered: bool,
     /// New clusters whose gaps are not filled yet (see `cow.rs`).
     pub pending: PendingMap,
+    /// Commits whose writes were issued (numbered from 1; see `commit.rs`).
+    pub issued: u64,
     /// Where the next compressed cluster can be packed: the first free byte in the host
     /// cluster compressed data went to last (0 for none).
     pub packed_tail: u64,
@@ -82,6 +84,7 @@ impl Meta {
             data_written: false,
             ordered: false,
             pending: PendingMap::new(),
+            issued: 0,
             packed_tail: 0,
             packed_end: 0,
         }

@@ -9,6 +9,9 @@
 //!    to, and every refcount increment it needs, is then durable.
 //! 2. Only if the refcount table moved: the header, then a sync.
 //! 3. The changed parts of L2 tables and of the L1 table, then a sync. The flush is complete.
+//!    This last sync runs after the commit gate is released: requests go on meanwhile, and a
+//!    flush that finds nothing left to write while it runs syncs itself rather than return
+//!    before the writes it covers are durable.
 //! 4. Refcount decrements for references dropped in step 3 are applied in memory only now, and
 //!    reach the disk in step 1 of the next flush: a stored refcount is never below the number of
 //!    durable references (a crash leaves at most leaked clusters), and a freed cluster cannot be
@@ -20,6 +23,7 @@
 //! they are mapped (copy-on-write from a backing file); three when the refcount table grew.
 //! If a step fails, what was not written stays dirty in memory and the next flush retries it.
 
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Condvar, Mutex};
 
 use super::Qcow2;
@@ -30,6 +34,9 @@ use crate::error::{Error, IoContext, Result};
 pub(super) struct Group {
     state: Mutex<GroupState>,
     done: Condvar,
+    /// The highest commit (numbered by `Meta::issued`) known durable. A sync makes durable
+    /// every commit whose writes were issued before it started, so the number only grows.
+    durable: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -50,16 +57,21 @@ impl Qcow2 {
         }
         // No request is between placing its data and writing it while the metadata naming that
         // data is committed.
-        let _gate = self.gate.write().unwrap_or_else(|e| e.into_inner());
+        let gate = self.gate.write().unwrap_or_else(|e| e.into_inner());
         let mut meta = self.lock();
         self.fill_all(&mut meta)?;
         let refs_dirty = meta.refs.as_ref().is_some_and(|r| r.is_dirty());
         let mapping_dirty = meta.l1_dirty.is_some() || !meta.dirty.is_empty();
         let data_written = meta.data_written;
-        if !refs_dirty && !mapping_dirty && !data_written {
-            return Ok(());
-        }
         let sync = |what: &'static str| self.file.sync().context(|| format!("syncing {what}"));
+        if !refs_dirty && !mapping_dirty && !data_written {
+            // What this caller needs durable may be in the final sync of a commit still
+            // running; a sync of our own, started after its writes, covers it.
+            let in_flight = meta.issued > self.group.durable.load(Relaxed);
+            drop(meta);
+            drop(gate);
+            return if in_flight { sync("data") } else { Ok(()) };
+        }
         let mut metadata_bytes = 0;
         let increased = meta.refs.as_ref().is_some_and(|r| r.increased());
         let ordered = meta.ordered || increased;
@@ -89,7 +101,8 @@ impl Qcow2 {
         // durable already) and every newly mapped cluster or table reads as its old content
         // even if its data never lands (see `Meta::ordered`): then one sync, after the
         // mapping, makes the whole commit durable.
-        if ordered || !mapping_dirty {
+        let barrier = ordered && mapping_dirty;
+        if barrier {
             sync("data and refcounts")?;
         }
         // Step 2: a moved refcount table.
@@ -134,16 +147,36 @@ impl Qcow2 {
             meta.l1_dirty = None;
             mapped = true;
         }
-        if mapped {
-            sync("the mapping")?;
-        }
-        // Step 4: references dropped by what is now durable.
+        // Step 4: the final sync, outside the gate and the lock, so that requests go on while
+        // it runs: what they change in memory belongs to the next commit, and what they write
+        // is either not mapped by anything durable or an overwrite of mapped data. Only the
+        // references this commit dropped may be released once it is durable.
+        meta.issued += 1;
+        let commit = meta.issued;
         let refs = meta.refs.as_mut().expect("writable images have refcounts");
-        refs.apply_frees(&*self.file)?;
-        // A host cluster of packed compressed data may now be free and handed out again.
+        let frees = refs.take_frees();
+        // Compressed data must not be packed into a cluster that the frees may release.
         meta.packed_tail = 0;
         meta.data_written = false;
         meta.ordered = false;
+        drop(meta);
+        drop(gate);
+        if mapped || !barrier {
+            if let Err(e) = sync("the mapping") {
+                // Not durable: the next flush must sync again and the frees wait for it.
+                let mut meta = self.lock();
+                meta.data_written = true;
+                let refs = meta.refs.as_mut().expect("writable images have refcounts");
+                refs.defer_frees(frees);
+                return Err(e);
+            }
+        }
+        self.group.durable.fetch_max(commit, Relaxed);
+        // Step 5: references dropped by what is now durable.
+        let mut meta = self.lock();
+        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        refs.apply_frees(&*self.file, frees)?;
+        meta.packed_tail = 0;
         self.counters.metadata_written(metadata_bytes);
         self.counters.committed();
         Ok(())

@@ -12,13 +12,18 @@ impl Qcow2 {
         self.file
             .write_at(0, &bytes)
             .context(|| "writing the header".into())?;
-        self.file.sync().context(|| "syncing the header".into())?;
-        self.counters.metadata_written(bytes.len() as u64);
-        // The old L1 table's clusters are free now that the header points elsewhere.
+        let frees = self.lock().refs.as_mut().map(|r| r.take_frees());
+        let synced = self.file.sync().context(|| "syncing the header".into());
         let mut meta = self.lock();
         let refs = meta.refs.as_mut().expect("writable images have refcounts");
-        refs.apply_frees(&*self.file)?;
-        Ok(())
+        let frees = frees.unwrap_or_default();
+        if let Err(e) = synced {
+            refs.defer_frees(frees);
+            return Err(e);
+        }
+        self.counters.metadata_written(bytes.len() as u64);
+        // The old L1 table's clusters are free now that the header points elsewhere.
+        refs.apply_frees(&*self.file, frees)
     }
 
     /// Names `name` (of format `format`) as the backing file, or none. Only the header
