@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 
 use super::cache::Meta;
-use super::l2::{L2Entry, SubclusterType, OFFSET_MASK};
+use super::l2::{L2Entry, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED};
 use super::Qcow2;
 use crate::bytes::is_zero;
 use crate::error::{IoContext, Result};
@@ -99,6 +99,18 @@ impl Pending {
 /// Pending clusters by guest cluster offset.
 pub(super) type PendingMap = BTreeMap<u64, Pending>;
 
+/// Joins touching ranges of a sorted list, so that each run is read and written at once.
+fn merge(parts: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(parts.len());
+    for (from, to) in parts {
+        match out.last_mut() {
+            Some(last) if last.1 == from => last.1 = to,
+            _ => out.push((from, to)),
+        }
+    }
+    out
+}
+
 impl Qcow2 {
     /// Fills the gaps of the pending cluster at guest offset `guest` and forgets it.
     pub(super) fn fill(&self, meta: &mut Meta, guest: u64) -> Result<()> {
@@ -141,17 +153,31 @@ impl Qcow2 {
         if parts.is_empty() {
             return Ok(());
         }
-        let mut old = vec![0u8; cs as usize];
-        let read = self.cluster_content(p.old, guest, &mut old)?;
-        let mut written = 0;
-        for (from, to) in parts {
-            let part = &old[from as usize..to as usize];
-            if p.host_zero && is_zero(part) {
+        // Only the gaps are read (with a backing file, that is the copy-on-write traffic);
+        // compressed data can only be inflated whole, once.
+        let (mut read, mut written) = (0, 0);
+        let whole = if p.old.word & OFLAG_COMPRESSED != 0 {
+            let mut whole = vec![0u8; cs as usize];
+            read += self.cluster_part(p.old, guest, 0, &mut whole)?;
+            Some(whole)
+        } else {
+            None
+        };
+        for (from, to) in merge(parts) {
+            let part = match &whole {
+                Some(w) => w[from as usize..to as usize].to_vec(),
+                None => {
+                    let mut part = vec![0u8; (to - from) as usize];
+                    read += self.cluster_part(p.old, guest, from, &mut part)?;
+                    part
+                }
+            };
+            if p.host_zero && is_zero(&part) {
                 continue;
             }
             let at = p.host + from;
             self.data
-                .write_at(at, part)
+                .write_at(at, &part)
                 .context(|| format!("copying on write to host offset {at:#x}"))?;
             written += to - from;
         }

@@ -283,20 +283,33 @@ impl Qcow2 {
         Ok(first)
     }
 
-    /// The current guest content of the cluster at `guest`, as entry `e` describes it. Returns
-    /// the bytes read for it (from the image or the backing file).
-    pub(super) fn cluster_content(&self, e: L2Entry, guest: u64, buf: &mut [u8]) -> Result<u64> {
+    /// The current guest content of bytes `[from, from + buf.len())` of the cluster at `guest`,
+    /// as entry `e` describes it. Returns the bytes read for it (from the image or the backing
+    /// file); a compressed cluster is read and inflated whole.
+    pub(super) fn cluster_part(
+        &self,
+        e: L2Entry,
+        guest: u64,
+        from: u64,
+        buf: &mut [u8],
+    ) -> Result<u64> {
         if e.word & OFLAG_COMPRESSED != 0 {
-            self.decompress_entry(e, guest, buf)?;
+            let mut whole = vec![0u8; self.header.cluster_size() as usize];
+            self.decompress_entry(e, guest, &mut whole)?;
+            buf.copy_from_slice(&whole[from as usize..from as usize + buf.len()]);
             return Ok(self.format.compressed_extent(e).1);
         }
         let mut read = 0;
-        let scs = 1usize << self.format.subcluster_bits();
-        for (sc, chunk) in buf.chunks_mut(scs).enumerate() {
-            let at = guest + (sc * scs) as u64;
-            match self.format.subcluster_type(e, sc as u64)? {
+        let scs = 1u64 << self.format.subcluster_bits();
+        let mut at = from;
+        let end = from + buf.len() as u64;
+        while at < end {
+            let sc = at / scs;
+            let stop = ((sc + 1) * scs).min(end);
+            let chunk = &mut buf[(at - from) as usize..(stop - from) as usize];
+            match self.format.subcluster_type(e, sc)? {
                 SubclusterType::Normal => {
-                    let host = (e.word & OFFSET_MASK) + (sc * scs) as u64;
+                    let host = (e.word & OFFSET_MASK) + at;
                     self.data
                         .read_at(host, chunk)
                         .context(|| format!("reading data at host offset {host:#x}"))?;
@@ -304,13 +317,14 @@ impl Qcow2 {
                 }
                 SubclusterType::ZeroPlain | SubclusterType::ZeroAlloc => chunk.fill(0),
                 SubclusterType::UnallocatedPlain | SubclusterType::UnallocatedAlloc => {
-                    read_backing(self.backing.as_ref(), at, chunk)?;
+                    read_backing(self.backing.as_ref(), guest + at, chunk)?;
                     if self.backing.is_some() {
                         read += chunk.len() as u64;
                     }
                 }
                 SubclusterType::Compressed => unreachable!("handled above"),
             }
+            at = stop;
         }
         Ok(read)
     }
