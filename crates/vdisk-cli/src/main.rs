@@ -282,6 +282,10 @@ pub fn read_options(format: Option<&str>) -> vdisk::Result<ImageOptions> {
 }
 
 fn main() -> ExitCode {
+    // Like qemu-img, end quietly when the reader of our output goes away (`| head`) instead of
+    // failing on the write.
+    // SAFETY: setting a signal's disposition to the default touches no memory of ours.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = Cli::parse();
     match cli.command {
         Command::Create {

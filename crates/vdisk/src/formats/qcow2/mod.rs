@@ -154,6 +154,11 @@ impl Qcow2 {
         backing: Option<Arc<Image>>,
         writable: bool,
     ) -> Result<Qcow2> {
+        let header = if writable && header.is_dirty() && !header.is_corrupt() {
+            repair::repair_dirty(&file)?
+        } else {
+            header
+        };
         let (snapshots, snapshot_table_bytes) = read_snapshots(&*file, &header)?;
         let mut l1 = read_l1(&*file, &header, header.l1_table_offset, header.l1_size)?;
         let refs = if writable {

@@ -107,6 +107,22 @@ pub fn repair(
     })
 }
 
+/// Repairs an image left dirty (QEMU's lazy refcounts after a crash) before it is opened for
+/// writing, as QEMU does on every writable open, and returns its header as it is then.
+pub(super) fn repair_dirty(file: &Arc<dyn Storage>) -> Result<Header> {
+    let all = Fix {
+        leaks: true,
+        errors: true,
+    };
+    let failure = |e: Error| e.prefixed("Could not repair dirty image: ");
+    match repair(file, all, &mut |_| {}) {
+        Ok(r) if r.report.check_errors == 0 && !r.marked_corrupt => {}
+        Ok(_) => return Err(failure(eio("the repair left errors"))),
+        Err(f) => return Err(failure(f.error)),
+    }
+    read_header(&**file)
+}
+
 /// The image as the checker reads it: read-only, no backing file.
 fn open_view(file: &Arc<dyn Storage>) -> Result<Qcow2> {
     let header = read_header(&**file)?;
