@@ -282,11 +282,14 @@ pub fn read_options(format: Option<&str>) -> vdisk::Result<ImageOptions> {
 }
 
 fn main() -> ExitCode {
-    // Like qemu-img, end quietly when the reader of our output goes away (`| head`) instead of
-    // failing on the write.
-    // SAFETY: setting a signal's disposition to the default touches no memory of ours.
-    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = Cli::parse();
+    // Like qemu-img, end quietly when the reader of our output goes away (`| head`) instead of
+    // failing on the write. A server keeps SIGPIPE ignored: a client that hangs up is an error
+    // on its connection, not the end of the process.
+    if !matches!(cli.command, Command::Serve { .. }) {
+        // SAFETY: setting a signal's disposition to the default touches no memory of ours.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     match cli.command {
         Command::Create {
             format,
