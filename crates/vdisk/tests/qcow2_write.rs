@@ -201,7 +201,7 @@ fn check_clean(storage: &Arc<dyn Storage>, allow_leaks: bool) -> Result<(), Stri
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
 
     #[test]
     fn writes_match_a_flat_model(o in options(), ops in prop::collection::vec(model_op(), 1..40)) {
