@@ -225,7 +225,6 @@ impl Drop for Serve {
     }
 }
 
-/// A raw image in memory.
 /// A `qemu-nbd` serving one image on a unix socket, killed when dropped: the peer that reads
 /// back what vdisk wrote, or answers the same queries for comparison.
 pub struct QemuNbd {
@@ -265,6 +264,7 @@ impl Drop for QemuNbd {
     }
 }
 
+/// A raw image in memory.
 pub fn mem_raw(size: usize) -> Arc<vdisk::Image> {
     let storage: Arc<dyn Storage> = Arc::new(MemStorage::from_bytes(vec![0u8; size]));
     Arc::new(vdisk::open_storage_with(storage, Some(vdisk::Format::Raw), "mem.raw", true).unwrap())
