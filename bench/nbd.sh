@@ -21,8 +21,10 @@
 #   qemu-nbd        qemu-nbd -f qcow2 --cache=none --aio=native -t  (one client at a time: its
 #                   default --shared=1, so it has no 4-job rows)
 #   qemu-nbd -e 4   the same with --shared=4 (four clients: fio's 4 jobs are 4 connections)
-#   vdisk           vdisk serve -f qcow2 (page cache, no O_DIRECT: that is how the CLI opens
-#                   images) with CAN_MULTI_CONN, any number of clients
+#   vdisk           vdisk serve -f qcow2 (its default cache mode, writeback: through the page
+#                   cache) with CAN_MULTI_CONN, any number of clients
+#   vdisk-none      vdisk serve -f qcow2 --cache none --aio native: O_DIRECT like qemu-nbd,
+#                   so neither server gets help from the page cache
 #
 # Rows (the issue's): 4 KiB random read, 4 KiB random write (allocated image), 4 KiB
 # sequential write on a fresh image (allocating writes), 1 MiB sequential read, 1 MiB
@@ -171,9 +173,10 @@ start_server() { # NAME IMAGE
         qemu-nbd) qemu-nbd -f qcow2 --cache=none --aio=native -t -k "$sock" "$image" 2>"$tmp/server.log" & server_pid=$! ;;
         qemu-nbd-e4) qemu-nbd -f qcow2 --cache=none --aio=native --shared=4 -t -k "$sock" "$image" 2>"$tmp/server.log" & server_pid=$! ;;
         vdisk) "$vdisk" serve "$image" -f qcow2 --workers "$workers" --nbd "unix:$sock" --pid-file "$tmp/pid" 2>"$tmp/server.log" & server_pid=$! ;;
+        vdisk-none) "$vdisk" serve "$image" -f qcow2 --cache none --aio native --workers "$workers" --nbd "unix:$sock" --pid-file "$tmp/pid" 2>"$tmp/server.log" & server_pid=$! ;;
     esac
     local deadline=$((SECONDS + 30))
-    until [[ -S $sock ]] && { [[ $name != vdisk ]] || [[ -e $tmp/pid ]]; }; do
+    until [[ -S $sock ]] && { [[ $name != vdisk* ]] || [[ -e $tmp/pid ]]; }; do
         kill -0 "$server_pid" 2>/dev/null || die "$name exited early: $(cat "$tmp/server.log")"
         ((SECONDS < deadline)) || die "$name did not start"
         sleep 0.02
@@ -239,8 +242,8 @@ for spec in "4k-randread:randread:4k:full" "4k-randwrite:randwrite:4k:full" \
             [[ -z $only || $row =~ $only ]] || continue
             rows+=("$row")
             log "$row"
-            servers=(qemu-nbd qemu-nbd-e4 vdisk)
-            ((jobs == 1)) || servers=(qemu-nbd-e4 vdisk)
+            servers=(qemu-nbd qemu-nbd-e4 vdisk vdisk-none)
+            ((jobs == 1)) || servers=(qemu-nbd-e4 vdisk vdisk-none)
             if ((n % 2)); then servers=($(printf '%s\n' "${servers[@]}" | tac)); fi
             for s in "${servers[@]}"; do run_one "$s" "$row" "$rw" "$bs" "$qd" "$jobs" "$image"; done
             n=$((n + 1))
@@ -256,8 +259,8 @@ fmt() { # ROW SERVER -> "IOPS (MiB/s)"
     [[ -n $v ]] || { echo "—"; return; }
     echo "${v%%|*} (${v#*|})"
 }
-ratio() { # ROW -> vdisk IOPS / best qemu-nbd IOPS
-    local v=${cell[$1,vdisk]%%|*} q1=${cell[$1,qemu-nbd]:-0|} q4=${cell[$1,qemu-nbd-e4]%%|*}
+ratio() { # ROW SERVER -> its IOPS / best qemu-nbd IOPS
+    local v=${cell[$1,$2]%%|*} q1=${cell[$1,qemu-nbd]:-0|} q4=${cell[$1,qemu-nbd-e4]%%|*}
     q1=${q1%%|*}
     awk -v v="$v" -v a="${q1:-0}" -v b="$q4" 'BEGIN {q = a > b ? a : b; printf "%.2f", v / q}'
 }
@@ -268,12 +271,12 @@ commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
     echo
     echo "- command: \`bench/nbd.sh${ARGS[*]:+ ${ARGS[*]}}\`"
     echo "- date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
-    echo "- vdisk: $commit (\`vdisk serve IMG -f qcow2 --workers $workers --nbd unix:SOCK\`)"
+    echo "- vdisk: $commit (\`vdisk serve IMG -f qcow2 [--cache none --aio native] --workers $workers --nbd unix:SOCK\`)"
     echo "- qemu-nbd: $qemu_version (\`qemu-nbd -f qcow2 --cache=none --aio=native -t [--shared=4] -k SOCK IMG\`)"
     echo "- client: $(fio --version) with \`--ioengine=nbd\` (libnbd) over a unix socket, \`--time_based --runtime=$runtime\`, \`--group_reporting\`; with 4 jobs each job has a quarter of the image (\`--offset_increment\`) and its own connection"
     echo "- images: \`$full\` ($size_mib MiB, qcow2, 64 KiB clusters, every cluster allocated with random data) for reads and overwrites; a fresh empty 16 GiB qcow2 (64 KiB clusters) for every run of the fresh-image rows"
     if ((drop)); then
-        echo "- page cache: \`sync\` and \`echo 3 > /proc/sys/vm/drop_caches\` before every run; qemu-nbd bypasses the cache (O_DIRECT), vdisk reads and writes through it (its CLI opens images without O_DIRECT), so vdisk's repeated reads are cache hits and its writes reach the disk at flush or writeback"
+        echo "- page cache: \`sync\` and \`echo 3 > /proc/sys/vm/drop_caches\` before every run; qemu-nbd and vdisk --cache none bypass the cache (O_DIRECT); vdisk in its default mode (writeback) reads and writes through it, so its repeated reads are cache hits and its writes reach the disk at flush or writeback. The like-for-like comparison is qemu-nbd against vdisk --cache none"
     else
         echo "- page cache: not dropped between runs (--no-drop-caches or not root)"
     fi
@@ -284,20 +287,20 @@ commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
     echo
     echo "IOPS (MiB/s). qemu-nbd with its default \`--shared=1\` serves one client at a time, so it has no 4-job rows."
     echo
-    echo "| workload | iodepth | jobs | qemu-nbd | qemu-nbd --shared=4 | vdisk serve | vdisk / best qemu-nbd |"
-    echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+    echo "| workload | iodepth | jobs | qemu-nbd | qemu-nbd --shared=4 | vdisk --cache none | vdisk (writeback) | vdisk none / best qemu-nbd | vdisk writeback / best qemu-nbd |"
+    echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     for row in "${rows[@]}"; do
         read -r label q j <<<"$row"
-        echo "| $label | ${q#qd} | ${j#j} | $(fmt "$row" qemu-nbd) | $(fmt "$row" qemu-nbd-e4) | $(fmt "$row" vdisk) | **$(ratio "$row")** |"
+        echo "| $label | ${q#qd} | ${j#j} | $(fmt "$row" qemu-nbd) | $(fmt "$row" qemu-nbd-e4) | $(fmt "$row" vdisk-none) | $(fmt "$row" vdisk) | **$(ratio "$row" vdisk-none)** | $(ratio "$row" vdisk) |"
     done
     echo
     echo "Mean completion latency (µs) and CPU time the server used during the run (s):"
     echo
-    echo "| workload | iodepth | jobs | qemu-nbd µs | qemu-nbd --shared=4 µs | vdisk µs | qemu-nbd CPU s | qemu-nbd --shared=4 CPU s | vdisk CPU s |"
-    echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    echo "| workload | iodepth | jobs | qemu-nbd µs | qemu-nbd --shared=4 µs | vdisk none µs | vdisk µs | qemu-nbd CPU s | qemu-nbd --shared=4 CPU s | vdisk none CPU s | vdisk CPU s |"
+    echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     for row in "${rows[@]}"; do
         read -r label q j <<<"$row"
-        echo "| $label | ${q#qd} | ${j#j} | ${lat[$row,qemu-nbd]:-—} | ${lat[$row,qemu-nbd-e4]:-—} | ${lat[$row,vdisk]:-—} | ${cpu[$row,qemu-nbd]:-—} | ${cpu[$row,qemu-nbd-e4]:-—} | ${cpu[$row,vdisk]:-—} |"
+        echo "| $label | ${q#qd} | ${j#j} | ${lat[$row,qemu-nbd]:-—} | ${lat[$row,qemu-nbd-e4]:-—} | ${lat[$row,vdisk-none]:-—} | ${lat[$row,vdisk]:-—} | ${cpu[$row,qemu-nbd]:-—} | ${cpu[$row,qemu-nbd-e4]:-—} | ${cpu[$row,vdisk-none]:-—} | ${cpu[$row,vdisk]:-—} |"
     done
     echo
     echo "## Machine"

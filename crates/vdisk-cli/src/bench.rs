@@ -11,8 +11,8 @@
 //! blocking calls into the engine (whatever `-i` says: the engine has no other I/O path).
 
 use std::process::ExitCode;
-use std::sync::{Condvar, Mutex, MutexGuard};
-use std::time::Instant;
+use std::sync::{Barrier, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use vdisk::bytes::AlignedBuf;
 use vdisk::{open_image, BlockDev, CacheMode, Format, Image, ImageOptions, WithCache};
@@ -181,14 +181,11 @@ pub fn run(a: &Args) -> ExitCode {
         println!("Sending flush every {} requests", plan.flush_interval);
     }
     let disk = WithCache { disk: image, mode };
-    let started = Instant::now();
-    if let Err(e) = Run::new(&plan, disk.disk.size()).execute(&disk) {
-        return fail(format!("Failed request: {e}"), 1);
-    }
-    println!(
-        "Run completed in {:.3} seconds.",
-        started.elapsed().as_secs_f64()
-    );
+    let elapsed = match Run::new(&plan, disk.disk.size()).execute(&disk) {
+        Ok(t) => t,
+        Err(e) => return fail(format!("Failed request: {e}"), 1),
+    };
+    println!("Run completed in {:.3} seconds.", elapsed.as_secs_f64());
     let image = disk.disk;
     if plan.write {
         let closed = match image.qcow2() {
@@ -259,19 +256,42 @@ impl<'p> Run<'p> {
         }
     }
 
-    fn execute(&self, disk: &dyn BlockDev) -> vdisk::Result<()> {
-        let threads = self.plan.depth.min(self.plan.count);
-        std::thread::scope(|s| {
-            for _ in 0..threads {
-                s.spawn(|| self.worker(disk));
+    /// Runs the schedule and returns how long it took. Like qemu-img bench, the clock starts
+    /// once the request buffers are allocated and filled (and here, once the threads that send
+    /// them are waiting to start).
+    fn execute(&self, disk: &dyn BlockDev) -> vdisk::Result<Duration> {
+        let p = self.plan;
+        let threads = p.depth.min(p.count) as usize;
+        let buffers: Vec<AlignedBuf> = (0..threads)
+            .map(|_| {
+                let mut buf = AlignedBuf::zeroed(p.bufsize as usize);
+                if p.write {
+                    buf.fill(p.pattern);
+                }
+                buf
+            })
+            .collect();
+        let ready = Barrier::new(threads + 1);
+        let elapsed = std::thread::scope(|s| {
+            for buf in buffers {
+                let ready = &ready;
+                s.spawn(move || {
+                    ready.wait();
+                    self.worker(disk, buf)
+                });
             }
-            if !self.plan.drain && self.plan.flush_interval > 0 {
+            ready.wait();
+            let started = Instant::now();
+            if !p.drain && p.flush_interval > 0 {
                 s.spawn(|| self.flusher(disk));
             }
-        });
-        match self.state.lock().unwrap().failed.take() {
+            // Every thread started by the scope is joined before it returns.
+            started
+        })
+        .elapsed();
+        match self.lock().failed.take() {
             Some(e) => Err(e),
-            None => Ok(()),
+            None => Ok(elapsed),
         }
     }
 
@@ -279,12 +299,8 @@ impl<'p> Run<'p> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn worker(&self, disk: &dyn BlockDev) {
+    fn worker(&self, disk: &dyn BlockDev, mut buf: AlignedBuf) {
         let p = self.plan;
-        let mut buf = AlignedBuf::zeroed(p.bufsize as usize);
-        if p.write {
-            buf.fill(p.pattern);
-        }
         let mut st = self.lock();
         loop {
             if st.failed.is_some() || st.sent == p.count {

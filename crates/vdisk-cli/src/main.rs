@@ -237,6 +237,14 @@ enum Command {
         /// Worker threads per connection.
         #[arg(long, default_value_t = 16)]
         workers: usize,
+        /// Cache mode, as qemu-nbd's --cache: none, writeback (default), writethrough,
+        /// directsync, unsafe.
+        #[arg(long, value_parser = parse_cache, default_value = "writeback")]
+        cache: CacheMode,
+        /// Accepted for qemu-nbd's command lines: threads, native (needs --cache none or
+        /// directsync), io_uring. vdisk serves with its own worker threads either way.
+        #[arg(long)]
+        aio: Option<String>,
         #[arg(long)]
         pid_file: Option<String>,
         /// Answer unix:PATH or tcp:HOST:PORT with live counters (Prometheus text format).
@@ -445,6 +453,8 @@ fn main() -> ExitCode {
             read_only,
             max_connections,
             workers,
+            cache,
+            aio,
             pid_file,
             stats,
             verbose,
@@ -457,6 +467,8 @@ fn main() -> ExitCode {
             read_only,
             max_connections,
             workers,
+            cache,
+            aio: aio.as_deref(),
             pid_file: pid_file.as_deref(),
             stats: stats.as_deref(),
             verbose,

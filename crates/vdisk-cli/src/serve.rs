@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use vdisk::export::nbd::{Address, Export, ExportOptions, Limits, Server, ServerOptions};
-use vdisk::{BlockDev, Format, Image, ImageOptions};
+use vdisk::{BlockDev, CacheMode, Format, Image, ImageOptions};
 
 use crate::fail;
 
@@ -23,6 +23,8 @@ pub struct Args<'a> {
     pub read_only: bool,
     pub max_connections: usize,
     pub workers: usize,
+    pub cache: CacheMode,
+    pub aio: Option<&'a str>,
     pub pid_file: Option<&'a str>,
     pub stats: Option<&'a str>,
     pub verbose: bool,
@@ -80,6 +82,12 @@ pub fn run(a: Args) -> ExitCode {
             1,
         );
     }
+    match a.aio {
+        None | Some("threads" | "io_uring") => {}
+        Some("native") if a.cache.direct() => {}
+        Some("native") => return fail("aio=native requires --cache none or directsync", 1),
+        Some(other) => return fail(format!("invalid aio mode '{other}'"), 1),
+    }
     let format = match a.format.map(Format::parse).transpose() {
         Ok(f) => f,
         Err(e) => return fail(e, 1),
@@ -112,7 +120,7 @@ pub fn run(a: Args) -> ExitCode {
         let opts = ImageOptions {
             format,
             write: !a.read_only,
-            direct: false,
+            direct: a.cache.direct(),
             no_backing: false,
         };
         let image = match vdisk::open_image(path, &opts) {
@@ -140,7 +148,7 @@ pub fn run(a: Args) -> ExitCode {
             );
         }
         images.push(image.clone());
-        exports.push(Export::from_image(image, eopts));
+        exports.push(Export::from_image(image, a.cache, eopts));
     }
 
     let server_opts = ServerOptions {

@@ -1113,3 +1113,98 @@ fn sigterm_under_load_leaves_a_clean_image() {
     let info = run(qemu_img, &["info", "--output=json", img.to_str().unwrap()]);
     assert!(!info.contains("\"dirty-flag\": true"), "{info}");
 }
+
+/// The value of a metric line `NAME{LABELS} VALUE` in `vdisk stats` output.
+fn metric(stats: &str, name: &str) -> u64 {
+    stats
+        .lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in:\n{stats}"))
+}
+
+/// Whether process `pid` holds `path` open with O_DIRECT.
+fn opened_direct(pid: i32, path: &Path) -> bool {
+    let want = std::fs::canonicalize(path).unwrap();
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+        .filter(|e| std::fs::read_link(e.path()).ok().as_deref() == Some(want.as_path()))
+        .any(|e| {
+            let info = std::fs::read_to_string(format!(
+                "/proc/{pid}/fdinfo/{}",
+                e.file_name().to_str().unwrap()
+            ))
+            .unwrap_or_default();
+            info.lines()
+                .find_map(|l| l.strip_prefix("flags:"))
+                .and_then(|f| u32::from_str_radix(f.trim(), 8).ok())
+                .is_some_and(|f| f & libc::O_DIRECT as u32 != 0)
+        })
+}
+
+#[test]
+fn cache_modes_decide_direct_io_and_durability() {
+    let Some(t) = peers(&["qemu-img"]) else {
+        return;
+    };
+    let qemu_img = &t[0];
+    let dir = scratch("cache-modes");
+    let d = dir.path();
+    let img = d.join("disk.qcow2");
+    let path = img.to_str().unwrap();
+    for (mode, direct, synced) in [
+        ("writeback", false, false),
+        ("none", true, false),
+        ("writethrough", false, true),
+        ("directsync", true, true),
+        ("unsafe", false, false),
+    ] {
+        run(qemu_img, &["create", "-q", "-f", "qcow2", path, "16M"]);
+        let serve = Serve::start(d, &[path, "--cache", mode]);
+        assert_eq!(opened_direct(serve.pid(), &img), direct, "--cache {mode}");
+        let s = std::os::unix::net::UnixStream::connect(&serve.socket).unwrap();
+        let mut c = Client::connect(s, &Opts::default()).unwrap();
+        let stats = || {
+            run(
+                &vdisk_bin(),
+                &["stats", &format!("unix:{}", serve.stats.display())],
+            )
+        };
+        let before = metric(&stats(), "vdisk_storage_syncs_total");
+        assert_eq!(c.write(MIB, &[0x5a; 65536]), 0, "--cache {mode}");
+        let after = metric(&stats(), "vdisk_storage_syncs_total");
+        // Without a flush, only the writethrough modes have synced the write.
+        assert_eq!(
+            after > before,
+            synced,
+            "--cache {mode}: syncs {before} -> {after}"
+        );
+        c.disconnect();
+        serve.stop_clean();
+        run(qemu_img, &["check", "-q", path]);
+        let back = d.join("back.raw");
+        run(
+            qemu_img,
+            &["convert", "-O", "raw", path, back.to_str().unwrap()],
+        );
+        let bytes = std::fs::read(&back).unwrap();
+        assert!(bytes[MIB as usize..MIB as usize + 65536]
+            .iter()
+            .all(|&b| b == 0x5a));
+    }
+    // Like QEMU, native AIO needs the page cache bypassed.
+    let (ok, _, err) = try_run(
+        &vdisk_bin(),
+        &[
+            "serve",
+            path,
+            "--aio",
+            "native",
+            "--nbd",
+            "unix:/nonexistent/x",
+        ],
+    );
+    assert!(!ok && err.contains("aio=native"), "{err}");
+}

@@ -62,6 +62,34 @@ pub trait BlockDev: Send + Sync {
     fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus>;
 }
 
+/// A shared disk is a disk: wrappers such as [`crate::WithCache`] can hold an `Arc` of one.
+impl<T: BlockDev + ?Sized> BlockDev for std::sync::Arc<T> {
+    fn size(&self) -> u64 {
+        (**self).size()
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        (**self).read(offset, buf)
+    }
+    fn write(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        (**self).write(offset, buf)
+    }
+    fn flush(&self) -> Result<()> {
+        (**self).flush()
+    }
+    fn write_fua(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        (**self).write_fua(offset, buf)
+    }
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        (**self).discard(offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        (**self).write_zeroes(offset, len)
+    }
+    fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
+        (**self).block_status(offset, len)
+    }
+}
+
 /// Checks that `[offset, offset + len)` lies within a disk of `size` bytes.
 pub fn check_range(size: u64, offset: u64, len: u64) -> Result<()> {
     match offset.checked_add(len) {

@@ -306,3 +306,43 @@ fn allocating_flushes_take_the_fewest_syncs() {
         "copied data must be durable before its mapping"
     );
 }
+
+#[test]
+fn discarded_clusters_give_their_space_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.qcow2");
+    let opts = vdisk::storage::OpenOptions {
+        write: true,
+        create: true,
+        direct: false,
+    };
+    let storage: Arc<dyn Storage> =
+        Arc::new(vdisk::storage::FileStorage::open(&path, opts).unwrap());
+    let image = fresh(storage.clone());
+    let data = vec![0x5au8; SIZE as usize / 2];
+    image.write(0, &data).unwrap();
+    image.flush().unwrap();
+    let written = storage.allocated_bytes().unwrap();
+    // The first flush makes the dropped references durable and gives the clusters back.
+    image.discard(CLUSTER, SIZE / 2 - CLUSTER).unwrap();
+    image.flush().unwrap();
+    let after = storage.allocated_bytes().unwrap();
+    assert!(
+        written - after >= SIZE / 2 - CLUSTER,
+        "discarding {} bytes gave back only {} bytes",
+        SIZE / 2 - CLUSTER,
+        written.saturating_sub(after)
+    );
+    let mut back = vec![1u8; SIZE as usize / 2];
+    image.read(0, &mut back).unwrap();
+    assert!(back[..CLUSTER as usize].iter().all(|&b| b == 0x5a));
+    assert!(back[CLUSTER as usize..].iter().all(|&b| b == 0));
+    // Freed space is reused, and what is written there reads back.
+    image.write(2 * CLUSTER, &[7u8; 4096]).unwrap();
+    image.flush().unwrap();
+    let mut one = [0u8; 4096];
+    image.read(2 * CLUSTER, &mut one).unwrap();
+    assert!(one.iter().all(|&b| b == 7));
+    drop(image);
+    assert_clean(&storage, false);
+}

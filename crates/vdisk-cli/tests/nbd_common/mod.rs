@@ -303,7 +303,7 @@ pub fn server(exports: Vec<(Arc<vdisk::Image>, ExportOptions)>) -> (Server, Line
     };
     let exports = exports
         .into_iter()
-        .map(|(img, o)| Export::from_image(img, o))
+        .map(|(img, o)| Export::from_image(img, vdisk::CacheMode::Writeback, o))
         .collect();
     (Server::new(exports, opts).unwrap(), lines)
 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use super::metrics::RequestStats;
 use super::proto::*;
 use crate::blockdev::BlockDev;
+use crate::cache::{CacheMode, WithCache};
 use crate::formats::Image;
 
 /// How an export is offered to clients.
@@ -61,9 +62,16 @@ impl Export {
         }
     }
 
-    /// Exports an image; its storage and engine counters then appear in the metrics.
-    pub fn from_image(image: Arc<Image>, opts: ExportOptions) -> Export {
-        let dev: Arc<dyn BlockDev> = image.clone();
+    /// Exports an image used under cache mode `mode` (whose page-cache part was chosen when
+    /// the image was opened); its storage and engine counters then appear in the metrics.
+    pub fn from_image(image: Arc<Image>, mode: CacheMode, opts: ExportOptions) -> Export {
+        let dev: Arc<dyn BlockDev> = match mode {
+            CacheMode::Writeback | CacheMode::None => image.clone(),
+            _ => Arc::new(WithCache {
+                disk: image.clone(),
+                mode,
+            }),
+        };
         Export {
             image: Some(image),
             ..Export::new(dev, opts)

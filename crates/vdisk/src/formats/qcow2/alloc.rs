@@ -379,11 +379,30 @@ impl Refcounts {
     }
 
     /// Applies decrements taken by [`Refcounts::take_frees`]: called right after the metadata
-    /// that dropped those references became durable.
+    /// that dropped those references became durable. Clusters left unreferenced give their
+    /// space back to the host (as QEMU passes guest discards down): nothing durable points to
+    /// them any more, and the caller holds the metadata lock, so none is handed out again
+    /// before its hole is punched. A file system that cannot punch keeps the space.
     pub fn apply_frees(&mut self, file: &dyn Storage, frees: Vec<u64>) -> Result<()> {
+        let mut freed = Vec::new();
         for c in frees {
-            let r = self.get(file, c)?;
-            self.set(file, c, r.saturating_sub(1))?;
+            let r = self.get(file, c)?.saturating_sub(1);
+            self.set(file, c, r)?;
+            if r == 0 {
+                freed.push(c);
+            }
+        }
+        freed.sort_unstable();
+        freed.dedup();
+        let cs = self.cs();
+        let mut at = 0;
+        while at < freed.len() {
+            let mut end = at + 1;
+            while end < freed.len() && freed[end] == freed[end - 1] + 1 {
+                end += 1;
+            }
+            let _ = file.punch_hole(freed[at] * cs, (end - at) as u64 * cs);
+            at = end;
         }
         Ok(())
     }
