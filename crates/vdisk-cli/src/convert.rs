@@ -82,8 +82,7 @@ fn to_raw(source: &Image, args: &Args) -> vdisk::Result<()> {
     };
     let target = File::create(args.target).map_err(create_error)?;
     target.set_len(source.size()).map_err(create_error)?;
-    copy(source, &Target::File(&target), args.progress)
-        .map_err(|e| e.prefixed("error while converting: "))?;
+    copy(source, &Target::File(&target), args.progress)?;
     if args.sync {
         target.sync_data().map_err(|e| Error::Io {
             context: format!("error while syncing '{}'", args.target),
@@ -128,8 +127,7 @@ fn to_image(source: &Image, args: &Args) -> vdisk::Result<()> {
         source,
         &Target::Image(&target, args.compress),
         args.progress,
-    )
-    .map_err(|e| e.prefixed("error while converting: "));
+    );
     // Closing commits the metadata: always, so that the image is consistent whatever happened.
     let closed = match target.qcow2() {
         Some(q) => q.close(),
@@ -194,6 +192,15 @@ fn copy(source: &Image, target: &Target, show_progress: bool) -> vdisk::Result<(
     Ok(())
 }
 
+/// qemu-img convert's messages for failed transfers.
+fn reading(at: u64) -> impl Fn(Error) -> Error {
+    move |e| e.prefixed(&format!("error while reading at byte {at}: "))
+}
+
+fn writing(at: u64) -> impl Fn(Error) -> Error {
+    move |e| e.prefixed(&format!("error while writing at byte {at}: "))
+}
+
 fn copy_range(
     source: &Image,
     target: &Target,
@@ -206,14 +213,14 @@ fn copy_range(
     }
     let mut pos = start;
     while pos < end {
-        let st = source.block_status(pos, end - pos)?;
+        let st = source.block_status(pos, end - pos).map_err(reading(pos))?;
         if st.zero {
             pos += st.len;
             continue;
         }
         let data = &mut buf[..st.len as usize];
-        source.read(pos, data)?;
-        write_nonzero(target, pos, data)?;
+        source.read(pos, data).map_err(reading(pos))?;
+        write_nonzero(target, pos, data).map_err(writing(pos))?;
         pos += st.len;
     }
     Ok(())
@@ -229,14 +236,15 @@ fn copy_compressed(
 ) -> vdisk::Result<()> {
     let cs = target.qcow2().map_or(CHUNK, |q| q.header().cluster_size()) as usize;
     let data = &mut buf[..(end - start) as usize];
-    source.read(start, data)?;
+    source.read(start, data).map_err(reading(start))?;
     for (k, cluster) in data.chunks(cs).enumerate() {
         if !vdisk::bytes::is_zero(cluster) {
             let at = start + (k * cs) as u64;
             match target.qcow2() {
-                Some(q) => q.write_compressed(at, cluster)?,
-                None => target.write(at, cluster)?,
+                Some(q) => q.write_compressed(at, cluster),
+                None => target.write(at, cluster),
             }
+            .map_err(writing(at))?;
         }
     }
     Ok(())

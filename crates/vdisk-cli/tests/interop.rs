@@ -2,7 +2,8 @@
 //! flushes go alternately through QEMU's driver (`qemu-io` on the file) and through vdisk's
 //! engine (`qemu-io` over NBD to `vdisk serve`), and the same operations to a raw reference.
 //! After every turn `qemu-img check` finds no errors and no leaks, and `qemu-img compare`
-//! finds the image equal to the reference.
+//! finds the image equal to the reference. Images with external data files (raw or not, with
+//! or without a backing file) take part too.
 
 mod nbd_common;
 
@@ -81,8 +82,23 @@ fn qemu_and_vdisk_take_turns_writing() {
         (5, "", true),
         (6, "extended_l2=on,cluster_size=128k", true),
         (7, "refcount_bits=1,cluster_size=2M", false),
+        // External data files ("data_file" is given this image's own data file's path).
+        (8, "data_file", false),
+        (9, "data_file,data_file_raw=on", false),
+        (10, "data_file,extended_l2=on,cluster_size=128k", true),
+        (11, "data_file,cluster_size=4k", true),
     ] {
         let img = d.join(format!("img{seed}.qcow2"));
+        let data = d.join(format!("img{seed}.data"));
+        let options = options
+            .split(',')
+            .map(|o| match o {
+                "data_file" => format!("data_file={}", data.display()),
+                _ => o.to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join(",");
+        let options = options.as_str();
         let reference = d.join(format!("ref{seed}.raw"));
         let (img_s, ref_s) = (img.to_str().unwrap(), reference.to_str().unwrap());
         let mut create = vec!["create", "-q", "-f", "qcow2"];
@@ -155,4 +171,57 @@ fn cluster_size(options: &str) -> u64 {
             let (n, unit) = v.split_at(v.len() - 1);
             n.parse::<u64>().unwrap() << if unit == "k" { 10 } else { 20 }
         })
+}
+
+/// Resizing and snapshotting images with external data files, by vdisk and by qemu-img on twin
+/// images: the same sizes, data files, maps and refusals.
+#[test]
+fn external_data_files_resize_and_refuse_snapshots_as_qemu() {
+    let Some(t) = peers(&["qemu-img", "qemu-io"]) else {
+        return;
+    };
+    let (qemu_img, qemu_io) = (&t[0], &t[1]);
+    let vdisk = nbd_common::vdisk_bin();
+    let dir = scratch("interop-data-file");
+    let d = dir.path();
+    for raw in [false, true] {
+        let mut maps = Vec::new();
+        for (who, tool) in [("qemu", qemu_img), ("vdisk", &vdisk)] {
+            let img = d.join(format!("{who}-{raw}.qcow2"));
+            let data = d.join(format!("{who}-{raw}.data"));
+            let (img_s, data_s) = (img.to_str().unwrap(), data.to_str().unwrap());
+            let opts = format!(
+                "data_file={data_s},data_file_raw={}",
+                if raw { "on" } else { "off" }
+            );
+            run(
+                qemu_img,
+                &["create", "-q", "-f", "qcow2", "-o", &opts, img_s, "8M"],
+            );
+            io(qemu_io, "qcow2", img_s, &["write -P 7 1M 192k".to_string()]);
+            let what = format!("{who}, data_file_raw={raw}");
+            run(tool, &["resize", img_s, "24M"]);
+            assert_eq!(
+                std::fs::metadata(&data).unwrap().len(),
+                24 << 20,
+                "{what}: grown"
+            );
+            io(qemu_io, "qcow2", img_s, &["write -P 9 20M 64k".to_string()]);
+            run(tool, &["resize", "--shrink", img_s, "21M"]);
+            assert_eq!(
+                std::fs::metadata(&data).unwrap().len(),
+                21 << 20,
+                "{what}: shrunk"
+            );
+            let check = run(qemu_img, &["check", img_s]);
+            assert!(check.contains("No errors were found"), "{what}: {check}");
+            maps.push(run(qemu_img, &["map", "--output=json", img_s]));
+            let (ok, _, err) = try_run(tool, &["snapshot", "-c", "s1", img_s]);
+            assert!(
+                !ok && err.contains("Could not create snapshot 's1': Operation not supported"),
+                "{what}: {err}"
+            );
+        }
+        assert_eq!(maps[0], maps[1], "data_file_raw={raw}: maps differ");
+    }
 }

@@ -64,13 +64,23 @@ impl Qcow2 {
         let mapping_dirty = meta.l1_dirty.is_some() || !meta.dirty.is_empty();
         let data_written = meta.data_written;
         let sync = |what: &'static str| self.file.sync().context(|| format!("syncing {what}"));
+        // Guest data in an external data file is durable only once that file is synced: at
+        // the barrier (before the mapping is written) or, without one, with the last sync.
+        let sync_data = || match self.format.external_data {
+            true => self.data.sync().context(|| "syncing the data file".into()),
+            false => Ok(()),
+        };
         if !refs_dirty && !mapping_dirty && !data_written {
             // What this caller needs durable may be in the final sync of a commit still
             // running; a sync of our own, started after its writes, covers it.
             let in_flight = meta.issued > self.group.durable.load(Relaxed);
             drop(meta);
             drop(gate);
-            return if in_flight { sync("data") } else { Ok(()) };
+            return if in_flight {
+                sync_data().and_then(|()| sync("data"))
+            } else {
+                Ok(())
+            };
         }
         let mut metadata_bytes = 0;
         let increased = meta.refs.as_ref().is_some_and(|r| r.increased());
@@ -103,6 +113,7 @@ impl Qcow2 {
         // mapping, makes the whole commit durable.
         let barrier = ordered && mapping_dirty;
         if barrier {
+            sync_data()?;
             sync("data and refcounts")?;
         }
         // Step 2: a moved refcount table.
@@ -162,7 +173,11 @@ impl Qcow2 {
         drop(meta);
         drop(gate);
         if mapped || !barrier {
-            if let Err(e) = sync("the mapping") {
+            let synced = match barrier {
+                true => sync("the mapping"),
+                false => sync_data().and_then(|()| sync("the mapping")),
+            };
+            if let Err(e) = synced {
                 // Not durable: the next flush must sync again and the frees wait for it.
                 let mut meta = self.lock();
                 meta.data_written = true;

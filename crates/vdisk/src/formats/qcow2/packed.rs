@@ -14,6 +14,11 @@ impl Qcow2 {
     /// written plainly. The last cluster of a disk whose size is not a multiple of the cluster
     /// size may be short: it is padded with zeroes.
     pub fn write_compressed(&self, offset: u64, data: &[u8]) -> Result<()> {
+        if self.format.external_data {
+            // As QEMU: compressed clusters live in the image file, which an external data
+            // file leaves no guest data in.
+            return Err(Error::unsupported("Operation not supported"));
+        }
         let cs = self.header.cluster_size();
         check_range(self.size, offset, data.len() as u64)?;
         if offset % cs != 0

@@ -6,7 +6,7 @@
 //! only after that. Shrinking drops every cluster past the new end first (committed like any
 //! discard), then lowers the size in the header.
 
-use super::l2::{L2Entry, OFFSET_MASK};
+use super::l2::{L2Entry, OFFSET_MASK, OFLAG_COPIED};
 use super::Qcow2;
 use crate::error::{Error, IoContext, Result};
 
@@ -36,10 +36,47 @@ impl Qcow2 {
             }
             self.grow_l1(&mut h, needed)?;
         }
+        let old_size = self.size;
+        if self.format.external_data && new_size > old_size {
+            // The data file holds the new range before the header offers it.
+            self.data
+                .set_len(new_size)
+                .context(|| "growing the data file".into())?;
+        }
         self.write_header(&h)?;
         self.header = h;
         self.size = new_size;
+        if self.format.external_data && new_size < old_size {
+            self.data
+                .set_len(new_size)
+                .context(|| "shrinking the data file".into())?;
+        }
+        if self.header.data_file_raw() && new_size > old_size {
+            self.map_raw_data(old_size, new_size)?;
+        }
         Ok(())
+    }
+
+    /// Maps every cluster of `[from, to)` to its own offset in the raw data file, as such an
+    /// image is created, and commits the mapping.
+    fn map_raw_data(&self, from: u64, to: u64) -> Result<()> {
+        let cs = self.header.cluster_size();
+        {
+            let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
+            let mut meta = self.lock();
+            let mut guest = from.next_multiple_of(cs);
+            while guest < to {
+                let (table, index) = self.writable_table(&mut meta, guest)?;
+                let bitmap = if self.format.extended { 0xffff_ffff } else { 0 };
+                let entry = L2Entry {
+                    word: guest | OFLAG_COPIED,
+                    bitmap,
+                };
+                self.set_entry(&mut meta, table, index, entry);
+                guest += cs;
+            }
+        }
+        self.flush_impl()
     }
 
     /// Unmaps every cluster that starts at or after `new_size`, and the L2 tables wholly past it.

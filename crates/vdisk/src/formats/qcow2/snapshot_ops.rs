@@ -21,6 +21,10 @@ impl Qcow2 {
     /// Takes snapshot `name` of the active image.
     pub fn snapshot_create(&mut self, name: &str) -> Result<()> {
         self.writable_or_err("snapshot")?;
+        if self.format.external_data {
+            // As QEMU: clusters of an external data file have no refcounts to share.
+            return Err(Error::unsupported("Operation not supported"));
+        }
         self.flush_impl()?;
         let id = self
             .snapshots
@@ -59,6 +63,10 @@ impl Qcow2 {
     /// Makes the active image what snapshot `name` (an id, or else a name) holds.
     pub fn snapshot_apply(&mut self, name: &str) -> Result<()> {
         self.writable_or_err("snapshot")?;
+        if self.format.external_data {
+            // As QEMU: clusters of an external data file have no refcounts to share.
+            return Err(Error::unsupported("Operation not supported"));
+        }
         let Some(sn) = (self.snapshots.iter().find(|s| s.id == name))
             .or_else(|| self.snapshots.iter().find(|s| s.name == name))
             .cloned()

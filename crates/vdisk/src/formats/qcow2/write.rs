@@ -44,11 +44,6 @@ pub(super) fn check_writable(h: &Header) -> Result<()> {
             "image was not closed cleanly (dirty bit set); repair it with 'qemu-img check -r all'",
         ));
     }
-    if h.data_file.is_some() {
-        return Err(Error::unsupported(
-            "writing images with an external data file",
-        ));
-    }
     Ok(())
 }
 
@@ -150,7 +145,10 @@ impl Qcow2 {
             return Ok((host, aligned));
         }
         let host = e.word & OFFSET_MASK;
-        let ours = e.word & OFLAG_COMPRESSED == 0 && host != 0 && e.word & OFLAG_COPIED != 0;
+        // In an external data file, guest cluster 0 sits at host offset 0: the COPIED flag
+        // tells it from an unallocated entry (every such cluster has refcount 1).
+        let allocated = host != 0 || self.format.external_data;
+        let ours = e.word & OFLAG_COMPRESSED == 0 && allocated && e.word & OFLAG_COPIED != 0;
         let complete = if self.format.extended {
             e.bitmap & ALL_ALLOC == ALL_ALLOC
         } else {
@@ -171,6 +169,11 @@ impl Qcow2 {
                 }
             }
             p
+        } else if self.format.external_data {
+            // Data in an external file sits at its guest offset and has no refcount; what the
+            // file holds there is only known to be zero where it is a hole.
+            let zero = matches!(self.data.extent_at(guest, cs), Ok((false, n)) if n == cs);
+            Pending::new(guest, e, zero, cs)
         } else {
             let cluster = self.alloc_clusters(meta, 1)?;
             let refs = meta.refs.as_ref().expect("writable images have refcounts");
@@ -343,8 +346,12 @@ impl Qcow2 {
         })
     }
 
-    /// Drops, once the change is durable, the references entry `e` held.
+    /// Drops, once the change is durable, the references entry `e` held (clusters of an
+    /// external data file have none).
     pub(super) fn free_entry_later(&self, meta: &mut Meta, e: L2Entry) {
+        if self.format.external_data {
+            return;
+        }
         let refs = meta.refs.as_mut().expect("writable images have refcounts");
         let cb = self.header.cluster_bits;
         if e.word & OFLAG_COMPRESSED != 0 {
@@ -425,6 +432,16 @@ impl Qcow2 {
         Ok((new, index))
     }
 
+    /// Zeroes (or discards) the range of a raw external data file, which stays mapped.
+    fn zero_raw_data(&self, offset: u64, len: u64, kind: Zeroing) -> Result<()> {
+        if self.data.punch_hole(offset, len).is_ok() || kind == Zeroing::Discard {
+            return Ok(());
+        }
+        self.data
+            .write_at(offset, &vec![0u8; len as usize])
+            .context(|| format!("zeroing the data file at {offset:#x}"))
+    }
+
     /// write_zeroes and discard: whole clusters become zero clusters (discard on a v2 image
     /// without backing leaves them unallocated, as QEMU does); parts of clusters are written
     /// with zeroes, or left alone by a discard.
@@ -446,7 +463,12 @@ impl Qcow2 {
                 let within = pos & (cs - 1);
                 let n = (cs - within).min(end - pos);
                 let guest = pos - within;
-                if n == cs && (v3 || kind == Zeroing::Discard) {
+                if n == cs && self.header.data_file_raw() {
+                    // A raw data file is the disk itself: every cluster stays mapped where it
+                    // is, and the file's own range is zeroed (or, for a discard, given back).
+                    self.zero_raw_data(guest, cs, kind)?;
+                    meta.data_written = true;
+                } else if n == cs && (v3 || kind == Zeroing::Discard) {
                     let (table_off, index) = self.writable_table(&mut meta, guest)?;
                     let e = meta.get(table_off).expect("table just loaded").get(index);
                     // A pending cluster's gaps need no filling any more: it is given up.
@@ -464,6 +486,12 @@ impl Qcow2 {
                         (false, false) => L2Entry::default(),
                     };
                     self.set_entry(&mut meta, table_off, index, zero);
+                    if self.format.external_data {
+                        // The cluster reads as zero from its entry now; its space in the data
+                        // file goes back to the host at once, because the same offset is where
+                        // the next write to the cluster lands, and a later punch would hit that.
+                        let _ = self.data.punch_hole(guest, cs);
+                    }
                 } else if kind == Zeroing::Zeroes {
                     parts.push((pos, n));
                 }
