@@ -82,7 +82,11 @@ fn to_raw(source: &Image, args: &Args) -> vdisk::Result<()> {
     };
     let target = File::create(args.target).map_err(create_error)?;
     target.set_len(source.size()).map_err(create_error)?;
-    copy(source, &Target::File(&target), args.progress)?;
+    copy(
+        source,
+        &Target::File(&target, Mutex::new(())),
+        args.progress,
+    )?;
     if args.sync {
         target.sync_data().map_err(|e| Error::Io {
             context: format!("error while syncing '{}'", args.target),
@@ -139,7 +143,10 @@ fn to_image(source: &Image, args: &Args) -> vdisk::Result<()> {
 
 /// Where converted data goes.
 enum Target<'a> {
-    File(&'a File),
+    /// A plain file, with a lock that takes its writes one at a time: buffered writes to one
+    /// file serialise on its inode lock anyway, and a writer waiting here sleeps, where in the
+    /// kernel it would spin and take the CPU from the workers that read.
+    File(&'a File, Mutex<()>),
     /// An image, and whether to compress its clusters.
     Image(&'a Image, bool),
 }
@@ -254,10 +261,13 @@ fn copy_compressed(
 /// reads as zero there).
 fn write_nonzero(target: &Target, offset: u64, data: &[u8]) -> vdisk::Result<()> {
     let write = |bytes: &[u8], at: u64| match target {
-        Target::File(f) => f.write_all_at(bytes, at).map_err(|source| Error::Io {
-            context: format!("writing the target at {at:#x}"),
-            source,
-        }),
+        Target::File(f, one_at_a_time) => {
+            let _turn = one_at_a_time.lock().unwrap_or_else(|p| p.into_inner());
+            f.write_all_at(bytes, at).map_err(|source| Error::Io {
+                context: format!("writing the target at {at:#x}"),
+                source,
+            })
+        }
         Target::Image(image, _) => image.write(at, bytes),
     };
     let mut run_start = None;
