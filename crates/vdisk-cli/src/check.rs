@@ -12,7 +12,7 @@ use vdisk::storage::{FileStorage, OpenOptions, Storage};
 use vdisk::{open_image, Error};
 
 use crate::qjson::{self, Dict};
-use crate::{fail, read_options, Output};
+use crate::{fail, metadata_options, Output};
 
 /// Exit status when the format has no consistency check (qemu-img's 63).
 const NO_CHECK: u8 = 63;
@@ -40,7 +40,7 @@ pub fn run(
             return ExitCode::from(1);
         }
     };
-    let opts = match read_options(format) {
+    let opts = match metadata_options(format) {
         Ok(o) => o,
         Err(e) => return fail(e, 1),
     };
@@ -135,7 +135,7 @@ fn run_repair(
         // QEMU makes an image unusable once it marked it corrupt: its second check fails.
         return Err(fail("Check failed: No medium found", 1));
     }
-    let opts = read_options(Some("qcow2")).map_err(|e| fail(e, 1))?;
+    let opts = metadata_options(Some("qcow2")).map_err(|e| fail(e, 1))?;
     let image = open_image(filename, &opts).map_err(|e| fail(e, 1))?;
     let q = image.qcow2().expect("opened as qcow2");
     let mut report = match check(q, &mut |m| eprintln!("{m}")) {

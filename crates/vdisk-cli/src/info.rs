@@ -8,7 +8,7 @@ use vdisk::{open_image, BlockDev, Image, ImageOptions};
 
 use crate::qjson::{self, Dict, Value};
 use crate::text::{local_date, size_to_str};
-use crate::{fail, read_options, Output};
+use crate::{fail, metadata_options, Output};
 
 pub fn run(filename: &str, format: Option<&str>, output: Output, chain: bool) -> ExitCode {
     let images = match open_chain(filename, format, chain) {
@@ -46,7 +46,7 @@ fn open_chain(filename: &str, format: Option<&str>, chain: bool) -> vdisk::Resul
         seen.push(canonical);
         let opts = ImageOptions {
             no_backing: true,
-            ..read_options(fmt.as_deref())?
+            ..metadata_options(fmt.as_deref())?
         };
         let image = open_image(&name, &opts)?;
         if chain {

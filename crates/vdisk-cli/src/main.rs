@@ -289,6 +289,14 @@ pub fn read_options(format: Option<&str>) -> vdisk::Result<ImageOptions> {
     })
 }
 
+/// Image options for commands that read metadata only (info, map, check, snapshot -l).
+pub fn metadata_options(format: Option<&str>) -> vdisk::Result<ImageOptions> {
+    Ok(ImageOptions {
+        metadata_only: true,
+        ..read_options(format)?
+    })
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Like qemu-img, end quietly when the reader of our output goes away (`| head`) instead of

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use vdisk::{open_image, BlockDev, BlockStatus, Image};
 
 use crate::text::hex16;
-use crate::{fail, read_options, Output};
+use crate::{fail, metadata_options, Output};
 
 /// One printed extent: a block status plus the file its offset refers to.
 #[derive(Debug, Clone)]
@@ -68,7 +68,7 @@ pub fn run(
     start: Option<u64>,
     max_length: Option<u64>,
 ) -> ExitCode {
-    let image = match read_options(format).and_then(|o| open_image(filename, &o)) {
+    let image = match metadata_options(format).and_then(|o| open_image(filename, &o)) {
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };

@@ -121,7 +121,7 @@ pub fn run(a: Args) -> ExitCode {
             format,
             write: !a.read_only,
             direct: a.cache.direct(),
-            no_backing: false,
+            ..ImageOptions::default()
         };
         let image = match vdisk::open_image(path, &opts) {
             Ok(i) => Arc::new(i),

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use vdisk::{open_image, Error, Format, ImageOptions};
 
-use crate::{fail, info, read_options};
+use crate::{fail, info, metadata_options};
 
 pub enum Action<'a> {
     List,
@@ -50,7 +50,7 @@ pub fn run(filename: &str, format: Option<&str>, action: Action) -> ExitCode {
 }
 
 fn list(filename: &str, format: Option<&str>) -> ExitCode {
-    let image = match read_options(format).and_then(|o| open_image(filename, &o)) {
+    let image = match metadata_options(format).and_then(|o| open_image(filename, &o)) {
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };

@@ -700,6 +700,44 @@ fn zero_and_compressed_clusters() {
     run_family("zero_and_compressed_clusters", &wd, &images);
 }
 
+/// Metadata commands read tables, not data: readahead past an L2 table would cache the
+/// zero-allocated extents after it, and ext4 then reports them as data to block status. The
+/// image: 2 MiB clusters (the L2 table is followed by a data cluster whose copy-on-write tail
+/// QEMU zero-allocated), few enough that QEMU's metadata-preallocation heuristic asks the file
+/// system for holes. QEMU's own answer depends on what is cached (its reads ramp up readahead
+/// when earlier pages are cached), so its cold-cache answer is the reference.
+#[test]
+fn metadata_commands_leave_block_status_alone() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "metadata-readahead");
+    create(&wd, "img.qcow2", "extended_l2=on,cluster_size=2M", "8M");
+    io(
+        &wd,
+        "img.qcow2",
+        &["write -P 1 0 64k", "write -P 2 192k 100k"],
+    );
+    let map = ["map", "--output=json", "img.qcow2"];
+    wd.sync_all();
+    let cold = wd.qemu_img(&map);
+    assert!(
+        cold.stdout.contains("\"zero\": true, \"data\": true"),
+        "{}",
+        cold.stdout
+    );
+    for args in [&map[..], &["info", "img.qcow2"], &["check", "img.qcow2"]] {
+        wd.sync_all();
+        let v = wd.vdisk(args);
+        assert!(v.success(), "{}", v.stderr);
+        // What vdisk read is cached now, readahead included once it lands.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert_eq!(
+            wd.vdisk(&map).stdout,
+            cold.stdout,
+            "vdisk map after vdisk {args:?}"
+        );
+    }
+}
+
 #[test]
 fn extended_l2() {
     let Some(tools) = tools() else { return };

@@ -47,6 +47,10 @@ pub struct ImageOptions {
     pub direct: bool,
     /// Do not open the backing file (as `qemu-img info` does): unallocated areas read as zero.
     pub no_backing: bool,
+    /// Only metadata will be read (info, map, check): the kernel is told not to read ahead.
+    /// Readahead past a table would cache the zero-allocated extents that follow it, and ext4
+    /// then reports them as data, so block status would depend on what was read before.
+    pub metadata_only: bool,
 }
 
 /// The format driver of an open image.
@@ -256,7 +260,7 @@ pub fn open_overlay(
     })
 }
 
-fn open_file(path: &Path, write: bool, direct: bool) -> Result<Arc<dyn Storage>> {
+fn open_file(path: &Path, opts: &ImageOptions) -> Result<Arc<dyn Storage>> {
     let name = path.display();
     // Only regular files and block devices hold images; a directory would fail obscurely later,
     // and opening a FIFO would block until something writes to it.
@@ -270,12 +274,15 @@ fn open_file(path: &Path, write: bool, direct: bool) -> Result<Arc<dyn Storage>>
     let storage = FileStorage::open(
         path,
         OpenOptions {
-            write,
+            write: opts.write,
             create: false,
-            direct,
+            direct: opts.direct,
         },
     )
     .context(|| format!("Could not open '{name}'"))?;
+    if opts.metadata_only {
+        storage.no_readahead();
+    }
     Ok(Arc::new(storage))
 }
 
@@ -295,7 +302,7 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
         return Err(Error::unsupported("backing chain is too deep"));
     }
     seen.push(canonical);
-    let file = open_file(path, opts.write, opts.direct)?;
+    let file = open_file(path, opts)?;
     let format = match opts.format {
         Some(f) => f,
         None => probe(&*file)?,
@@ -308,7 +315,7 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
             // directory rather than the image's.
             let data = match &header.data_file {
                 Some(name) if header.incompatible & qcow2::header::INCOMPAT_DATA_FILE != 0 => {
-                    Some(open_file(Path::new(name), opts.write, opts.direct)?)
+                    Some(open_file(Path::new(name), opts)?)
                 }
                 _ => None,
             };
@@ -323,6 +330,7 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
                         write: false,
                         direct: opts.direct,
                         no_backing: false,
+                        metadata_only: opts.metadata_only,
                     };
                     let bpath = backing_path(filename, name);
                     let backing = open_chain(&bpath, &backing_opts, seen)

@@ -68,6 +68,17 @@ impl FileStorage {
         }
     }
 
+    /// Tells the kernel that reads are scattered: no readahead on this file.
+    pub fn no_readahead(&self) {
+        for f in [Some(&self.file), self.direct.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            // SAFETY: posix_fadvise only reads its arguments; the descriptor is open.
+            unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
+        }
+    }
+
     pub fn file(&self) -> &File {
         &self.file
     }
