@@ -2,11 +2,15 @@
 //! `create`'s options, compressed with `-c`).
 //!
 //! The copy walks the source's block status: ranges that read as zero are skipped (the new
-//! target already reads as zero there), stored data is read and written in large chunks by one
-//! worker per core, and all-zero 4 KiB blocks inside data are skipped too, keeping the target as
-//! sparse as `qemu-img convert` (default `-S 4k`) makes it.
+//! target already reads as zero there), stored data is read and written in large chunks by
+//! parallel workers, and all-zero blocks inside data (4 KiB, or `-S`) are skipped too, keeping
+//! the target as sparse as `qemu-img convert` makes it. Where the target may not read as zero
+//! (an existing one with `-n`, one with a backing file with `-B`) zeroes are written instead of
+//! skipped; with `-B` only what the source's top layer holds is copied, the rest is left to
+//! the backing file. `-S 0` writes every byte, allocating the whole target.
 
 use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,8 +23,10 @@ use crate::{fail, read_options};
 
 /// Bytes one worker copies at a time.
 const CHUNK: u64 = 2 << 20;
-/// Granularity of zero detection inside data.
+/// Default granularity of zero detection inside data (qemu-img's `-S 4k`).
 const SPARSE: usize = 4096;
+/// The largest `-S`.
+const MAX_SPARSE: u64 = 16 << 20;
 
 pub struct Args<'a> {
     pub source: &'a str,
@@ -35,6 +41,69 @@ pub struct Args<'a> {
     pub progress: bool,
     /// Make the target durable before returning.
     pub sync: bool,
+    /// Read the source with O_DIRECT (`-T none`).
+    pub direct_source: bool,
+    /// Write into the existing target (`-n`); with `target_is_zero` it is known to read as zero.
+    pub no_create: bool,
+    pub target_is_zero: bool,
+    /// The new target's backing file and its format (`-B`, `-F`).
+    pub backing: Option<&'a str>,
+    pub backing_format: Option<&'a str>,
+    /// `-S`: the shortest run of zeroes left unallocated (0: none).
+    pub sparse: Option<&'a str>,
+    /// `-m`: parallel workers.
+    pub workers: Option<&'a str>,
+}
+
+/// How the copy treats zeroes, and how many workers run it.
+struct Plan {
+    /// Zero runs at least this long are not written as data (0: every byte is written).
+    sparse: usize,
+    /// The target reads as zero before the copy: zero runs are skipped rather than zeroed.
+    zero_init: bool,
+    /// Copy only what the source's top layer holds (the target's backing file has the rest).
+    top_only: bool,
+    workers: usize,
+}
+
+impl Plan {
+    fn new(args: &Args) -> vdisk::Result<Plan> {
+        let sparse = match args.sparse {
+            None => SPARSE as u64,
+            Some(s) => match crate::create::parse_size(s) {
+                Some(n) if n % 512 == 0 && n <= MAX_SPARSE => n,
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "Invalid buffer size for sparse output specified. Valid sizes are \
+                         multiples of 512 up to {MAX_SPARSE}. Select 0 to disable sparse \
+                         detection (fully allocates output)."
+                    )))
+                }
+            },
+        };
+        let workers = match args.workers {
+            None => std::thread::available_parallelism()
+                .map_or(2, |n| n.get())
+                .min(8),
+            Some(m) => match m.parse::<usize>() {
+                Ok(n @ 1..=16) => n,
+                _ => {
+                    return Err(Error::invalid(
+                        "Invalid number of coroutines specified. Must be between 1 and 16.",
+                    ))
+                }
+            },
+        };
+        if args.target_is_zero && !args.no_create {
+            return Err(Error::invalid("--target-is-zero requires use of -n flag"));
+        }
+        Ok(Plan {
+            sparse: sparse as usize,
+            zero_init: (!args.no_create || args.target_is_zero) && args.backing.is_none(),
+            top_only: args.backing.is_some(),
+            workers,
+        })
+    }
 }
 
 /// Parses `-l`: "ID_OR_NAME", "snapshot.id=ID" or "snapshot.name=NAME" (comma separated).
@@ -52,7 +121,15 @@ fn snapshot_param(param: &str) -> String {
 }
 
 pub fn run(args: Args) -> ExitCode {
-    let mut source = match read_options(args.format).and_then(|o| open_image(args.source, &o)) {
+    let plan = match Plan::new(&args) {
+        Ok(p) => p,
+        Err(e) => return fail(e, 1),
+    };
+    let opts = read_options(args.format).map(|o| ImageOptions {
+        direct: args.direct_source,
+        ..o
+    });
+    let mut source = match opts.and_then(|o| open_image(args.source, &o)) {
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };
@@ -62,8 +139,10 @@ pub fn run(args: Args) -> ExitCode {
         }
     }
     let result = match args.output_format {
-        "raw" if !args.compress && args.options.is_empty() => to_raw(&source, &args),
-        "raw" | "qcow2" => to_image(&source, &args),
+        "raw" if !args.compress && args.options.is_empty() && args.backing.is_none() => {
+            to_raw(&source, &args, &plan)
+        }
+        "raw" | "qcow2" => to_image(&source, &args, &plan),
         other => Err(Error::invalid(format!(
             "output format '{other}' is not supported (raw and qcow2 are)"
         ))),
@@ -75,16 +154,33 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 /// Converts into a raw file written directly (the fast path: no format layer to go through).
-fn to_raw(source: &Image, args: &Args) -> vdisk::Result<()> {
+fn to_raw(source: &Image, args: &Args, plan: &Plan) -> vdisk::Result<()> {
     let create_error = |e: std::io::Error| Error::Io {
         context: format!("Could not create '{}'", args.target),
         source: e,
     };
-    let target = File::create(args.target).map_err(create_error)?;
-    target.set_len(source.size()).map_err(create_error)?;
+    let target = if args.no_create {
+        let target = File::options()
+            .write(true)
+            .open(args.target)
+            .map_err(|e| Error::Io {
+                context: format!("Could not open '{}'", args.target),
+                source: e,
+            })?;
+        let len = target.metadata().map_err(create_error)?.len();
+        if len < source.size() {
+            return Err(Error::invalid("output file is smaller than input file"));
+        }
+        target
+    } else {
+        let target = File::create(args.target).map_err(create_error)?;
+        target.set_len(source.size()).map_err(create_error)?;
+        target
+    };
     copy(
         source,
         &Target::File(&target, Mutex::new(())),
+        plan,
         args.progress,
     )?;
     if args.sync {
@@ -97,7 +193,7 @@ fn to_raw(source: &Image, args: &Args) -> vdisk::Result<()> {
 }
 
 /// Converts into a new image created like `vdisk create` would, written through the engine.
-fn to_image(source: &Image, args: &Args) -> vdisk::Result<()> {
+fn to_image(source: &Image, args: &Args, plan: &Plan) -> vdisk::Result<()> {
     if args.compress && args.output_format != "qcow2" {
         return Err(Error::unsupported(
             "Compression not supported for this file format",
@@ -110,26 +206,32 @@ fn to_image(source: &Image, args: &Args) -> vdisk::Result<()> {
             args.target, args.output_format
         ))
     };
-    crate::create::create(&crate::create::Args {
-        format: args.output_format,
-        options: args.options,
-        backing: None,
-        backing_format: None,
-        unsafe_backing: false,
-        quiet: true,
-        filename: args.target,
-        size: Some(&size),
-    })
-    .map_err(target_error)?;
+    if !args.no_create {
+        crate::create::create(&crate::create::Args {
+            format: args.output_format,
+            options: args.options,
+            backing: args.backing,
+            backing_format: args.backing_format,
+            unsafe_backing: false,
+            quiet: true,
+            filename: args.target,
+            size: Some(&size),
+        })
+        .map_err(target_error)?;
+    }
     let opts = ImageOptions {
         format: Some(Format::parse(args.output_format)?),
         write: true,
         ..ImageOptions::default()
     };
     let target = open_image(args.target, &opts)?;
+    if target.size() < source.size() {
+        return Err(Error::invalid("output file is smaller than input file"));
+    }
     let copied = copy(
         source,
         &Target::Image(&target, args.compress),
+        plan,
         args.progress,
     );
     // Closing commits the metadata: always, so that the image is consistent whatever happened.
@@ -151,16 +253,14 @@ enum Target<'a> {
     Image(&'a Image, bool),
 }
 
-/// Copies all guest data of `source` into `target` with one worker per core.
-fn copy(source: &Image, target: &Target, show_progress: bool) -> vdisk::Result<()> {
+/// Copies all guest data of `source` into `target` with the plan's workers.
+fn copy(source: &Image, target: &Target, plan: &Plan, show_progress: bool) -> vdisk::Result<()> {
     let size = source.size();
     let next = AtomicU64::new(0);
     let done = AtomicU64::new(0);
     let stop = AtomicBool::new(false);
     let first_error = Mutex::new(None);
-    let workers = std::thread::available_parallelism()
-        .map_or(2, |n| n.get())
-        .min(8);
+    let workers = plan.workers;
     let progress = show_progress.then(|| Progress::new(size));
     std::thread::scope(|s| {
         for worker in 0..workers {
@@ -174,7 +274,7 @@ fn copy(source: &Image, target: &Target, show_progress: bool) -> vdisk::Result<(
                         break;
                     }
                     let end = (start + CHUNK).min(size);
-                    if let Err(e) = copy_range(source, target, start, end, &mut buf) {
+                    if let Err(e) = copy_range(source, target, plan, start, end, &mut buf) {
                         stop.store(true, Ordering::Relaxed);
                         first_error
                             .lock()
@@ -211,6 +311,7 @@ fn writing(at: u64) -> impl Fn(Error) -> Error {
 fn copy_range(
     source: &Image,
     target: &Target,
+    plan: &Plan,
     start: u64,
     end: u64,
     buf: &mut [u8],
@@ -221,14 +322,19 @@ fn copy_range(
     let mut pos = start;
     while pos < end {
         let st = source.block_status(pos, end - pos).map_err(reading(pos))?;
-        if st.zero {
-            pos += st.len;
-            continue;
+        let len = st.len;
+        if plan.top_only && !(st.present && st.depth == 0) {
+            // Left to the target's backing file.
+        } else if st.zero && plan.sparse > 0 {
+            if !plan.zero_init {
+                zero(target, pos, len).map_err(writing(pos))?;
+            }
+        } else {
+            let data = &mut buf[..len as usize];
+            source.read(pos, data).map_err(reading(pos))?;
+            write_sparse(target, plan, pos, data).map_err(writing(pos))?;
         }
-        let data = &mut buf[..st.len as usize];
-        source.read(pos, data).map_err(reading(pos))?;
-        write_nonzero(target, pos, data).map_err(writing(pos))?;
-        pos += st.len;
+        pos += len;
     }
     Ok(())
 }
@@ -257,10 +363,8 @@ fn copy_compressed(
     Ok(())
 }
 
-/// Writes `data` at `offset`, skipping 4 KiB blocks that are all zero (the new target already
-/// reads as zero there).
-fn write_nonzero(target: &Target, offset: u64, data: &[u8]) -> vdisk::Result<()> {
-    let write = |bytes: &[u8], at: u64| match target {
+fn write(target: &Target, at: u64, bytes: &[u8]) -> vdisk::Result<()> {
+    match target {
         Target::File(f, one_at_a_time) => {
             let _turn = one_at_a_time.lock().unwrap_or_else(|p| p.into_inner());
             f.write_all_at(bytes, at).map_err(|source| Error::Io {
@@ -269,24 +373,67 @@ fn write_nonzero(target: &Target, offset: u64, data: &[u8]) -> vdisk::Result<()>
             })
         }
         Target::Image(image, _) => image.write(at, bytes),
-    };
-    let mut run_start = None;
-    let mut at = 0;
-    while at < data.len() {
-        let block = &data[at..(at + SPARSE).min(data.len())];
-        let zero = vdisk::bytes::is_zero(block);
-        match (zero, run_start) {
-            (false, None) => run_start = Some(at),
-            (true, Some(s)) => {
-                write(&data[s..at], offset + s as u64)?;
-                run_start = None;
+    }
+}
+
+/// Makes `[at, at + len)` of the target read as zero without writing data.
+fn zero(target: &Target, at: u64, len: u64) -> vdisk::Result<()> {
+    match target {
+        Target::File(f, one_at_a_time) => {
+            let _turn = one_at_a_time.lock().unwrap_or_else(|p| p.into_inner());
+            let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+            // SAFETY: fallocate only reads its arguments; the descriptor is open.
+            let r = unsafe { libc::fallocate(f.as_raw_fd(), mode, at as i64, len as i64) };
+            if r == 0 {
+                return Ok(());
             }
+            drop(_turn);
+            // A file system that cannot punch holes gets the zeroes written.
+            let zeroes = vec![0u8; len.min(CHUNK) as usize];
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(zeroes.len() as u64) as usize;
+                write(target, at + done, &zeroes[..n])?;
+                done += n as u64;
+            }
+            Ok(())
+        }
+        Target::Image(image, _) => image.write_zeroes(at, len),
+    }
+}
+
+/// Writes `data` at `offset`; runs of zeroes of the plan's sparse size are skipped when the
+/// target reads as zero already, else zeroed without data. With no sparse size (`-S 0`) every
+/// byte is written.
+fn write_sparse(target: &Target, plan: &Plan, offset: u64, data: &[u8]) -> vdisk::Result<()> {
+    if plan.sparse == 0 {
+        return write(target, offset, data);
+    }
+    // Runs of equal kind (data or zero), each written or skipped at once.
+    let mut run: Option<(usize, bool)> = None;
+    let mut at = 0;
+    let flush = |from: usize, to: usize, is_zero: bool| -> vdisk::Result<()> {
+        match (is_zero, plan.zero_init) {
+            (false, _) => write(target, offset + from as u64, &data[from..to]),
+            (true, true) => Ok(()),
+            (true, false) => zero(target, offset + from as u64, (to - from) as u64),
+        }
+    };
+    while at < data.len() {
+        let block = &data[at..(at + plan.sparse).min(data.len())];
+        let is_zero = vdisk::bytes::is_zero(block);
+        match run {
+            Some((start, kind)) if kind != is_zero => {
+                flush(start, at, kind)?;
+                run = Some((at, is_zero));
+            }
+            None => run = Some((at, is_zero)),
             _ => {}
         }
         at += block.len();
     }
-    if let Some(s) = run_start {
-        write(&data[s..], offset + s as u64)?;
+    if let Some((start, kind)) = run {
+        flush(start, data.len(), kind)?;
     }
     Ok(())
 }

@@ -133,6 +133,33 @@ enum Command {
         cache: CacheMode,
         #[arg(short = 'U', long = "force-share")]
         force_share: bool,
+        /// Cache mode of the source (none reads it with O_DIRECT).
+        #[arg(short = 'T', value_parser = parse_cache)]
+        source_cache: Option<CacheMode>,
+        /// Do not create the target: write into the existing one (at least as large).
+        #[arg(short = 'n')]
+        no_create: bool,
+        /// With -n: the existing target is known to read as zero.
+        #[arg(long = "target-is-zero")]
+        target_is_zero: bool,
+        /// Give the new target this backing file; only what the source's top layer holds is
+        /// copied.
+        #[arg(short = 'B')]
+        backing: Option<String>,
+        /// Format of the -B backing file.
+        #[arg(short = 'F')]
+        backing_format: Option<String>,
+        /// Runs of zeroes at least this long stay unallocated (default 4k; 0 allocates all).
+        #[arg(short = 'S')]
+        sparse: Option<String>,
+        /// Parallel copy workers, 1 to 16.
+        #[arg(short = 'm')]
+        workers: Option<String>,
+        /// Out-of-order writes (vdisk always allows them).
+        #[arg(short = 'W')]
+        out_of_order: bool,
+        #[arg(short = 'q')]
+        quiet: bool,
         source: String,
         target: String,
     },
@@ -369,6 +396,14 @@ fn main() -> ExitCode {
             compress,
             progress,
             cache,
+            source_cache,
+            no_create,
+            target_is_zero,
+            backing,
+            backing_format,
+            sparse,
+            workers,
+            quiet,
             source,
             target,
             ..
@@ -380,8 +415,15 @@ fn main() -> ExitCode {
             snapshot: snapshot.as_deref(),
             options: &options,
             compress,
-            progress,
+            progress: progress && !quiet,
             sync: cache != CacheMode::Unsafe,
+            direct_source: source_cache.is_some_and(CacheMode::direct),
+            no_create,
+            target_is_zero,
+            backing: backing.as_deref(),
+            backing_format: backing_format.as_deref(),
+            sparse: sparse.as_deref(),
+            workers: workers.as_deref(),
         }),
         Command::Commit {
             format,

@@ -70,3 +70,126 @@ fn qcow2_targets_match_qemu() {
     }
     failures.finish();
 }
+
+/// qemu-img convert's other flags, each run by both tools into twin targets: `-B`/`-F` (only
+/// the source's top layer copied), `-n` (into an existing target, refused when it is smaller),
+/// `-S 0` (every byte allocated), `-m`, `-W`, `-q`, `-T` and the errors for bad `-m`/`-S`. The
+/// targets must read the same, map the same guest extents and, when raw, allocate as much.
+#[test]
+fn convert_flags_match_qemu() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "convert-flags");
+    let mut failures = Failures::new("convert-flags", &wd);
+    wd.setup_img(&["create", "-q", "-f", "raw", "base.raw", "4M"]);
+    wd.setup_io("base.raw", Some("raw"), &["write -P 1 0 4M"]);
+    wd.setup_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "base.raw",
+        "-F",
+        "raw",
+        "top.qcow2",
+    ]);
+    wd.setup_io(
+        "top.qcow2",
+        Some("qcow2"),
+        &["write -P 2 1M 64k", "write -z 2M 64k", "write -P 0 3M 8k"],
+    );
+    let cases: &[(&str, &[&str], &str)] = &[
+        (
+            "backing",
+            &["-O", "qcow2", "-B", "base.raw", "-F", "raw"],
+            "qcow2",
+        ),
+        ("sparse-0 raw", &["-O", "raw", "-S", "0"], "raw"),
+        ("sparse-0 qcow2", &["-O", "qcow2", "-S", "0"], "qcow2"),
+        ("sparse-64k", &["-O", "qcow2", "-S", "64k"], "qcow2"),
+        (
+            "flags",
+            &["-O", "raw", "-W", "-m", "3", "-q", "-T", "none"],
+            "raw",
+        ),
+        ("bad -m", &["-O", "raw", "-m", "17"], "raw"),
+        ("bad -S", &["-O", "raw", "-S", "100"], "raw"),
+        ("existing smaller", &["-n", "-O", "raw"], "small"),
+        ("existing larger", &["-n", "-O", "raw"], "large"),
+    ];
+    for (name, flags, kind) in cases {
+        let mut outs = Vec::new();
+        for who in ["q", "v"] {
+            let out = format!("{who}-{}.img", name.replace(' ', "-"));
+            match *kind {
+                "small" => wd.setup_img(&["create", "-q", "-f", "raw", &out, "1M"]),
+                "large" => {
+                    wd.setup_img(&["create", "-q", "-f", "raw", &out, "8M"]);
+                    wd.setup_io(&out, Some("raw"), &["write -P 9 0 8M"]);
+                }
+                _ => {}
+            }
+            let args = [&["convert"][..], flags, &["top.qcow2", &out]].concat();
+            let outcome = if who == "q" {
+                wd.qemu_img(&args)
+            } else {
+                wd.vdisk(&args)
+            };
+            outs.push((out.clone(), outcome));
+        }
+        let ((qo, q), (vo, v)) = (&outs[0], &outs[1]);
+        if !failures.same_outcome(name, "convert", q, v) || !v.success() {
+            continue;
+        }
+        let fmt = if *kind == "qcow2" { "qcow2" } else { "raw" };
+        let read = |out: &str| {
+            let o = wd.qemu_img(&[
+                "convert",
+                "-f",
+                fmt,
+                "-O",
+                "raw",
+                out,
+                &format!("{out}.raw"),
+            ]);
+            assert!(o.success(), "{}", o.stderr);
+            std::fs::read(wd.abs(&format!("{out}.raw"))).unwrap()
+        };
+        if !failures.count(read(qo) == read(vo)) {
+            failures.add(name, "contents", "the targets differ");
+        }
+        // Guest extents and their kinds; where clusters landed in the file depends on the
+        // order in which parallel workers allocated them.
+        let map = |out: &str| {
+            let json = wd
+                .qemu_img(&["map", "-f", fmt, "--output=json", out])
+                .stdout;
+            let mut extents: Vec<(u64, u64, String)> = Vec::new();
+            for e in serde_json::from_str::<Vec<serde_json::Value>>(&json).unwrap() {
+                let kind = format!("{} {} {}", e["depth"], e["zero"], e["data"]);
+                let (start, len) = (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap());
+                match extents.last_mut() {
+                    Some(last) if last.2 == kind && last.0 + last.1 == start => last.1 += len,
+                    _ => extents.push((start, len, kind)),
+                }
+            }
+            format!("{extents:?}")
+        };
+        let (qm, vm) = (map(qo), map(vo));
+        if !failures.count(qm == vm) {
+            failures.add(name, "map", format!("qemu:\n{qm}\nvdisk:\n{vm}"));
+        }
+        let blocks = |out: &str| {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata(wd.abs(out)).unwrap().blocks()
+        };
+        if *kind == "raw" && !failures.count(blocks(qo) == blocks(vo)) {
+            failures.add(
+                name,
+                "allocation",
+                format!("{} vs {} blocks", blocks(qo), blocks(vo)),
+            );
+        }
+    }
+    failures.finish();
+}
