@@ -66,9 +66,12 @@ impl Qcow2 {
         let sync = |what: &'static str| self.file.sync().context(|| format!("syncing {what}"));
         // Guest data in an external data file is durable only once that file is synced: at
         // the barrier (before the mapping is written) or, without one, with the last sync.
-        let sync_data = || match self.format.external_data {
-            true => self.data.sync().context(|| "syncing the data file".into()),
-            false => Ok(()),
+        let sync_data = || {
+            if self.format.external_data {
+                self.data.sync().context(|| "syncing the data file".into())
+            } else {
+                Ok(())
+            }
         };
         if !refs_dirty && !mapping_dirty && !data_written {
             // What this caller needs durable may be in the final sync of a commit still
@@ -173,9 +176,11 @@ impl Qcow2 {
         drop(meta);
         drop(gate);
         if mapped || !barrier {
-            let synced = match barrier {
-                true => sync("the mapping"),
-                false => sync_data().and_then(|()| sync("the mapping")),
+            // With a barrier, the data file was synced there.
+            let synced = if barrier {
+                sync("the mapping")
+            } else {
+                sync_data().and_then(|()| sync("the mapping"))
             };
             if let Err(e) = synced {
                 // Not durable: the next flush must sync again and the frees wait for it.

@@ -432,14 +432,24 @@ impl Qcow2 {
         Ok((new, index))
     }
 
-    /// Zeroes (or discards) the range of a raw external data file, which stays mapped.
-    fn zero_raw_data(&self, offset: u64, len: u64, kind: Zeroing) -> Result<()> {
-        if self.data.punch_hole(offset, len).is_ok() || kind == Zeroing::Discard {
+    /// Gives back the range `[from, to)` of an external data file, whose clusters now read as
+    /// zero from their entries; a raw data file, which stays mapped, must read as zero itself
+    /// (after a discard it may keep its data where it cannot punch).
+    fn zero_data(&self, (from, to): (u64, u64), kind: Zeroing) -> Result<()> {
+        let punched = self.data.punch_hole(from, to - from).is_ok();
+        if punched || kind == Zeroing::Discard || !self.header.data_file_raw() {
             return Ok(());
         }
-        self.data
-            .write_at(offset, &vec![0u8; len as usize])
-            .context(|| format!("zeroing the data file at {offset:#x}"))
+        let zeroes = vec![0u8; (to - from).min(1 << 20) as usize];
+        let mut at = from;
+        while at < to {
+            let n = (to - at).min(zeroes.len() as u64) as usize;
+            self.data
+                .write_at(at, &zeroes[..n])
+                .context(|| format!("zeroing the data file at {at:#x}"))?;
+            at += n as u64;
+        }
+        Ok(())
     }
 
     /// write_zeroes and discard: whole clusters become zero clusters (discard on a v2 image
@@ -458,17 +468,29 @@ impl Qcow2 {
         {
             let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
             let mut meta = self.lock();
+            // Whole clusters of an external data file, to zero or give back in the file too.
+            let mut in_data: Option<(u64, u64)> = None;
             let mut pos = offset;
             while pos < end {
                 let within = pos & (cs - 1);
                 let n = (cs - within).min(end - pos);
                 let guest = pos - within;
-                if n == cs && self.header.data_file_raw() {
+                let whole = n == cs;
+                if whole && self.format.external_data {
+                    in_data = match in_data {
+                        Some((from, to)) if to == guest => Some((from, to + cs)),
+                        Some(range) => {
+                            self.zero_data(range, kind)?;
+                            Some((guest, guest + cs))
+                        }
+                        None => Some((guest, guest + cs)),
+                    };
+                }
+                if whole && self.header.data_file_raw() {
                     // A raw data file is the disk itself: every cluster stays mapped where it
-                    // is, and the file's own range is zeroed (or, for a discard, given back).
-                    self.zero_raw_data(guest, cs, kind)?;
+                    // is, and the file's own range is zeroed below.
                     meta.data_written = true;
-                } else if n == cs && (v3 || kind == Zeroing::Discard) {
+                } else if whole && (v3 || kind == Zeroing::Discard) {
                     let (table_off, index) = self.writable_table(&mut meta, guest)?;
                     let e = meta.get(table_off).expect("table just loaded").get(index);
                     // A pending cluster's gaps need no filling any more: it is given up.
@@ -486,16 +508,15 @@ impl Qcow2 {
                         (false, false) => L2Entry::default(),
                     };
                     self.set_entry(&mut meta, table_off, index, zero);
-                    if self.format.external_data {
-                        // The cluster reads as zero from its entry now; its space in the data
-                        // file goes back to the host at once, because the same offset is where
-                        // the next write to the cluster lands, and a later punch would hit that.
-                        let _ = self.data.punch_hole(guest, cs);
-                    }
                 } else if kind == Zeroing::Zeroes {
                     parts.push((pos, n));
                 }
                 pos += n;
+            }
+            // Still under the lock: the next write to these clusters lands at the same offsets
+            // of the data file, and a punch after it would destroy its data.
+            if let Some(range) = in_data {
+                self.zero_data(range, kind)?;
             }
         }
         for (pos, n) in parts {
