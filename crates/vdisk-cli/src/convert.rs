@@ -317,7 +317,7 @@ fn copy_range(
     buf: &mut [u8],
 ) -> vdisk::Result<()> {
     if let Target::Image(image, true) = target {
-        return copy_compressed(source, image, start, end, buf);
+        return copy_compressed(source, image, plan, start, end, buf);
     }
     let mut pos = start;
     while pos < end {
@@ -339,10 +339,13 @@ fn copy_range(
     Ok(())
 }
 
-/// Copies `[start, end)` cluster by cluster into compressed clusters, skipping all-zero ones.
+/// Copies `[start, end)` cluster by cluster into compressed clusters. All-zero clusters are
+/// skipped where the target reads as zero, else zeroed; with `-B`, clusters the source's top
+/// layer does not touch are left to the backing file.
 fn copy_compressed(
     source: &Image,
     target: &Image,
+    plan: &Plan,
     start: u64,
     end: u64,
     buf: &mut [u8],
@@ -351,16 +354,38 @@ fn copy_compressed(
     let data = &mut buf[..(end - start) as usize];
     source.read(start, data).map_err(reading(start))?;
     for (k, cluster) in data.chunks(cs).enumerate() {
-        if !vdisk::bytes::is_zero(cluster) {
-            let at = start + (k * cs) as u64;
+        let at = start + (k * cs) as u64;
+        if plan.top_only && !in_top_layer(source, at, cluster.len() as u64)? {
+            continue;
+        }
+        let written = if !vdisk::bytes::is_zero(cluster) {
             match target.qcow2() {
                 Some(q) => q.write_compressed(at, cluster),
                 None => target.write(at, cluster),
             }
-            .map_err(writing(at))?;
-        }
+        } else if !plan.zero_init {
+            target.write_zeroes(at, cluster.len() as u64)
+        } else {
+            Ok(())
+        };
+        written.map_err(writing(at))?;
     }
     Ok(())
+}
+
+/// Whether any part of `[at, at + len)` is defined by the image itself, not its backing chain.
+fn in_top_layer(source: &Image, at: u64, len: u64) -> vdisk::Result<bool> {
+    let mut pos = at;
+    while pos < at + len {
+        let st = source
+            .block_status(pos, at + len - pos)
+            .map_err(reading(pos))?;
+        if st.present && st.depth == 0 {
+            return Ok(true);
+        }
+        pos += st.len;
+    }
+    Ok(false)
 }
 
 fn write(target: &Target, at: u64, bytes: &[u8]) -> vdisk::Result<()> {

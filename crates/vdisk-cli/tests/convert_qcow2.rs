@@ -104,6 +104,11 @@ fn convert_flags_match_qemu() {
             &["-O", "qcow2", "-B", "base.raw", "-F", "raw"],
             "qcow2",
         ),
+        (
+            "compressed backing",
+            &["-c", "-O", "qcow2", "-B", "base.raw", "-F", "raw"],
+            "qcow2",
+        ),
         ("sparse-0 raw", &["-O", "raw", "-S", "0"], "raw"),
         ("sparse-0 qcow2", &["-O", "qcow2", "-S", "0"], "qcow2"),
         ("sparse-64k", &["-O", "qcow2", "-S", "64k"], "qcow2"),
