@@ -375,9 +375,10 @@ def table3(r, s):
                   r.get("create", "vdisk", fmt + "/" + p, "seconds"), raw_best, False, "s")
         rows.append(row)
         body.append([name] + cols(row, 3) + [num(PAPER_T3["raw" if fmt == "raw" else p])])
-    lines = ["`qemu-img create` and `vdisk create` of a %s image (64 KiB clusters), then an "
-             "fsync of the file; median of %d runs, page cache dropped before each (lower is "
-             "better). Raw: the faster raw creation." % (size(s.disk), s.create_rounds), ""]
+    lines = ["`qemu-img create` and `vdisk create` of a %s image (qcow2: 64 KiB clusters; raw: "
+             "`-o preallocation=falloc`), then an fsync of the file; median of %d runs, page "
+             "cache dropped before each (lower is better). Raw: the faster raw creation." % (
+                 size(s.disk), s.create_rounds), ""]
     lines += table(["image", "QEMU s", "vdisk s", "raw s", "vdisk/QEMU",
                     "paper s (64 GB)"], body)
     lines.append("Reading: vdisk/QEMU %s; QEMU's full preallocation takes %s s here for %s "
@@ -732,8 +733,10 @@ def method(s):
         "limit: with the default 8 MiB, qemu-img bench 10.0 `-i native` dies of a stack "
         "overflow on 64 KiB writes into 64 KiB clusters (its completion callback recurses "
         "when requests complete at once).",
-        "- **Raw limit**: the same workload on a sparse raw file, served (or benched) by both "
-        "tools; the better of the two is the limit.",
+        "- **Raw limit**: the same workload on a raw file preallocated with fallocate "
+        "(`qemu-img create -f raw -o preallocation=falloc`, like the paper's fixed-size raw "
+        "disk; a sparse file would make every write allocate blocks and be no limit), served "
+        "(or benched) by both tools; the better of the two is the limit.",
         "- **Counts** (tables 1, 2, 4, figs. 10a, 12): separate, untimed runs of the NBD path "
         "under `strace -f -ff -y --seccomp-bpf` on the server, with `--aio=threads` for both "
         "(with qemu-nbd's `--aio=native` writes hide inside io_submit). Syncs: fsync + "
