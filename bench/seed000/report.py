@@ -425,7 +425,8 @@ def table4(r, s):
                     "read/write GB QEMU", "read/write GB vdisk",
                     "vdisk counters (fills / GB read / GB written)", "paper baseline",
                     "paper Trx+SC", "paper ratio"], body)
-    lines.append("Reading: vdisk/QEMU CoW breaks %s (paper: 0.48 and 0.49)." % span(rows))
+    lines.append("Reading: vdisk/QEMU CoW breaks %s (paper: %s)." % (
+        span(rows), " and ".join("%.2f" % PAPER_T4[f][2] for f in ex.FSYNC_MODES)))
     return Section("table4", "Table 4 — copy-on-write operations and bytes", lines, [],
                    [("CoW breaks", rows)])
 
@@ -465,6 +466,8 @@ def fig10(r, s):
 
 def fig11(r, s):
     def paper(c):
+        if c.cluster != "64k":
+            return ""  # the paper's figure is for 64 KiB clusters only
         return "≤ 1.193" if c.bs < c.cluster_bytes else "up to 1.428"
     return iops_section(
         r, "fig11", "Fig. 11 — write IOPS by block size, normalised to the baseline",
@@ -619,6 +622,10 @@ def headline(secs, s):
     out.append(line("write IOPS over NBD with both servers in cache mode writeback (the "
                     "cross-check)", dict(by["xcheck"].headline)["IOPS over NBD, writeback"]))
     out.append(line("write IOPS in process (qemu-img bench vs vdisk bench, both O_DIRECT), "
+                    "allocating 4 KiB fills (fresh and overlay, both modes, both cluster sizes)",
+                    dedupe([x for x in bench_iops if x.case.bs == 4 * KIB
+                            and x.case.prealloc == "off"])))
+    out.append(line("write IOPS in process (qemu-img bench vs vdisk bench, both O_DIRECT), "
                     "every qcow2 row", dedupe(bench_iops)))
     out.append(line("file syncs (table 2, fig. 12; lower is better)",
                     dedupe(dict(by["table2"].headline)["syncs"] +
@@ -703,6 +710,9 @@ def render(meta, data, secs, s, plot_names):
                 "NOT dropped (not root)"),
             "- load average before / after: %s / %s" % (meta["load_before"], meta["load_after"]),
             "- " + idle_note(meta, data)]
+    if meta.get("rendered"):
+        out.append("- this report was rendered again from the same measurements (%s)" %
+                   meta["rendered"])
     out.append("")
     out += headline(secs, s)
     out += method(s)
