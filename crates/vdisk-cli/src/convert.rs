@@ -16,6 +16,7 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
+use vdisk::bytes::AlignedBuf;
 use vdisk::{open_image, BlockDev, Error, Format, Image, ImageOptions};
 
 use crate::text::Progress;
@@ -96,6 +97,11 @@ impl Plan {
         };
         if args.target_is_zero && !args.no_create {
             return Err(Error::invalid("--target-is-zero requires use of -n flag"));
+        }
+        if args.target_is_zero && args.backing.is_some() {
+            return Err(Error::invalid(
+                "Cannot use --target-is-zero when the destination image has a backing file",
+            ));
         }
         Ok(Plan {
             sparse: sparse as usize,
@@ -267,7 +273,8 @@ fn copy(source: &Image, target: &Target, plan: &Plan, show_progress: bool) -> vd
             let (next, done, stop, first_error, progress) =
                 (&next, &done, &stop, &first_error, &progress);
             s.spawn(move || {
-                let mut buf = vec![0u8; CHUNK as usize];
+                // Aligned, so that -T none reads the source with O_DIRECT.
+                let mut buf = AlignedBuf::zeroed(CHUNK as usize);
                 while !stop.load(Ordering::Relaxed) {
                     let start = next.fetch_add(CHUNK, Ordering::Relaxed);
                     if start >= size {
@@ -323,8 +330,10 @@ fn copy_range(
     while pos < end {
         let st = source.block_status(pos, end - pos).map_err(reading(pos))?;
         let len = st.len;
-        if plan.top_only && !(st.present && st.depth == 0) {
-            // Left to the target's backing file.
+        if plan.top_only && st.depth > 0 {
+            // Left to the target's backing file. Ranges no layer defines (depth 0, not
+            // present: no backing file, or past its end) read zero and are zeroed, as QEMU
+            // does, since the target's backing file may have data there.
         } else if st.zero && plan.sparse > 0 {
             if !plan.zero_init {
                 zero(target, pos, len).map_err(writing(pos))?;
@@ -373,14 +382,15 @@ fn copy_compressed(
     Ok(())
 }
 
-/// Whether any part of `[at, at + len)` is defined by the image itself, not its backing chain.
+/// Whether any part of `[at, at + len)` is defined by the image itself rather than its backing
+/// chain (including ranges that read zero because no backing file covers them).
 fn in_top_layer(source: &Image, at: u64, len: u64) -> vdisk::Result<bool> {
     let mut pos = at;
     while pos < at + len {
         let st = source
             .block_status(pos, at + len - pos)
             .map_err(reading(pos))?;
-        if st.present && st.depth == 0 {
+        if st.depth == 0 {
             return Ok(true);
         }
         pos += st.len;

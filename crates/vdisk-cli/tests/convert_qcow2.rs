@@ -98,31 +98,76 @@ fn convert_flags_match_qemu() {
         Some("qcow2"),
         &["write -P 2 1M 64k", "write -z 2M 64k", "write -P 0 3M 8k"],
     );
-    let cases: &[(&str, &[&str], &str)] = &[
+    wd.setup_img(&["create", "-q", "-f", "qcow2", "flat.qcow2", "4M"]);
+    wd.setup_io("flat.qcow2", Some("qcow2"), &["write -P 3 1M 64k"]);
+    // (name, source, flags, target kind)
+    let cases: &[(&str, &str, &[&str], &str)] = &[
         (
             "backing",
+            "top.qcow2",
             &["-O", "qcow2", "-B", "base.raw", "-F", "raw"],
             "qcow2",
         ),
         (
             "compressed backing",
+            "top.qcow2",
             &["-c", "-O", "qcow2", "-B", "base.raw", "-F", "raw"],
             "qcow2",
         ),
-        ("sparse-0 raw", &["-O", "raw", "-S", "0"], "raw"),
-        ("sparse-0 qcow2", &["-O", "qcow2", "-S", "0"], "qcow2"),
-        ("sparse-64k", &["-O", "qcow2", "-S", "64k"], "qcow2"),
+        (
+            "sparse-0 raw",
+            "top.qcow2",
+            &["-O", "raw", "-S", "0"],
+            "raw",
+        ),
+        (
+            "sparse-0 qcow2",
+            "top.qcow2",
+            &["-O", "qcow2", "-S", "0"],
+            "qcow2",
+        ),
+        (
+            "sparse-64k",
+            "top.qcow2",
+            &["-O", "qcow2", "-S", "64k"],
+            "qcow2",
+        ),
         (
             "flags",
+            "top.qcow2",
             &["-O", "raw", "-W", "-m", "3", "-q", "-T", "none"],
             "raw",
         ),
-        ("bad -m", &["-O", "raw", "-m", "17"], "raw"),
-        ("bad -S", &["-O", "raw", "-S", "100"], "raw"),
-        ("existing smaller", &["-n", "-O", "raw"], "small"),
-        ("existing larger", &["-n", "-O", "raw"], "large"),
+        ("bad -m", "top.qcow2", &["-O", "raw", "-m", "17"], "raw"),
+        ("bad -S", "top.qcow2", &["-O", "raw", "-S", "100"], "raw"),
+        (
+            "existing smaller",
+            "top.qcow2",
+            &["-n", "-O", "raw"],
+            "small",
+        ),
+        (
+            "existing larger",
+            "top.qcow2",
+            &["-n", "-O", "raw"],
+            "large",
+        ),
+        // No backing file: what the source does not allocate reads zero and must be zeroed in
+        // a target whose backing file has data there.
+        (
+            "flat backing",
+            "flat.qcow2",
+            &["-O", "qcow2", "-B", "base.raw", "-F", "raw"],
+            "qcow2",
+        ),
+        (
+            "flat compressed backing",
+            "flat.qcow2",
+            &["-c", "-O", "qcow2", "-B", "base.raw", "-F", "raw"],
+            "qcow2",
+        ),
     ];
-    for (name, flags, kind) in cases {
+    for (name, source, flags, kind) in cases {
         let mut outs = Vec::new();
         for who in ["q", "v"] {
             let out = format!("{who}-{}.img", name.replace(' ', "-"));
@@ -134,7 +179,7 @@ fn convert_flags_match_qemu() {
                 }
                 _ => {}
             }
-            let args = [&["convert"][..], flags, &["top.qcow2", &out]].concat();
+            let args = [&["convert"][..], flags, &[source, &out]].concat();
             let outcome = if who == "q" {
                 wd.qemu_img(&args)
             } else {

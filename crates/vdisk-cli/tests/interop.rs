@@ -7,7 +7,7 @@
 
 mod nbd_common;
 
-use nbd_common::{peers, run, scratch, try_run, Serve};
+use nbd_common::{peers, run, scratch, try_run, under_ci, vdisk_bin, Serve};
 
 const SIZE: u64 = 16 << 20;
 
@@ -224,4 +224,74 @@ fn external_data_files_resize_and_refuse_snapshots_as_qemu() {
         }
         assert_eq!(maps[0], maps[1], "data_file_raw={raw}: maps differ");
     }
+}
+
+/// A data file on a block device: the device's inode has no size and its blocks hold whatever
+/// was there before, so no part of a new cluster is known to read zero and what a write does
+/// not cover must be zeroed, as QEMU does; resizing is refused with QEMU's message. Needs a
+/// loop device (root).
+#[test]
+fn data_file_on_a_block_device() {
+    let Some(t) = peers(&["qemu-img", "qemu-io", "losetup"]) else {
+        return;
+    };
+    let (qemu_img, qemu_io, losetup) = (&t[0], &t[1], &t[2]);
+    let dir = scratch("interop-device");
+    let backing = dir.path().join("device.bin");
+    std::fs::write(&backing, vec![0xaau8; 8 << 20]).unwrap();
+    let (ok, out, err) = try_run(losetup, &["-f", "--show", backing.to_str().unwrap()]);
+    if !ok {
+        assert!(!under_ci(), "CI=true but no loop device: {err}");
+        eprintln!("skipping: no loop device ({err})");
+        return;
+    }
+    /// Detaches the loop device however the test ends.
+    struct Loop<'a>(&'a std::path::Path, String);
+    impl Drop for Loop<'_> {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new(self.0)
+                .args(["-d", &self.1])
+                .status();
+        }
+    }
+    let device = Loop(losetup, out.trim().to_string());
+    let img = dir.path().join("img.qcow2");
+    let img_s = img.to_str().unwrap();
+    let opts = format!("data_file={}", device.1);
+    run(
+        qemu_img,
+        &["create", "-q", "-f", "qcow2", "-o", &opts, img_s, "8M"],
+    );
+    let vdisk = vdisk_bin();
+    run(
+        &vdisk,
+        &[
+            "bench",
+            "-w",
+            "-c",
+            "1",
+            "-s",
+            "4096",
+            "-o",
+            "69632",
+            "--pattern",
+            "7",
+            "-f",
+            "qcow2",
+            img_s,
+        ],
+    );
+    let cmds = ["read -P 0 64k 4k", "read -P 7 68k 4k", "read -P 0 72k 56k"].map(String::from);
+    io(qemu_io, "qcow2", img_s, &cmds);
+    let check = run(qemu_img, &["check", img_s]);
+    assert!(check.contains("No errors were found"), "{check}");
+    for size in ["16M", "4M"] {
+        let (ok, _, err) = try_run(&vdisk, &["resize", "--shrink", img_s, size]);
+        assert!(
+            !ok && err.contains("Cannot resize device files"),
+            "resize to {size}: {err}"
+        );
+    }
+    let info = run(qemu_img, &["info", "--output=json", img_s]);
+    assert!(info.contains("\"virtual-size\": 8388608"), "{info}");
 }

@@ -307,6 +307,38 @@ fn allocating_flushes_take_the_fewest_syncs() {
     );
 }
 
+/// Clusters whose space went back to the host take it again when they are allocated anew,
+/// so a full host disk fails the write that allocates them (before any metadata changes), not
+/// a later flush that fills the parts of their clusters the write did not cover.
+#[test]
+fn reused_clusters_take_their_space_back_first() {
+    let faulty = Arc::new(FaultStorage::new(Arc::new(MemStorage::new())));
+    let storage: Arc<dyn Storage> = faulty.clone();
+    let image = fresh(storage.clone());
+    let data = vec![0x5au8; SIZE as usize];
+    image.write(0, &data).unwrap();
+    image.flush().unwrap();
+    image.discard(0, SIZE).unwrap();
+    image.flush().unwrap();
+    // The host disk is full: only space the image still holds can take new data.
+    faulty.inject(Fault::enospc(OpKind::Allocate, When::From(0)));
+    let err = image.write(0, &data).unwrap_err();
+    assert!(err.to_string().contains("No space left"), "{err}");
+    let mut back = vec![1u8; SIZE as usize];
+    image.read(0, &mut back).unwrap();
+    assert!(
+        back.iter().all(|&b| b == 0),
+        "a failed write changed the disk"
+    );
+    faulty.clear();
+    image.write(0, &data).unwrap();
+    image.flush().unwrap();
+    image.read(0, &mut back).unwrap();
+    assert!(back == data);
+    drop(image);
+    assert_clean(&storage, false);
+}
+
 #[test]
 fn discarded_clusters_give_their_space_back() {
     let dir = tempfile::tempdir().unwrap();

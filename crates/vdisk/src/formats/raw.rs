@@ -6,7 +6,7 @@ use super::qcow2::create::{preallocate, Preallocation};
 use super::{status_mapped, Holes, Image, Layer, Mapping};
 use crate::blockdev::{check_range, BlockDev, BlockStatus};
 use crate::error::{Error, IoContext, Result};
-use crate::storage::Storage;
+use crate::storage::{zero_range, Storage};
 
 pub struct Raw {
     storage: Arc<dyn Storage>,
@@ -112,19 +112,51 @@ impl BlockDev for Raw {
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.write_zeroes(offset, len)
+        self.writable("discard")?;
+        check_range(self.size, offset, len)?;
+        // A hint: storage that cannot punch keeps the data, as QEMU's does.
+        match self.storage.punch_hole(offset, len) {
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => Ok(()),
+            done => done.context(|| format!("discarding at {offset:#x}")),
+        }
     }
 
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
         self.writable("write zeroes")?;
         check_range(self.size, offset, len)?;
-        self.storage
-            .punch_hole(offset, len)
-            .context(|| format!("punching a hole at {offset:#x}"))
+        zero_range(&*self.storage, offset, len)
+            .context(|| format!("zeroing the raw image at {offset:#x}"))
     }
 
     fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
         check_range(self.size, offset, len)?;
         status_mapped(self, offset, len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::{Fault, FaultStorage, MemStorage, OpKind, When};
+
+    /// Storage that cannot punch holes (a block device without a zeroing offload): zeroes are
+    /// written instead, and a discard keeps the data rather than failing.
+    #[test]
+    fn zeroes_without_hole_punching() {
+        let mem: Arc<dyn Storage> = Arc::new(MemStorage::from_bytes(vec![0xaa; 3 << 20]));
+        let faulty = Arc::new(FaultStorage::new(mem));
+        faulty.inject(Fault {
+            errno: libc::EOPNOTSUPP,
+            ..Fault::eio(OpKind::Punch, When::From(0))
+        });
+        let raw = Raw::open(faulty, false).unwrap();
+        raw.discard(0, 4096).unwrap();
+        raw.write_zeroes(4096, (2 << 20) + 512).unwrap();
+        let mut back = vec![0u8; 3 << 20];
+        raw.read(0, &mut back).unwrap();
+        let zeroed = 4096..4096 + (2 << 20) + 512;
+        assert!(back[zeroed.clone()].iter().all(|&b| b == 0));
+        assert!(back[..zeroed.start].iter().all(|&b| b == 0xaa));
+        assert!(back[zeroed.end..].iter().all(|&b| b == 0xaa));
     }
 }

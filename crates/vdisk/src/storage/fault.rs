@@ -249,6 +249,10 @@ impl Storage for FaultStorage {
         self.inner.allocated_bytes()
     }
 
+    fn fixed_size(&self) -> bool {
+        self.inner.fixed_size()
+    }
+
     fn extent_at(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
         self.inner.extent_at(offset, len)
     }

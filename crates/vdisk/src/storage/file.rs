@@ -1,6 +1,6 @@
 use std::fs::File;
 use std::io;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
@@ -258,11 +258,31 @@ impl Storage for FileStorage {
     }
 
     fn len(&self) -> io::Result<u64> {
+        if self.fixed_size() {
+            // A device's inode says 0 bytes; its size is where its end is.
+            return Ok(self.seek(0, libc::SEEK_END)?.unwrap_or(0));
+        }
         Ok(self.file.metadata()?.len())
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
+        if self.fixed_size() {
+            // A device keeps its size: it holds any length up to it.
+            if len > self.len()? {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "Cannot grow device files",
+                ));
+            }
+            return Ok(());
+        }
         self.file.set_len(len)
+    }
+
+    fn fixed_size(&self) -> bool {
+        self.file
+            .metadata()
+            .is_ok_and(|m| m.file_type().is_block_device())
     }
 
     fn allocated_bytes(&self) -> io::Result<u64> {

@@ -69,6 +69,11 @@ pub trait Storage: Send + Sync {
     /// Bytes of host storage actually in use (what `du` reports for a file).
     fn allocated_bytes(&self) -> io::Result<u64>;
 
+    /// Whether the size is fixed (a block device): `set_len` cannot change it.
+    fn fixed_size(&self) -> bool {
+        false
+    }
+
     /// Whether `[offset, offset + len)` starts with data or with a hole, and how far that lasts
     /// (at most `len`). Storage that cannot tell reports data.
     fn extent_at(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
@@ -78,4 +83,22 @@ pub trait Storage: Send + Sync {
 
     /// The operation and byte counters of this storage.
     fn stats(&self) -> &IoStats;
+}
+
+/// Makes `[offset, offset + len)` read as zero: a hole where the storage can punch one, zero
+/// bytes written where it cannot (a block device without a zeroing offload, a file system
+/// without holes).
+pub fn zero_range(storage: &dyn Storage, offset: u64, len: u64) -> io::Result<()> {
+    match storage.punch_hole(offset, len) {
+        Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
+        done => return done,
+    }
+    static ZEROES: [u8; 1 << 20] = [0; 1 << 20];
+    let mut at = offset;
+    while at < offset + len {
+        let n = (offset + len - at).min(ZEROES.len() as u64) as usize;
+        storage.write_at(at, &ZEROES[..n])?;
+        at += n as u64;
+    }
+    Ok(())
 }

@@ -45,6 +45,9 @@ pub(super) struct Refcounts {
     zero_from: u64,
     /// Clusters at or past `zero_from` that were allocated and freed again: no longer zero.
     recycled: BTreeSet<u64>,
+    /// Runs of free clusters (first → end) whose space was given back to the host. Allocating
+    /// one takes its space again first, so that a full disk is still reported at allocation.
+    punched: BTreeMap<u64, u64>,
     /// Bytes of the file reserved with `allocate` (the file grows in steps, not per cluster).
     reserved: u64,
     /// One past the highest cluster ever allocated.
@@ -85,6 +88,7 @@ impl Refcounts {
             pending_frees: Vec::new(),
             zero_from: file_len.div_ceil(cs),
             recycled: BTreeSet::new(),
+            punched: BTreeMap::new(),
             reserved: file_len,
             high_water: file_len.div_ceil(cs),
             opened_len: file_len,
@@ -350,6 +354,7 @@ impl Refcounts {
             c += 1;
         }
         self.reserve(file, start + n)?;
+        self.unpunch(file, start, start + n)?;
         // Promise the run first: setting these refcounts may create a refcount block or grow
         // the table, and those must not take clusters from it.
         self.end = self.end.max(start + n);
@@ -401,8 +406,46 @@ impl Refcounts {
             while end < freed.len() && freed[end] == freed[end - 1] + 1 {
                 end += 1;
             }
-            let _ = file.punch_hole(freed[at] * cs, (end - at) as u64 * cs);
+            if file
+                .punch_hole(freed[at] * cs, (end - at) as u64 * cs)
+                .is_ok()
+            {
+                self.punched.insert(freed[at], freed[end - 1] + 1);
+            }
             at = end;
+        }
+        Ok(())
+    }
+
+    /// Takes back the host space of the punched clusters in `[from, to)`.
+    fn unpunch(&mut self, file: &dyn Storage, from: u64, to: u64) -> Result<()> {
+        let cs = self.cs();
+        // Runs do not overlap, so their ends grow with their starts.
+        let hits: Vec<(u64, u64)> = self
+            .punched
+            .range(..to)
+            .rev()
+            .take_while(|&(_, &end)| end > from)
+            .map(|(&s, &e)| (s, e))
+            .collect();
+        for &(s, e) in &hits {
+            let (a, b) = (s.max(from), e.min(to));
+            match file.allocate(a * cs, (b - a) * cs) {
+                Ok(()) => {}
+                Err(err) if err.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
+                Err(err) => {
+                    return Err(err).context(|| format!("taking back the space at {:#x}", a * cs))
+                }
+            }
+        }
+        for (s, e) in hits {
+            self.punched.remove(&s);
+            if s < from {
+                self.punched.insert(s, from);
+            }
+            if e > to {
+                self.punched.insert(to, e);
+            }
         }
         Ok(())
     }

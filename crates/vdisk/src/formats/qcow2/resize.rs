@@ -19,6 +19,9 @@ impl Qcow2 {
         if new_size % 512 != 0 {
             return Err(Error::invalid("The new size must be a multiple of 512"));
         }
+        if self.format.external_data && new_size != self.size && self.data.fixed_size() {
+            return Err(Error::unsupported("Cannot resize device files"));
+        }
         // Snapshots keep their own L1 tables and sizes; clusters they share with the active
         // image lose one reference when it drops them.
         if new_size < self.size {
@@ -37,20 +40,16 @@ impl Qcow2 {
             self.grow_l1(&mut h, needed)?;
         }
         let old_size = self.size;
-        if self.format.external_data && new_size > old_size {
-            // The data file holds the new range before the header offers it.
+        if self.format.external_data && new_size != old_size {
+            // Before the header: a grown data file holds the new range before the header
+            // offers it, and a shrunk one lost only clusters `drop_beyond` unmapped durably.
             self.data
                 .set_len(new_size)
-                .context(|| "growing the data file".into())?;
+                .context(|| "resizing the data file".into())?;
         }
         self.write_header(&h)?;
         self.header = h;
         self.size = new_size;
-        if self.format.external_data && new_size < old_size {
-            self.data
-                .set_len(new_size)
-                .context(|| "shrinking the data file".into())?;
-        }
         if self.header.data_file_raw() && new_size > old_size {
             self.map_raw_data(old_size, new_size)?;
         }
@@ -58,25 +57,32 @@ impl Qcow2 {
     }
 
     /// Maps every cluster of `[from, to)` to its own offset in the raw data file, as such an
-    /// image is created, and commits the mapping.
+    /// image is created, and commits the mapping 64 MiB of L2 tables at a time, so that memory
+    /// stays bounded however far the image grows.
     fn map_raw_data(&self, from: u64, to: u64) -> Result<()> {
         let cs = self.header.cluster_size();
-        {
-            let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
-            let mut meta = self.lock();
-            let mut guest = from.next_multiple_of(cs);
-            while guest < to {
-                let (table, index) = self.writable_table(&mut meta, guest)?;
-                let bitmap = if self.format.extended { 0xffff_ffff } else { 0 };
-                let entry = L2Entry {
-                    word: guest | OFLAG_COPIED,
-                    bitmap,
-                };
-                self.set_entry(&mut meta, table, index, entry);
-                guest += cs;
+        let tables = ((64 << 20) / cs).max(1);
+        let batch = tables * self.header.l2_entries() * cs;
+        let mut guest = from.next_multiple_of(cs);
+        while guest < to {
+            let end = ((guest / batch + 1) * batch).min(to);
+            {
+                let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
+                let mut meta = self.lock();
+                while guest < end {
+                    let (table, index) = self.writable_table(&mut meta, guest)?;
+                    let bitmap = if self.format.extended { 0xffff_ffff } else { 0 };
+                    let entry = L2Entry {
+                        word: guest | OFLAG_COPIED,
+                        bitmap,
+                    };
+                    self.set_entry(&mut meta, table, index, entry);
+                    guest += cs;
+                }
             }
+            self.flush_impl()?;
         }
-        self.flush_impl()
+        Ok(())
     }
 
     /// Unmaps every cluster that starts at or after `new_size`, and the L2 tables wholly past it.

@@ -20,6 +20,7 @@ use super::l2::{L2Entry, L2Table, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED,
 use super::{compress, Qcow2};
 use crate::error::{Error, IoContext, Result};
 use crate::formats::read_backing;
+use crate::storage::zero_range;
 
 /// All subclusters allocated / all reading as zero, in an extended L2 bitmap.
 const ALL_ALLOC: u64 = 0xffff_ffff;
@@ -436,20 +437,13 @@ impl Qcow2 {
     /// zero from their entries; a raw data file, which stays mapped, must read as zero itself
     /// (after a discard it may keep its data where it cannot punch).
     fn zero_data(&self, (from, to): (u64, u64), kind: Zeroing) -> Result<()> {
-        let punched = self.data.punch_hole(from, to - from).is_ok();
-        if punched || kind == Zeroing::Discard || !self.header.data_file_raw() {
+        if kind == Zeroing::Discard || !self.header.data_file_raw() {
+            // Only space to give back: nothing reads these bytes any more.
+            let _ = self.data.punch_hole(from, to - from);
             return Ok(());
         }
-        let zeroes = vec![0u8; (to - from).min(1 << 20) as usize];
-        let mut at = from;
-        while at < to {
-            let n = (to - at).min(zeroes.len() as u64) as usize;
-            self.data
-                .write_at(at, &zeroes[..n])
-                .context(|| format!("zeroing the data file at {at:#x}"))?;
-            at += n as u64;
-        }
-        Ok(())
+        zero_range(&*self.data, from, to - from)
+            .context(|| format!("zeroing the data file at {from:#x}"))
     }
 
     /// write_zeroes and discard: whole clusters become zero clusters (discard on a v2 image
