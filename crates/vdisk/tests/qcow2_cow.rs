@@ -307,6 +307,39 @@ fn allocating_flushes_take_the_fewest_syncs() {
     );
 }
 
+/// In an image made with preallocation=metadata the clusters are mapped but the file is
+/// sparse: the first write into such a cluster allocates all of it (where a direct write into
+/// a hole would hold ext4's inode lock for its whole round trip), and the rest reads zero.
+#[test]
+fn first_write_into_a_preallocated_cluster_allocates_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.qcow2");
+    let opts = vdisk::storage::OpenOptions {
+        write: true,
+        create: true,
+        direct: false,
+    };
+    let storage: Arc<dyn Storage> =
+        Arc::new(vdisk::storage::FileStorage::open(&path, opts).unwrap());
+    let prealloc = CreateOptions {
+        preallocation: vdisk::formats::qcow2::create::Preallocation::Metadata,
+        ..options()
+    };
+    create(&*storage, None, &prealloc).unwrap();
+    let image = open_storage_with(storage.clone(), Some(Format::Qcow2), "t", true).unwrap();
+    let before = storage.allocated_bytes().unwrap();
+    image.write(3 * CLUSTER, &[7u8; 4096]).unwrap();
+    let grown = storage.allocated_bytes().unwrap() - before;
+    assert!(grown >= CLUSTER, "the first write allocated {grown} bytes");
+    let mut back = vec![1u8; CLUSTER as usize];
+    image.read(3 * CLUSTER, &mut back).unwrap();
+    assert!(back[..4096].iter().all(|&b| b == 7));
+    assert!(back[4096..].iter().all(|&b| b == 0));
+    image.flush().unwrap();
+    drop(image);
+    assert_clean(&storage, false);
+}
+
 /// Clusters whose space went back to the host take it again when they are allocated anew,
 /// so a full host disk fails the write that allocates them (before any metadata changes), not
 /// a later flush that fills the parts of their clusters the write did not cover.

@@ -45,6 +45,9 @@ pub(super) struct Refcounts {
     zero_from: u64,
     /// Clusters at or past `zero_from` that were allocated and freed again: no longer zero.
     recycled: BTreeSet<u64>,
+    /// One bit per cluster below `zero_from`: a write found it mapped and it was checked for
+    /// holes (see [`Refcounts::first_overwrite`]).
+    vetted: Vec<u64>,
     /// Runs of free clusters (first → end) whose space was given back to the host. Allocating
     /// one takes its space again first, so that a full disk is still reported at allocation.
     punched: BTreeMap<u64, u64>,
@@ -88,6 +91,7 @@ impl Refcounts {
             pending_frees: Vec::new(),
             zero_from: file_len.div_ceil(cs),
             recycled: BTreeSet::new(),
+            vetted: Vec::new(),
             punched: BTreeMap::new(),
             reserved: file_len,
             high_water: file_len.div_ceil(cs),
@@ -415,6 +419,21 @@ impl Refcounts {
             at = end;
         }
         Ok(())
+    }
+
+    /// Whether this is the first write into mapped cluster `c` that lay in the file when it was
+    /// opened (and so may be a hole there; clusters allocated since were reserved up front).
+    pub fn first_overwrite(&mut self, c: u64) -> bool {
+        if c >= self.zero_from {
+            return false;
+        }
+        let (word, bit) = ((c / 64) as usize, 1u64 << (c % 64));
+        if self.vetted.len() <= word {
+            self.vetted.resize(word + 1, 0);
+        }
+        let first = self.vetted[word] & bit == 0;
+        self.vetted[word] |= bit;
+        first
     }
 
     /// Takes back the host space of the punched clusters in `[from, to)`.

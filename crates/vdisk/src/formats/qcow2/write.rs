@@ -113,6 +113,17 @@ impl Qcow2 {
         Ok(pieces)
     }
 
+    /// A mapped cluster can still be a hole in the file (images made with
+    /// preallocation=metadata). On ext4 a direct write into a hole holds the inode lock for
+    /// its whole round trip, so concurrent writes there run one at a time; allocated first
+    /// (unwritten extents read as zero, as the hole did) they run side by side. Only a
+    /// speed-up: a failure leaves the hole.
+    fn allocate_holes(&self, host: u64, cs: u64) {
+        if !matches!(self.data.extent_at(host, cs), Ok((true, n)) if n == cs) {
+            let _ = self.data.allocate(host, cs);
+        }
+    }
+
     /// After a failed data write: the pieces' sectors of pending clusters are not the guest's,
     /// so they are filled with the old content again.
     fn forget_pieces(&self, pieces: &[Piece]) {
@@ -156,6 +167,15 @@ impl Qcow2 {
             e.word & OFLAG_ZERO == 0
         };
         if ours && complete {
+            let cb = self.header.cluster_bits;
+            let first = !self.format.external_data
+                && meta
+                    .refs
+                    .as_mut()
+                    .is_some_and(|r| r.first_overwrite(host >> cb));
+            if first {
+                self.allocate_holes(host, 1 << cb);
+            }
             return Ok((host, false));
         }
         let cs = self.header.cluster_size();
