@@ -45,6 +45,18 @@ fn fresh(storage: Arc<dyn Storage>) -> Image {
     open_storage_with(storage, Some(Format::Qcow2), "fresh.qcow2", true).unwrap()
 }
 
+/// A new host file (where holes and allocated space are real), kept while the guard lives.
+fn host_file() -> (Arc<dyn Storage>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = vdisk::storage::OpenOptions {
+        write: true,
+        create: true,
+        direct: false,
+    };
+    let file = vdisk::storage::FileStorage::open(&dir.path().join("t.qcow2"), opts).unwrap();
+    (Arc::new(file), dir)
+}
+
 fn assert_clean(storage: &Arc<dyn Storage>, allow_leaks: bool) {
     let image = open_storage(storage.clone(), Some(Format::Qcow2), "t").unwrap();
     let report = check(image.qcow2().unwrap(), &mut |_| {}).unwrap();
@@ -312,15 +324,7 @@ fn allocating_flushes_take_the_fewest_syncs() {
 /// a hole would hold ext4's inode lock for its whole round trip), and the rest reads zero.
 #[test]
 fn first_write_into_a_preallocated_cluster_allocates_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("t.qcow2");
-    let opts = vdisk::storage::OpenOptions {
-        write: true,
-        create: true,
-        direct: false,
-    };
-    let storage: Arc<dyn Storage> =
-        Arc::new(vdisk::storage::FileStorage::open(&path, opts).unwrap());
+    let (storage, _dir) = host_file();
     let prealloc = CreateOptions {
         preallocation: vdisk::formats::qcow2::create::Preallocation::Metadata,
         ..options()
@@ -374,15 +378,7 @@ fn reused_clusters_take_their_space_back_first() {
 
 #[test]
 fn discarded_clusters_give_their_space_back() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("t.qcow2");
-    let opts = vdisk::storage::OpenOptions {
-        write: true,
-        create: true,
-        direct: false,
-    };
-    let storage: Arc<dyn Storage> =
-        Arc::new(vdisk::storage::FileStorage::open(&path, opts).unwrap());
+    let (storage, _dir) = host_file();
     let image = fresh(storage.clone());
     let data = vec![0x5au8; SIZE as usize / 2];
     image.write(0, &data).unwrap();
