@@ -7,6 +7,10 @@ pub fn is_zero(block: &[u8]) -> bool {
     head.iter().all(|&b| b == 0) && words.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
 }
 
+/// Zero bytes to write from where zeroes must be written, not punched, in chunks of up to this.
+pub static ZEROES: [u8; ZERO_CHUNK] = [0; ZERO_CHUNK];
+pub const ZERO_CHUNK: usize = 1 << 20;
+
 /// A zero-filled heap buffer whose address is aligned to [`crate::storage::DIRECT_ALIGN`], so
 /// that a storage opened for direct I/O can move it without the page cache.
 pub struct AlignedBuf {

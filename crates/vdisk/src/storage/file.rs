@@ -31,6 +31,8 @@ pub const DIRECT_ALIGN: usize = 4096;
 pub struct FileStorage {
     file: File,
     direct: Option<File>,
+    /// A block device: its size is fixed and its inode does not tell it.
+    device: bool,
     stats: IoStats,
 }
 
@@ -39,6 +41,7 @@ impl FileStorage {
         let mut o = std::fs::OpenOptions::new();
         o.read(true).write(opts.write).create(opts.create);
         let file = o.open(path)?;
+        let device = file.metadata()?.file_type().is_block_device();
         let direct = if opts.direct {
             o.create(false).custom_flags(libc::O_DIRECT);
             Some(o.open(path)?)
@@ -48,6 +51,7 @@ impl FileStorage {
         Ok(FileStorage {
             file,
             direct,
+            device,
             stats: IoStats::default(),
         })
     }
@@ -258,7 +262,7 @@ impl Storage for FileStorage {
     }
 
     fn len(&self) -> io::Result<u64> {
-        if self.fixed_size() {
+        if self.device {
             // A device's inode says 0 bytes; its size is where its end is.
             return Ok(self.seek(0, libc::SEEK_END)?.unwrap_or(0));
         }
@@ -266,7 +270,7 @@ impl Storage for FileStorage {
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
-        if self.fixed_size() {
+        if self.device {
             // A device keeps its size: it holds any length up to it.
             if len > self.len()? {
                 return Err(io::Error::new(
@@ -280,9 +284,7 @@ impl Storage for FileStorage {
     }
 
     fn fixed_size(&self) -> bool {
-        self.file
-            .metadata()
-            .is_ok_and(|m| m.file_type().is_block_device())
+        self.device
     }
 
     fn allocated_bytes(&self) -> io::Result<u64> {

@@ -29,6 +29,8 @@ pub use stats::{IoStats, IoStatsSnapshot};
 
 use std::io;
 
+use crate::bytes::ZEROES;
+
 /// Positioned byte storage. Methods take `&self` and are safe to call from many threads at once.
 pub trait Storage: Send + Sync {
     /// Reads `buf.len()` bytes at `offset`. Bytes beyond the end of the storage read as zero, the
@@ -93,7 +95,6 @@ pub fn zero_range(storage: &dyn Storage, offset: u64, len: u64) -> io::Result<()
         Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
         done => return done,
     }
-    static ZEROES: [u8; 1 << 20] = [0; 1 << 20];
     let mut at = offset;
     while at < offset + len {
         let n = (offset + len - at).min(ZEROES.len() as u64) as usize;

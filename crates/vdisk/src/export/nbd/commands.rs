@@ -6,7 +6,7 @@ use std::io::IoSlice;
 use super::proto::*;
 use super::transmission::{Conn, Job, Payload};
 use crate::blockdev::BlockDev;
-use crate::bytes::is_zero;
+use crate::bytes::{is_zero, ZEROES, ZERO_CHUNK};
 
 /// Reads at least this long are planned from block status, so holes are not read at all;
 /// shorter ones are read whole and their zero blocks sent as holes.
@@ -19,9 +19,6 @@ const MAX_READ_CHUNKS: usize = 64;
 const MAX_EXTENTS: usize = (1 << 20) / 8;
 /// Error messages sent to clients are cut to this many bytes (the spec allows 4096).
 const MAX_MESSAGE: usize = 1024;
-/// Zero writes that must not leave holes are done with writes of this size.
-const ZERO_BUF: usize = 1 << 20;
-static ZEROES: [u8; ZERO_BUF] = [0u8; ZERO_BUF];
 
 /// Why a request failed: the NBD error and a message for the client.
 struct Failure {
@@ -206,7 +203,7 @@ fn write_zeroes(dev: &dyn BlockDev, req: &Request) -> Result<(), Failure> {
     }
     let (mut pos, end) = (req.offset, req.offset + u64::from(req.len));
     while pos < end {
-        let n = (end - pos).min(ZERO_BUF as u64) as usize;
+        let n = (end - pos).min(ZERO_CHUNK as u64) as usize;
         dev.write(pos, &ZEROES[..n])?;
         pos += n as u64;
     }
@@ -217,7 +214,7 @@ fn write_zeroes(dev: &dyn BlockDev, req: &Request) -> Result<(), Failure> {
 /// mappings and the host's page cache its data.
 fn cache(conn: &Conn, dev: &dyn BlockDev, req: &Request) -> Result<(), Failure> {
     let (mut pos, end) = (req.offset, req.offset + u64::from(req.len));
-    let mut buf = conn.take_buf(ZERO_BUF.min(req.len as usize));
+    let mut buf = conn.take_buf(ZERO_CHUNK.min(req.len as usize));
     let mut result = Ok(());
     while pos < end && result.is_ok() {
         let n = (end - pos).min(buf.len() as u64) as usize;
