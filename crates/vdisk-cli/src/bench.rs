@@ -7,15 +7,23 @@
 //! run past the end). With `--flush-interval N` a
 //! flush is due whenever the number of requests not yet sent is a multiple of N; by default
 //! the requests in flight drain first and none is sent until the flush completes, with
-//! `--no-drain` the flush runs beside them. vdisk sends requests from DEPTH threads making
-//! blocking calls into the engine (whatever `-i` says: the engine has no other I/O path).
+//! `--no-drain` the flush runs beside them.
+//!
+//! How vdisk sends the requests follows `-i`: with `threads` (qemu-img's default), from DEPTH
+//! threads making blocking calls into the engine; with `native` or `io_uring` and a direct
+//! cache mode, writes go out from one thread, the engine placing each one
+//! ([`BlockDev::start_write`]) and an io_uring carrying its data, as QEMU's linux-aio and
+//! io_uring back ends do. Reads, and writes in the other cache modes, use the threads.
 
 use std::process::ExitCode;
 use std::sync::{Barrier, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vdisk::bytes::AlignedBuf;
-use vdisk::{open_image, BlockDev, CacheMode, Format, Image, ImageOptions, WithCache};
+use vdisk::storage::Ring;
+use vdisk::{
+    open_image, BlockDev, CacheMode, Format, Image, ImageOptions, StartedWrite, WithCache,
+};
 
 use crate::create::parse_size;
 use crate::fail;
@@ -48,7 +56,7 @@ pub struct Args {
     /// Distance between the offsets of consecutive requests (default: the buffer size).
     #[arg(short = 'S', long = "step-size", default_value = "0")]
     step_size: String,
-    /// threads, native or io_uring (vdisk always uses threads).
+    /// threads, native or io_uring (native means io_uring in vdisk).
     #[arg(short = 'i', long = "aio")]
     aio: Option<String>,
     /// Same as `-i native`.
@@ -181,7 +189,13 @@ pub fn run(a: &Args) -> ExitCode {
         println!("Sending flush every {} requests", plan.flush_interval);
     }
     let disk = WithCache { disk: image, mode };
-    let elapsed = match Run::new(&plan, disk.disk.size()).execute(&disk) {
+    let run = Run::new(&plan, disk.disk.size());
+    let result = if aio != "threads" && plan.write && mode.direct() {
+        run.execute_ring(&disk)
+    } else {
+        run.execute(&disk)
+    };
+    let elapsed = match result {
         Ok(t) => t,
         Err(e) => return fail(format!("Failed request: {e}"), 1),
     };
@@ -262,15 +276,7 @@ impl<'p> Run<'p> {
     fn execute(&self, disk: &dyn BlockDev) -> vdisk::Result<Duration> {
         let p = self.plan;
         let threads = p.depth.min(p.count) as usize;
-        let buffers: Vec<AlignedBuf> = (0..threads)
-            .map(|_| {
-                let mut buf = AlignedBuf::zeroed(p.bufsize as usize);
-                if p.write {
-                    buf.fill(p.pattern);
-                }
-                buf
-            })
-            .collect();
+        let buffers: Vec<AlignedBuf> = (0..threads).map(|_| self.buffer()).collect();
         let ready = Barrier::new(threads + 1);
         let elapsed = std::thread::scope(|s| {
             for buf in buffers {
@@ -295,6 +301,15 @@ impl<'p> Run<'p> {
         }
     }
 
+    /// A request buffer, filled with the pattern for writes.
+    fn buffer(&self) -> AlignedBuf {
+        let mut buf = AlignedBuf::zeroed(self.plan.bufsize as usize);
+        if self.plan.write {
+            buf.fill(self.plan.pattern);
+        }
+        buf
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -310,26 +325,100 @@ impl<'p> Run<'p> {
                 st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
                 continue;
             }
-            let offset = st.next_offset;
-            st.sent += 1;
-            st.in_flight += 1;
-            st.next_offset = self.advance(offset);
+            let offset = self.send(&mut st);
             drop(st);
             let result = if p.write {
                 disk.write(offset, &buf)
             } else {
                 disk.read(offset, &mut buf)
             };
-            st = self.lock();
-            st.in_flight -= 1;
-            if let Err(e) = result {
-                st.failed.get_or_insert(e);
-                self.changed.notify_all();
-                break;
-            }
-            st = self.after_completion(st, disk);
+            st = self.completed(self.lock(), result, disk);
         }
         self.changed.notify_all();
+    }
+
+    /// Takes the next request of the schedule: its offset.
+    fn send(&self, st: &mut State) -> u64 {
+        let offset = st.next_offset;
+        st.sent += 1;
+        st.in_flight += 1;
+        st.next_offset = self.advance(offset);
+        offset
+    }
+
+    /// Accounts for a request that completed with `result`.
+    fn completed<'s>(
+        &'s self,
+        mut st: MutexGuard<'s, State>,
+        result: vdisk::Result<()>,
+        disk: &dyn BlockDev,
+    ) -> MutexGuard<'s, State> {
+        st.in_flight -= 1;
+        if let Err(e) = result {
+            st.failed.get_or_insert(e);
+            self.changed.notify_all();
+            return st;
+        }
+        self.after_completion(st, disk)
+    }
+
+    /// Runs the schedule from this thread, with the data of every write on an io_uring; the
+    /// `--no-drain` flushes run on a thread beside it.
+    fn execute_ring(&self, disk: &dyn BlockDev) -> vdisk::Result<Duration> {
+        let p = self.plan;
+        let depth = p.depth.min(p.count) as usize;
+        let ring = Ring::new(depth as u32).map_err(|e| vdisk::Error::Io {
+            context: "setting up an io_uring".into(),
+            source: e,
+        })?;
+        let mut lp = RingLoop {
+            ring,
+            slots: (0..depth)
+                .map(|_| Slot {
+                    buf: self.buffer(),
+                    started: None,
+                    waiting: 0,
+                    failed: None,
+                })
+                .collect(),
+            idle: (0..depth).collect(),
+            disk,
+        };
+        let started = Instant::now();
+        std::thread::scope(|s| {
+            if !p.drain && p.flush_interval > 0 {
+                s.spawn(|| self.flusher(disk));
+            }
+            loop {
+                let mut st = self.lock();
+                while st.failed.is_none() && st.sent < p.count && !st.flushing {
+                    let Some(i) = lp.idle.pop() else { break };
+                    let offset = self.send(&mut st);
+                    drop(st);
+                    let result = lp.start(self, i, offset);
+                    st = self.lock();
+                    if let Some(result) = result {
+                        st = self.completed(st, result, disk);
+                        lp.idle.push(i);
+                    }
+                }
+                drop(st);
+                if lp.ring.in_flight() == 0 {
+                    break;
+                }
+                if let Err(e) = lp.reap(self) {
+                    self.lock().failed.get_or_insert(e);
+                    break;
+                }
+            }
+            self.changed.notify_all();
+        });
+        let elapsed = started.elapsed();
+        drop(lp);
+        match self.lock().failed.take() {
+            Some(e) => Err(e),
+            None => Ok(elapsed),
+        }
     }
 
     /// qemu-img bench's flush rule, checked at each completion.
@@ -400,5 +489,97 @@ impl<'p> Run<'p> {
             return 0;
         }
         next
+    }
+}
+
+/// The io_uring path of a run: one slot per request in flight.
+struct RingLoop<'d> {
+    /// First, so that it is dropped (waiting for its writes) before the buffers they read.
+    ring: Ring,
+    slots: Vec<Slot<'d>>,
+    idle: Vec<usize>,
+    disk: &'d dyn BlockDev,
+}
+
+/// One request in flight on the ring.
+struct Slot<'d> {
+    buf: AlignedBuf,
+    started: Option<StartedWrite<'d>>,
+    /// Its transfers still on the ring.
+    waiting: usize,
+    failed: Option<vdisk::Error>,
+}
+
+impl<'d> RingLoop<'d> {
+    /// Starts the write of slot `i` at `offset`: its transfers go on the ring where the storage
+    /// allows. Returns the request's result if it is already complete.
+    fn start(&mut self, run: &Run, i: usize, offset: u64) -> Option<vdisk::Result<()>> {
+        let len = self.slots[i].buf.len();
+        let started = match self.disk.start_write(offset, len) {
+            Ok(Some(started)) => started,
+            Ok(None) => {
+                // A flush waits for the writes in flight: let them end, then write as usual.
+                while self.ring.in_flight() > 0 {
+                    if let Err(e) = self.reap(run) {
+                        return Some(Err(e));
+                    }
+                }
+                return Some(self.disk.write(offset, &self.slots[i].buf));
+            }
+            Err(e) => return Some(Err(e)),
+        };
+        let slot = &mut self.slots[i];
+        for t in &started.transfers {
+            let data = &slot.buf[t.bytes.clone()];
+            let outcome = match started.storage.async_write_fd(t.host, data) {
+                Some(fd) => {
+                    // SAFETY: the slot's buffer is neither changed nor dropped before the ring
+                    // reports this write: the slot is busy until then, and the ring is dropped
+                    // first.
+                    let queued = unsafe { self.ring.write(fd, t.host, data, i as u64) };
+                    slot.waiting += usize::from(queued.is_ok());
+                    queued
+                }
+                None => started.storage.write_at(t.host, data),
+            };
+            if let Err(e) = outcome {
+                slot.failed.get_or_insert(t.error(e));
+            }
+        }
+        slot.started = Some(started);
+        (slot.waiting == 0).then(|| Self::finish(self.disk, slot))
+    }
+
+    /// Waits for writes on the ring to complete and accounts for the requests they finish.
+    fn reap(&mut self, run: &Run) -> vdisk::Result<()> {
+        let mut done = Vec::new();
+        let waited = self.ring.complete(&mut done);
+        for (tag, outcome) in done {
+            let i = tag as usize;
+            let slot = &mut self.slots[i];
+            slot.waiting -= 1;
+            if let Err(e) = outcome {
+                slot.failed.get_or_insert(vdisk::Error::Io {
+                    context: "writing guest data".into(),
+                    source: e,
+                });
+            }
+            if slot.waiting == 0 {
+                let result = Self::finish(self.disk, slot);
+                drop(run.completed(run.lock(), result, self.disk));
+                self.idle.push(i);
+            }
+        }
+        waited.map_err(|e| vdisk::Error::Io {
+            context: "waiting for the io_uring".into(),
+            source: e,
+        })
+    }
+
+    /// Hands a slot's write back to the disk once its transfers are done.
+    fn finish(disk: &dyn BlockDev, slot: &mut Slot<'_>) -> vdisk::Result<()> {
+        let started = slot.started.take().expect("a started write");
+        let outcome = slot.failed.take().map_or(Ok(()), Err);
+        disk.finish_write(started, outcome)
     }
 }

@@ -94,6 +94,54 @@ const RUNS: &[(&str, &[&str])] = &[
     // Wraps at the end of the image: the last block is written, then the first again.
     ("", &["-w", "-c", "20000", "-s", "4k", "--pattern=4"]),
     ("", &["-c", "2000", "-d", "16"]),
+    // The io_uring path: aligned writes, flushes drained and beside the writes, unaligned
+    // writes (which take the blocking path there), and reads (which use threads).
+    (
+        "",
+        &["-w", "-c", "3000", "-d", "16", "-t", "none", "-i", "native"],
+    ),
+    (
+        "cluster_size=2M",
+        &[
+            "-w",
+            "-c",
+            "2000",
+            "-d",
+            "8",
+            "-t",
+            "none",
+            "-i",
+            "io_uring",
+            "--flush-interval=64",
+        ],
+    ),
+    (
+        "extended_l2=on",
+        &[
+            "-w",
+            "-c",
+            "2000",
+            "-d",
+            "8",
+            "-t",
+            "none",
+            "-i",
+            "native",
+            "--flush-interval",
+            "32",
+            "--no-drain",
+        ],
+    ),
+    (
+        "",
+        &[
+            "-w", "-c", "500", "-s", "64k", "-S", "96k", "-o", "3000", "-t", "none", "-i", "native",
+        ],
+    ),
+    (
+        "",
+        &["-c", "2000", "-d", "16", "-t", "none", "-i", "native"],
+    ),
 ];
 
 const REFUSED: &[&[&str]] = &[

@@ -8,7 +8,11 @@
 //!            └─ Qcow2 ──(backing)──> BlockDev ...
 //! ```
 
+use std::ops::Range;
+
 use crate::error::Result;
+use crate::gate::Pass;
+use crate::storage::Storage;
 
 /// What a range of a disk holds, as `qemu-img map` reports it for a whole backing chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +31,37 @@ pub struct BlockStatus {
     pub compressed: bool,
     /// Where the data lives in the deciding layer's data file, when it has a plain location.
     pub offset: Option<u64>,
+}
+
+/// One data transfer of a started write: bytes `bytes` of the request's buffer belong at
+/// offset `host` of the storage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transfer {
+    pub host: u64,
+    pub bytes: Range<usize>,
+}
+
+impl Transfer {
+    /// The error of this transfer failing with `e`.
+    pub fn error(&self, e: std::io::Error) -> crate::Error {
+        crate::Error::Io {
+            context: format!("writing guest data at host offset {:#x}", self.host),
+            source: e,
+        }
+    }
+}
+
+/// A write the disk has placed and whose data the caller transfers itself, for example
+/// asynchronously on a [`crate::storage::Ring`]. It goes back to [`BlockDev::finish_write`]
+/// once every transfer is done. While a caller holds started writes it must not flush or write
+/// through the blocking methods: a flush waits for the writes started before it.
+pub struct StartedWrite<'a> {
+    pub storage: &'a dyn Storage,
+    pub transfers: Vec<Transfer>,
+    /// Parts of pending clusters the transfers fill, `(guest cluster, from, to)`, forgotten
+    /// again if a transfer fails.
+    pub(crate) pending: Vec<(u64, u64, u64)>,
+    pub(crate) _pass: Option<Pass<'a>>,
 }
 
 /// A virtual disk. Methods take `&self` and may be called from many threads at once.
@@ -49,6 +84,22 @@ pub trait BlockDev: Send + Sync {
     fn write_fua(&self, offset: u64, buf: &[u8]) -> Result<()> {
         self.write(offset, buf)?;
         self.flush()
+    }
+
+    /// Places a write of `len` bytes at `offset` and hands its data transfers to the caller
+    /// (see [`StartedWrite`]). `None` means: use [`BlockDev::write`] instead, because the disk
+    /// cannot hand out its transfers, or because a flush waits for the writes in flight (finish
+    /// the ones you hold first).
+    fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
+        let _ = (offset, len);
+        Ok(None)
+    }
+
+    /// Ends a started write with the outcome of its transfers, which it returns. After a
+    /// failure the range holds old or new data, as after any failed write.
+    fn finish_write(&self, started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {
+        drop(started);
+        outcome
     }
 
     /// Tells the disk the range is no longer needed; it may then read as anything the format
@@ -78,6 +129,12 @@ impl<T: BlockDev + ?Sized> BlockDev for std::sync::Arc<T> {
     }
     fn write_fua(&self, offset: u64, buf: &[u8]) -> Result<()> {
         (**self).write_fua(offset, buf)
+    }
+    fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
+        (**self).start_write(offset, len)
+    }
+    fn finish_write(&self, started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {
+        (**self).finish_write(started, outcome)
     }
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         (**self).discard(offset, len)

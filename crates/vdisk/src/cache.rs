@@ -10,7 +10,7 @@
 //! | directsync   | bypassed   | yes                | yes   |
 //! | unsafe       | yes        | no                 | no    |
 
-use crate::blockdev::{BlockDev, BlockStatus};
+use crate::blockdev::{BlockDev, BlockStatus, StartedWrite};
 use crate::error::{Error, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -94,6 +94,18 @@ impl<D: BlockDev> BlockDev for WithCache<D> {
             CacheMode::Unsafe => self.disk.write(offset, buf),
             _ => self.disk.write_fua(offset, buf),
         }
+    }
+
+    fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
+        if self.mode.writethrough() {
+            // Each write needs its own commit: the blocking path groups them.
+            return Ok(None);
+        }
+        self.disk.start_write(offset, len)
+    }
+
+    fn finish_write(&self, started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {
+        self.disk.finish_write(started, outcome)
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {

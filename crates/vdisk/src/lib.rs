@@ -11,9 +11,10 @@ pub mod counters;
 pub mod error;
 pub mod export;
 pub mod formats;
+mod gate;
 pub mod storage;
 
-pub use blockdev::{BlockDev, BlockStatus};
+pub use blockdev::{BlockDev, BlockStatus, StartedWrite, Transfer};
 pub use cache::{CacheMode, WithCache};
 pub use counters::{Counters, CountersSnapshot};
 pub use error::{Error, Result};

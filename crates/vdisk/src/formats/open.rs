@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::qcow2::{self, Qcow2};
 use super::raw::Raw;
-use crate::blockdev::{BlockDev, BlockStatus};
+use crate::blockdev::{BlockDev, BlockStatus, StartedWrite};
 use crate::counters::CountersSnapshot;
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{FileStorage, OpenOptions, Storage};
@@ -155,6 +155,12 @@ impl BlockDev for Image {
     }
     fn write_fua(&self, offset: u64, buf: &[u8]) -> Result<()> {
         self.dev().write_fua(offset, buf)
+    }
+    fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
+        self.dev().start_write(offset, len)
+    }
+    fn finish_write(&self, started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {
+        self.dev().finish_write(started, outcome)
     }
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         self.dev().discard(offset, len)

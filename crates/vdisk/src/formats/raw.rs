@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use super::qcow2::create::{preallocate, Preallocation};
 use super::{status_mapped, Holes, Image, Layer, Mapping};
-use crate::blockdev::{check_range, BlockDev, BlockStatus};
+use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{zero_range, Storage};
 
@@ -102,6 +102,20 @@ impl BlockDev for Raw {
         self.storage
             .write_at(offset, buf)
             .context(|| format!("writing raw image at {offset:#x}"))
+    }
+
+    fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
+        self.writable("write")?;
+        check_range(self.size, offset, len as u64)?;
+        Ok(Some(StartedWrite {
+            storage: &*self.storage,
+            transfers: vec![Transfer {
+                host: offset,
+                bytes: 0..len,
+            }],
+            pending: Vec::new(),
+            _pass: None,
+        }))
     }
 
     fn flush(&self) -> Result<()> {

@@ -1,7 +1,7 @@
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
-use std::os::unix::io::AsRawFd;
+use std::os::unix::io::{AsRawFd, RawFd};
 use std::path::Path;
 
 use super::{IoStats, Storage};
@@ -56,20 +56,24 @@ impl FileStorage {
         })
     }
 
+    /// The direct descriptor, if the transfer at `offset` of the buffers `(address, length)`
+    /// is aligned for it.
+    fn direct_for(
+        &self,
+        offset: u64,
+        bufs: impl IntoIterator<Item = (usize, usize)>,
+    ) -> Option<&File> {
+        let aligned = offset % DIRECT_ALIGN as u64 == 0
+            && bufs
+                .into_iter()
+                .all(|(at, len)| at % DIRECT_ALIGN == 0 && len % DIRECT_ALIGN == 0);
+        self.direct.as_ref().filter(|_| aligned)
+    }
+
     /// The descriptor for a transfer at `offset` of the buffers `(address, length)`: the
     /// direct one when everything is aligned for it.
     fn fd_for(&self, offset: u64, bufs: impl IntoIterator<Item = (usize, usize)>) -> &File {
-        match &self.direct {
-            Some(direct)
-                if offset % DIRECT_ALIGN as u64 == 0
-                    && bufs
-                        .into_iter()
-                        .all(|(at, len)| at % DIRECT_ALIGN == 0 && len % DIRECT_ALIGN == 0) =>
-            {
-                direct
-            }
-            _ => &self.file,
-        }
+        self.direct_for(offset, bufs).unwrap_or(&self.file)
     }
 
     /// Tells the kernel that reads are scattered: no readahead on this file.
@@ -305,6 +309,15 @@ impl Storage for FileStorage {
         }
         let hole = self.seek(offset, libc::SEEK_HOLE)?.unwrap_or(file_len);
         Ok((true, (hole - offset).clamp(1, len.max(1)).min(len)))
+    }
+
+    fn async_write_fd(&self, offset: u64, buf: &[u8]) -> Option<RawFd> {
+        // Only direct writes: a buffered one completes in the page cache, as fast synchronously.
+        let fd = self
+            .direct_for(offset, [(buf.as_ptr() as usize, buf.len())])?
+            .as_raw_fd();
+        self.stats.record_write(buf.len());
+        Some(fd)
     }
 
     fn stats(&self) -> &IoStats {

@@ -12,11 +12,15 @@
 //!           ├─ CrashStorage (in memory; records syncs and produces every post-crash disk)
 //!           └─ FaultStorage (wraps any Storage; fails chosen calls with EIO, ENOSPC, short writes)
 //! ```
+//!
+//! A caller with many writes in flight from one thread can instead run them on a [`Ring`]
+//! (io_uring) where the storage offers a descriptor for it ([`Storage::async_write_fd`]).
 
 mod crash;
 mod fault;
 mod file;
 mod memory;
+mod ring;
 mod stats;
 
 pub use crash::{
@@ -25,9 +29,11 @@ pub use crash::{
 pub use fault::{Fault, FaultStorage, OpKind, When};
 pub use file::{FileStorage, OpenOptions, DIRECT_ALIGN};
 pub use memory::MemStorage;
+pub use ring::Ring;
 pub use stats::{IoStats, IoStatsSnapshot};
 
 use std::io;
+use std::os::fd::RawFd;
 
 use crate::bytes::ZEROES;
 
@@ -81,6 +87,13 @@ pub trait Storage: Send + Sync {
     fn extent_at(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
         let _ = offset;
         Ok((true, len))
+    }
+
+    /// The descriptor to which an asynchronous write of `buf` at `offset` (on a [`Ring`]) may
+    /// go, counted here as a write; `None` where this storage writes only through `write_at`.
+    fn async_write_fd(&self, offset: u64, buf: &[u8]) -> Option<RawFd> {
+        let _ = (offset, buf);
+        None
     }
 
     /// The operation and byte counters of this storage.

@@ -57,7 +57,7 @@ impl Qcow2 {
         }
         // No request is between placing its data and writing it while the metadata naming that
         // data is committed.
-        let gate = self.gate.write().unwrap_or_else(|e| e.into_inner());
+        let gate = self.gate.close();
         let mut meta = self.lock();
         self.fill_all(&mut meta)?;
         let refs_dirty = meta.refs.as_ref().is_some_and(|r| r.is_dirty());

@@ -22,16 +22,17 @@ mod snapshot_ops;
 mod update;
 mod write;
 
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use self::cache::Meta;
 use self::header::Header;
 use self::l2::{EntryFormat, L2Table, SubclusterType};
 use self::snapshot::Snapshot;
 use super::{read_mapped, status_mapped, Holes, Image, Layer, Mapping};
-use crate::blockdev::{check_range, BlockDev, BlockStatus};
+use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedWrite};
 use crate::counters::Counters;
 use crate::error::{Error, IoContext, Result};
+use crate::gate::Gate;
 use crate::storage::Storage;
 
 /// Memory for cached L2 tables: QEMU's default maximum on Linux.
@@ -52,7 +53,7 @@ pub struct Qcow2 {
     writable: bool,
     /// Held shared by every write for as long as it is in flight, exclusively by a flush (see
     /// `write.rs`).
-    gate: RwLock<()>,
+    gate: Gate,
     group: commit::Group,
     counters: Counters,
     snapshots: Vec<Snapshot>,
@@ -183,7 +184,7 @@ impl Qcow2 {
             size,
             meta: Mutex::new(Meta::new(l1, tables, refs)),
             writable,
-            gate: RwLock::new(()),
+            gate: Gate::default(),
             group: commit::Group::default(),
             counters: Counters::default(),
             snapshots,
@@ -490,6 +491,18 @@ impl BlockDev for Qcow2 {
     fn write_fua(&self, offset: u64, buf: &[u8]) -> Result<()> {
         self.write(offset, buf)?;
         self.commit_group()
+    }
+
+    fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
+        check_range(self.size, offset, len as u64)?;
+        match self.gate.try_enter() {
+            Some(pass) => self.start_write_impl(pass, offset, len).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn finish_write(&self, started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {
+        self.finish_write_impl(started, outcome)
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {

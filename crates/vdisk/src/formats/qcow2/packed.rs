@@ -40,7 +40,7 @@ impl Qcow2 {
         let Some(packed) = compress(self.header.compression, input) else {
             return self.write(offset, data);
         };
-        let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
+        let _pass = self.gate.enter();
         let host = {
             let mut meta = self.lock();
             let (table, index) = self.writable_table(&mut meta, offset)?;

@@ -67,7 +67,7 @@ impl Qcow2 {
         while guest < to {
             let end = ((guest / batch + 1) * batch).min(to);
             {
-                let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
+                let _pass = self.gate.enter();
                 let mut meta = self.lock();
                 while guest < end {
                     let (table, index) = self.writable_table(&mut meta, guest)?;
@@ -90,7 +90,7 @@ impl Qcow2 {
         let cs = self.header.cluster_size();
         let span = cs * self.header.l2_entries();
         let first = new_size.next_multiple_of(cs);
-        let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
+        let _pass = self.gate.enter();
         let mut meta = self.lock();
         let l1_len = meta.l1.len();
         for l1_index in (first / span) as usize..l1_len {
@@ -130,7 +130,7 @@ impl Qcow2 {
     fn grow_l1(&self, h: &mut super::header::Header, entries: u64) -> Result<()> {
         let cs = self.header.cluster_size();
         let clusters = (entries * 8).div_ceil(cs);
-        let _gate = self.gate.write().unwrap_or_else(|e| e.into_inner());
+        let _closed = self.gate.close();
         let mut meta = self.lock();
         let first = self.alloc_clusters(&mut meta, clusters)?;
         let mut l1 = meta.l1.clone();

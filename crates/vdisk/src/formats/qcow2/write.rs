@@ -6,10 +6,12 @@
 //! The unwritten parts of new clusters are filled later (`cow.rs`), and metadata reaches the
 //! disk only at flush (`commit.rs`).
 //!
-//! Every request holds the commit gate shared; a flush holds it exclusively, so a flush never
-//! commits metadata that points at data still being written.
+//! Every request holds a pass through the commit gate (`crate::gate`) until its data is
+//! written, also when the caller writes the data itself ([`BlockDev::start_write`]); a flush
+//! closes the gate, so it never commits metadata that points at data still being written.
+//!
+//! [`BlockDev::start_write`]: crate::BlockDev::start_write
 
-use std::ops::Range;
 use std::sync::Arc;
 
 use super::cache::{Dirty, Meta};
@@ -18,8 +20,10 @@ use super::header::Header;
 use super::l2::OFLAG_ZERO;
 use super::l2::{L2Entry, L2Table, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
 use super::{compress, Qcow2};
+use crate::blockdev::{StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
 use crate::formats::read_backing;
+use crate::gate::Pass;
 use crate::storage::zero_range;
 
 /// All subclusters allocated / all reading as zero, in an extended L2 bitmap.
@@ -48,14 +52,6 @@ pub(super) fn check_writable(h: &Header) -> Result<()> {
     Ok(())
 }
 
-/// One piece of a guest write: its host offset, its bytes in the request, and the guest cluster
-/// it lands in when that cluster is pending (so a failed write can be forgotten).
-struct Piece {
-    host: u64,
-    bytes: Range<usize>,
-    pending: Option<(u64, u64)>,
-}
-
 impl Qcow2 {
     pub(super) fn writable_or_err(&self, what: &str) -> Result<()> {
         if self.writable {
@@ -66,51 +62,79 @@ impl Qcow2 {
     }
 
     pub(super) fn write_impl(&self, offset: u64, buf: &[u8]) -> Result<()> {
-        self.writable_or_err("write")?;
-        let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
-        let pieces = self.place_all(offset, buf)?;
-        let mut at = 0;
-        while at < pieces.len() {
-            // Pieces in contiguous host clusters go out as one write.
-            let mut end = at + 1;
-            while end < pieces.len()
-                && pieces[end].host == pieces[end - 1].host + pieces[end - 1].bytes.len() as u64
-            {
-                end += 1;
-            }
-            let host = pieces[at].host;
-            let bytes = pieces[at].bytes.start..pieces[end - 1].bytes.end;
-            if let Err(e) = self.data.write_at(host, &buf[bytes]) {
-                self.forget_pieces(&pieces[at..]);
-                return Err(e).context(|| format!("writing guest data at host offset {host:#x}"));
-            }
-            at = end;
-        }
-        Ok(())
+        let started = self.start_write_impl(self.gate.enter(), offset, buf.len())?;
+        let outcome = started.transfers.iter().try_for_each(|t| {
+            started
+                .storage
+                .write_at(t.host, &buf[t.bytes.clone()])
+                .map_err(|e| t.error(e))
+        });
+        self.finish_write_impl(started, outcome)
     }
 
-    /// Decides under the metadata lock where every piece of the write goes.
-    fn place_all(&self, offset: u64, buf: &[u8]) -> Result<Vec<Piece>> {
+    /// Decides under the metadata lock where every part of a write goes; parts in contiguous
+    /// host clusters become one transfer. On failure nothing of the request stays marked as
+    /// written.
+    pub(super) fn start_write_impl<'a>(
+        &'a self,
+        pass: Pass<'a>,
+        offset: u64,
+        len: usize,
+    ) -> Result<StartedWrite<'a>> {
+        self.writable_or_err("write")?;
         let cs = self.header.cluster_size();
         let mut meta = self.lock();
-        let mut pieces = Vec::with_capacity(buf.len() / cs as usize + 2);
-        let mut done = 0usize;
-        while done < buf.len() {
-            let pos = offset + done as u64;
-            let within = pos & (cs - 1);
-            let n = ((cs - within) as usize).min(buf.len() - done);
-            let guest = pos - within;
-            let (host, pending) = self.place(&mut meta, guest, within, n as u64)?;
-            pieces.push(Piece {
-                host: host + within,
-                bytes: done..done + n,
-                pending: pending.then_some((guest, within)),
-            });
-            done += n;
+        let mut transfers: Vec<Transfer> = Vec::with_capacity(len / cs as usize + 2);
+        let mut pending = Vec::new();
+        let mut place_all = |meta: &mut Meta| -> Result<()> {
+            let mut done = 0usize;
+            while done < len {
+                let pos = offset + done as u64;
+                let within = pos & (cs - 1);
+                let n = ((cs - within) as usize).min(len - done);
+                let guest = pos - within;
+                let (host, marked) = self.place(meta, guest, within, n as u64)?;
+                if marked {
+                    pending.push((guest, within, within + n as u64));
+                }
+                let host = host + within;
+                match transfers.last_mut() {
+                    Some(t) if t.host + t.bytes.len() as u64 == host => t.bytes.end = done + n,
+                    _ => transfers.push(Transfer {
+                        host,
+                        bytes: done..done + n,
+                    }),
+                }
+                done += n;
+            }
+            meta.data_written = true;
+            self.limit_pending(meta)
+        };
+        if let Err(e) = place_all(&mut meta) {
+            forget(&mut meta, &pending);
+            return Err(e);
         }
-        meta.data_written = true;
-        self.limit_pending(&mut meta)?;
-        Ok(pieces)
+        Ok(StartedWrite {
+            storage: &*self.data,
+            transfers,
+            pending,
+            _pass: Some(pass),
+        })
+    }
+
+    /// Ends a write whose transfers are done: after a failure, the sectors it marked in pending
+    /// clusters are not the guest's and are filled with the old content again.
+    pub(super) fn finish_write_impl(
+        &self,
+        started: StartedWrite<'_>,
+        outcome: Result<()>,
+    ) -> Result<()> {
+        if outcome.is_err() {
+            forget(&mut self.lock(), &started.pending);
+        }
+        // The pass is given back only now: a flush must not see the marks of a failed write.
+        drop(started);
+        outcome
     }
 
     /// A mapped cluster can still be a hole in the file (images made with
@@ -121,19 +145,6 @@ impl Qcow2 {
     fn allocate_holes(&self, host: u64, cs: u64) {
         if !matches!(self.data.extent_at(host, cs), Ok((true, n)) if n == cs) {
             let _ = self.data.allocate(host, cs);
-        }
-    }
-
-    /// After a failed data write: the pieces' sectors of pending clusters are not the guest's,
-    /// so they are filled with the old content again.
-    fn forget_pieces(&self, pieces: &[Piece]) {
-        let mut meta = self.lock();
-        for p in pieces {
-            if let Some((guest, within)) = p.pending {
-                if let Some(rec) = meta.pending.get_mut(&guest) {
-                    rec.unmark(within, within + p.bytes.len() as u64);
-                }
-            }
         }
     }
 
@@ -480,7 +491,7 @@ impl Qcow2 {
         let end = offset + len;
         let mut parts = Vec::new();
         {
-            let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
+            let _pass = self.gate.enter();
             let mut meta = self.lock();
             // Whole clusters of an external data file, to zero or give back in the file too.
             let mut in_data: Option<(u64, u64)> = None;
@@ -537,5 +548,14 @@ impl Qcow2 {
             self.write_impl(pos, &vec![0u8; n as usize])?;
         }
         Ok(())
+    }
+}
+
+/// Unmarks the parts of pending clusters a failed write had marked as written.
+fn forget(meta: &mut Meta, parts: &[(u64, u64, u64)]) {
+    for &(guest, from, to) in parts {
+        if let Some(rec) = meta.pending.get_mut(&guest) {
+            rec.unmark(from, to);
+        }
     }
 }
