@@ -9,6 +9,9 @@ image and is run by:
   qemu-best   the same with lazy_refcounts=on,extended_l2=on (QEMU's fastest allocation)
   vdisk       vdisk bench on a qcow2 made by `qemu-img create` with QEMU's defaults
   raw         qemu-img bench -f raw and vdisk bench -f raw on a new sparse raw file: the limit
+  falloc      vdisk bench -f raw on a raw file made with preallocation=falloc: writes into space
+              allocated but never written, what every allocating qcow2 write on ext4 becomes
+              (the file system converts the extent at each write's completion)
 Rows: 4 KiB writes on a fresh image and on an overlay over a fully written raw backing file,
 64 KiB and 2 MiB clusters, with and without --flush-interval=256; block sizes 4 KiB to 1 MiB;
 cache modes none and writethrough. Rows with -t none pass `-i native` to every tool (--aio
@@ -42,7 +45,7 @@ WORK = os.path.join(ROOT, "bench", "work", "qcow2")
 VDISK = os.path.join(ROOT, "target", "release", "vdisk")
 MIB = 1 << 20
 AIO = "native"
-CONFIGS = ["qemu", "qemu-best", "vdisk", "raw-qemu", "raw-vdisk"]
+CONFIGS = ["qemu", "qemu-best", "vdisk", "raw-qemu", "raw-vdisk", "falloc-vdisk"]
 
 
 def big_stack():
@@ -114,6 +117,10 @@ def make_image(config, row, path):
     if config.startswith("raw"):
         sh(["qemu-img", "create", "-q", "-f", "raw", path, str(size)])
         return "raw"
+    if config == "falloc-vdisk":
+        sh(["qemu-img", "create", "-q", "-f", "raw", "-o", "preallocation=falloc", path,
+            str(size)])
+        return "raw"
     opts = "cluster_size=" + cs
     if config == "qemu-best":
         opts += ",lazy_refcounts=on,extended_l2=on"
@@ -126,7 +133,7 @@ def make_image(config, row, path):
 
 def bench_args(config, row, fmt, path, aio):
     _, _, bs, _, flush, cache, size = row
-    tool = [VDISK] if config in ("vdisk", "raw-vdisk") else ["qemu-img"]
+    tool = [VDISK] if config in ("vdisk", "raw-vdisk", "falloc-vdisk") else ["qemu-img"]
     args = tool + ["bench", "-f", fmt, "-w", "-d", "16", "-s", str(bs), "-t", cache]
     args += ["-i", aio if cache == "none" else "threads"]
     args += ["-c", str(size // bs)]
@@ -249,21 +256,26 @@ def render(a, rounds, total, started, results):
         "run: %s" % (total // MIB, rounds, "yes" if os.geteuid() == 0 else "no (not root)"),
         "- qemu: QEMU's defaults; qemu-best: lazy_refcounts=on,extended_l2=on; vdisk: QEMU's "
         "defaults (images made by qemu-img create); raw: a sparse raw file (qemu-img bench -f raw "
-        "and vdisk bench -f raw), the limit",
+        "and vdisk bench -f raw), the limit; falloc: vdisk bench -f raw on a raw file made with "
+        "preallocation=falloc (writes into allocated, never written space: the limit of "
+        "allocating writes on this file system)",
         "- aio: `-i %s` on the -t none rows (for every tool), `-i threads` on the others and "
         "under strace" % AIO,
         "",
         "## Throughput (MiB/s) and ratios",
         "",
-        "| row | qemu | qemu-best | vdisk | raw (qemu) | raw (vdisk) | vdisk/qemu | "
-        "vdisk/qemu-best | vdisk/raw |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| row | qemu | qemu-best | vdisk | raw (qemu) | raw (vdisk) | falloc | vdisk/qemu | "
+        "vdisk/qemu-best | vdisk/raw | vdisk/falloc |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row, m, _ in results:
         raw = max(m["raw-qemu"], m["raw-vdisk"])
-        out.append("| %s | %.0f | %.0f | %.0f | %.0f | %.0f | **%.2f** | %.2f | %.2f |" % (
-            row[0], m["qemu"], m["qemu-best"], m["vdisk"], m["raw-qemu"], m["raw-vdisk"],
-            m["vdisk"] / m["qemu"], m["vdisk"] / m["qemu-best"], m["vdisk"] / raw))
+        out.append("| %s | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | **%.2f** | %.2f | %.2f | "
+                   "%.2f |" % (
+                       row[0], m["qemu"], m["qemu-best"], m["vdisk"], m["raw-qemu"],
+                       m["raw-vdisk"], m["falloc-vdisk"], m["vdisk"] / m["qemu"],
+                       m["vdisk"] / m["qemu-best"], m["vdisk"] / raw,
+                       m["vdisk"] / m["falloc-vdisk"]))
     out += [
         "",
         "## Syncs and copy-on-write reads (one run each under strace -f)",

@@ -10,17 +10,17 @@
 //! `--no-drain` the flush runs beside them.
 //!
 //! How vdisk sends the requests follows `-i`: with `threads` (qemu-img's default), from DEPTH
-//! threads making blocking calls into the engine; with `native` or `io_uring` and a direct
-//! cache mode, writes go out from one thread, the engine placing each one
-//! ([`BlockDev::start_write`]) and an io_uring carrying its data, as QEMU's linux-aio and
-//! io_uring back ends do. Reads, and writes in the other cache modes, use the threads.
+//! threads making blocking calls into the engine; with `native` (Linux AIO) or `io_uring` and a
+//! direct cache mode, writes go out from one thread, the engine placing each one
+//! ([`BlockDev::start_write`]) and the kernel interface of that name carrying its data, as
+//! QEMU's back ends do. Reads, and writes in the other cache modes, use the threads.
 
 use std::process::ExitCode;
 use std::sync::{Barrier, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vdisk::bytes::AlignedBuf;
-use vdisk::storage::Ring;
+use vdisk::storage::{Backend, Ring};
 use vdisk::{
     open_image, BlockDev, CacheMode, Format, Image, ImageOptions, StartedWrite, WithCache,
 };
@@ -56,7 +56,7 @@ pub struct Args {
     /// Distance between the offsets of consecutive requests (default: the buffer size).
     #[arg(short = 'S', long = "step-size", default_value = "0")]
     step_size: String,
-    /// threads, native or io_uring (native means io_uring in vdisk).
+    /// threads, native (Linux AIO) or io_uring.
     #[arg(short = 'i', long = "aio")]
     aio: Option<String>,
     /// Same as `-i native`.
@@ -190,8 +190,13 @@ pub fn run(a: &Args) -> ExitCode {
     }
     let disk = WithCache { disk: image, mode };
     let run = Run::new(&plan, disk.disk.size());
-    let result = if aio != "threads" && plan.write && mode.direct() {
-        run.execute_ring(&disk)
+    let backend = match aio {
+        "native" => Some(Backend::LinuxAio),
+        "io_uring" => Some(Backend::IoUring),
+        _ => None,
+    };
+    let result = if let Some(backend) = backend.filter(|_| plan.write && mode.direct()) {
+        run.execute_ring(&disk, backend)
     } else {
         run.execute(&disk)
     };
@@ -362,13 +367,13 @@ impl<'p> Run<'p> {
         self.after_completion(st, disk)
     }
 
-    /// Runs the schedule from this thread, with the data of every write on an io_uring; the
+    /// Runs the schedule from this thread, with the data of every write on `backend`; the
     /// `--no-drain` flushes run on a thread beside it.
-    fn execute_ring(&self, disk: &dyn BlockDev) -> vdisk::Result<Duration> {
+    fn execute_ring(&self, disk: &dyn BlockDev, backend: Backend) -> vdisk::Result<Duration> {
         let p = self.plan;
         let depth = p.depth.min(p.count) as usize;
-        let ring = Ring::new(depth as u32).map_err(|e| vdisk::Error::Io {
-            context: "setting up an io_uring".into(),
+        let ring = Ring::new(backend, depth as u32).map_err(|e| vdisk::Error::Io {
+            context: format!("setting up {backend:?}"),
             source: e,
         })?;
         let mut lp = RingLoop {
@@ -492,7 +497,7 @@ impl<'p> Run<'p> {
     }
 }
 
-/// The io_uring path of a run: one slot per request in flight.
+/// The asynchronous path of a run: one slot per request in flight.
 struct RingLoop<'d> {
     /// First, so that it is dropped (waiting for its writes) before the buffers they read.
     ring: Ring,
@@ -571,7 +576,7 @@ impl<'d> RingLoop<'d> {
             }
         }
         waited.map_err(|e| vdisk::Error::Io {
-            context: "waiting for the io_uring".into(),
+            context: "waiting for writes".into(),
             source: e,
         })
     }
