@@ -25,7 +25,8 @@ no read hides inside io_submit) counts syncs (fdatasync, fsync) and the bytes re
 backing file (copy-on-write reads). vdisk's own counters
 (copy-on-write bytes, commits) are reported beside them.
 
-Results: printed and written to bench/results/qcow2-<quick|full>.md.
+Results: printed and written to bench/results/qcow2-<quick|full>[-AIO].md (no suffix for the
+default, native).
 """
 
 import argparse
@@ -236,7 +237,8 @@ def main():
         print("%-45s " % row[0] + " ".join("%s %.0f" % (c, mibs[c]) for c in CONFIGS),
               file=sys.stderr)
     report = render(a, rounds, total, started, results)
-    name = "qcow2-%s.md" % ("quick" if a.quick else "full")
+    name = "qcow2-%s%s.md" % ("quick" if a.quick else "full",
+                              "" if AIO == "native" else "-" + AIO)
     with open(os.path.join(ROOT, "bench", "results", name), "w") as f:
         f.write(report)
     print(report)
