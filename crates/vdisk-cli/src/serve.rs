@@ -155,6 +155,7 @@ pub fn run(a: Args) -> ExitCode {
         max_connections: a.max_connections,
         limits: Limits {
             workers: a.workers.max(1),
+            native_aio: a.aio == Some("native"),
             ..Limits::default()
         },
         verbose: a.verbose,

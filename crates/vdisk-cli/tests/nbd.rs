@@ -999,6 +999,17 @@ fn nbdcopy_both_ways_with_multi_conn() {
 
 #[test]
 fn fio_random_writes_verify() {
+    fio_random_writes_verify_with(&[]);
+}
+
+/// Writes of the AIO path (placed by the reader, data through Linux AIO, replies from the
+/// completion thread) land as the worker path's do.
+#[test]
+fn fio_random_writes_verify_native_aio() {
+    fio_random_writes_verify_with(&["--cache", "none", "--aio", "native"]);
+}
+
+fn fio_random_writes_verify_with(serve_args: &[&str]) {
     let Some(t) = peers(&["qemu-img", "fio", "qemu-nbd"]) else {
         return;
     };
@@ -1010,7 +1021,9 @@ fn fio_random_writes_verify() {
         qemu_img,
         &["create", "-q", "-f", "qcow2", img.to_str().unwrap(), "64M"],
     );
-    let serve = Serve::start(d, &[img.to_str().unwrap()]);
+    let mut args = vec![img.to_str().unwrap()];
+    args.extend(serve_args);
+    let serve = Serve::start(d, &args);
     let job = |uri: &str, verify_only: bool| {
         let mut a = vec![
             "--name=verify".to_string(),
@@ -1061,6 +1074,15 @@ fn fio_random_writes_verify() {
 
 #[test]
 fn sigterm_under_load_leaves_a_clean_image() {
+    sigterm_under_load_with(&[]);
+}
+
+#[test]
+fn sigterm_under_load_with_native_aio_leaves_a_clean_image() {
+    sigterm_under_load_with(&["--cache", "none", "--aio", "native"]);
+}
+
+fn sigterm_under_load_with(serve_args: &[&str]) {
     let Some(t) = peers(&["qemu-img", "fio"]) else {
         return;
     };
@@ -1072,7 +1094,9 @@ fn sigterm_under_load_leaves_a_clean_image() {
         qemu_img,
         &["create", "-q", "-f", "qcow2", img.to_str().unwrap(), "256M"],
     );
-    let serve = Serve::start(d, &[img.to_str().unwrap()]);
+    let mut args = vec![img.to_str().unwrap()];
+    args.extend(serve_args);
+    let serve = Serve::start(d, &args);
     let pid_file = serve.pid_file.clone();
     let load = std::process::Command::new(fio)
         .args([

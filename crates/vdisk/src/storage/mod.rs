@@ -29,7 +29,7 @@ pub use crash::{
 pub use fault::{Fault, FaultStorage, OpKind, When};
 pub use file::{FileStorage, OpenOptions, DIRECT_ALIGN};
 pub use memory::MemStorage;
-pub use ring::{Backend, Ring};
+pub use ring::{AioContext, Backend, IoEvent, Iocb, Ring};
 pub use stats::{IoStats, IoStatsSnapshot};
 
 use std::io;

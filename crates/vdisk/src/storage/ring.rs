@@ -102,7 +102,8 @@ impl Ring {
         let len = op.len.min(MAX_TRANSFER);
         match &mut self.queue {
             Queue::Aio(aio) => {
-                aio.queue(op.fd, op.offset, op.ptr, len, slot as u64);
+                aio.queued
+                    .push(Iocb::write(op.fd, op.offset, op.ptr, len, slot as u64));
                 Ok(())
             }
             Queue::Uring(uring) => {
@@ -221,19 +222,17 @@ impl Drop for Ring {
     }
 }
 
-/// A Linux AIO context (`io_setup`), with the control blocks queued for the next submission.
-struct Aio {
+/// A Linux AIO context (`io_setup`). Submitting and reaping are system calls on a number, safe
+/// from any thread at once.
+#[derive(Debug)]
+pub struct AioContext {
     ctx: libc::c_ulong,
-    /// Control blocks submitted and not yet reaped.
-    in_kernel: usize,
-    queued: Vec<Iocb>,
-    events: Vec<IoEvent>,
 }
 
 /// `struct iocb` of linux/aio_abi.h (little-endian field order).
 #[repr(C)]
-#[derive(Default)]
-struct Iocb {
+#[derive(Debug, Default)]
+pub struct Iocb {
     data: u64,
     key: u32,
     rw_flags: i32,
@@ -250,12 +249,19 @@ struct Iocb {
 
 /// `struct io_event` of linux/aio_abi.h.
 #[repr(C)]
-#[derive(Default, Clone, Copy)]
-struct IoEvent {
+#[derive(Debug, Default, Clone, Copy)]
+pub struct IoEvent {
     data: u64,
     obj: u64,
     res: i64,
     res2: i64,
+}
+
+impl IoEvent {
+    /// The tag of the write and its result: bytes written, or a negated errno.
+    pub fn result(&self) -> (u64, i64) {
+        (self.data, self.res)
+    }
 }
 
 const IOCB_CMD_PWRITE: u16 = 1;
@@ -263,24 +269,14 @@ const IOCB_CMD_PWRITE: u16 = 1;
 #[cfg(not(target_endian = "little"))]
 compile_error!("the iocb layout above is the little-endian one");
 
-impl Aio {
-    fn new(depth: u32) -> io::Result<Aio> {
-        let mut ctx: libc::c_ulong = 0;
-        // SAFETY: io_setup writes the new context to `ctx`, which lives across the call.
-        let r = unsafe { libc::syscall(libc::SYS_io_setup, depth as libc::c_long, &mut ctx) };
-        if r < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(Aio {
-            ctx,
-            in_kernel: 0,
-            queued: Vec::new(),
-            events: vec![IoEvent::default(); depth as usize],
-        })
+impl Iocb {
+    pub fn tag(&self) -> u64 {
+        self.data
     }
 
-    fn queue(&mut self, fd: RawFd, offset: u64, ptr: *const u8, len: usize, tag: u64) {
-        self.queued.push(Iocb {
+    /// A write of `len` bytes at `ptr` to `fd` at `offset`, reported under `tag`.
+    pub fn write(fd: RawFd, offset: u64, ptr: *const u8, len: usize, tag: u64) -> Iocb {
+        Iocb {
             data: tag,
             opcode: IOCB_CMD_PWRITE,
             fildes: fd as u32,
@@ -288,20 +284,32 @@ impl Aio {
             nbytes: len as u64,
             offset: offset as i64,
             ..Iocb::default()
-        });
+        }
+    }
+}
+
+impl AioContext {
+    /// A context for up to `depth` writes in flight.
+    pub fn new(depth: u32) -> io::Result<AioContext> {
+        let mut ctx: libc::c_ulong = 0;
+        // SAFETY: io_setup writes the new context to `ctx`, which lives across the call.
+        let r = unsafe { libc::syscall(libc::SYS_io_setup, depth as libc::c_long, &mut ctx) };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(AioContext { ctx })
     }
 
-    /// Submits the queued control blocks, then waits for at least one completion and appends
-    /// every available one to `reaped` as `(tag, result)`.
-    fn submit_and_wait(&mut self, reaped: &mut Vec<(u64, i64)>) -> io::Result<()> {
-        let mut sent = 0;
-        while sent < self.queued.len() {
-            let mut ptrs: Vec<*mut Iocb> = self.queued[sent..]
-                .iter_mut()
-                .map(|c| c as *mut Iocb)
-                .collect();
-            // SAFETY: every pointer names a live control block; the kernel copies them during
-            // the call, and the buffers they name outlive the writes (Ring::write's contract).
+    /// Submits control blocks from the start of `iocbs`; returns how many the kernel took
+    /// (fewer when the context is full: `EAGAIN` with none taken).
+    ///
+    /// # Safety
+    /// The buffers the blocks name must stay valid and unchanged until their events are
+    /// reaped. (The blocks themselves are copied during the call.)
+    pub unsafe fn submit(&self, iocbs: &mut [Iocb]) -> io::Result<usize> {
+        let mut ptrs: Vec<*mut Iocb> = iocbs.iter_mut().map(|c| c as *mut Iocb).collect();
+        loop {
+            // SAFETY: every pointer names a live control block of `iocbs`.
             let r = unsafe {
                 libc::syscall(
                     libc::SYS_io_submit,
@@ -310,39 +318,36 @@ impl Aio {
                     ptrs.as_mut_ptr(),
                 )
             };
-            if r > 0 {
-                sent += r as usize;
-                self.in_kernel += r as usize;
-                continue;
+            if r > 0 || ptrs.is_empty() {
+                return Ok(r as usize);
             }
-            let e = io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::EINTR) => continue,
-                // The context is full: what completes makes room.
-                Some(libc::EAGAIN) if self.in_kernel > 0 => break,
-                _ => {
-                    self.queued.drain(..sent);
-                    return Err(e);
-                }
+            let e = match r {
+                0 => io::Error::from_raw_os_error(libc::EAGAIN),
+                _ => io::Error::last_os_error(),
+            };
+            if e.raw_os_error() != Some(libc::EINTR) {
+                return Err(e);
             }
         }
-        self.queued.drain(..sent);
+    }
+
+    /// Waits until at least `min` writes completed and stores up to `events.len()` of them;
+    /// returns how many.
+    pub fn reap(&self, events: &mut [IoEvent], min: usize) -> io::Result<usize> {
         loop {
             // SAFETY: the kernel writes at most `events.len()` events into `events`.
             let r = unsafe {
                 libc::syscall(
                     libc::SYS_io_getevents,
                     self.ctx,
-                    1 as libc::c_long,
-                    self.events.len() as libc::c_long,
-                    self.events.as_mut_ptr(),
+                    min as libc::c_long,
+                    events.len() as libc::c_long,
+                    events.as_mut_ptr(),
                     std::ptr::null_mut::<libc::timespec>(),
                 )
             };
             if r >= 0 {
-                self.in_kernel -= r as usize;
-                reaped.extend(self.events[..r as usize].iter().map(|e| (e.data, e.res)));
-                return Ok(());
+                return Ok(r as usize);
             }
             let e = io::Error::last_os_error();
             if e.raw_os_error() != Some(libc::EINTR) {
@@ -352,10 +357,57 @@ impl Aio {
     }
 }
 
-impl Drop for Aio {
+impl Drop for AioContext {
     fn drop(&mut self) {
         // SAFETY: the context is ours; io_destroy waits for what is still in flight.
         unsafe { libc::syscall(libc::SYS_io_destroy, self.ctx) };
+    }
+}
+
+/// A Linux AIO context with the control blocks queued for the next submission.
+struct Aio {
+    cx: AioContext,
+    /// Control blocks submitted and not yet reaped.
+    in_kernel: usize,
+    queued: Vec<Iocb>,
+    events: Vec<IoEvent>,
+}
+
+impl Aio {
+    fn new(depth: u32) -> io::Result<Aio> {
+        Ok(Aio {
+            cx: AioContext::new(depth)?,
+            in_kernel: 0,
+            queued: Vec::new(),
+            events: vec![IoEvent::default(); depth as usize],
+        })
+    }
+
+    /// Submits the queued control blocks, then waits for at least one completion and appends
+    /// every available one to `reaped` as `(tag, result)`.
+    fn submit_and_wait(&mut self, reaped: &mut Vec<(u64, i64)>) -> io::Result<()> {
+        let mut sent = 0;
+        while sent < self.queued.len() {
+            // SAFETY: the blocks name buffers that Ring::write's callers keep valid until
+            // the writes are reported.
+            match unsafe { self.cx.submit(&mut self.queued[sent..]) } {
+                Ok(n) => {
+                    sent += n;
+                    self.in_kernel += n;
+                }
+                // The context is full: what completes makes room.
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) && self.in_kernel > 0 => break,
+                Err(e) => {
+                    self.queued.drain(..sent);
+                    return Err(e);
+                }
+            }
+        }
+        self.queued.drain(..sent);
+        let n = self.cx.reap(&mut self.events, 1)?;
+        self.in_kernel -= n;
+        reaped.extend(self.events[..n].iter().map(IoEvent::result));
+        Ok(())
     }
 }
 

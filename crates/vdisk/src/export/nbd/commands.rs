@@ -53,6 +53,26 @@ pub(crate) fn execute(conn: &Conn, job: Job) {
     }
 }
 
+/// Whether a request without a payload problem passes the checks of [`check`].
+pub(crate) fn passes_checks(conn: &Conn, req: &Request) -> bool {
+    check(conn, req, &Payload::None).is_ok()
+}
+
+/// Answers a write whose data went out on the AIO path, and counts it.
+pub(crate) fn write_done(conn: &Conn, req: &Request, result: crate::Result<()>) {
+    let stats = &conn.session.export.stats;
+    match result {
+        Ok(()) => {
+            stats.record(req.kind, true, u64::from(req.len));
+            send_ok(conn, req);
+        }
+        Err(e) => {
+            stats.record(req.kind, false, 0);
+            send_error(conn, req, e.into());
+        }
+    }
+}
+
 /// What the spec and qemu-nbd refuse before touching the disk.
 fn check(conn: &Conn, req: &Request, payload: &Payload) -> Result<(), Failure> {
     let s = &conn.session;

@@ -15,6 +15,7 @@
 //! a client that breaks the framing (bad magic) has its connection closed with a log line.
 
 mod commands;
+mod direct;
 mod export;
 mod handshake;
 mod metrics;

@@ -10,7 +10,9 @@
 //! ```
 //!
 //! A request that is alone (nothing else in flight, nothing more sent) runs on the reader
-//! itself: a client at queue depth 1 then costs no thread wake-up per request.
+//! itself: a client at queue depth 1 then costs no thread wake-up per request. With
+//! [`Limits::native_aio`], the reader places plain writes itself and their data goes out
+//! through Linux AIO, answered by a completion thread (`direct.rs`).
 //!
 //! Memory per connection is bounded: the reader waits before taking a request that would put
 //! more than [`Limits::max_bytes`] of payload buffers, or more than [`Limits::max_requests`]
@@ -25,6 +27,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::Scope;
 
 use super::commands;
+use super::direct::DirectWrites;
 use super::handshake::Session;
 use super::proto::*;
 use super::stream::Stream;
@@ -44,6 +47,9 @@ pub struct Limits {
     /// Run a request on the reader itself when it is the only one in flight and no other is
     /// waiting on the socket, saving a thread wake-up per request at queue depth 1.
     pub inline: bool,
+    /// Send the data of plain writes through Linux AIO from the reader (see `direct.rs`);
+    /// only useful where the image is opened for direct I/O.
+    pub native_aio: bool,
 }
 
 impl Default for Limits {
@@ -53,6 +59,7 @@ impl Default for Limits {
             max_requests: 512,
             max_bytes: 2 * MAX_PAYLOAD as usize,
             inline: true,
+            native_aio: false,
         }
     }
 }
@@ -62,7 +69,7 @@ pub(crate) struct Job {
     pub req: Request,
     pub payload: Payload,
     /// Payload bytes reserved for it in the connection's budget.
-    budget: usize,
+    pub budget: usize,
 }
 
 pub(crate) enum Payload {
@@ -156,7 +163,7 @@ pub(crate) struct Conn {
     pool: Pool,
     limits: Limits,
     peer: String,
-    log: Log,
+    pub log: Log,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -207,7 +214,7 @@ impl Conn {
         q.in_flight_bytes += bytes;
     }
 
-    fn release(&self, bytes: usize) {
+    pub fn release(&self, bytes: usize) {
         let mut q = lock(&self.queue);
         q.in_flight -= 1;
         q.in_flight_bytes -= bytes;
@@ -286,17 +293,34 @@ pub(crate) fn serve(
         peer,
         log,
     };
-    let result = std::thread::scope(|scope| {
-        let result = read_requests(&conn, reader, scope);
-        conn.close_queue();
-        result
-    });
+    let result = serve_conn(&conn, reader);
     let _ = lock(&conn.writer).shutdown(Shutdown::Both);
     result
 }
 
-fn read_requests<'s, 'e>(
-    conn: &'s Conn,
+fn serve_conn(conn: &Conn, reader: &mut BufReader<Stream>) -> Result<(), ConnError> {
+    // Without AIO on this machine, writes take the worker path.
+    let direct = conn
+        .limits
+        .native_aio
+        .then(|| DirectWrites::new(conn.limits.max_requests).ok())
+        .flatten();
+    std::thread::scope(|scope| {
+        if let Some(d) = &direct {
+            scope.spawn(|| d.complete(conn));
+        }
+        let result = read_requests(conn, direct.as_ref(), reader, scope);
+        conn.close_queue();
+        if let Some(d) = &direct {
+            d.close();
+        }
+        result
+    })
+}
+
+fn read_requests<'s, 'e: 's, 'c: 'e>(
+    conn: &'c Conn,
+    direct: Option<&'e DirectWrites<'c>>,
     reader: &mut BufReader<Stream>,
     scope: &'s Scope<'s, 'e>,
 ) -> Result<(), ConnError> {
@@ -341,14 +365,21 @@ fn read_requests<'s, 'e>(
             }
             Payload::Dropped
         };
-        let job = Job {
+        let mut job = Job {
             req,
             payload,
             budget,
         };
-        if conn.limits.inline && conn.alone() && nothing_pending(reader) {
-            // The client has nothing else in flight and has sent nothing more (a client at
-            // queue depth 1): run it here rather than pay a thread wake-up on every request.
+        // A client with nothing else in flight that has sent nothing more (queue depth 1) is
+        // served here: no thread wake-up, neither a worker's nor the AIO completer's.
+        let alone = conn.limits.inline && conn.alone() && nothing_pending(reader);
+        if let Some(d) = direct.filter(|_| !alone) {
+            match d.submit(conn, job) {
+                Ok(()) => continue,
+                Err(back) => job = back,
+            }
+        }
+        if alone {
             commands::execute(conn, job);
             conn.release(budget);
         } else {
