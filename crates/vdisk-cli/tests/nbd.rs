@@ -660,7 +660,7 @@ fn qemu_io_ok(qemu_io: &Path, args: &[&str]) {
     );
 }
 
-fn qemu_tools_on(format: &str) {
+fn qemu_tools_on(format: &str, serve_args: &[&str]) {
     let Some(t) = peers(&["qemu-img", "qemu-io"]) else {
         return;
     };
@@ -671,6 +671,10 @@ fn qemu_tools_on(format: &str) {
     let reference = d.join(format!("ref.{format}"));
     let img_s = img.to_str().unwrap();
     let ref_s = reference.to_str().unwrap();
+    let serve_with: Vec<&str> = [img_s, "-f", format]
+        .into_iter()
+        .chain(serve_args.iter().copied())
+        .collect();
     run(qemu_img, &["create", "-q", "-f", format, img_s, "16M"]);
     run(qemu_img, &["create", "-q", "-f", format, ref_s, "16M"]);
     let mut args = vec!["-f", "raw"];
@@ -682,7 +686,7 @@ fn qemu_tools_on(format: &str) {
     ref_args.push(ref_s);
     qemu_io_ok(qemu_io, &ref_args);
 
-    let serve = Serve::start(d, &[img_s, "-f", format]);
+    let serve = Serve::start(d, &serve_with);
     let uri = serve.uri("");
     let info = run(qemu_img, &["info", "--output=json", &uri]);
     assert!(info.contains("\"virtual-size\": 16777216"), "{info}");
@@ -748,7 +752,7 @@ fn qemu_tools_on(format: &str) {
     );
 
     // convert into the export (qemu-img zeroes the target first, fast, then writes the data).
-    let serve = Serve::start(d, &[img_s, "-f", format]);
+    let serve = Serve::start(d, &serve_with);
     let src = d.join("src.raw");
     std::fs::write(&src, random_bytes(16 << 20, 7)).unwrap();
     // Leave some zero ranges in the source so the target gets zeroes written or punched.
@@ -804,12 +808,24 @@ fn serve_socket(d: &Path) -> std::path::PathBuf {
 
 #[test]
 fn qemu_tools_over_nbd_raw() {
-    qemu_tools_on("raw");
+    qemu_tools_on("raw", &[]);
 }
 
 #[test]
 fn qemu_tools_over_nbd_qcow2() {
-    qemu_tools_on("qcow2");
+    qemu_tools_on("qcow2", &[]);
+}
+
+/// The same through the AIO path (reads and writes mapped by the reader, data through Linux
+/// AIO, replies from the completion thread).
+#[test]
+fn qemu_tools_over_nbd_raw_native_aio() {
+    qemu_tools_on("raw", &["--cache", "none", "--aio", "native"]);
+}
+
+#[test]
+fn qemu_tools_over_nbd_qcow2_native_aio() {
+    qemu_tools_on("qcow2", &["--cache", "none", "--aio", "native"]);
 }
 
 #[test]

@@ -42,10 +42,18 @@ pub struct Transfer {
 }
 
 impl Transfer {
-    /// The error of this transfer failing with `e`.
+    /// The error of this transfer, a write, failing with `e`.
     pub fn error(&self, e: std::io::Error) -> crate::Error {
         crate::Error::Io {
             context: format!("writing guest data at host offset {:#x}", self.host),
+            source: e,
+        }
+    }
+
+    /// The error of this transfer, a read, failing with `e`.
+    pub fn read_error(&self, e: std::io::Error) -> crate::Error {
+        crate::Error::Io {
+            context: format!("reading data at host offset {:#x}", self.host),
             source: e,
         }
     }
@@ -62,6 +70,13 @@ pub struct StartedWrite<'a> {
     /// again if a transfer fails.
     pub(crate) pending: Vec<(u64, u64, u64)>,
     pub(crate) _pass: Option<Pass<'a>>,
+}
+
+/// A read the disk has mapped: it filled every byte of the buffer except those of the
+/// transfers, which the caller reads from `storage` itself (see [`BlockDev::start_read`]).
+pub struct StartedRead<'a> {
+    pub storage: &'a dyn Storage,
+    pub transfers: Vec<Transfer>,
 }
 
 /// A virtual disk. Methods take `&self` and may be called from many threads at once.
@@ -92,6 +107,15 @@ pub trait BlockDev: Send + Sync {
     /// the ones you hold first).
     fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
         let _ = (offset, len);
+        Ok(None)
+    }
+
+    /// Maps a read of `buf.len()` bytes at `offset`: fills what is not stored as plain data in
+    /// this image (zeroes, compressed clusters, the backing file's data) and returns the
+    /// transfers of the rest for the caller to read into `buf`. `None` means: use
+    /// [`BlockDev::read`].
+    fn start_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<StartedRead<'_>>> {
+        let _ = (offset, buf);
         Ok(None)
     }
 
@@ -135,6 +159,9 @@ impl<T: BlockDev + ?Sized> BlockDev for std::sync::Arc<T> {
     }
     fn finish_write(&self, started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {
         (**self).finish_write(started, outcome)
+    }
+    fn start_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<StartedRead<'_>>> {
+        (**self).start_read(offset, buf)
     }
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         (**self).discard(offset, len)

@@ -10,7 +10,7 @@
 //! | directsync   | bypassed   | yes                | yes   |
 //! | unsafe       | yes        | no                 | no    |
 
-use crate::blockdev::{BlockDev, BlockStatus, StartedWrite};
+use crate::blockdev::{BlockDev, BlockStatus, StartedRead, StartedWrite};
 use crate::error::{Error, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -106,6 +106,10 @@ impl<D: BlockDev> BlockDev for WithCache<D> {
 
     fn finish_write(&self, started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {
         self.disk.finish_write(started, outcome)
+    }
+
+    fn start_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<StartedRead<'_>>> {
+        self.disk.start_read(offset, buf)
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {

@@ -14,7 +14,7 @@ pub mod formats;
 mod gate;
 pub mod storage;
 
-pub use blockdev::{BlockDev, BlockStatus, StartedWrite, Transfer};
+pub use blockdev::{BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
 pub use cache::{CacheMode, WithCache};
 pub use counters::{Counters, CountersSnapshot};
 pub use error::{Error, Result};

@@ -9,6 +9,7 @@ pub mod open;
 pub mod qcow2;
 pub mod raw;
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use crate::blockdev::{BlockDev, BlockStatus};
@@ -66,19 +67,32 @@ pub(crate) enum Holes {
 
 /// Reads `buf.len()` guest bytes at `offset` through a layer's mappings.
 pub(crate) fn read_mapped(layer: &dyn Layer, offset: u64, buf: &mut [u8]) -> Result<()> {
+    read_mapped_with(layer, offset, buf, |host, range, buf| {
+        layer
+            .data_storage()
+            .read_at(host, &mut buf[range])
+            .context(|| format!("reading data at host offset {host:#x}"))
+    })
+}
+
+/// Reads `buf.len()` guest bytes at `offset` through a layer's mappings, except that each run
+/// stored as plain data goes to `data` (its host offset and where it belongs in `buf`).
+pub(crate) fn read_mapped_with(
+    layer: &dyn Layer,
+    offset: u64,
+    buf: &mut [u8],
+    mut data: impl FnMut(u64, Range<usize>, &mut [u8]) -> Result<()>,
+) -> Result<()> {
     let mut done = 0usize;
     while done < buf.len() {
         let pos = offset + done as u64;
         let (mapping, n) = layer.map(pos, (buf.len() - done) as u64)?;
-        let chunk = &mut buf[done..done + n as usize];
+        let range = done..done + n as usize;
         match mapping {
-            Mapping::Data { offset: host } => layer
-                .data_storage()
-                .read_at(host, chunk)
-                .context(|| format!("reading data at host offset {host:#x}"))?,
-            Mapping::Zero { .. } => chunk.fill(0),
-            Mapping::Compressed => layer.read_compressed(pos, chunk)?,
-            Mapping::Unallocated { .. } => read_backing(layer.backing(), pos, chunk)?,
+            Mapping::Data { offset: host } => data(host, range, buf)?,
+            Mapping::Zero { .. } => buf[range].fill(0),
+            Mapping::Compressed => layer.read_compressed(pos, &mut buf[range])?,
+            Mapping::Unallocated { .. } => read_backing(layer.backing(), pos, &mut buf[range])?,
         }
         done += n as usize;
     }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::qcow2::{self, Qcow2};
 use super::raw::Raw;
-use crate::blockdev::{BlockDev, BlockStatus, StartedWrite};
+use crate::blockdev::{BlockDev, BlockStatus, StartedRead, StartedWrite};
 use crate::counters::CountersSnapshot;
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{FileStorage, OpenOptions, Storage};
@@ -161,6 +161,9 @@ impl BlockDev for Image {
     }
     fn finish_write(&self, started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {
         self.dev().finish_write(started, outcome)
+    }
+    fn start_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<StartedRead<'_>>> {
+        self.dev().start_read(offset, buf)
     }
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         self.dev().discard(offset, len)

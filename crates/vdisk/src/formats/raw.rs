@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use super::qcow2::create::{preallocate, Preallocation};
 use super::{status_mapped, Holes, Image, Layer, Mapping};
-use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedWrite, Transfer};
+use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{zero_range, Storage};
 
@@ -102,6 +102,17 @@ impl BlockDev for Raw {
         self.storage
             .write_at(offset, buf)
             .context(|| format!("writing raw image at {offset:#x}"))
+    }
+
+    fn start_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<StartedRead<'_>>> {
+        check_range(self.size, offset, buf.len() as u64)?;
+        Ok(Some(StartedRead {
+            storage: &*self.storage,
+            transfers: vec![Transfer {
+                host: offset,
+                bytes: 0..buf.len(),
+            }],
+        }))
     }
 
     fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {

@@ -96,6 +96,14 @@ pub trait Storage: Send + Sync {
         None
     }
 
+    /// The descriptor from which an asynchronous read into `buf` at `offset` may come,
+    /// counted here as a read; `None` where this storage reads only through `read_at`. A read
+    /// that comes back short met the end of the storage: the rest reads as zero.
+    fn async_read_fd(&self, offset: u64, buf: &mut [u8]) -> Option<RawFd> {
+        let _ = (offset, buf);
+        None
+    }
+
     /// The operation and byte counters of this storage.
     fn stats(&self) -> &IoStats;
 }

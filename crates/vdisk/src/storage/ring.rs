@@ -264,6 +264,7 @@ impl IoEvent {
     }
 }
 
+const IOCB_CMD_PREAD: u16 = 0;
 const IOCB_CMD_PWRITE: u16 = 1;
 
 #[cfg(not(target_endian = "little"))]
@@ -284,6 +285,14 @@ impl Iocb {
             nbytes: len as u64,
             offset: offset as i64,
             ..Iocb::default()
+        }
+    }
+
+    /// A read of `len` bytes from `fd` at `offset` into `ptr`, reported under `tag`.
+    pub fn read(fd: RawFd, offset: u64, ptr: *mut u8, len: usize, tag: u64) -> Iocb {
+        Iocb {
+            opcode: IOCB_CMD_PREAD,
+            ..Iocb::write(fd, offset, ptr, len, tag)
         }
     }
 }

@@ -73,6 +73,33 @@ pub(crate) fn write_done(conn: &Conn, req: &Request, result: crate::Result<()>) 
     }
 }
 
+/// Answers a read whose data came through the AIO path, and counts it.
+pub(crate) fn read_done(conn: &Conn, req: &Request, buf: &[u8], result: crate::Result<()>) {
+    let stats = &conn.session.export.stats;
+    if let Err(e) = result {
+        stats.record(req.kind, false, 0);
+        send_error(conn, req, e.into());
+        return;
+    }
+    stats.record(req.kind, true, u64::from(req.len));
+    if !conn.session.structured {
+        let head = simple_reply(0, req.cookie);
+        conn.send(&mut [IoSlice::new(&head), IoSlice::new(buf)]);
+        return;
+    }
+    let mut pieces = Vec::new();
+    if req.flags & CMD_FLAG_DF != 0 {
+        pieces.push(Piece {
+            start: 0,
+            len: buf.len(),
+            hole: false,
+        });
+    } else {
+        zero_pieces(req.offset, buf, 0, &mut pieces);
+    }
+    send_pieces(conn, req, buf, &pieces);
+}
+
 /// What the spec and qemu-nbd refuse before touching the disk.
 fn check(conn: &Conn, req: &Request, payload: &Payload) -> Result<(), Failure> {
     let s = &conn.session;
@@ -374,6 +401,12 @@ fn read_structured(
         dev.read(req.offset, buf)?;
         zero_pieces(req.offset, buf, 0, &mut pieces);
     }
+    send_pieces(conn, req, buf, &pieces);
+    Ok(())
+}
+
+/// Sends a structured read reply: the pieces of `buf` as data and hole chunks.
+fn send_pieces(conn: &Conn, req: &Request, buf: &[u8], pieces: &[Piece]) {
     let mut heads = Vec::with_capacity(pieces.len() * 32);
     let mut ranges = Vec::with_capacity(pieces.len());
     for (i, p) in pieces.iter().enumerate() {
@@ -403,7 +436,6 @@ fn read_structured(
         }
     }
     conn.send(&mut iov);
-    Ok(())
 }
 
 /// Extents of one metadata context: (length, flags), merged when alike.

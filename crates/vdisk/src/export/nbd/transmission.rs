@@ -27,7 +27,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::Scope;
 
 use super::commands;
-use super::direct::DirectWrites;
+use super::direct::DirectIo;
 use super::handshake::Session;
 use super::proto::*;
 use super::stream::Stream;
@@ -303,7 +303,7 @@ fn serve_conn(conn: &Conn, reader: &mut BufReader<Stream>) -> Result<(), ConnErr
     let direct = conn
         .limits
         .native_aio
-        .then(|| DirectWrites::new(conn.limits.max_requests).ok())
+        .then(|| DirectIo::new(conn.limits.max_requests).ok())
         .flatten();
     std::thread::scope(|scope| {
         if let Some(d) = &direct {
@@ -320,7 +320,7 @@ fn serve_conn(conn: &Conn, reader: &mut BufReader<Stream>) -> Result<(), ConnErr
 
 fn read_requests<'s, 'e: 's, 'c: 'e>(
     conn: &'c Conn,
-    direct: Option<&'e DirectWrites<'c>>,
+    direct: Option<&'e DirectIo<'c>>,
     reader: &mut BufReader<Stream>,
     scope: &'s Scope<'s, 'e>,
 ) -> Result<(), ConnError> {

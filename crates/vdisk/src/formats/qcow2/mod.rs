@@ -28,8 +28,8 @@ use self::cache::Meta;
 use self::header::Header;
 use self::l2::{EntryFormat, L2Table, SubclusterType};
 use self::snapshot::Snapshot;
-use super::{read_mapped, status_mapped, Holes, Image, Layer, Mapping};
-use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedWrite};
+use super::{read_mapped, read_mapped_with, status_mapped, Holes, Image, Layer, Mapping};
+use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
 use crate::counters::Counters;
 use crate::error::{Error, IoContext, Result};
 use crate::gate::Gate;
@@ -491,6 +491,22 @@ impl BlockDev for Qcow2 {
     fn write_fua(&self, offset: u64, buf: &[u8]) -> Result<()> {
         self.write(offset, buf)?;
         self.commit_group()
+    }
+
+    fn start_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<StartedRead<'_>>> {
+        check_range(self.size, offset, buf.len() as u64)?;
+        if self.writable {
+            self.fill_range(offset, buf.len() as u64)?;
+        }
+        let mut transfers = Vec::new();
+        read_mapped_with(self, offset, buf, |host, bytes, _| {
+            transfers.push(Transfer { host, bytes });
+            Ok(())
+        })?;
+        Ok(Some(StartedRead {
+            storage: &*self.data,
+            transfers,
+        }))
     }
 
     fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
