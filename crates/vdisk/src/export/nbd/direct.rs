@@ -131,11 +131,16 @@ impl<'d> DirectIo<'d> {
             }
             Payload::Dropped => return Err(job),
         };
-        let mut t = self.lock();
-        let slot = t.free.pop().unwrap_or_else(|| {
-            t.requests.push(None);
-            t.requests.len() - 1
-        });
+        let slot = {
+            let mut t = self.lock();
+            match t.free.pop() {
+                Some(slot) => slot,
+                None => {
+                    t.requests.push(None);
+                    t.requests.len() - 1
+                }
+            }
+        };
         let mut io = InFlight {
             req,
             buf,
@@ -163,10 +168,13 @@ impl<'d> DirectIo<'d> {
                 None => now.push(i),
             }
         }
+        // Unaligned transfers (the direct descriptor refuses them) run here, before the
+        // request is in the table.
         for i in now {
             io.transfer_now(i, 0);
         }
         io.waiting += iocbs.len();
+        let mut t = self.lock();
         t.in_kernel += iocbs.len();
         t.requests[slot] = Some(io);
         drop(t);
@@ -177,6 +185,8 @@ impl<'d> DirectIo<'d> {
         let mut t = self.lock();
         t.in_kernel -= iocbs.len() - sent;
         let io = t.requests[slot].as_mut().expect("a request in flight");
+        // Rare (the context is full); under the lock, as the request's other transfers may be
+        // completing.
         for c in &iocbs[sent..] {
             io.transfer_now(untag(c.tag()).1, 0);
         }
