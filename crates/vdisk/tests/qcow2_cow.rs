@@ -484,3 +484,29 @@ fn a_failed_started_write_leaves_the_old_content() {
     image.qcow2().unwrap().close().unwrap();
     assert_clean(&storage, true);
 }
+
+#[test]
+fn a_started_read_plus_its_transfers_reads_what_read_does() {
+    let backing = base();
+    let (_, image) = overlay(&backing);
+    image.write(CLUSTER, &[4u8; 8192]).unwrap();
+    image.write_zeroes(3 * CLUSTER, CLUSTER).unwrap();
+    image.write(5 * CLUSTER + 512, &[6u8; 1024]).unwrap();
+    image.flush().unwrap();
+    let len = 8 * CLUSTER as usize;
+    let mut want = vec![0u8; len];
+    image.read(0, &mut want).unwrap();
+    let mut got = vec![0xaau8; len];
+    let started = image.start_read(0, &mut got).unwrap().unwrap();
+    assert!(!started.transfers.is_empty());
+    for t in &started.transfers {
+        started
+            .storage
+            .read_at(t.host, &mut got[t.bytes.clone()])
+            .unwrap();
+    }
+    assert!(
+        got == want,
+        "backing data, zeroes and stored data all in place"
+    );
+}
