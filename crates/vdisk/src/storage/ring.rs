@@ -160,7 +160,7 @@ impl Ring {
                     }
                 }
             }
-            self.settle()?;
+            self.settle();
         }
         done.append(&mut self.ready);
         Ok(())
@@ -168,32 +168,36 @@ impl Ring {
 
     /// Accounts for the reaped completions: finished writes become ready, unfinished ones are
     /// queued again.
-    fn settle(&mut self) -> io::Result<()> {
+    fn settle(&mut self) {
         let reaped = std::mem::take(&mut self.reaped);
         for &(slot, result) in &reaped {
             let slot = slot as usize;
             let op = self.ops[slot]
                 .as_mut()
                 .expect("a completion for a live write");
-            let outcome = match result {
-                n if n == -i64::from(libc::EINTR) || n == -i64::from(libc::EAGAIN) => {
-                    self.push(slot)?;
-                    continue;
-                }
-                n if n < 0 => Err(io::Error::from_raw_os_error(-n as i32)),
-                0 => Err(io::Error::new(
-                    io::ErrorKind::WriteZero,
-                    "write wrote nothing",
-                )),
-                n if (n as usize) < op.len => {
+            let again = match result {
+                n if n == -i64::from(libc::EINTR) || n == -i64::from(libc::EAGAIN) => true,
+                n if n > 0 && (n as usize) < op.len => {
                     let n = n as usize;
                     // SAFETY: `n < len`, so the rest starts inside the same buffer.
                     op.ptr = unsafe { op.ptr.add(n) };
                     op.offset += n as u64;
                     op.len -= n;
-                    self.push(slot)?;
-                    continue;
+                    true
                 }
+                _ => false,
+            };
+            let outcome = match result {
+                // Queued again, or failed to be: then the write fails, it is not lost.
+                _ if again => match self.push(slot) {
+                    Ok(()) => continue,
+                    Err(e) => Err(e),
+                },
+                n if n < 0 => Err(io::Error::from_raw_os_error(-n as i32)),
+                0 => Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "write wrote nothing",
+                )),
                 _ => Ok(()),
             };
             let op = self.ops[slot].take().expect("a live write");
@@ -205,7 +209,6 @@ impl Ring {
         reaped.clear();
         reaped.append(&mut self.reaped);
         self.reaped = reaped;
-        Ok(())
     }
 }
 
