@@ -13,8 +13,9 @@
 //!           └─ FaultStorage (wraps any Storage; fails chosen calls with EIO, ENOSPC, short writes)
 //! ```
 //!
-//! A caller with many writes in flight from one thread can instead run them on a [`Ring`]
-//! (io_uring) where the storage offers a descriptor for it ([`Storage::async_write_fd`]).
+//! A caller with many transfers in flight from one thread can instead run them through Linux
+//! AIO or io_uring ([`Ring`], [`AioContext`]) where the storage offers a descriptor for them
+//! ([`Storage::async_write_fd`], [`Storage::async_read_fd`]).
 
 mod crash;
 mod fault;

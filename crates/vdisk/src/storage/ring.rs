@@ -124,11 +124,7 @@ impl Ring {
                         // Completions must be reaped first.
                         Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
                             uring.submit_and_wait(1)?;
-                            self.reaped.extend(
-                                uring
-                                    .completion()
-                                    .map(|c| (c.user_data(), i64::from(c.result()))),
-                            );
+                            take_completions(uring, &mut self.reaped);
                         }
                         Err(e) => return Err(e),
                     }
@@ -152,11 +148,7 @@ impl Ring {
                                 if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EINTR)) => {}
                             Err(e) => return Err(e),
                         }
-                        self.reaped.extend(
-                            uring
-                                .completion()
-                                .map(|c| (c.user_data(), i64::from(c.result()))),
-                        );
+                        take_completions(uring, &mut self.reaped);
                     }
                 }
             }
@@ -210,6 +202,15 @@ impl Ring {
         reaped.append(&mut self.reaped);
         self.reaped = reaped;
     }
+}
+
+/// Moves the io_uring's completions to `reaped` as `(tag, result)`.
+fn take_completions(uring: &mut IoUring, reaped: &mut Vec<(u64, i64)>) {
+    reaped.extend(
+        uring
+            .completion()
+            .map(|c| (c.user_data(), i64::from(c.result()))),
+    );
 }
 
 impl Drop for Ring {

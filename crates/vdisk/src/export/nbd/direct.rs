@@ -71,16 +71,22 @@ impl InFlight<'_> {
         let at = t.host + from as u64;
         let bytes = t.bytes.start + from..t.bytes.end;
         let result = match self.started {
-            Started::Read(_) => storage
-                .read_at(at, &mut self.buf[bytes])
-                .map_err(|e| t.read_error(e)),
-            Started::Write(_) => storage
-                .write_at(at, &self.buf[bytes])
-                .map_err(|e| t.error(e)),
+            Started::Read(_) => storage.read_at(at, &mut self.buf[bytes]),
+            Started::Write(_) => storage.write_at(at, &self.buf[bytes]),
         };
         if let Err(e) = result {
-            self.failed.get_or_insert(e);
+            self.fail(i, e);
         }
+    }
+
+    /// Records that transfer `i` failed with `e` (the request fails with its first error).
+    fn fail(&mut self, i: usize, e: std::io::Error) {
+        let t = &self.started.parts().1[i];
+        let e = match self.started {
+            Started::Read(_) => t.read_error(e),
+            Started::Write(_) => t.error(e),
+        };
+        self.failed.get_or_insert(e);
     }
 }
 
@@ -249,15 +255,7 @@ impl<'d> DirectIo<'d> {
                 let io = t.requests[slot].as_mut().expect("a request in flight");
                 let len = io.started.parts().1[i].bytes.len();
                 match usize::try_from(res) {
-                    Err(_) => {
-                        let e = std::io::Error::from_raw_os_error(-res as i32);
-                        let t = &io.started.parts().1[i];
-                        let e = match io.started {
-                            Started::Read(_) => t.read_error(e),
-                            Started::Write(_) => t.error(e),
-                        };
-                        io.failed.get_or_insert(e);
-                    }
+                    Err(_) => io.fail(i, std::io::Error::from_raw_os_error(-res as i32)),
                     // Short: a read met the end of the file (the rest reads as zero), or a
                     // write stopped early; the rest goes synchronously.
                     Ok(done) if done < len => io.transfer_now(i, done),

@@ -51,7 +51,7 @@ pub struct Qcow2 {
     /// each lookup and held across an allocating write (see `write.rs`).
     meta: Mutex<Meta>,
     writable: bool,
-    /// Held shared by every write for as long as it is in flight, exclusively by a flush (see
+    /// Passed by every write for as long as it is in flight, closed by a flush (see
     /// `write.rs`).
     gate: Gate,
     group: commit::Group,
