@@ -2,13 +2,15 @@
 # Benchmark: `vdisk serve` against `qemu-nbd` on the same qcow2 image, with the same fio job
 # (fio's nbd engine, libnbd, over a unix socket), side by side.
 #
-#   bench/nbd.sh [--quick] [--runtime S] [--size-mib N] [--only REGEX] [--wait-idle S]
-#                [--no-build] [--no-drop-caches] [--no-prefault] [--workers N]
+#   bench/nbd.sh [--quick] [--runtime S] [--size-mib N] [--only REGEX] [--rounds N]
+#                [--wait-idle S] [--no-build] [--no-drop-caches] [--no-prefault] [--workers N]
 #
 #   --quick         256 MiB image, 2 s per run (< 3 minutes in all); default: 2 GiB, 10 s
 #   --runtime S     seconds per run (time_based fio jobs)
 #   --size-mib N    size of the fully allocated image the read and overwrite rows use
 #   --only REGEX    run only the rows whose label matches (e.g. 'seqwrite')
+#   --rounds N      run every row N times (servers alternating which goes first) and report,
+#                   for each server, its run with the median IOPS; every run's IOPS is listed
 #   --wait-idle S   wait up to S seconds for the CPUs to be >= 90% idle before each run
 #   --no-build      use target/release/vdisk as it is (default: `cargo build --release` first)
 #   --no-drop-caches  keep the page cache between runs (default, as root: sync and drop it
@@ -43,6 +45,7 @@ quick=0
 runtime=
 size_mib=
 only=
+rounds=1
 wait_idle=0
 build=1
 drop=1
@@ -54,6 +57,7 @@ while (($#)); do
         --runtime) runtime=${2:?--runtime needs seconds}; shift ;;
         --size-mib) size_mib=${2:?--size-mib needs a number}; shift ;;
         --only) only=${2:?--only needs a regex}; shift ;;
+        --rounds) rounds=${2:?--rounds needs a number}; shift ;;
         --wait-idle) wait_idle=${2:?--wait-idle needs seconds}; shift ;;
         --workers) workers=${2:?--workers needs a number}; shift ;;
         --no-build) build=0 ;;
@@ -70,6 +74,7 @@ else
     mode=full; runtime=${runtime:-10}; size_mib=${size_mib:-2048}
 fi
 [[ $runtime =~ ^[0-9]+$ && $runtime -gt 0 ]] || { echo "nbd.sh: bad --runtime" >&2; exit 2; }
+[[ $rounds =~ ^[0-9]+$ && $rounds -gt 0 ]] || { echo "nbd.sh: bad --rounds" >&2; exit 2; }
 [[ $size_mib =~ ^[0-9]+$ && $size_mib -ge 64 ]] || { echo "nbd.sh: --size-mib must be >= 64" >&2; exit 2; }
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -194,7 +199,7 @@ stop_server() {
 
 # ---------------------------------------------------------------------------------------------
 # Runs
-declare -A cell lat cpu
+declare -A cell lat cpu runs
 rows=()
 run_one() { # SERVER ROW RW BS QD JOBS IMAGE
     local server=$1 row=$2 rw=$3 bs=$4 qd=$5 jobs=$6 image=$7 region
@@ -225,10 +230,22 @@ d = j["read"] if "read" in sys.argv[2] else j["write"]
 print("%.0f %.1f %.1f" % (d["iops"], d["bw_bytes"] / 1048576, d["clat_ns"]["mean"] / 1000))
 EOF
 )
-    cell[$row,$server]="$iops|$mibs"
-    lat[$row,$server]=$clat
-    cpu[$row,$server]=$(awk -v a="$c0" -v b="$c1" 'BEGIN {printf "%.2f", b - a}')
-    log "  $server: $iops IOPS, $mibs MiB/s, mean completion latency ${clat} us, server CPU ${cpu[$row,$server]} s (idle before: ${idle}%)"
+    local used
+    used=$(awk -v a="$c0" -v b="$c1" 'BEGIN {printf "%.2f", b - a}')
+    runs[$row,$server]+="$iops $mibs $clat $used;"
+    log "  $server: $iops IOPS, $mibs MiB/s, mean completion latency ${clat} us, server CPU $used s (idle before: ${idle}%)"
+}
+# Sets the cells of ROW SERVER from its run with the median IOPS (the lower middle one of an
+# even count).
+pick_median() { # ROW SERVER
+    local all=${runs[$1,$2]:-}
+    [[ -n $all ]] || return 0
+    local iops mibs clat used
+    read -r iops mibs clat used < <(tr ';' '\n' <<<"$all" | grep . | sort -n -k1,1 \
+        | awk '{r[NR] = $0} END {print r[int((NR + 1) / 2)]}')
+    cell[$1,$2]="$iops|$mibs"
+    lat[$1,$2]=$clat
+    cpu[$1,$2]=$used
 }
 
 n=0
@@ -244,9 +261,13 @@ for spec in "4k-randread:randread:4k:full" "4k-randwrite:randwrite:4k:full" \
             log "$row"
             servers=(qemu-nbd qemu-nbd-e4 vdisk vdisk-none)
             ((jobs == 1)) || servers=(qemu-nbd-e4 vdisk vdisk-none)
-            if ((n % 2)); then servers=($(printf '%s\n' "${servers[@]}" | tac)); fi
-            for s in "${servers[@]}"; do run_one "$s" "$row" "$rw" "$bs" "$qd" "$jobs" "$image"; done
-            n=$((n + 1))
+            for ((r = 0; r < rounds; r++)); do
+                order=("${servers[@]}")
+                if ((n % 2)); then order=($(printf '%s\n' "${servers[@]}" | tac)); fi
+                for s in "${order[@]}"; do run_one "$s" "$row" "$rw" "$bs" "$qd" "$jobs" "$image"; done
+                n=$((n + 1))
+            done
+            for s in "${servers[@]}"; do pick_median "$row" "$s"; done
         done
     done
 done
@@ -285,6 +306,8 @@ commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
     echo
     echo "## Results"
     echo
+    ((rounds == 1)) || echo "Each cell is the server's run with the median IOPS of $rounds (every run is listed below the tables)."
+    ((rounds == 1)) || echo
     echo "IOPS (MiB/s). qemu-nbd with its default \`--shared=1\` serves one client at a time, so it has no 4-job rows."
     echo
     echo "| workload | iodepth | jobs | qemu-nbd | qemu-nbd --shared=4 | vdisk --cache none | vdisk (writeback) | vdisk none / best qemu-nbd | vdisk writeback / best qemu-nbd |"
@@ -302,6 +325,22 @@ commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
         read -r label q j <<<"$row"
         echo "| $label | ${q#qd} | ${j#j} | ${lat[$row,qemu-nbd]:-—} | ${lat[$row,qemu-nbd-e4]:-—} | ${lat[$row,vdisk-none]:-—} | ${lat[$row,vdisk]:-—} | ${cpu[$row,qemu-nbd]:-—} | ${cpu[$row,qemu-nbd-e4]:-—} | ${cpu[$row,vdisk-none]:-—} | ${cpu[$row,vdisk]:-—} |"
     done
+    if ((rounds > 1)); then
+        echo
+        echo "IOPS of every run, in the order they ran:"
+        echo
+        echo "| workload | iodepth | jobs | qemu-nbd | qemu-nbd --shared=4 | vdisk --cache none | vdisk (writeback) |"
+        echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+        for row in "${rows[@]}"; do
+            read -r label q j <<<"$row"
+            line="| $label | ${q#qd} | ${j#j} |"
+            for s in qemu-nbd qemu-nbd-e4 vdisk-none vdisk; do
+                v=$(tr ';' '\n' <<<"${runs[$row,$s]:-}" | awk 'NF {printf "%s%s", (n++ ? ", " : ""), $1}')
+                line+=" ${v:-—} |"
+            done
+            echo "$line"
+        done
+    fi
     echo
     echo "## Machine"
     echo

@@ -58,33 +58,44 @@ pub(crate) fn passes_checks(conn: &Conn, req: &Request) -> bool {
     check(conn, req, &Payload::None).is_ok()
 }
 
-/// Answers a write whose data went out on the AIO path, and counts it.
-pub(crate) fn write_done(conn: &Conn, req: &Request, result: crate::Result<()>) {
+/// Answers a write whose data went out on the AIO path (into `out`), and counts it.
+pub(crate) fn write_done(
+    conn: &Conn,
+    req: &Request,
+    result: crate::Result<()>,
+    out: &mut Replies<'_>,
+) {
     let stats = &conn.session.export.stats;
     match result {
         Ok(()) => {
             stats.record(req.kind, true, u64::from(req.len));
-            send_ok(conn, req);
+            out.ok(req);
         }
         Err(e) => {
             stats.record(req.kind, false, 0);
-            send_error(conn, req, e.into());
+            out.error(conn, req, e.into());
         }
     }
 }
 
-/// Answers a read whose data came through the AIO path, and counts it.
-pub(crate) fn read_done(conn: &Conn, req: &Request, buf: &[u8], result: crate::Result<()>) {
+/// Answers a read whose data came through the AIO path (into `out`), and counts it.
+pub(crate) fn read_done<'a>(
+    conn: &Conn,
+    req: &Request,
+    buf: &'a [u8],
+    result: crate::Result<()>,
+    out: &mut Replies<'a>,
+) {
     let stats = &conn.session.export.stats;
     if let Err(e) = result {
         stats.record(req.kind, false, 0);
-        send_error(conn, req, e.into());
+        out.error(conn, req, e.into());
         return;
     }
     stats.record(req.kind, true, u64::from(req.len));
     if !conn.session.structured {
-        let head = simple_reply(0, req.cookie);
-        conn.send(&mut [IoSlice::new(&head), IoSlice::new(buf)]);
+        out.head(&simple_reply(0, req.cookie));
+        out.data(buf);
         return;
     }
     let mut pieces = Vec::new();
@@ -97,7 +108,99 @@ pub(crate) fn read_done(conn: &Conn, req: &Request, buf: &[u8], result: crate::R
     } else {
         zero_pieces(req.offset, buf, 0, &mut pieces);
     }
-    send_pieces(conn, req, buf, &pieces);
+    out.pieces(req, buf, &pieces);
+}
+
+/// Replies put together to go out with one write on the socket: their header bytes are kept
+/// here, read data is borrowed from the request buffers.
+#[derive(Default)]
+pub(crate) struct Replies<'a> {
+    heads: Vec<u8>,
+    parts: Vec<Part<'a>>,
+}
+
+enum Part<'a> {
+    Head(std::ops::Range<usize>),
+    Data(&'a [u8]),
+}
+
+impl<'a> Replies<'a> {
+    fn head(&mut self, bytes: &[u8]) {
+        let at = self.heads.len();
+        self.heads.extend_from_slice(bytes);
+        match self.parts.last_mut() {
+            Some(Part::Head(r)) if r.end == at => r.end += bytes.len(),
+            _ => self.parts.push(Part::Head(at..at + bytes.len())),
+        }
+    }
+
+    fn data(&mut self, data: &'a [u8]) {
+        self.parts.push(Part::Data(data));
+    }
+
+    fn ok(&mut self, req: &Request) {
+        self.head(&simple_reply(0, req.cookie));
+    }
+
+    fn error(&mut self, conn: &Conn, req: &Request, f: Failure) {
+        let error = if f.error == 0 { EINVAL } else { f.error };
+        if !conn.session.structured {
+            self.head(&simple_reply(error, req.cookie));
+            return;
+        }
+        let mut end = f.msg.len().min(MAX_MESSAGE);
+        while !f.msg.is_char_boundary(end) {
+            end -= 1;
+        }
+        let msg = &f.msg.as_bytes()[..end];
+        let len = 6 + msg.len() as u32;
+        self.head(&chunk_header(
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_ERROR,
+            req.cookie,
+            len,
+        ));
+        self.head(&error.to_be_bytes());
+        self.head(&(msg.len() as u16).to_be_bytes());
+        self.head(msg);
+    }
+
+    /// A structured read reply: the pieces of `buf` as data and hole chunks.
+    fn pieces(&mut self, req: &Request, buf: &'a [u8], pieces: &[Piece]) {
+        for (i, p) in pieces.iter().enumerate() {
+            let flags = if i + 1 == pieces.len() {
+                REPLY_FLAG_DONE
+            } else {
+                0
+            };
+            let offset = req.offset + p.start as u64;
+            if p.hole {
+                self.head(&chunk_header(flags, REPLY_TYPE_OFFSET_HOLE, req.cookie, 12));
+                self.head(&offset.to_be_bytes());
+                self.head(&(p.len as u32).to_be_bytes());
+            } else {
+                let n = 8 + p.len as u32;
+                self.head(&chunk_header(flags, REPLY_TYPE_OFFSET_DATA, req.cookie, n));
+                self.head(&offset.to_be_bytes());
+                self.data(&buf[p.start..p.start + p.len]);
+            }
+        }
+    }
+
+    /// Sends everything gathered as one write.
+    pub fn send(self, conn: &Conn) {
+        let mut iov: Vec<IoSlice<'_>> = self
+            .parts
+            .iter()
+            .map(|p| match p {
+                Part::Head(r) => IoSlice::new(&self.heads[r.clone()]),
+                Part::Data(d) => IoSlice::new(d),
+            })
+            .collect();
+        if !iov.is_empty() {
+            conn.send(&mut iov);
+        }
+    }
 }
 
 /// What the spec and qemu-nbd refuse before touching the disk.
@@ -273,30 +376,15 @@ fn cache(conn: &Conn, dev: &dyn BlockDev, req: &Request) -> Result<(), Failure> 
 }
 
 fn send_ok(conn: &Conn, req: &Request) {
-    conn.send(&mut [IoSlice::new(&simple_reply(0, req.cookie))]);
+    let mut out = Replies::default();
+    out.ok(req);
+    out.send(conn);
 }
 
 fn send_error(conn: &Conn, req: &Request, f: Failure) {
-    let error = if f.error == 0 { EINVAL } else { f.error };
-    if !conn.session.structured {
-        conn.send(&mut [IoSlice::new(&simple_reply(error, req.cookie))]);
-        return;
-    }
-    let mut end = f.msg.len().min(MAX_MESSAGE);
-    while !f.msg.is_char_boundary(end) {
-        end -= 1;
-    }
-    let msg = &f.msg.as_bytes()[..end];
-    let mut head = Vec::with_capacity(26);
-    head.extend_from_slice(&chunk_header(
-        REPLY_FLAG_DONE,
-        REPLY_TYPE_ERROR,
-        req.cookie,
-        6 + msg.len() as u32,
-    ));
-    head.extend_from_slice(&error.to_be_bytes());
-    head.extend_from_slice(&(msg.len() as u16).to_be_bytes());
-    conn.send(&mut [IoSlice::new(&head), IoSlice::new(msg)]);
+    let mut out = Replies::default();
+    out.error(conn, req, f);
+    out.send(conn);
 }
 
 /// A content chunk of a read reply: `len` bytes at `start` of the request.
@@ -401,41 +489,10 @@ fn read_structured(
         dev.read(req.offset, buf)?;
         zero_pieces(req.offset, buf, 0, &mut pieces);
     }
-    send_pieces(conn, req, buf, &pieces);
+    let mut out = Replies::default();
+    out.pieces(req, buf, &pieces);
+    out.send(conn);
     Ok(())
-}
-
-/// Sends a structured read reply: the pieces of `buf` as data and hole chunks.
-fn send_pieces(conn: &Conn, req: &Request, buf: &[u8], pieces: &[Piece]) {
-    let mut heads = Vec::with_capacity(pieces.len() * 32);
-    let mut ranges = Vec::with_capacity(pieces.len());
-    for (i, p) in pieces.iter().enumerate() {
-        let flags = if i + 1 == pieces.len() {
-            REPLY_FLAG_DONE
-        } else {
-            0
-        };
-        let at = heads.len();
-        let offset = req.offset + p.start as u64;
-        if p.hole {
-            heads.extend_from_slice(&chunk_header(flags, REPLY_TYPE_OFFSET_HOLE, req.cookie, 12));
-            heads.extend_from_slice(&offset.to_be_bytes());
-            heads.extend_from_slice(&(p.len as u32).to_be_bytes());
-        } else {
-            let n = 8 + p.len as u32;
-            heads.extend_from_slice(&chunk_header(flags, REPLY_TYPE_OFFSET_DATA, req.cookie, n));
-            heads.extend_from_slice(&offset.to_be_bytes());
-        }
-        ranges.push(at..heads.len());
-    }
-    let mut iov = Vec::with_capacity(pieces.len() * 2);
-    for (p, r) in pieces.iter().zip(ranges) {
-        iov.push(IoSlice::new(&heads[r]));
-        if !p.hole {
-            iov.push(IoSlice::new(&buf[p.start..p.start + p.len]));
-        }
-    }
-    conn.send(&mut iov);
 }
 
 /// Extents of one metadata context: (length, flags), merged when alike.

@@ -2,10 +2,11 @@
 //! direct cache mode): the connection's reader maps each plain read or write on the disk
 //! ([`BlockDev::start_read`], [`BlockDev::start_write`]) and submits its transfers itself; a
 //! completion thread reaps them and replies. The data then costs no worker thread wake-up, as
-//! in qemu-nbd's single event loop.
+//! in qemu-nbd's single event loop. The requests that one read from the socket brought in go
+//! to the kernel with one `io_submit`, so the device is told once for all of them.
 //!
 //! ```text
-//!   reader ─ start_* ─ io_submit ─► kernel ─ io_getevents ─► completer ─ finish ─► reply
+//!   reader ─ start_* ─ batch ─ io_submit ─► kernel ─ io_getevents ─► completer ─ finish ─► reply
 //! ```
 //!
 //! Anything else (FUA, other commands, a write the disk will not hand out because a flush
@@ -13,7 +14,7 @@
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 
-use super::commands;
+use super::commands::{self, Replies};
 use super::proto::{Request, CMD_FLAG_FUA, CMD_READ, CMD_WRITE};
 use super::transmission::{Buf, Conn, Job, Payload};
 use crate::blockdev::{StartedRead, StartedWrite, Transfer};
@@ -21,6 +22,13 @@ use crate::storage::{AioContext, IoEvent, Iocb, Storage};
 
 /// Events reaped at once.
 const EVENTS: usize = 64;
+
+/// Requests prepared by the reader whose transfers wait to go to the kernel together.
+#[derive(Default)]
+pub(crate) struct Batch {
+    iocbs: Vec<Iocb>,
+    slots: Vec<usize>,
+}
 
 pub(crate) struct DirectIo<'d> {
     cx: AioContext,
@@ -35,6 +43,10 @@ struct Table<'d> {
     free: Vec<usize>,
     /// Transfers submitted and not yet reaped.
     in_kernel: usize,
+    /// Requests that finished on the reader (no transfer went to the kernel), for the
+    /// completer to answer: the reader never writes to the socket on this path, so a client
+    /// that sends many requests before it reads a reply cannot stall it.
+    ready: Vec<InFlight<'d>>,
     closing: bool,
 }
 
@@ -52,6 +64,19 @@ struct InFlight<'d> {
 enum Started<'d> {
     Read(StartedRead<'d>),
     Write(StartedWrite<'d>),
+}
+
+impl<'d> Table<'d> {
+    /// Counts one transfer of the request in `slot` done; the last one takes the request out.
+    fn settle(&mut self, slot: usize) -> Option<InFlight<'d>> {
+        let io = self.requests[slot].as_mut().expect("a request in flight");
+        io.waiting -= 1;
+        if io.waiting > 0 {
+            return None;
+        }
+        self.free.push(slot);
+        self.requests[slot].take()
+    }
 }
 
 impl<'d> Started<'d> {
@@ -103,9 +128,10 @@ impl<'d> DirectIo<'d> {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Takes a plain read or write that passes the checks onto the AIO path; gives back any
-    /// other job.
-    pub fn submit(&self, conn: &'d Conn, job: Job) -> Result<(), Job> {
+    /// Takes a plain read or write that passes the checks onto the AIO path, its transfers
+    /// into `batch`; gives back any other job. The request cannot finish before the batch is
+    /// submitted ([`DirectIo::submit`]).
+    pub fn prepare(&self, conn: &'d Conn, job: Job, batch: &mut Batch) -> Result<(), Job> {
         let dev = conn.session.export.dev();
         let req = job.req;
         let plain = matches!(req.kind, CMD_READ | CMD_WRITE)
@@ -137,6 +163,14 @@ impl<'d> DirectIo<'d> {
             }
             Payload::Dropped => return Err(job),
         };
+        let mut io = InFlight {
+            req,
+            buf,
+            budget: job.budget,
+            started,
+            waiting: 1,
+            failed: None,
+        };
         let slot = {
             let mut t = self.lock();
             match t.free.pop() {
@@ -147,19 +181,12 @@ impl<'d> DirectIo<'d> {
                 }
             }
         };
-        let mut io = InFlight {
-            req,
-            buf,
-            budget: job.budget,
-            started,
-            waiting: 1,
-            failed: None,
-        };
-        let mut iocbs = Vec::new();
-        let mut now = Vec::new();
+        let queued = batch.iocbs.len();
         let (storage, transfers) = io.started.parts();
+        let mut now = Vec::new();
         for (i, tr) in transfers.iter().enumerate() {
             let tag = tag(slot, i);
+            // The buffer's heap block stays in place when `io` moves into the table.
             let data = &mut io.buf[tr.bytes.clone()];
             let iocb = match io.started {
                 Started::Read(_) => storage
@@ -170,7 +197,7 @@ impl<'d> DirectIo<'d> {
                     .map(|fd| Iocb::write(fd, tr.host, data.as_ptr(), data.len(), tag)),
             };
             match iocb {
-                Some(c) => iocbs.push(c),
+                Some(c) => batch.iocbs.push(c),
                 None => now.push(i),
             }
         }
@@ -179,78 +206,115 @@ impl<'d> DirectIo<'d> {
         for i in now {
             io.transfer_now(i, 0);
         }
-        io.waiting += iocbs.len();
-        let mut t = self.lock();
-        t.in_kernel += iocbs.len();
-        t.requests[slot] = Some(io);
-        drop(t);
-        // SAFETY: the buffers belong to the request kept in the table, which stays there (and
-        // its buffer in place) until its last transfer is reaped. A full context (EAGAIN) or
-        // any other refusal leaves the transfers to be run synchronously below.
-        let sent = unsafe { self.cx.submit(&mut iocbs) }.unwrap_or(0);
-        let mut t = self.lock();
-        t.in_kernel -= iocbs.len() - sent;
-        let io = t.requests[slot].as_mut().expect("a request in flight");
-        // Rare (the context is full); under the lock, as the request's other transfers may be
-        // completing.
-        for c in &iocbs[sent..] {
-            io.transfer_now(untag(c.tag()).1, 0);
-        }
-        io.waiting -= iocbs.len() - sent;
-        if sent > 0 {
-            self.busy.notify_one();
-        }
-        self.settle(conn, t, slot);
+        io.waiting += batch.iocbs.len() - queued;
+        self.lock().requests[slot] = Some(io);
+        batch.slots.push(slot);
         Ok(())
     }
 
-    /// Counts one transfer of the request in `slot` done; the last one answers the request.
-    fn settle(&self, conn: &Conn, mut t: MutexGuard<'_, Table<'d>>, slot: usize) {
-        let io = t.requests[slot].as_mut().expect("a request in flight");
-        io.waiting -= 1;
-        if io.waiting > 0 {
+    /// Submits the transfers of every request in `batch` with one system call (the block
+    /// layer then also tells the device once), and answers those that are already done.
+    pub fn submit(&self, batch: &mut Batch) {
+        if batch.slots.is_empty() {
             return;
         }
-        let io = t.requests[slot].take().expect("a request in flight");
-        t.free.push(slot);
-        drop(t);
-        let outcome = io.failed.map_or(Ok(()), Err);
-        match io.started {
-            Started::Write(w) => {
-                let result = conn.session.export.dev().finish_write(w, outcome);
-                commands::write_done(conn, &io.req, result);
+        self.lock().in_kernel += batch.iocbs.len();
+        let mut sent = 0;
+        while sent < batch.iocbs.len() {
+            // SAFETY: the buffers belong to requests kept in the table, which stay there (and
+            // their buffers in place) until their last transfer is reaped. A full context
+            // (EAGAIN) or any other refusal leaves the rest to be run synchronously below.
+            match unsafe { self.cx.submit(&mut batch.iocbs[sent..]) } {
+                Ok(n) if n > 0 => sent += n,
+                _ => break,
             }
-            Started::Read(_) => commands::read_done(conn, &io.req, &io.buf, outcome),
         }
-        conn.put_buf(io.buf);
-        conn.release(io.budget);
+        let mut t = self.lock();
+        // Rare (the context is full); under the lock, as the requests' other transfers may be
+        // completing.
+        for c in &batch.iocbs[sent..] {
+            t.in_kernel -= 1;
+            let (slot, i) = untag(c.tag());
+            let io = t.requests[slot].as_mut().expect("a request in flight");
+            io.transfer_now(i, 0);
+            io.waiting -= 1;
+        }
+        batch.iocbs.clear();
+        for slot in batch.slots.drain(..) {
+            if let Some(io) = t.settle(slot) {
+                t.ready.push(io);
+            }
+        }
+        if sent > 0 || !t.ready.is_empty() {
+            self.busy.notify_one();
+        }
+    }
+
+    /// Ends the requests in `done` and sends their replies with one write.
+    fn answer(conn: &Conn, done: &mut Vec<InFlight<'d>>) {
+        if done.is_empty() {
+            return;
+        }
+        let dev = conn.session.export.dev();
+        let mut ended = Vec::with_capacity(done.len());
+        for io in done.drain(..) {
+            let outcome = io.failed.map_or(Ok(()), Err);
+            // A write is finished (its gate pass given back) before its reply goes out, so a
+            // flush the client sends after the reply covers it.
+            let result = match io.started {
+                Started::Write(w) => dev.finish_write(w, outcome),
+                Started::Read(_) => outcome,
+            };
+            ended.push((io.req, io.buf, io.budget, Some(result)));
+        }
+        let mut out = Replies::default();
+        for (req, buf, _, result) in &mut ended {
+            let result = result.take().expect("each request answered once");
+            match req.kind {
+                CMD_WRITE => commands::write_done(conn, req, result, &mut out),
+                _ => commands::read_done(conn, req, buf, result, &mut out),
+            }
+        }
+        out.send(conn);
+        for (_, buf, budget, _) in ended {
+            conn.put_buf(buf);
+            conn.release(budget);
+        }
     }
 
     /// Reaps completions and answers the requests they finish, until the connection closes and
     /// nothing is left in the kernel.
     pub fn complete(&self, conn: &Conn) {
         let mut events = [IoEvent::default(); EVENTS];
+        let mut done = Vec::with_capacity(EVENTS);
         loop {
-            {
+            let in_kernel = {
                 let mut t = self.lock();
-                while t.in_kernel == 0 {
+                while t.in_kernel == 0 && t.ready.is_empty() {
                     if t.closing {
                         return;
                     }
                     t = self.busy.wait(t).unwrap_or_else(|e| e.into_inner());
                 }
-            }
-            let n = match self.cx.reap(&mut events, 1) {
-                Ok(n) => n,
-                Err(e) => {
-                    (conn.log)(&format!("nbd: waiting for transfers failed: {e}"));
-                    return;
-                }
+                done.append(&mut t.ready);
+                t.in_kernel
             };
+            // Waits for a completion only with nothing else to answer.
+            let min = usize::from(done.is_empty());
+            let n = match in_kernel {
+                0 => 0,
+                _ => match self.cx.reap(&mut events, min) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        (conn.log)(&format!("nbd: waiting for transfers failed: {e}"));
+                        return;
+                    }
+                },
+            };
+            let mut t = self.lock();
             for ev in &events[..n] {
                 let (tag, res) = ev.result();
                 let (slot, i) = untag(tag);
-                let mut t = self.lock();
                 t.in_kernel -= 1;
                 let io = t.requests[slot].as_mut().expect("a request in flight");
                 let len = io.started.parts().1[i].bytes.len();
@@ -261,8 +325,10 @@ impl<'d> DirectIo<'d> {
                     Ok(done) if done < len => io.transfer_now(i, done),
                     Ok(_) => {}
                 }
-                self.settle(conn, t, slot);
+                done.extend(t.settle(slot));
             }
+            drop(t);
+            Self::answer(conn, &mut done);
         }
     }
 

@@ -27,7 +27,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::Scope;
 
 use super::commands;
-use super::direct::DirectIo;
+use super::direct::{Batch, DirectIo};
 use super::handshake::Session;
 use super::proto::*;
 use super::stream::Stream;
@@ -200,12 +200,20 @@ impl Conn {
         }
     }
 
-    /// Reserves room for a request of `bytes` payload, waiting for earlier ones to finish.
-    fn admit(&self, bytes: usize) {
+    /// Reserves room for a request of `bytes` payload, waiting for earlier ones to finish;
+    /// `before_waiting` runs (without the lock) before it waits.
+    fn admit(&self, bytes: usize, before_waiting: impl FnOnce()) {
+        let full = |q: &Queue| {
+            q.in_flight >= self.limits.max_requests
+                || (q.in_flight > 0 && q.in_flight_bytes + bytes > self.limits.max_bytes)
+        };
         let mut q = lock(&self.queue);
-        while q.in_flight >= self.limits.max_requests
-            || (q.in_flight > 0 && q.in_flight_bytes + bytes > self.limits.max_bytes)
-        {
+        if full(&q) {
+            drop(q);
+            before_waiting();
+            q = lock(&self.queue);
+        }
+        while full(&q) {
             q.reader_waiting = true;
             q = self.done.wait(q).unwrap_or_else(|e| e.into_inner());
         }
@@ -324,9 +332,35 @@ fn read_requests<'s, 'e: 's, 'c: 'e>(
     reader: &mut BufReader<Stream>,
     scope: &'s Scope<'s, 'e>,
 ) -> Result<(), ConnError> {
+    let mut batch = Batch::default();
+    let result = read_into(conn, direct, reader, scope, &mut batch);
+    if let Some(d) = direct {
+        d.submit(&mut batch);
+    }
+    result
+}
+
+/// The reader's loop. Requests prepared for AIO collect in `batch`, which goes to the kernel
+/// whenever the reader could block: before it reads the socket again, and before it waits for
+/// room.
+fn read_into<'s, 'e: 's, 'c: 'e>(
+    conn: &'c Conn,
+    direct: Option<&'e DirectIo<'c>>,
+    reader: &mut BufReader<Stream>,
+    scope: &'s Scope<'s, 'e>,
+    batch: &mut Batch,
+) -> Result<(), ConnError> {
+    let submit = |batch: &mut Batch| {
+        if let Some(d) = direct {
+            d.submit(batch);
+        }
+    };
     loop {
         if conn.broken.load(Ordering::Relaxed) {
             return Ok(());
+        }
+        if reader.buffer().len() < REQUEST_SIZE {
+            submit(batch);
         }
         let mut head = [0u8; REQUEST_SIZE];
         if !super::read_or_eof(reader, &mut head)? {
@@ -342,11 +376,15 @@ fn read_requests<'s, 'e: 's, 'c: 'e>(
             CMD_READ | CMD_WRITE if fits => req.len as usize,
             _ => 0,
         };
-        conn.admit(budget);
+        conn.admit(budget, || submit(batch));
         let payload = if req.kind != CMD_WRITE {
             Payload::None
         } else if fits {
             let mut buf = conn.take_buf(req.len as usize);
+            if reader.buffer().len() < buf.len() {
+                // The payload's read may block.
+                submit(batch);
+            }
             if let Err(e) = reader.read_exact(&mut buf) {
                 conn.release(budget);
                 return Err(e.into());
@@ -354,6 +392,7 @@ fn read_requests<'s, 'e: 's, 'c: 'e>(
             Payload::Data(buf)
         } else {
             // Too large to hold: consume it so the stream stays in step, then refuse it.
+            submit(batch);
             let len = u64::from(req.len);
             let skipped = io::copy(&mut reader.by_ref().take(len), &mut io::sink());
             if !matches!(skipped, Ok(n) if n == len) {
@@ -374,7 +413,7 @@ fn read_requests<'s, 'e: 's, 'c: 'e>(
         // served here: no thread wake-up, neither a worker's nor the AIO completer's.
         let alone = conn.limits.inline && conn.alone() && nothing_pending(reader);
         if let Some(d) = direct.filter(|_| !alone) {
-            match d.submit(conn, job) {
+            match d.prepare(conn, job, batch) {
                 Ok(()) => continue,
                 Err(back) => job = back,
             }
