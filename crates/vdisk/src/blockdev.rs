@@ -133,6 +133,16 @@ pub trait BlockDev: Send + Sync {
     /// Makes the range read as zeroes.
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()>;
 
+    /// Makes the range read as zeroes only where that is cheap (metadata, a punched hole),
+    /// and otherwise fails with ENOTSUP before touching it, so a caller (NBD's FAST_ZERO,
+    /// QEMU's BDRV_REQ_NO_FALLBACK) can choose another way than zero bytes written for it.
+    fn write_zeroes_fast(&self, offset: u64, len: u64) -> Result<()> {
+        let _ = (offset, len);
+        Err(crate::Error::unsupported(
+            "this disk cannot zero without writing",
+        ))
+    }
+
     /// The status of the range starting at `offset`, at most `len` bytes long.
     fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus>;
 }
@@ -168,6 +178,9 @@ impl<T: BlockDev + ?Sized> BlockDev for std::sync::Arc<T> {
     }
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
         (**self).write_zeroes(offset, len)
+    }
+    fn write_zeroes_fast(&self, offset: u64, len: u64) -> Result<()> {
+        (**self).write_zeroes_fast(offset, len)
     }
     fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
         (**self).block_status(offset, len)

@@ -122,6 +122,11 @@ impl<D: BlockDev> BlockDev for WithCache<D> {
         self.settle()
     }
 
+    fn write_zeroes_fast(&self, offset: u64, len: u64) -> Result<()> {
+        self.disk.write_zeroes_fast(offset, len)?;
+        self.settle()
+    }
+
     fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
         self.disk.block_status(offset, len)
     }

@@ -510,3 +510,37 @@ fn a_started_read_plus_its_transfers_reads_what_read_does() {
         "backing data, zeroes and stored data all in place"
     );
 }
+
+#[test]
+fn fast_zeroing_takes_whole_clusters_only() {
+    let backing = base();
+    let (storage, image) = overlay(&backing);
+    image.write(0, &[7u8; 2 * CLUSTER as usize]).unwrap();
+    // Part of a cluster would be written: refused before anything changes.
+    for (offset, len) in [(512, 4096), (0, CLUSTER + 512), (CLUSTER / 2, CLUSTER)] {
+        let e = image.write_zeroes_fast(offset, len).unwrap_err();
+        assert_eq!(e.errno(), libc::ENOTSUP, "{offset} {len}: {e}");
+    }
+    let mut got = vec![0u8; 2 * CLUSTER as usize];
+    image.read(0, &mut got).unwrap();
+    assert!(got.iter().all(|&b| b == 7), "refused zeroing changed data");
+    // Whole clusters, written and backing-file ones, become zero clusters.
+    image.write_zeroes_fast(CLUSTER, 3 * CLUSTER).unwrap();
+    image.read(0, &mut got).unwrap();
+    assert!(got[..CLUSTER as usize].iter().all(|&b| b == 7));
+    let mut zeroed = vec![1u8; 3 * CLUSTER as usize];
+    image.read(CLUSTER, &mut zeroed).unwrap();
+    assert!(zeroed.iter().all(|&b| b == 0));
+    image.qcow2().unwrap().close().unwrap();
+    assert_clean(&storage, false);
+    // A version 2 image has no zero clusters.
+    let storage: Arc<dyn Storage> = Arc::new(MemStorage::new());
+    let o = CreateOptions {
+        version: 2,
+        ..options()
+    };
+    create(&*storage, None, &o).unwrap();
+    let v2 = open_storage_with(storage, Some(Format::Qcow2), "v2.qcow2", true).unwrap();
+    let e = v2.write_zeroes_fast(0, CLUSTER).unwrap_err();
+    assert_eq!(e.errno(), libc::ENOTSUP);
+}

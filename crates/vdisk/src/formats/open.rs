@@ -171,6 +171,9 @@ impl BlockDev for Image {
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
         self.dev().write_zeroes(offset, len)
     }
+    fn write_zeroes_fast(&self, offset: u64, len: u64) -> Result<()> {
+        self.dev().write_zeroes_fast(offset, len)
+    }
     fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
         self.dev().block_status(offset, len)
     }

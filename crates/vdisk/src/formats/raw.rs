@@ -153,6 +153,17 @@ impl BlockDev for Raw {
             .context(|| format!("zeroing the raw image at {offset:#x}"))
     }
 
+    fn write_zeroes_fast(&self, offset: u64, len: u64) -> Result<()> {
+        self.writable("write zeroes")?;
+        check_range(self.size, offset, len)?;
+        match self.storage.punch_hole(offset, len) {
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => Err(Error::unsupported(
+                "the raw image's storage cannot punch holes, so zeroing means writing",
+            )),
+            done => done.context(|| format!("zeroing the raw image at {offset:#x}")),
+        }
+    }
+
     fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
         check_range(self.size, offset, len)?;
         status_mapped(self, offset, len)
@@ -165,7 +176,8 @@ mod tests {
     use crate::storage::{Fault, FaultStorage, MemStorage, OpKind, When};
 
     /// Storage that cannot punch holes (a block device without a zeroing offload): zeroes are
-    /// written instead, and a discard keeps the data rather than failing.
+    /// written instead, fast zeroing is refused, and a discard keeps the data rather than
+    /// failing.
     #[test]
     fn zeroes_without_hole_punching() {
         let mem: Arc<dyn Storage> = Arc::new(MemStorage::from_bytes(vec![0xaa; 3 << 20]));
@@ -176,6 +188,8 @@ mod tests {
         });
         let raw = Raw::open(faulty, false).unwrap();
         raw.discard(0, 4096).unwrap();
+        let fast = raw.write_zeroes_fast(0, 1 << 20).unwrap_err();
+        assert_eq!(fast.errno(), libc::ENOTSUP, "{fast}");
         raw.write_zeroes(4096, (2 << 20) + 512).unwrap();
         let mut back = vec![0u8; 3 << 20];
         raw.read(0, &mut back).unwrap();

@@ -344,9 +344,9 @@ fn write_zeroes(dev: &dyn BlockDev, req: &Request) -> Result<(), Failure> {
         ));
     }
     if !no_hole {
-        // Formats zero by metadata (qcow2 zero clusters) or by punching holes (raw), so the
-        // disk's write_zeroes counts as fast.
-        if req.len > 0 {
+        if req.len > 0 && fast {
+            dev.write_zeroes_fast(req.offset, u64::from(req.len))?;
+        } else if req.len > 0 {
             dev.write_zeroes(req.offset, u64::from(req.len))?;
         }
         return Ok(());

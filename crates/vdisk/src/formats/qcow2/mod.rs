@@ -531,6 +531,21 @@ impl BlockDev for Qcow2 {
         self.zero_impl(offset, len, write::Zeroing::Zeroes)
     }
 
+    /// Fast where every cluster of the range is zeroed whole in the L2 table: version 3,
+    /// cluster-aligned, and no raw data file (whose bytes must be zeroed too). Parts of
+    /// clusters would be written.
+    fn write_zeroes_fast(&self, offset: u64, len: u64) -> Result<()> {
+        check_range(self.size, offset, len)?;
+        let cs = self.header.cluster_size();
+        let whole = offset % cs == 0 && (len % cs == 0 || offset + len == self.size);
+        if self.header.version < 3 || !whole || self.header.data_file_raw() {
+            return Err(Error::unsupported(
+                "zeroing this range would write zeroes: parts of clusters, a version 2 image or a raw data file",
+            ));
+        }
+        self.zero_impl(offset, len, write::Zeroing::Zeroes)
+    }
+
     fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
         check_range(self.size, offset, len)?;
         status_mapped(self, offset, len)
