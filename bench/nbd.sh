@@ -301,6 +301,7 @@ commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
     else
         echo "- page cache: not dropped between runs (--no-drop-caches or not root)"
     fi
+    echo "- host cache: before every run on the fully allocated image, \`dd iflag=direct\` reads all of it once, so that every server meets the same warm cache on the VM's host (random reads run several times faster on blocks the host has read before)"
     ((prefault)) && echo "- memory: $prefault_mib MiB touched in huge pages right before each run (untimed; see bench/convert.sh)"
     echo "- each server is started for one run and stopped with SIGTERM after it (vdisk then flushes and closes the image)"
     echo

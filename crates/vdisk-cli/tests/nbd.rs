@@ -1364,3 +1364,55 @@ fn cache_modes_decide_direct_io_and_durability() {
     );
     assert!(!ok && err.contains("aio=native"), "{err}");
 }
+
+/// With `--cache none`, the copy-on-write that fills a new cluster's gaps from the backing file
+/// bypasses the page cache like the guest's data (its buffers are aligned for O_DIRECT).
+#[test]
+fn copy_on_write_with_cache_none_bypasses_the_page_cache() {
+    let Some(t) = peers(&["qemu-img"]) else {
+        return;
+    };
+    let qemu_img = &t[0];
+    let dir = scratch("cow-direct");
+    let d = dir.path();
+    let (base, top) = (d.join("base.raw"), d.join("top.qcow2"));
+    std::fs::write(&base, vec![0x11u8; 16 << 20]).unwrap();
+    let base_s = base.to_str().unwrap();
+    let top_s = top.to_str().unwrap();
+    run(
+        qemu_img,
+        &[
+            "create", "-q", "-f", "qcow2", "-b", base_s, "-F", "raw", top_s,
+        ],
+    );
+    drop_cached(&base);
+    drop_cached(&top);
+    let serve = Serve::start(d, &[top_s, "--cache", "none"]);
+    let s = std::os::unix::net::UnixStream::connect(&serve.socket).unwrap();
+    let mut c = Client::connect(s, &Opts::default()).unwrap();
+    // The first 4 KiB of a cluster: the other 60 KiB come from the backing file at the flush.
+    assert_eq!(c.write(MIB, &[0x5a; 4096]), 0);
+    assert_eq!(c.call(0, CMD_FLUSH, 0, 0, &[]).error, 0);
+    c.disconnect();
+    serve.stop_clean();
+    let map = run(qemu_img, &["map", "--output=json", top_s]);
+    let host = map
+        .lines()
+        .find(|l| l.contains(&format!("\"start\": {MIB},")))
+        .and_then(|l| l.split("\"offset\": ").nth(1))
+        .and_then(|o| o.trim_end_matches(['}', ',', ']', ' ']).parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no host offset for {MIB} in {map}"));
+    assert!(
+        !resident(&top, host, 65536),
+        "the new cluster's data went through the page cache"
+    );
+    let back = d.join("back.raw");
+    run(
+        qemu_img,
+        &["convert", "-O", "raw", top_s, back.to_str().unwrap()],
+    );
+    let bytes = std::fs::read(&back).unwrap();
+    let cluster = &bytes[MIB as usize..MIB as usize + 65536];
+    assert!(cluster[..4096].iter().all(|&b| b == 0x5a));
+    assert!(cluster[4096..].iter().all(|&b| b == 0x11));
+}

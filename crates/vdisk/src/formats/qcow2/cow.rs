@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use super::cache::Meta;
 use super::l2::{L2Entry, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED};
 use super::Qcow2;
-use crate::bytes::is_zero;
+use crate::bytes::{is_zero, AlignedBuf};
 use crate::error::{IoContext, Result};
 
 /// Granularity of the written-sector map.
@@ -164,14 +164,13 @@ impl Qcow2 {
             None
         };
         for (from, to) in merge(parts) {
-            let part = match &whole {
-                Some(w) => w[from as usize..to as usize].to_vec(),
-                None => {
-                    let mut part = vec![0u8; (to - from) as usize];
-                    read += self.cluster_part(p.old, guest, from, &mut part)?;
-                    part
-                }
-            };
+            // Aligned, so that with `--cache none` a 4 KiB-aligned gap bypasses the page cache
+            // like the guest's data does (and a direct backing file reads straight into it).
+            let mut part = AlignedBuf::zeroed((to - from) as usize);
+            match &whole {
+                Some(w) => part.copy_from_slice(&w[from as usize..to as usize]),
+                None => read += self.cluster_part(p.old, guest, from, &mut part)?,
+            }
             if p.host_zero && is_zero(&part) {
                 continue;
             }
