@@ -156,10 +156,13 @@ impl BlockDev for Raw {
     fn write_zeroes_fast(&self, offset: u64, len: u64) -> Result<()> {
         self.writable("write zeroes")?;
         check_range(self.size, offset, len)?;
+        // EINVAL: a block device refuses ranges not aligned to its blocks.
         match self.storage.punch_hole(offset, len) {
-            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => Err(Error::unsupported(
-                "the raw image's storage cannot punch holes, so zeroing means writing",
-            )),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EINVAL)) => {
+                Err(Error::unsupported(
+                    "the raw image's storage cannot punch this range, so zeroing means writing",
+                ))
+            }
             done => done.context(|| format!("zeroing the raw image at {offset:#x}")),
         }
     }

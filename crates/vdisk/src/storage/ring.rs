@@ -344,9 +344,21 @@ impl AioContext {
         }
     }
 
-    /// Waits until at least `min` writes completed and stores up to `events.len()` of them;
-    /// returns how many.
-    pub fn reap(&self, events: &mut [IoEvent], min: usize) -> io::Result<usize> {
+    /// Waits until at least `min` transfers completed (or `timeout` passed) and stores up to
+    /// `events.len()` of them; returns how many.
+    pub fn reap(
+        &self,
+        events: &mut [IoEvent],
+        min: usize,
+        timeout: Option<std::time::Duration>,
+    ) -> io::Result<usize> {
+        let mut ts = timeout.map(|t| libc::timespec {
+            tv_sec: t.as_secs() as libc::time_t,
+            tv_nsec: t.subsec_nanos() as libc::c_long,
+        });
+        let ts = ts
+            .as_mut()
+            .map_or(std::ptr::null_mut(), |t| t as *mut libc::timespec);
         loop {
             // SAFETY: the kernel writes at most `events.len()` events into `events`.
             let r = unsafe {
@@ -356,7 +368,7 @@ impl AioContext {
                     min as libc::c_long,
                     events.len() as libc::c_long,
                     events.as_mut_ptr(),
-                    std::ptr::null_mut::<libc::timespec>(),
+                    ts,
                 )
             };
             if r >= 0 {
@@ -417,7 +429,7 @@ impl Aio {
             }
         }
         self.queued.drain(..sent);
-        let n = self.cx.reap(&mut self.events, 1)?;
+        let n = self.cx.reap(&mut self.events, 1, None)?;
         self.in_kernel -= n;
         reaped.extend(self.events[..n].iter().map(IoEvent::result));
         Ok(())

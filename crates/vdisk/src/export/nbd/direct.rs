@@ -22,12 +22,23 @@ use crate::storage::{AioContext, IoEvent, Iocb, Storage};
 
 /// Events reaped at once.
 const EVENTS: usize = 64;
+/// Transfers in a batch at most: a larger one goes to the kernel before more are added.
+const MAX_BATCH: usize = 256;
+/// How long the completer waits in the kernel before it looks at requests the reader finished
+/// itself (their notice cannot reach it there); transfers usually complete sooner.
+const READY_CHECK: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// Requests prepared by the reader whose transfers wait to go to the kernel together.
 #[derive(Default)]
 pub(crate) struct Batch {
     iocbs: Vec<Iocb>,
     slots: Vec<usize>,
+}
+
+impl Batch {
+    pub fn full(&self) -> bool {
+        self.iocbs.len() >= MAX_BATCH
+    }
 }
 
 pub(crate) struct DirectIo<'d> {
@@ -43,6 +54,9 @@ struct Table<'d> {
     free: Vec<usize>,
     /// Transfers submitted and not yet reaped.
     in_kernel: usize,
+    /// The reader is in io_submit: the completer must not start waiting in the kernel for
+    /// transfers that may all be refused.
+    submitting: bool,
     /// Requests that finished on the reader (no transfer went to the kernel), for the
     /// completer to answer: the reader never writes to the socket on this path, so a client
     /// that sends many requests before it reads a reply cannot stall it.
@@ -118,7 +132,8 @@ impl InFlight<'_> {
 impl<'d> DirectIo<'d> {
     pub fn new(depth: usize) -> std::io::Result<DirectIo<'d>> {
         Ok(DirectIo {
-            cx: AioContext::new(depth as u32)?,
+            // Requests may have several transfers each.
+            cx: AioContext::new(2 * depth as u32)?,
             table: Mutex::new(Table::default()),
             busy: Condvar::new(),
         })
@@ -218,7 +233,11 @@ impl<'d> DirectIo<'d> {
         if batch.slots.is_empty() {
             return;
         }
-        self.lock().in_kernel += batch.iocbs.len();
+        {
+            let mut t = self.lock();
+            t.in_kernel += batch.iocbs.len();
+            t.submitting = true;
+        }
         let mut sent = 0;
         while sent < batch.iocbs.len() {
             // SAFETY: the buffers belong to requests kept in the table, which stay there (and
@@ -230,6 +249,7 @@ impl<'d> DirectIo<'d> {
             }
         }
         let mut t = self.lock();
+        t.submitting = false;
         // Rare (the context is full); under the lock, as the requests' other transfers may be
         // completing.
         for c in &batch.iocbs[sent..] {
@@ -245,9 +265,7 @@ impl<'d> DirectIo<'d> {
                 t.ready.push(io);
             }
         }
-        if sent > 0 || !t.ready.is_empty() {
-            self.busy.notify_one();
-        }
+        self.busy.notify_one();
     }
 
     /// Ends the requests in `done` and sends their replies with one write.
@@ -290,8 +308,8 @@ impl<'d> DirectIo<'d> {
         loop {
             let in_kernel = {
                 let mut t = self.lock();
-                while t.in_kernel == 0 && t.ready.is_empty() {
-                    if t.closing {
+                while (t.in_kernel == 0 || t.submitting) && t.ready.is_empty() {
+                    if t.closing && t.in_kernel == 0 {
                         return;
                     }
                     t = self.busy.wait(t).unwrap_or_else(|e| e.into_inner());
@@ -303,7 +321,7 @@ impl<'d> DirectIo<'d> {
             let min = usize::from(done.is_empty());
             let n = match in_kernel {
                 0 => 0,
-                _ => match self.cx.reap(&mut events, min) {
+                _ => match self.cx.reap(&mut events, min, Some(READY_CHECK)) {
                     Ok(n) => n,
                     Err(e) => {
                         (conn.log)(&format!("nbd: waiting for transfers failed: {e}"));

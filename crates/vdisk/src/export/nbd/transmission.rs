@@ -414,6 +414,10 @@ fn read_into<'s, 'e: 's, 'c: 'e>(
         let alone = conn.limits.inline && conn.alone() && nothing_pending(reader);
         if let Some(d) = direct.filter(|_| !alone) {
             match d.prepare(conn, job, batch) {
+                Ok(()) if batch.full() => {
+                    submit(batch);
+                    continue;
+                }
                 Ok(()) => continue,
                 Err(back) => job = back,
             }

@@ -537,8 +537,11 @@ impl BlockDev for Qcow2 {
     fn write_zeroes_fast(&self, offset: u64, len: u64) -> Result<()> {
         check_range(self.size, offset, len)?;
         let cs = self.header.cluster_size();
-        let whole = offset % cs == 0 && (len % cs == 0 || offset + len == self.size);
-        if self.header.version < 3 || !whole || self.header.data_file_raw() {
+        if self.header.version < 3
+            || offset % cs != 0
+            || len % cs != 0
+            || self.header.data_file_raw()
+        {
             return Err(Error::unsupported(
                 "zeroing this range would write zeroes: parts of clusters, a version 2 image or a raw data file",
             ));
