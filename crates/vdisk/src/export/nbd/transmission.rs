@@ -317,33 +317,21 @@ fn serve_conn(conn: &Conn, reader: &mut BufReader<Stream>) -> Result<(), ConnErr
         if let Some(d) = &direct {
             scope.spawn(|| d.complete(conn));
         }
-        let result = read_requests(conn, direct.as_ref(), reader, scope);
+        let mut batch = Batch::default();
+        let result = read_requests(conn, direct.as_ref(), reader, scope, &mut batch);
         conn.close_queue();
         if let Some(d) = &direct {
+            d.submit(&mut batch);
             d.close();
         }
         result
     })
 }
 
-fn read_requests<'s, 'e: 's, 'c: 'e>(
-    conn: &'c Conn,
-    direct: Option<&'e DirectIo<'c>>,
-    reader: &mut BufReader<Stream>,
-    scope: &'s Scope<'s, 'e>,
-) -> Result<(), ConnError> {
-    let mut batch = Batch::default();
-    let result = read_into(conn, direct, reader, scope, &mut batch);
-    if let Some(d) = direct {
-        d.submit(&mut batch);
-    }
-    result
-}
-
 /// The reader's loop. Requests prepared for AIO collect in `batch`, which goes to the kernel
 /// whenever the reader could block: before it reads the socket again, and before it waits for
-/// room.
-fn read_into<'s, 'e: 's, 'c: 'e>(
+/// room (and, by the caller, when the loop ends).
+fn read_requests<'s, 'e: 's, 'c: 'e>(
     conn: &'c Conn,
     direct: Option<&'e DirectIo<'c>>,
     reader: &mut BufReader<Stream>,
