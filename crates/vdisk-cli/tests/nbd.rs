@@ -1416,3 +1416,96 @@ fn copy_on_write_with_cache_none_bypasses_the_page_cache() {
     assert!(cluster[..4096].iter().all(|&b| b == 0x5a));
     assert!(cluster[4096..].iter().all(|&b| b == 0x11));
 }
+
+/// A small tmpfs mounted for one test, unmounted when dropped. Mounting needs root: outside CI
+/// the test skips without it, under CI it fails.
+struct SmallFs(std::path::PathBuf);
+
+impl SmallFs {
+    fn mount(dir: &Path, bytes: u64) -> Option<SmallFs> {
+        let at = dir.join("small");
+        std::fs::create_dir_all(&at).unwrap();
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "tmpfs"])
+            .arg(&at)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            assert!(!under_ci(), "CI=true but mounting a tmpfs failed");
+            eprintln!("note: skipping full-disk test: cannot mount a tmpfs (not root?)");
+            return None;
+        }
+        Some(SmallFs(at))
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// A write that does not fit on the host file system gets ENOSPC over NBD; what was flushed
+/// before reads back, the failed range reads as before, the server goes on serving and
+/// closes the image clean.
+#[test]
+fn a_full_host_disk_fails_the_write_and_keeps_the_image() {
+    let Some(t) = peers(&["qemu-img", "qemu-io"]) else {
+        return;
+    };
+    let (qemu_img, qemu_io) = (&t[0], &t[1]);
+    let dir = scratch("full-disk");
+    for serve_args in [&[][..], &["--cache", "none", "--aio", "native"][..]] {
+        let Some(fs) = SmallFs::mount(dir.path(), 8 * MIB) else {
+            return;
+        };
+        let img = fs.0.join("disk.qcow2");
+        let img_s = img.to_str().unwrap();
+        run(qemu_img, &["create", "-q", "-f", "qcow2", img_s, "64M"]);
+        let mut args = vec![img_s];
+        args.extend(serve_args);
+        let serve = Serve::start(dir.path(), &args);
+        let uri = serve.uri("");
+        qemu_io_ok(
+            qemu_io,
+            &["-f", "raw", "-c", "write -P 0x11 0 4M", "-c", "flush", &uri],
+        );
+        let (_, out, err) = try_run(qemu_io, &["-f", "raw", "-c", "write -P 0x22 4M 8M", &uri]);
+        assert!(
+            (out.clone() + &err).contains("No space left on device"),
+            "{serve_args:?}: {out}{err}"
+        );
+        qemu_io_ok(
+            qemu_io,
+            &[
+                "-f",
+                "raw",
+                "-c",
+                "read -P 0x11 0 4M",
+                "-c",
+                "write -P 0x33 64k 4k",
+                "-c",
+                "flush",
+                &uri,
+            ],
+        );
+        serve.stop_clean();
+        let check = run(qemu_img, &["check", img_s]);
+        assert!(check.contains("No errors were found"), "{check}");
+        // Every byte of the failed write reads as zero (as before) or as its data.
+        let raw = dir.path().join("back.raw");
+        run(
+            qemu_img,
+            &["convert", "-O", "raw", img_s, raw.to_str().unwrap()],
+        );
+        let bytes = std::fs::read(&raw).unwrap();
+        assert!(bytes[..64 << 10].iter().all(|&b| b == 0x11));
+        assert!(bytes[64 << 10..68 << 10].iter().all(|&b| b == 0x33));
+        assert!(bytes[68 << 10..4 << 20].iter().all(|&b| b == 0x11));
+        assert!(bytes[4 << 20..12 << 20]
+            .iter()
+            .all(|&b| b == 0 || b == 0x22));
+        assert!(bytes[12 << 20..].iter().all(|&b| b == 0));
+        std::fs::remove_file(&raw).unwrap();
+    }
+}
