@@ -3,7 +3,7 @@
 
 use std::process::ExitCode;
 
-use vdisk::{open_image, BlockDev, Image, ImageOptions};
+use vdisk::{backing_path, open_image, BlockDev, Image, ImageOptions};
 
 use crate::text::Progress;
 use crate::{fail, read_options};
@@ -46,7 +46,12 @@ fn commit(args: &Args) -> vdisk::Result<()> {
             Some(b) => (1, *b),
             None => return Err(vdisk::Error::invalid("Image does not have a backing file")),
         },
-        Some(name) => match chain.iter().position(|l| same_file(&l.filename, name)) {
+        // As QEMU's bdrv_find_backing_image: a relative name is taken relative to the image
+        // whose backing file is being compared, not to the working directory.
+        Some(name) => match (0..chain.len()).position(|i| {
+            let overlay = if i == 0 { &top } else { chain[i - 1] };
+            same_file(&chain[i].filename, &backing_path(&overlay.filename, name))
+        }) {
             Some(i) => (i as u32 + 1, chain[i]),
             None => {
                 return Err(vdisk::Error::invalid(format!(

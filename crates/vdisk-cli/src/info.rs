@@ -2,6 +2,7 @@
 
 use std::process::ExitCode;
 
+use vdisk::formats::qcow2::bitmaps;
 use vdisk::formats::qcow2::snapshot::Snapshot;
 use vdisk::formats::qcow2::Qcow2;
 use vdisk::{open_image, BlockDev, Image, ImageOptions};
@@ -121,6 +122,14 @@ impl Info {
             put("compat", "1.1".into());
             put("compression-type", h.compression.name().into());
             put("lazy-refcounts", h.lazy_refcounts().into());
+            // A directory that cannot be read is for `check` to report; info goes on.
+            let bitmaps = bitmaps::list(&**q.file(), h).unwrap_or_default();
+            if !bitmaps.is_empty() {
+                put(
+                    "bitmaps",
+                    Value::Array(bitmaps.iter().map(bitmap_json).collect()),
+                );
+            }
             put("refcount-bits", h.refcount_bits().into());
             if let Some(df) = &h.data_file {
                 put("data-file", df.as_str().into());
@@ -211,9 +220,7 @@ impl Info {
         s += &snapshot_list(&self.snapshots);
         if let Some(spec) = &self.specific {
             s += "Format specific information:\n";
-            for (key, value) in qjson::qdict_order(spec) {
-                s += &format!("    {}: {}\n", key.replace('-', " "), value.plain());
-            }
+            qjson::dump_human(&mut s, 1, &Value::Dict(spec.clone()));
         }
         s += &format!(
             "Child node '/file':\n    filename: {}\n    protocol type: file\n    file length: {} ({} bytes)\n    disk size: {}\n",
@@ -224,6 +231,20 @@ impl Info {
         );
         s
     }
+}
+
+/// A bitmap as QAPI's Qcow2BitmapInfo.
+fn bitmap_json(b: &bitmaps::BitmapInfo) -> Value {
+    let flags = [(b.in_use, "in-use"), (b.auto, "auto")]
+        .into_iter()
+        .filter(|&(set, _)| set)
+        .map(|(_, name)| name.into())
+        .collect();
+    let mut d = Dict::new();
+    d.put("name", b.name.as_str())
+        .put("granularity", b.granularity)
+        .put("flags", Value::Array(flags));
+    d.build()
 }
 
 /// The "Snapshot list:" table of `qemu-img info` and `qemu-img snapshot -l` (empty without

@@ -152,6 +152,35 @@ fn write_value(out: &mut String, v: &Value, level: usize) {
     }
 }
 
+/// The members of a dict or list as QEMU's human output prints them (`dump_qobject` in
+/// block/qapi.c): one per line at `level` (four spaces each), dashes in keys as spaces, list
+/// items as `[i]:`, composite values on the lines below.
+pub fn dump_human(out: &mut String, level: usize, v: &Value) {
+    let mut item = |label: &str, value: &Value| {
+        let composite = matches!(value, Value::Dict(_) | Value::Array(_));
+        let _ = write!(out, "{:1$}{label}:", "", 4 * level);
+        if composite {
+            out.push('\n');
+            dump_human(out, level + 1, value);
+        } else {
+            let _ = writeln!(out, " {}", value.plain());
+        }
+    };
+    match v {
+        Value::Dict(members) => {
+            for (k, value) in qdict_order(members) {
+                item(&k.replace('-', " "), value);
+            }
+        }
+        Value::Array(items) => {
+            for (i, value) in items.iter().enumerate() {
+                item(&format!("[{i}]"), value);
+            }
+        }
+        _ => {}
+    }
+}
+
 /// Pretty-prints `v` as QEMU does, without a trailing newline.
 pub fn to_pretty(v: &Value) -> String {
     let mut out = String::new();

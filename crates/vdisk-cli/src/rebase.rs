@@ -98,8 +98,9 @@ fn keep_contents(
             let n = cs.min(size - at) as usize;
             image.read(at, &mut old[..n])?;
             new[..n].fill(0);
-            if let Some(b) = new_backing {
-                let m = (b.size().saturating_sub(at) as usize).min(n);
+            // Past the end of the new backing file the overlay reads zeroes.
+            if let Some(b) = new_backing.filter(|b| at < b.size()) {
+                let m = ((b.size() - at) as usize).min(n);
                 b.read(at, &mut new[..m])?;
             }
             if old[..n] != new[..n] {

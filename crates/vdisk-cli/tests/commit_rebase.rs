@@ -25,6 +25,8 @@ const COMMANDS: &[&[&str]] = &[
     ],
     &["rebase", "-b", "base.qcow2", "top.qcow2"],
     &["rebase", "-b", "other.raw", "-F", "raw", "top.qcow2"],
+    // A new backing file shorter than the overlay: past its end the overlay reads zeroes.
+    &["rebase", "-b", "short.raw", "-F", "raw", "top.qcow2"],
     &["rebase", "-b", "nosuch", "-F", "qcow2", "top.qcow2"],
     &["rebase", "-b", "base.qcow2", "-F", "qcow2", "mid.qcow2"],
 ];
@@ -96,6 +98,8 @@ fn build_chain(wd: &Workdir, options: &str) {
     if !wd.abs("other.raw").exists() {
         wd.setup_img(&["create", "-q", "-f", "raw", "other.raw", "4M"]);
         wd.setup_io("other.raw", Some("raw"), &["write -P 7 0 1M"]);
+        wd.setup_img(&["create", "-q", "-f", "raw", "short.raw", "2M"]);
+        wd.setup_io("short.raw", Some("raw"), &["write -P 8 0 2M"]);
     }
 }
 
@@ -127,6 +131,7 @@ fn commit_and_rebase_match_qemu() {
         "cluster_size=65536",
         "cluster_size=4096,extended_l2=off",
         "cluster_size=32768,extended_l2=on",
+        "cluster_size=512",
     ] {
         for command in COMMANDS {
             let name = format!("{options}: {}", command.join(" "));
@@ -151,4 +156,72 @@ fn commit_and_rebase_match_qemu() {
         }
     }
     failures.finish();
+}
+
+/// `commit -b NAME` finds a relative NAME the way QEMU does: relative to the overlay whose
+/// backing file is compared, not to the working directory.
+#[test]
+fn commit_base_names_resolve_like_qemu() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "commit-names");
+    let mut failures = Failures::new("commit-names", &wd);
+    for base in [
+        "../base.raw",
+        "base.raw",
+        "../sub/mid.qcow2",
+        "sub/mid.qcow2",
+    ] {
+        let args = ["commit", "-b", base, "sub2/top.qcow2"];
+        // The exit status, and whether the data reached base.raw.
+        let outcome = |qemu: bool| {
+            build_nested_chain(&wd);
+            let out = if qemu {
+                wd.qemu_img(&args)
+            } else {
+                wd.vdisk(&args)
+            };
+            format!("{:?} {}", out.code, wd.read_file("base.raw")[0] == 7)
+        };
+        let q = outcome(true);
+        let v = outcome(false);
+        failures.same_text(
+            &format!("-b {base}"),
+            "exit status, base.raw written",
+            &q,
+            &v,
+        );
+    }
+    failures.finish();
+}
+
+/// base.raw <- sub/mid.qcow2 <- sub2/top.qcow2, each naming its backing file relative to
+/// its own directory; top holds 64 KiB of 7s.
+fn build_nested_chain(wd: &Workdir) {
+    for dir in ["sub", "sub2"] {
+        wd.mkdir(dir);
+    }
+    wd.setup_img(&["create", "-q", "-f", "raw", "base.raw", "1M"]);
+    wd.setup_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "../base.raw",
+        "-F",
+        "raw",
+        "sub/mid.qcow2",
+    ]);
+    wd.setup_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "../sub/mid.qcow2",
+        "-F",
+        "qcow2",
+        "sub2/top.qcow2",
+    ]);
+    wd.setup_io("sub2/top.qcow2", None, &["write -P 7 0 64k"]);
 }

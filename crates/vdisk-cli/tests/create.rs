@@ -28,6 +28,11 @@ const CASES: &[(&str, &str)] = &[
     ("data_file=DATA,preallocation=full", "1M"),
     ("backing_file=base.raw,backing_fmt=raw", ""),
     ("backing_file=base.raw,backing_fmt=raw", "10M"),
+    // No room for the feature name table beside a backing file name in 512 bytes.
+    (
+        "cluster_size=512,backing_file=base.raw,backing_fmt=raw",
+        "1M",
+    ),
 ];
 
 /// Option sets both tools must refuse.

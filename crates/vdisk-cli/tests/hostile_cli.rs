@@ -655,3 +655,42 @@ fn snapshot_claiming_a_huge_disk_size() {
     assert_eq!(r.status, 0, "{r:?}");
     assert_eq!(std::fs::metadata(&out).unwrap().len(), 64 << 10);
 }
+
+/// Formats QEMU probes and vdisk does not read are refused by name, not served as raw data
+/// (a LUKS header and ciphertext, a VMDK descriptor); `-f raw` still reads the file as raw.
+#[test]
+fn foreign_formats_are_refused_not_taken_for_raw() {
+    if !qemu_img_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let luks = ["--object", "secret,id=s0,data=abc", "-o", "key-secret=s0"];
+    for (format, extra) in [
+        ("luks", &luks[..]),
+        ("vmdk", &[][..]),
+        ("vdi", &[]),
+        ("vpc", &[]),
+        ("vhdx", &[]),
+        ("qed", &[]),
+    ] {
+        let name = format!("disk.{format}");
+        let mut args = vec!["create", "-q", "-f", format];
+        args.extend(extra);
+        args.extend([name.as_str(), "4M"]);
+        qemu_img(d, &args);
+        let image = d.join(&name);
+        let want = Expect {
+            info: 1,
+            map: 1,
+            check: 1,
+            convert: 1,
+            compare: 2,
+            needle: &format!("format '{format}' is not supported"),
+        };
+        run_all(d, &image, None, &[], &want);
+        assert!(!d.join("out.raw").exists(), "{format}: converted as raw");
+        let r = run(d, &os(&[&"info", &"-f", &"raw", &image]));
+        assert_eq!(r.status, 0, "{r:?}");
+    }
+}

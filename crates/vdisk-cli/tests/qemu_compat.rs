@@ -1296,6 +1296,64 @@ fn external_data_file() {
     run_family("external_data_file", &wd, &images);
 }
 
+/// Persistent dirty bitmaps: `info` lists them as QEMU does. vdisk does not keep them up to
+/// date, so its first write marks them in use (QEMU then refuses them for an incremental
+/// backup) and never leaves them looking consistent; their clusters stay accounted for.
+#[test]
+fn persistent_bitmaps() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "bitmaps");
+    let mut images = Vec::new();
+    create(&wd, "bitmaps.qcow2", "", "4M");
+    io(&wd, "bitmaps.qcow2", &["write -P 1 0 64k"]);
+    wd.setup_img(&["bitmap", "--add", "bitmaps.qcow2", "b0"]);
+    wd.setup_img(&[
+        "bitmap",
+        "--add",
+        "-g",
+        "512k",
+        "--disable",
+        "bitmaps.qcow2",
+        "second one",
+    ]);
+    io(&wd, "bitmaps.qcow2", &["write -P 2 1M 64k"]);
+    images.push(Image::qcow2("bitmaps"));
+    wd.copy_dense("bitmaps.qcow2", "written.qcow2");
+    let w = wd.vdisk(&[
+        "bench",
+        "-w",
+        "-c",
+        "4",
+        "-s",
+        "64k",
+        "-o",
+        "2M",
+        "written.qcow2",
+    ]);
+    assert!(w.success(), "{}: {}", w.command, w.stderr);
+    images.push(Image::qcow2("written"));
+    run_family("persistent_bitmaps", &wd, &images);
+
+    let info = wd.qemu_img(&["info", "--output=json", "written.qcow2"]);
+    let v: Value = serde_json::from_str(&info.stdout).unwrap();
+    let bitmaps = v["format-specific"]["data"]["bitmaps"].as_array().unwrap();
+    assert_eq!(bitmaps.len(), 2, "{}", info.stdout);
+    for b in bitmaps {
+        assert_eq!(b["flags"][0], "in-use", "{}", info.stdout);
+    }
+    let check = wd.qemu_img(&["check", "written.qcow2"]);
+    assert!(check.success(), "{}{}", check.stdout, check.stderr);
+    // Reading does not touch them.
+    let before = wd.qemu_img(&["info", "--output=json", "bitmaps.qcow2"]);
+    assert!(wd.vdisk(&["info", "bitmaps.qcow2"]).success());
+    assert!(wd
+        .vdisk(&["convert", "-O", "raw", "bitmaps.qcow2", "b.raw"])
+        .success());
+    let after = wd.qemu_img(&["info", "--output=json", "bitmaps.qcow2"]);
+    assert_eq!(before.stdout, after.stdout);
+    assert!(!after.stdout.contains("in-use"), "{}", after.stdout);
+}
+
 #[test]
 fn internal_snapshots() {
     let Some(tools) = tools() else { return };

@@ -6,7 +6,8 @@ mod common;
 
 use common::{tools, Failures, Workdir};
 
-/// (format[:create options], size, resize options, new size).
+/// (format[:create options][+snapshot], size, resize options, new size); `+snapshot` takes an
+/// internal snapshot after the writes.
 const CASES: &[(&str, &str, &[&str], &str)] = &[
     ("qcow2", "10M", &[], "+5M"),
     ("qcow2", "10M", &[], "10G"),
@@ -20,6 +21,9 @@ const CASES: &[(&str, &str, &[&str], &str)] = &[
     ("qcow2:cluster_size=512", "4M", &[], "100M"),
     ("qcow2:cluster_size=512", "40M", &["--shrink"], "1M"),
     ("qcow2:compat=0.10", "10M", &[], "+100M"),
+    ("qcow2:compat=0.10+snapshot", "10M", &[], "+100M"),
+    ("qcow2:compat=0.10+snapshot", "10M", &["--shrink"], "4M"),
+    ("qcow2:compat=1.1+snapshot", "10M", &[], "+100M"),
     ("qcow2:extended_l2=on", "10M", &[], "2G"),
     ("qcow2:refcount_bits=1,cluster_size=4k", "10M", &[], "3G"),
     ("raw", "10M", &["-f", "raw"], "20M"),
@@ -33,6 +37,10 @@ fn resize_matches_qemu() {
     let mut failures = Failures::new("resize", &wd);
     for (i, (recipe, size, options, new_size)) in CASES.iter().enumerate() {
         let name = format!("case {i}: {recipe} {size}, resize {options:?} {new_size}");
+        let (recipe, snapshot) = match recipe.strip_suffix("+snapshot") {
+            Some(r) => (r, true),
+            None => (*recipe, false),
+        };
         let (format, create_options) = recipe.split_once(':').unwrap_or((recipe, ""));
         let mut create = vec!["create", "-q", "-f", format];
         if !create_options.is_empty() {
@@ -49,6 +57,9 @@ fn resize_matches_qemu() {
                 "write -z 3M 512k",
             ],
         );
+        if snapshot {
+            wd.setup_img(&["snapshot", "-c", "s", "q.img"]);
+        }
         wd.copy_dense("q.img", "v.img");
         let command = |image: &'static str| {
             let mut args = vec!["resize"];

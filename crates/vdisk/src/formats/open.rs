@@ -179,16 +179,38 @@ impl BlockDev for Image {
     }
 }
 
-/// Probes the format of a file from its first bytes, as QEMU does for the formats vdisk knows.
+/// Formats QEMU would probe that vdisk cannot read, by their magic (offset, bytes): taken as
+/// raw, their metadata would be served as guest data and writes would damage them.
+const FOREIGN: &[(&str, usize, &[u8])] = &[
+    ("luks", 0, b"LUKS\xba\xbe"),
+    ("vmdk", 0, b"KDMV"),
+    ("vmdk", 0, b"# Disk DescriptorFile"),
+    ("vhdx", 0, b"vhdxfile"),
+    ("vpc", 0, b"conectix"),
+    ("qed", 0, b"QED\0"),
+    ("vdi", 64, &[0x7f, 0x10, 0xda, 0xbe]),
+];
+
+/// Probes the format of a file from its first bytes, as QEMU does: qcow2, raw, or an error for
+/// a format vdisk does not read (`-f raw` still opens such a file as raw).
 pub fn probe(storage: &dyn Storage) -> Result<Format> {
-    let mut magic = [0u8; 4];
+    let mut head = [0u8; 68];
+    let len = storage.len().context(|| "reading the image size".into())?;
+    let head = &mut head[..len.min(68) as usize];
     storage
-        .read_at(0, &mut magic)
+        .read_at(0, head)
         .context(|| "reading the image magic".into())?;
-    if u32::from_be_bytes(magic) == qcow2::header::MAGIC {
-        Ok(Format::Qcow2)
-    } else {
-        Ok(Format::Raw)
+    if head.starts_with(&qcow2::header::MAGIC.to_be_bytes()) {
+        return Ok(Format::Qcow2);
+    }
+    let foreign = FOREIGN
+        .iter()
+        .find(|(_, at, magic)| head.get(*at..).is_some_and(|h| h.starts_with(magic)));
+    match foreign {
+        Some((name, ..)) => Err(Error::unsupported(format!(
+            "image format '{name}' is not supported (use -f raw to read the file as raw)"
+        ))),
+        None => Ok(Format::Raw),
     }
 }
 

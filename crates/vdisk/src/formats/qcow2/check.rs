@@ -13,7 +13,7 @@
 
 use std::rc::Rc;
 
-use super::header::AUTOCLEAR_BITMAPS;
+use super::bitmaps;
 use super::l2::{self, L2Entry, L2Table, OFLAG_COMPRESSED, OFLAG_COPIED, OFLAG_ZERO};
 use super::repair::{self, Fix, Signal};
 use super::{read_table, refcount, Qcow2};
@@ -22,10 +22,8 @@ use crate::storage::Storage;
 
 const L2E_STD_RESERVED: u64 = 0x3f00_0000_0000_01fe;
 const REFT_OFFSET_MASK: u64 = !0x1ff;
-const BITMAP_EXTENSION: u32 = 0x2385_2875;
 const BME_RESERVED: u64 = 0xff00_0000_0000_01fe;
 /// QEMU's limits on persistent bitmaps (block/qcow2-bitmap.c).
-const MAX_BITMAPS: u32 = 65535;
 const BME_MAX_TABLE_SIZE: u64 = 0x800_0000;
 const BME_MAX_PHYS_SIZE: u64 = 0x2000_0000;
 /// Subcluster bitmap bits meaning "reads as zero" (extended L2 entries).
@@ -603,46 +601,21 @@ impl<'a, 's> Checker<'a, 's> {
     /// Counts the clusters of persistent dirty bitmaps: the directory, each bitmap's table and
     /// the data clusters its entries name.
     fn count_bitmaps(&mut self) -> Result<()> {
-        let h = self.q.header();
-        if h.autoclear & AUTOCLEAR_BITMAPS == 0 {
-            return Ok(());
-        }
-        let Some(ext) = h
-            .unknown_extensions
-            .iter()
-            .find(|e| e.kind == BITMAP_EXTENSION)
-        else {
+        let Some(loc) = bitmaps::location(self.q.header()).filter(|l| l.entries > 0) else {
             return Ok(());
         };
-        if ext.data.len() < 24 {
-            return Ok(());
-        }
-        let nb = u32::from_be_bytes(ext.data[0..4].try_into().expect("4 bytes"));
-        let dir_size = u64::from_be_bytes(ext.data[8..16].try_into().expect("8 bytes"));
-        let dir_offset = u64::from_be_bytes(ext.data[16..24].try_into().expect("8 bytes"));
-        if nb == 0 {
-            return Ok(());
-        }
-        self.inc_refs(dir_offset, dir_size);
-        let file_len = self.file_size;
-        if nb > MAX_BITMAPS
-            || dir_size > 1024 * u64::from(MAX_BITMAPS)
-            || dir_offset.saturating_add(dir_size) > file_len
-        {
-            self.report.corruptions += 1;
-            return Err(Error::corrupt("bitmap directory is invalid"));
-        }
-        let mut dir = vec![0u8; dir_size as usize];
-        self.q
-            .file()
-            .read_at(dir_offset, &mut dir)
-            .context(|| "reading bitmaps".into())?;
+        self.inc_refs(loc.offset, loc.bytes);
+        let dir = loc
+            .read(&**self.q.file(), self.file_size)
+            .inspect_err(|_| {
+                self.report.corruptions += 1;
+            })?;
         // Like QEMU's bitmap_list_load, every directory entry is validated before any table
         // is read, so a hostile directory costs nothing more than reading it.
         let mut tables = Vec::new();
         let mut at = 0usize;
-        for _ in 0..nb {
-            let entry = dir.get(at..at + 24).and_then(|e| self.bitmap_entry(e));
+        for _ in 0..loc.entries {
+            let entry = dir.get(at..).and_then(|e| self.bitmap_entry(e));
             let Some((table_offset, table_size, next)) = entry else {
                 self.report.corruptions += 1;
                 return Err(Error::corrupt("bitmap directory entry is invalid"));
@@ -670,12 +643,12 @@ impl<'a, 's> Checker<'a, 's> {
     /// QEMU's `check_dir_entry`: the table's offset and size, and the entry's length, of a
     /// valid bitmap directory entry.
     fn bitmap_entry(&self, e: &[u8]) -> Option<(u64, u64, usize)> {
+        let len = bitmaps::entry_len(e)?;
         let table_offset = u64::from_be_bytes(e[0..8].try_into().ok()?);
         let table_size = u64::from(u32::from_be_bytes(e[8..12].try_into().ok()?));
         let flags = u32::from_be_bytes(e[12..16].try_into().ok()?);
         let (kind, granularity_bits) = (e[16], u32::from(e[17]));
         let name_size = usize::from(u16::from_be_bytes(e[18..20].try_into().ok()?));
-        let extra = u32::from_be_bytes(e[20..24].try_into().ok()?) as usize;
         let phys = table_size * self.cs;
         let valid = table_size != 0
             && table_offset != 0
@@ -690,7 +663,7 @@ impl<'a, 's> Checker<'a, 's> {
             && (flags & 1 != 0
                 || u128::from(self.q.header().size)
                     <= (u128::from(phys) * 8) << granularity_bits);
-        valid.then_some((table_offset, table_size, 24 + extra + name_size))
+        valid.then_some((table_offset, table_size, len))
     }
 
     /// QEMU's `check_refblocks`: counts each refcount block, flags the structure for a rebuild

@@ -422,7 +422,9 @@ impl Header {
         if let Some(df) = &self.data_file {
             put_extension(&mut out, EXT_DATA_FILE, df.as_bytes());
         }
-        if self.version >= 3 {
+        // Like QEMU, no feature name table with clusters of 4 KiB or less: in a 512-byte
+        // header cluster it would leave no room for a backing file name.
+        if self.version >= 3 && self.cluster_size() > 4096 {
             let mut table = Vec::with_capacity(FEATURE_NAMES.len() * 48);
             for (kind, bit, name) in FEATURE_NAMES {
                 let mut entry = [0u8; 48];

@@ -5,6 +5,7 @@
 //! L2 tables are read on demand and kept in a bounded cache.
 
 mod alloc;
+pub mod bitmaps;
 mod cache;
 pub mod check;
 mod commit;
@@ -164,6 +165,7 @@ impl Qcow2 {
         let mut l1 = read_l1(&*file, &header, header.l1_table_offset, header.l1_size)?;
         let refs = if writable {
             write::check_writable(&header)?;
+            bitmaps::mark_in_use(&*file, &header)?;
             l1.resize(header.l1_size as usize, 0);
             Some(alloc::Refcounts::load(&*file, &header)?)
         } else {

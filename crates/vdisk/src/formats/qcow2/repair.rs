@@ -30,10 +30,8 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use super::check::{CheckReport, Checker, Messages, RefcountReader};
-use super::header::{
-    Header, AUTOCLEAR_BITMAPS, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE, INCOMPAT_DIRTY,
-};
-use super::{l2, read_header, refcount, Qcow2};
+use super::header::{Header, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE, INCOMPAT_DIRTY};
+use super::{bitmaps, l2, read_header, refcount, Qcow2};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::Storage;
 
@@ -524,8 +522,6 @@ const OL_CACHED: u32 = OL_MAIN_HEADER
     | OL_INACTIVE_L1
     | OL_BITMAP_DIRECTORY;
 
-const BITMAP_EXTENSION: u32 = 0x2385_2875;
-
 /// QEMU's `qcow2_check_metadata_overlap`: which metadata (by QEMU's name for it) a write to
 /// `[offset, offset + size)` would land on, checked in QEMU's order, `ign` excepted.
 pub(super) fn metadata_overlap(
@@ -571,15 +567,10 @@ pub(super) fn metadata_overlap(
     if chk & OL_REFCOUNT_BLOCK != 0 && reftable.iter().any(|&e| hits(e & !0x1ff, cs)) {
         return Some("refcount block");
     }
-    if chk & OL_BITMAP_DIRECTORY != 0 && h.autoclear & AUTOCLEAR_BITMAPS != 0 {
-        let ext = (h.unknown_extensions.iter()).find(|e| e.kind == BITMAP_EXTENSION);
-        if let Some(d) = ext.map(|e| &e.data).filter(|d| d.len() >= 24) {
-            let size = u64::from_be_bytes(d[8..16].try_into().expect("8 bytes"));
-            let at = u64::from_be_bytes(d[16..24].try_into().expect("8 bytes"));
-            if hits(at, size) {
-                return Some("bitmap directory");
-            }
-        }
+    if chk & OL_BITMAP_DIRECTORY != 0
+        && bitmaps::location(h).is_some_and(|d| hits(d.offset, d.bytes))
+    {
+        return Some("bitmap directory");
     }
     None
 }

@@ -19,6 +19,12 @@ impl Qcow2 {
         if new_size % 512 != 0 {
             return Err(Error::invalid("The new size must be a multiple of 512"));
         }
+        // A v2 snapshot has no size of its own: it takes the image's.
+        if self.header.version < 3 && !self.snapshots.is_empty() {
+            return Err(Error::unsupported(
+                "Can't resize a v2 image which has snapshots",
+            ));
+        }
         if self.format.external_data && new_size != self.size && self.data.fixed_size() {
             return Err(Error::unsupported("Cannot resize device files"));
         }

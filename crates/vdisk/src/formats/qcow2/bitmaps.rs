@@ -1,0 +1,130 @@
+//! Persistent dirty bitmaps (qcow2.txt, "Bitmaps extension"). vdisk reads past them and does
+//! not keep them up to date: before its first write to an image it marks every bitmap in use,
+//! as QEMU does while it has an image open, and never clears the mark, so that QEMU treats the
+//! bitmaps as inconsistent (an incremental backup refuses them) instead of trusting bits that
+//! vdisk's writes did not set. Their clusters stay referenced: `check` finds no leak.
+
+use super::header::{Header, AUTOCLEAR_BITMAPS};
+use crate::error::{Error, IoContext, Result};
+use crate::storage::Storage;
+
+/// The header extension's type.
+pub const EXTENSION: u32 = 0x2385_2875;
+/// QEMU's limits on the directory.
+pub const MAX_BITMAPS: u32 = 65535;
+const MAX_ENTRY_BYTES: u64 = 1024;
+const ENTRY_HEADER: usize = 24;
+const FLAG_IN_USE: u32 = 1;
+const FLAG_AUTO: u32 = 2;
+
+/// What `qemu-img info` shows of a bitmap.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BitmapInfo {
+    pub name: String,
+    pub granularity: u64,
+    pub in_use: bool,
+    pub auto: bool,
+}
+
+/// The directory as the header describes it: how many entries, where, and how many bytes.
+pub struct Location {
+    pub entries: u32,
+    pub offset: u64,
+    pub bytes: u64,
+}
+
+/// Where the bitmap directory is, if the image has bitmaps the autoclear bit vouches for.
+pub fn location(h: &Header) -> Option<Location> {
+    if h.autoclear & AUTOCLEAR_BITMAPS == 0 {
+        return None;
+    }
+    let ext = h.unknown_extensions.iter().find(|e| e.kind == EXTENSION)?;
+    let d = ext.data.get(..24)?;
+    let be64 = |at: usize| u64::from_be_bytes(d[at..at + 8].try_into().expect("8 bytes"));
+    Some(Location {
+        entries: u32::from_be_bytes(d[0..4].try_into().expect("4 bytes")),
+        bytes: be64(8),
+        offset: be64(16),
+    })
+}
+
+impl Location {
+    /// Reads the directory, bounded as QEMU bounds it.
+    pub fn read(&self, file: &dyn Storage, file_len: u64) -> Result<Vec<u8>> {
+        if self.entries > MAX_BITMAPS
+            || self.bytes > MAX_ENTRY_BYTES * u64::from(MAX_BITMAPS)
+            || self.offset.saturating_add(self.bytes) > file_len
+        {
+            return Err(Error::corrupt("bitmap directory is invalid"));
+        }
+        let mut dir = vec![0u8; self.bytes as usize];
+        file.read_at(self.offset, &mut dir)
+            .context(|| "reading bitmaps".into())?;
+        Ok(dir)
+    }
+}
+
+/// The length of the directory entry that starts `dir` (its fixed part, extra data and name,
+/// unpadded), or `None` when it does not fit.
+pub fn entry_len(dir: &[u8]) -> Option<usize> {
+    let e = dir.get(..ENTRY_HEADER)?;
+    let name = usize::from(u16::from_be_bytes([e[18], e[19]]));
+    let extra = u32::from_be_bytes(e[20..24].try_into().ok()?) as usize;
+    let len = ENTRY_HEADER + extra + name;
+    (len <= dir.len()).then_some(len)
+}
+
+/// The bitmaps of the image (none when the autoclear bit does not vouch for them).
+pub fn list(file: &dyn Storage, h: &Header) -> Result<Vec<BitmapInfo>> {
+    let mut out = Vec::new();
+    let Some(loc) = location(h) else {
+        return Ok(out);
+    };
+    let file_len = file.len().context(|| "reading the image size".into())?;
+    let dir = loc.read(file, file_len)?;
+    let mut at = 0;
+    for _ in 0..loc.entries {
+        let e = &dir[at.min(dir.len())..];
+        let len =
+            entry_len(e).ok_or_else(|| Error::corrupt("bitmap directory entry is invalid"))?;
+        let flags = u32::from_be_bytes(e[12..16].try_into().expect("4 bytes"));
+        let extra = u32::from_be_bytes(e[20..24].try_into().expect("4 bytes")) as usize;
+        out.push(BitmapInfo {
+            name: String::from_utf8_lossy(&e[ENTRY_HEADER + extra..len]).into_owned(),
+            granularity: 1u64.checked_shl(u32::from(e[17])).unwrap_or(0),
+            in_use: flags & FLAG_IN_USE != 0,
+            auto: flags & FLAG_AUTO != 0,
+        });
+        at = (at + len).next_multiple_of(8);
+    }
+    Ok(out)
+}
+
+/// Marks every bitmap in use (see the module comment) and makes that durable; nothing to do
+/// when they all are already.
+pub fn mark_in_use(file: &dyn Storage, h: &Header) -> Result<()> {
+    let Some(loc) = location(h).filter(|l| l.entries > 0) else {
+        return Ok(());
+    };
+    let file_len = file.len().context(|| "reading the image size".into())?;
+    let mut dir = loc.read(file, file_len)?;
+    let mut at = 0;
+    let mut changed = false;
+    for _ in 0..loc.entries {
+        let len = dir.get(at..).and_then(entry_len);
+        let Some(len) = len else {
+            return Err(Error::corrupt("bitmap directory entry is invalid"));
+        };
+        let flags = &mut dir[at + 12..at + 16];
+        let old = u32::from_be_bytes(flags.try_into().expect("4 bytes"));
+        flags.copy_from_slice(&(old | FLAG_IN_USE).to_be_bytes());
+        changed |= old & FLAG_IN_USE == 0;
+        at = (at + len).next_multiple_of(8);
+    }
+    if changed {
+        file.write_at(loc.offset, &dir)
+            .and_then(|()| file.sync())
+            .context(|| "marking the bitmaps in use".into())?;
+    }
+    Ok(())
+}
