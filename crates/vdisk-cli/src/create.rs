@@ -10,6 +10,9 @@ use vdisk::storage::{FileStorage, OpenOptions, Storage};
 use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 
 use crate::fail;
+use crate::size::{cvtnum, option_size};
+// resize, bench and convert read their sizes with the parser `create` uses.
+pub use crate::size::parse_size;
 
 pub struct Args<'a> {
     pub format: &'a str,
@@ -21,33 +24,6 @@ pub struct Args<'a> {
     pub quiet: bool,
     pub filename: &'a str,
     pub size: Option<&'a str>,
-}
-
-/// qemu's `qemu_strtosz`: a number, possibly with a fraction, and an optional binary suffix.
-pub fn parse_size(text: &str) -> Option<u64> {
-    // Hexadecimal takes neither a fraction nor a suffix.
-    if let Some(hex) = text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
-        return u64::from_str_radix(hex, 16).ok();
-    }
-    let split = text
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(text.len());
-    let (number, suffix) = text.split_at(split);
-    let shift = match suffix {
-        "" | "b" | "B" => 0,
-        "k" | "K" => 10,
-        "m" | "M" => 20,
-        "g" | "G" => 30,
-        "t" | "T" => 40,
-        "p" | "P" => 50,
-        "e" | "E" => 60,
-        _ => return None,
-    };
-    if let Ok(whole) = number.parse::<u64>() {
-        return whole.checked_mul(1u64 << shift);
-    }
-    let value = number.parse::<f64>().ok()? * (1u64 << shift) as f64;
-    (value.is_finite() && value >= 0.0 && value < u64::MAX as f64).then_some(value as u64)
 }
 
 /// Splits `-o` option strings ("a=1,b=2", repeatable) into pairs.
@@ -74,11 +50,136 @@ fn on_off(key: &str, v: &str) -> Result<bool, Error> {
     }
 }
 
+/// `vdisk create` with a file name: the checks qemu-img makes of its command line, then
+/// [`create`].
 pub fn run(args: Args) -> ExitCode {
-    match create(&args) {
+    if asks_help(args.options) {
+        return option_help(args.format, true);
+    }
+    // qemu-img reads the size argument itself, before naming the file in any message.
+    if let Some(Err(msg)) = args.size.map(|s| cvtnum("image size", s)) {
+        return fail(msg, 1);
+    }
+    match size_given_once(&args).and_then(|()| create(&args)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(format!("{}: {e}", args.filename), 1),
     }
+}
+
+/// `vdisk create` without a file name, which only `-o help` may leave out.
+pub fn run_without_file(format: &str, options: &[String]) -> ExitCode {
+    if asks_help(options) {
+        return option_help(format, false);
+    }
+    eprintln!("vdisk: Expecting image file name");
+    eprintln!("Try 'vdisk create --help' for more info");
+    ExitCode::from(1)
+}
+
+/// qemu-img refuses a size both as an argument and in `-o`; `convert` does not come here, as
+/// its size (the source's) overrides any `-o size` like qemu-img's.
+fn size_given_once(args: &Args) -> vdisk::Result<()> {
+    let in_options = parse_options(args.options)?
+        .iter()
+        .any(|(k, _)| k == "size");
+    if in_options && args.size.is_some() {
+        return Err(Error::invalid("The image size must be specified only once"));
+    }
+    Ok(())
+}
+
+/// Whether an item of the `-o` lists is `help` or `?`, which asks for the option list.
+fn asks_help(options: &[String]) -> bool {
+    options
+        .iter()
+        .flat_map(|group| group.split(','))
+        .any(|item| item == "help" || item == "?")
+}
+
+/// An option as `-o help` lists it: name, type of value, description, in qemu-img's words.
+type OptionHelp = (&'static str, &'static str, &'static str);
+
+const QCOW2_OPTIONS: &[OptionHelp] = &[
+    ("backing_file", "str", "File name of a base image"),
+    ("backing_fmt", "str", "Image format of the base image"),
+    ("cluster_size", "size", "qcow2 cluster size"),
+    (
+        "compat",
+        "str",
+        "Compatibility level (v2 [0.10] or v3 [1.1])",
+    ),
+    (
+        "compression_type",
+        "str",
+        "Compression method used for image cluster compression",
+    ),
+    ("data_file", "str", "File name of an external data file"),
+    (
+        "data_file_raw",
+        "bool (on/off)",
+        "The external data file must stay valid as a raw image",
+    ),
+    ("extended_l2", "bool (on/off)", "Extended L2 tables"),
+    (
+        "lazy_refcounts",
+        "bool (on/off)",
+        "Postpone refcount updates",
+    ),
+    (
+        "preallocation",
+        "str",
+        "Preallocation mode (allowed values: off, metadata, falloc, full)",
+    ),
+    (
+        "refcount_bits",
+        "num",
+        "Width of a reference count entry in bits",
+    ),
+    SIZE_OPTION,
+];
+
+const SIZE_OPTION: OptionHelp = ("size", "size", "Virtual disk size");
+
+/// Options of the file underneath the format, which qemu-img lists only when it knows the file.
+const FILE_OPTIONS: &[OptionHelp] = &[
+    (
+        "preallocation",
+        "str",
+        "Preallocation mode (allowed values: off, falloc, full)",
+    ),
+    SIZE_OPTION,
+];
+
+/// qemu-img's `print_block_option_help`, listing only the options vdisk takes (none of qcow2's
+/// encryption, nor the file's extent_size_hint and nocow).
+fn option_help(format: &str, with_file: bool) -> ExitCode {
+    let Ok(parsed) = Format::parse(format) else {
+        return fail(format!("Unknown file format '{format}'"), 1);
+    };
+    let mut list = match parsed {
+        Format::Raw => vec![SIZE_OPTION],
+        Format::Qcow2 => QCOW2_OPTIONS.to_vec(),
+    };
+    if with_file {
+        // The format's own description of an option comes first, as in qemu_opts_append.
+        for o in FILE_OPTIONS {
+            if !list.iter().any(|l| l.0 == o.0) {
+                list.push(*o);
+            }
+        }
+        list.sort();
+        println!("Supported options:");
+    } else {
+        println!("Supported {format} options:");
+    }
+    for (name, kind, what) in list {
+        println!("  {:<22} - {what}", format!("{name}=<{kind}>"));
+    }
+    if !with_file {
+        println!("\nThe protocol level may support further options.");
+        println!("Specify the target filename to include those options.");
+    }
+    ExitCode::SUCCESS
 }
 
 /// Creates the image `args` describe (also used by `convert` for its target).
@@ -90,13 +191,10 @@ pub fn create(args: &Args) -> vdisk::Result<()> {
     let mut backing_format = args.backing_format.map(str::to_string);
     for (k, v) in parse_options(args.options)? {
         match (format, k.as_str()) {
-            (_, "size") => {
-                o.size = parse_size(&v).ok_or_else(|| Error::invalid("Invalid image size"))?
-            }
+            (_, "size") => o.size = option_size(&k, &v).map_err(Error::invalid)?,
             (_, "preallocation") => o.preallocation = Preallocation::parse(&v)?,
             (Format::Qcow2, "cluster_size") => {
-                o.cluster_size =
-                    parse_size(&v).ok_or_else(|| Error::invalid("Invalid cluster size"))?
+                o.cluster_size = option_size(&k, &v).map_err(Error::invalid)?
             }
             (Format::Qcow2, "compat") => {
                 o.version = match v.as_str() {
@@ -131,6 +229,9 @@ pub fn create(args: &Args) -> vdisk::Result<()> {
         }
         shown.push((k, v));
     }
+    if format == Format::Raw {
+        refuse_backing(args)?;
+    }
     o.backing_file = backing.clone();
     o.backing_format = backing_format.clone();
     match args.size {
@@ -158,7 +259,15 @@ pub fn create(args: &Args) -> vdisk::Result<()> {
     o.size = o.size.next_multiple_of(512);
     let file = new_file(args.filename)?;
     match format {
-        Format::Raw => raw::create(&*file, o.size, o.preallocation),
+        Format::Raw => {
+            // Metadata preallocation is qcow2's; qemu refuses it after creating the file.
+            if o.preallocation == Preallocation::Metadata {
+                return Err(Error::unsupported(
+                    "Unsupported preallocation mode: metadata",
+                ));
+            }
+            raw::create(&*file, o.size, o.preallocation)
+        }
         Format::Qcow2 => {
             o.validate()?;
             let data = match &o.data_file {
@@ -168,6 +277,22 @@ pub fn create(args: &Args) -> vdisk::Result<()> {
             create_qcow2(&*file, data.as_deref(), &o)
         }
     }
+}
+
+/// A raw image has no backing file: qemu-img refuses `-b` and `-F` rather than drop them (the
+/// `-o` forms are unknown options for raw).
+fn refuse_backing(args: &Args) -> vdisk::Result<()> {
+    if args.backing.is_some() {
+        return Err(Error::unsupported(
+            "Backing file not supported for file format 'raw'",
+        ));
+    }
+    if args.backing_format.is_some() {
+        return Err(Error::unsupported(
+            "Backing file format not supported for file format 'raw'",
+        ));
+    }
+    Ok(())
 }
 
 fn new_file(name: &str) -> vdisk::Result<Arc<dyn Storage>> {
@@ -258,19 +383,4 @@ fn formatting_line(
         format.name(),
         opts.join(" ")
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_size;
-
-    #[test]
-    fn sizes_parse_like_qemu() {
-        assert_eq!(parse_size("1000"), Some(1000));
-        assert_eq!(parse_size("64k"), Some(65536));
-        assert_eq!(parse_size("1.5G"), Some(3 << 29));
-        assert_eq!(parse_size("2M"), Some(2 << 20));
-        assert_eq!(parse_size("1x"), None);
-        assert_eq!(parse_size("-1"), None);
-    }
 }

@@ -13,11 +13,13 @@ mod qjson;
 mod rebase;
 mod resize;
 mod serve;
+mod size;
 mod snapshot;
 mod text;
 
 use std::process::ExitCode;
 
+use clap::error::ErrorKind;
 use clap::{Parser, Subcommand, ValueEnum};
 use vdisk::{CacheMode, Format, ImageOptions};
 
@@ -43,6 +45,26 @@ fn parse_cache(name: &str) -> Result<CacheMode, String> {
     CacheMode::parse(name).map_err(|e| e.to_string())
 }
 
+/// A value refused in qemu-img's words, which it prints alone (not in clap's usage report).
+#[derive(Debug)]
+struct QemuMessage(String);
+
+impl std::fmt::Display for QemuMessage {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for QemuMessage {}
+
+fn start_offset(text: &str) -> Result<u64, QemuMessage> {
+    size::cvtnum("start offset", text).map_err(QemuMessage)
+}
+
+fn max_length(text: &str) -> Result<u64, QemuMessage> {
+    size::cvtnum("max length", text).map_err(QemuMessage)
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Create a new image (like `qemu-img create`).
@@ -63,7 +85,8 @@ enum Command {
         unsafe_backing: bool,
         #[arg(short = 'q')]
         quiet: bool,
-        filename: String,
+        /// Optional only with `-o help`.
+        filename: Option<String>,
         size: Option<String>,
     },
     /// Show information about an image (like `qemu-img info`).
@@ -85,9 +108,11 @@ enum Command {
         format: Option<String>,
         #[arg(long, value_enum, default_value = "human")]
         output: Output,
-        #[arg(long, short = 's')]
+        /// Sizes as everywhere: suffixes k to E, fractions with one, 0x hex. Like getopt, the
+        /// flag takes the next word even if it starts with "-" (which is then out of range).
+        #[arg(long, short = 's', value_parser = start_offset, allow_hyphen_values = true)]
         start_offset: Option<u64>,
-        #[arg(long, short = 'l')]
+        #[arg(long, short = 'l', value_parser = max_length, allow_hyphen_values = true)]
         max_length: Option<u64>,
         #[arg(short = 'U', long = "force-share")]
         force_share: bool,
@@ -324,8 +349,26 @@ pub fn metadata_options(format: Option<&str>) -> vdisk::Result<ImageOptions> {
     })
 }
 
+/// Reports a command line clap refused. qemu-img exits 1 where clap would exit 2, which matters
+/// most to `compare`, whose 2 means "could not open"; help and version still go to stdout
+/// with 0. A value refused with a [`QemuMessage`] gets that message alone.
+fn usage_error(e: clap::Error) -> ExitCode {
+    let source = std::error::Error::source(&e);
+    if let Some(QemuMessage(msg)) = source.and_then(|s| s.downcast_ref()) {
+        return fail(msg, 1);
+    }
+    let _ = e.print();
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => ExitCode::SUCCESS,
+        _ => ExitCode::from(1),
+    }
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return usage_error(e),
+    };
     // Like qemu-img, end quietly when the reader of our output goes away (`| head`) instead of
     // failing on the write. A server keeps SIGPIPE ignored: a client that hangs up is an error
     // on its connection, not the end of the process.
@@ -337,11 +380,17 @@ fn main() -> ExitCode {
         Command::Create {
             format,
             options,
+            filename: None,
+            ..
+        } => create::run_without_file(&format, &options),
+        Command::Create {
+            format,
+            options,
             backing,
             backing_format,
             unsafe_backing,
             quiet,
-            filename,
+            filename: Some(filename),
             size,
         } => create::run(create::Args {
             format: &format,
