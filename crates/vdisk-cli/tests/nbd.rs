@@ -431,6 +431,32 @@ fn pipelined_requests_complete_out_of_order() {
     pipeline(connect(&server, &Opts::default()));
 }
 
+/// A client that sends a large read and then a large write before it reads any reply: the
+/// read's reply does not fit in the socket, so the server must go on reading the write's
+/// payload while that reply waits (a reader that answered the read itself would stop reading,
+/// and both sides would wait on each other forever).
+#[test]
+fn a_large_reply_does_not_stop_the_reader() {
+    let img = mem_qcow2(64 << 20);
+    let (server, _) = server(vec![(img, opts(""))]);
+    let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+    a.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    a.set_write_timeout(Some(Duration::from_secs(20))).unwrap();
+    server.serve_stream(b.into());
+    let mut c = Client::connect(a, &Opts::default()).unwrap();
+    // Data, not a hole: its reply is as long as the read.
+    assert_eq!(c.write(0, &random_bytes(4 << 20, 2)), 0);
+    let read = c.send(0, CMD_READ, 0, 4 << 20, &[]);
+    // Nothing else is in flight or waiting when the read arrives.
+    std::thread::sleep(Duration::from_millis(100));
+    let data = random_bytes(8 << 20, 3);
+    let write = c.send(0, CMD_WRITE, 16 << 20, data.len() as u32, &data);
+    let mut done: Vec<u64> = (0..2).map(|_| c.reply().unwrap().cookie).collect();
+    done.sort_unstable();
+    assert_eq!(done, [read, write]);
+    assert_eq!(c.read(16 << 20, 4096).unwrap(), data[..4096]);
+}
+
 /// The same through `vdisk serve --cache none --aio native` on a qcow2 file: requests that
 /// arrive together are submitted to the kernel together, and unaligned ones, FUA and flushes
 /// among them take their own paths.

@@ -151,6 +151,10 @@ struct Queue {
     closing: bool,
 }
 
+/// The longest read served on the reader itself: its reply fits in a socket's send buffer
+/// (about 208 KiB by default on Linux) beside the replies the client has not read yet.
+const INLINE_READ_MAX: u32 = 64 << 10;
+
 /// One connection in transmission.
 pub(crate) struct Conn {
     pub session: Session,
@@ -398,8 +402,11 @@ fn read_requests<'s, 'e: 's, 'c: 'e>(
             budget,
         };
         // A client with nothing else in flight that has sent nothing more (queue depth 1) is
-        // served here: no thread wake-up, neither a worker's nor the AIO completer's.
-        let alone = conn.limits.inline && conn.alone() && nothing_pending(reader);
+        // served here: no thread wake-up, neither a worker's nor the AIO completer's. Not a
+        // long read: its reply may not fit in the socket, and a client may be sending more
+        // before it reads any reply; the reader must not stop reading while that reply waits.
+        let small_reply = req.kind != CMD_READ || req.len <= INLINE_READ_MAX;
+        let alone = conn.limits.inline && small_reply && conn.alone() && nothing_pending(reader);
         if let Some(d) = direct.filter(|_| !alone) {
             match d.prepare(conn, job, batch) {
                 Ok(()) if batch.full() => {
