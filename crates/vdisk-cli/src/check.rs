@@ -97,10 +97,15 @@ fn run_repair(
 ) -> Result<CheckReport, ExitCode> {
     let writable = OpenOptions {
         write: true,
+        lock: true,
         ..OpenOptions::default()
     };
     let storage: Arc<dyn Storage> = match FileStorage::open(Path::new(filename), writable) {
         Ok(s) => Arc::new(s),
+        // Another process uses the image: QEMU's lock message says so.
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+            return Err(fail(format!("Could not open '{filename}': {e}"), 1));
+        }
         Err(e) => {
             let reason = strerror(&e);
             return Err(fail(

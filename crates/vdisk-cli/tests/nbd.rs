@@ -1535,3 +1535,59 @@ fn a_full_host_disk_fails_the_write_and_keeps_the_image() {
         std::fs::remove_file(&raw).unwrap();
     }
 }
+
+/// vdisk takes QEMU's image locks when it writes: while `vdisk serve` has an image, QEMU's
+/// tools cannot open it (except with -U) and a second writer is refused; while `qemu-nbd` has
+/// it, vdisk refuses to write it or to create a new image over it.
+#[test]
+fn image_locks_keep_writers_apart() {
+    let Some(t) = peers(&["qemu-img", "qemu-io", "qemu-nbd"]) else {
+        return;
+    };
+    let (qemu_img, qemu_io, qemu_nbd) = (&t[0], &t[1], &t[2]);
+    let dir = scratch("locks");
+    let d = dir.path();
+    let img = d.join("disk.qcow2");
+    let img_s = img.to_str().unwrap();
+    run(qemu_img, &["create", "-q", "-f", "qcow2", img_s, "16M"]);
+    let vdisk = vdisk_bin();
+    let in_use = |out: &(bool, String, String), what: &str| {
+        assert!(!out.0, "{what} opened an image in use: {}", out.1);
+        assert!(out.2.contains("lock"), "{what}: {}", out.2);
+    };
+
+    let serve = Serve::start(d, &[img_s]);
+    in_use(&try_run(qemu_img, &["info", img_s]), "qemu-img info");
+    in_use(&try_run(qemu_io, &["-c", "write 0 4k", img_s]), "qemu-io");
+    run(qemu_img, &["info", "-U", img_s]);
+    run(&vdisk, &["info", img_s]);
+    let other = d.join("other");
+    std::fs::create_dir(&other).unwrap();
+    let second = std::process::Command::new(&vdisk)
+        .args(["serve", img_s, "--nbd"])
+        .arg(format!("unix:{}", other.join("s.sock").display()))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(!second.status.success() && err.contains("lock"), "{err}");
+    serve.stop_clean();
+
+    let nbd = QemuNbd::start(qemu_nbd, &d.join("q.sock"), &["-t", "-f", "qcow2", img_s]);
+    in_use(
+        &try_run(&vdisk, &["bench", "-w", "-c", "1", img_s]),
+        "vdisk bench",
+    );
+    in_use(
+        &try_run(&vdisk, &["check", "-r", "all", img_s]),
+        "vdisk check -r",
+    );
+    in_use(
+        &try_run(&vdisk, &["create", "-q", "-f", "raw", img_s, "1M"]),
+        "vdisk create",
+    );
+    drop(nbd);
+    // Nothing of the image was touched while it was in use.
+    let info = run(qemu_img, &["info", img_s]);
+    assert!(info.contains("file format: qcow2"), "{info}");
+    run(qemu_img, &["check", img_s]);
+}

@@ -311,9 +311,17 @@ fn open_file(path: &Path, opts: &ImageOptions) -> Result<Arc<dyn Storage>> {
             write: opts.write,
             create: false,
             direct: opts.direct,
+            lock: opts.write,
         },
     )
-    .context(|| format!("Could not open '{name}'"))?;
+    .map_err(|source| match source.kind() {
+        // Another process uses the image: QEMU's lock message alone says it.
+        std::io::ErrorKind::WouldBlock => Error::invalid(source.to_string()),
+        _ => Error::Io {
+            context: format!("Could not open '{name}'"),
+            source,
+        },
+    })?;
     if opts.metadata_only {
         storage.no_readahead();
     }

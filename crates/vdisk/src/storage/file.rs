@@ -14,6 +14,8 @@ pub struct OpenOptions {
     /// Bypass the host page cache (O_DIRECT) for every transfer whose offset, length and
     /// buffers are aligned to [`DIRECT_ALIGN`]; the rest goes through the page cache.
     pub direct: bool,
+    /// Take QEMU's locks of a writer (see `lock.rs`): fail if another process uses the file.
+    pub lock: bool,
 }
 
 /// The alignment of offsets, lengths and buffer addresses that O_DIRECT transfers use. 4 KiB
@@ -41,6 +43,9 @@ impl FileStorage {
         let mut o = std::fs::OpenOptions::new();
         o.read(true).write(opts.write).create(opts.create);
         let file = o.open(path)?;
+        if opts.lock {
+            super::lock::lock_for_writing(&file, path)?;
+        }
         let device = file.metadata()?.file_type().is_block_device();
         let direct = if opts.direct {
             o.create(false).custom_flags(libc::O_DIRECT);

@@ -20,6 +20,7 @@
 mod crash;
 mod fault;
 mod file;
+mod lock;
 mod memory;
 mod ring;
 mod stats;

@@ -1,0 +1,77 @@
+//! QEMU's image locks (block/file-posix.c), so that vdisk and QEMU keep each other from
+//! writing an image another process uses. Each block permission `p` has two bytes in the file:
+//! `100 + p`, read-locked by every holder of `p`, and `200 + p`, read-locked by everyone who
+//! does not let others hold `p`. The locks are OFD locks: they belong to the open descriptor
+//! and go away when it is closed. A conflict is a byte another descriptor has locked, found by
+//! testing it with a write lock.
+//!
+//! vdisk takes the locks of a writer only (what `qemu-img` takes for `commit`, `qemu-nbd`
+//! for a writable export): consistent read, write and resize held, write and resize not
+//! shared. Readers take none, as QEMU's readers do with `-U`.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+
+const PERM_BASE: i64 = 100;
+const SHARED_BASE: i64 = 200;
+
+/// The permissions a writer holds, by bit number and QEMU's name for them.
+const HELD: [(i64, &str); 3] = [(0, "consistent read"), (1, "write"), (3, "resize")];
+/// The ones it does not share.
+const UNSHARED: [(i64, &str); 2] = [(1, "write"), (3, "resize")];
+
+fn lock_op(file: &File, cmd: libc::c_int, kind: libc::c_int, byte: i64) -> io::Result<bool> {
+    // SAFETY: flock is plain data; all-zero is a valid value that the fields below complete.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = kind as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    fl.l_start = byte;
+    fl.l_len = 1;
+    // SAFETY: fcntl reads and (for F_OFD_GETLK) fills in `fl`, which lives across the call;
+    // the descriptor is owned by `file`.
+    if unsafe { libc::fcntl(file.as_raw_fd(), cmd, &mut fl) } == -1 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fl.l_type == libc::F_UNLCK as libc::c_short)
+}
+
+/// Takes a writer's locks on `file` (the image at `path`), or fails as QEMU does when another
+/// process uses the image in a way a writer excludes. File systems without OFD locks are
+/// written without them, as QEMU does.
+pub fn lock_for_writing(file: &File, path: &Path) -> io::Result<()> {
+    let bytes = HELD.iter().map(|(p, _)| PERM_BASE + p);
+    for byte in bytes.chain(UNSHARED.iter().map(|(p, _)| SHARED_BASE + p)) {
+        match lock_op(file, libc::F_OFD_SETLK, libc::F_RDLCK, byte) {
+            Ok(_) => {}
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) => {
+                return Err(conflict(path, "write", false))
+            }
+            Err(_) => return Ok(()),
+        }
+    }
+    let free = |byte| lock_op(file, libc::F_OFD_GETLK, libc::F_WRLCK, byte);
+    for (p, name) in HELD {
+        if !free(SHARED_BASE + p)? {
+            return Err(conflict(path, name, false));
+        }
+    }
+    for (p, name) in UNSHARED {
+        if !free(PERM_BASE + p)? {
+            return Err(conflict(path, name, true));
+        }
+    }
+    Ok(())
+}
+
+fn conflict(path: &Path, perm: &str, shared: bool) -> io::Error {
+    let shared = if shared { "shared " } else { "" };
+    io::Error::new(
+        io::ErrorKind::WouldBlock,
+        format!(
+            "Failed to get {shared}\"{perm}\" lock\nIs another process using the image [{}]?",
+            path.display()
+        ),
+    )
+}
