@@ -1,10 +1,8 @@
 use std::fs::File;
 use std::io;
-use std::ops::Range;
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::path::Path;
-use std::sync::{Condvar, Mutex};
 
 use super::{IoStats, Storage};
 
@@ -38,59 +36,6 @@ pub struct FileStorage {
     /// A block device: its size is fixed and its inode does not tell it.
     device: bool,
     stats: IoStats,
-    busy: Busy,
-}
-
-/// Pages with a transfer in progress that a transfer through the other descriptor must wait
-/// for. A page cache transfer beside a direct one on the same page keeps the kernel from
-/// dropping the page after the direct one ("Page cache invalidation failure on direct I/O"),
-/// and the next sync of the file fails with EIO. A direct transfer covers whole pages, so only
-/// transfers on overlapping bytes (a client's race) ever wait here.
-#[derive(Debug, Default)]
-struct Busy {
-    /// Page ranges in progress, and whether on the direct descriptor.
-    ranges: Mutex<Vec<(Range<u64>, bool)>>,
-    gone: Condvar,
-}
-
-impl Busy {
-    fn enter(&self, pages: Range<u64>, direct: bool) {
-        let mut r = self.ranges.lock().unwrap_or_else(|e| e.into_inner());
-        while r
-            .iter()
-            .any(|(p, d)| *d != direct && p.start < pages.end && pages.start < p.end)
-        {
-            r = self.gone.wait(r).unwrap_or_else(|e| e.into_inner());
-        }
-        r.push((pages, direct));
-    }
-
-    fn leave(&self, pages: &Range<u64>, direct: bool) {
-        let mut r = self.ranges.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = r.iter().position(|(p, d)| p == pages && *d == direct) {
-            r.swap_remove(i);
-        }
-        drop(r);
-        self.gone.notify_all();
-    }
-}
-
-/// A page cache transfer in progress (see [`Busy`]), ended when dropped.
-struct Buffered<'a> {
-    busy: &'a Busy,
-    pages: Range<u64>,
-}
-
-impl Drop for Buffered<'_> {
-    fn drop(&mut self) {
-        self.busy.leave(&self.pages, false);
-    }
-}
-
-/// The pages `[offset, offset + len)` touches.
-fn pages(offset: u64, len: usize) -> Range<u64> {
-    let page = DIRECT_ALIGN as u64;
-    offset - offset % page..(offset + len as u64).next_multiple_of(page)
 }
 
 impl FileStorage {
@@ -113,7 +58,6 @@ impl FileStorage {
             direct,
             device,
             stats: IoStats::default(),
-            busy: Busy::default(),
         })
     }
 
@@ -131,29 +75,10 @@ impl FileStorage {
         self.direct.as_ref().filter(|_| aligned)
     }
 
-    /// The descriptor for a transfer of `len` bytes at `offset` of the buffers `(address,
-    /// length)`: the direct one when everything is aligned for it. A page cache transfer
-    /// beside a direct descriptor waits for direct ones on its pages, and holds them off
-    /// until the returned guard is dropped.
-    fn fd_for(
-        &self,
-        offset: u64,
-        len: usize,
-        bufs: impl IntoIterator<Item = (usize, usize)>,
-    ) -> (&File, Option<Buffered<'_>>) {
-        match self.direct_for(offset, bufs) {
-            Some(direct) => (direct, None),
-            None if self.direct.is_some() => {
-                let pages = pages(offset, len);
-                self.busy.enter(pages.clone(), false);
-                let guard = Buffered {
-                    busy: &self.busy,
-                    pages,
-                };
-                (&self.file, Some(guard))
-            }
-            None => (&self.file, None),
-        }
+    /// The descriptor for a transfer at `offset` of the buffers `(address, length)`: the
+    /// direct one when everything is aligned for it.
+    fn fd_for(&self, offset: u64, bufs: impl IntoIterator<Item = (usize, usize)>) -> &File {
+        self.direct_for(offset, bufs).unwrap_or(&self.file)
     }
 
     /// Tells the kernel that reads are scattered: no readahead on this file.
@@ -257,7 +182,7 @@ fn to_off(v: u64) -> io::Result<libc::off_t> {
 impl Storage for FileStorage {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         self.stats.record_read(buf.len());
-        let (file, _busy) = self.fd_for(offset, buf.len(), [(buf.as_ptr() as usize, buf.len())]);
+        let file = self.fd_for(offset, [(buf.as_ptr() as usize, buf.len())]);
         let mut done = 0;
         while done < buf.len() {
             match file.read_at(&mut buf[done..], offset + done as u64) {
@@ -275,7 +200,7 @@ impl Storage for FileStorage {
 
     fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
         self.stats.record_write(buf.len());
-        let (file, _busy) = self.fd_for(offset, buf.len(), [(buf.as_ptr() as usize, buf.len())]);
+        let file = self.fd_for(offset, [(buf.as_ptr() as usize, buf.len())]);
         file.write_all_at(buf, offset)
     }
 
@@ -288,9 +213,7 @@ impl Storage for FileStorage {
                 iov_len: b.len(),
             })
             .collect();
-        let len = iov.iter().map(|v| v.iov_len).sum();
-        let (file, _busy) = self.fd_for(offset, len, iov_spans(&iov));
-        let fd = file.as_raw_fd();
+        let fd = self.fd_for(offset, iov_spans(&iov)).as_raw_fd();
         // SAFETY: every iovec points into a live, exclusively borrowed buffer of `bufs`.
         let done = transfer_all(&mut iov, offset, |v, n, off| unsafe {
             libc::preadv(fd, v, n, off)
@@ -314,9 +237,7 @@ impl Storage for FileStorage {
                 iov_len: b.len(),
             })
             .collect();
-        let len = iov.iter().map(|v| v.iov_len).sum();
-        let (file, _busy) = self.fd_for(offset, len, iov_spans(&iov));
-        let fd = file.as_raw_fd();
+        let fd = self.fd_for(offset, iov_spans(&iov)).as_raw_fd();
         // SAFETY: every iovec points into a live buffer of `bufs`; pwritev only reads them.
         let done = transfer_all(&mut iov, offset, |v, n, off| unsafe {
             libc::pwritev(fd, v, n, off)
@@ -410,18 +331,6 @@ impl Storage for FileStorage {
             .as_raw_fd();
         self.stats.record_read(buf.len());
         Some(fd)
-    }
-
-    fn hold_pages(&self, offset: u64, len: usize) {
-        if self.direct.is_some() {
-            self.busy.enter(pages(offset, len), true);
-        }
-    }
-
-    fn release_pages(&self, offset: u64, len: usize) {
-        if self.direct.is_some() {
-            self.busy.leave(&pages(offset, len), true);
-        }
     }
 
     fn stats(&self) -> &IoStats {

@@ -106,18 +106,6 @@ pub trait Storage: Send + Sync {
         None
     }
 
-    /// Marks `[offset, offset + len)` as the target of an asynchronous transfer on the
-    /// descriptor `async_*_fd` gave, until [`Storage::release_pages`]: transfers that go
-    /// through the page cache wait for it (see `FileStorage`). The caller must not itself
-    /// wait for such a transfer on these pages before releasing them.
-    fn hold_pages(&self, offset: u64, len: usize) {
-        let _ = (offset, len);
-    }
-
-    fn release_pages(&self, offset: u64, len: usize) {
-        let _ = (offset, len);
-    }
-
     /// The operation and byte counters of this storage.
     fn stats(&self) -> &IoStats;
 }

@@ -118,12 +118,6 @@ impl InFlight<'_> {
         }
     }
 
-    /// Gives back the pages transfer `i` held while it was in the kernel.
-    fn release(&self, i: usize) {
-        let (storage, transfers) = self.started.parts();
-        storage.release_pages(transfers[i].host, transfers[i].bytes.len());
-    }
-
     /// Records that transfer `i` failed with `e` (the request fails with its first error).
     fn fail(&mut self, i: usize, e: std::io::Error) {
         let t = &self.started.parts().1[i];
@@ -202,8 +196,8 @@ impl<'d> DirectIo<'d> {
                 }
             }
         };
+        let queued = batch.iocbs.len();
         let (storage, transfers) = io.started.parts();
-        let mut mine = Vec::with_capacity(transfers.len());
         let mut now = Vec::new();
         for (i, tr) in transfers.iter().enumerate() {
             let tag = tag(slot, i);
@@ -218,24 +212,16 @@ impl<'d> DirectIo<'d> {
                     .map(|fd| Iocb::write(fd, tr.host, data.as_ptr(), data.len(), tag)),
             };
             match iocb {
-                Some(c) => {
-                    storage.hold_pages(tr.host, tr.bytes.len());
-                    mine.push(c);
-                }
+                Some(c) => batch.iocbs.push(c),
                 None => now.push(i),
             }
         }
         // Unaligned transfers (the direct descriptor refuses them) run here, before the
-        // request is in the table, through the page cache: they wait for direct transfers on
-        // their pages, so the batch's must go to the kernel first.
-        if !now.is_empty() {
-            self.submit(batch);
-        }
+        // request is in the table.
         for i in now {
             io.transfer_now(i, 0);
         }
-        io.waiting += mine.len();
-        batch.iocbs.append(&mut mine);
+        io.waiting += batch.iocbs.len() - queued;
         self.lock().requests[slot] = Some(io);
         batch.slots.push(slot);
         Ok(())
@@ -270,7 +256,6 @@ impl<'d> DirectIo<'d> {
             t.in_kernel -= 1;
             let (slot, i) = untag(c.tag());
             let io = t.requests[slot].as_mut().expect("a request in flight");
-            io.release(i);
             io.transfer_now(i, 0);
             io.waiting -= 1;
         }
@@ -351,7 +336,6 @@ impl<'d> DirectIo<'d> {
                 t.in_kernel -= 1;
                 let io = t.requests[slot].as_mut().expect("a request in flight");
                 let len = io.started.parts().1[i].bytes.len();
-                io.release(i);
                 match usize::try_from(res) {
                     Err(_) => io.fail(i, std::io::Error::from_raw_os_error(-res as i32)),
                     // Short: a read met the end of the file (the rest reads as zero), or a
