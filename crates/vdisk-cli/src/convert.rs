@@ -144,6 +144,17 @@ pub fn run(args: Args) -> ExitCode {
             return fail(e, 1);
         }
     }
+    if reads_from(&source, args.target) {
+        // QEMU's own words: the source holds the file and its lock refuses the writer.
+        return fail(
+            format!(
+                "{}: error while converting {}: Failed to get \"write\" lock\nIs another process \
+                 using the image [{}]?",
+                args.target, args.output_format, args.target
+            ),
+            1,
+        );
+    }
     let result = match args.output_format {
         "raw" if !args.compress && args.options.is_empty() && args.backing.is_none() => {
             to_raw(&source, &args, &plan)
@@ -157,6 +168,25 @@ pub fn run(args: Args) -> ExitCode {
         return fail(e, 1);
     }
     ExitCode::SUCCESS
+}
+
+/// Whether `target` is a file the source (or its backing chain) reads: writing it would
+/// destroy what is being copied.
+fn reads_from(source: &Image, target: &str) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(t) = std::fs::metadata(target) else {
+        return false;
+    };
+    let mut layer = Some(source);
+    while let Some(image) = layer {
+        if std::fs::metadata(&image.filename)
+            .is_ok_and(|m| (m.dev(), m.ino()) == (t.dev(), t.ino()))
+        {
+            return true;
+        }
+        layer = image.backing().map(|b| &**b);
+    }
+    false
 }
 
 /// Converts into a raw file written directly (the fast path: no format layer to go through).

@@ -243,3 +243,40 @@ fn convert_flags_match_qemu() {
     }
     failures.finish();
 }
+
+/// A target that is the source, or a file of its backing chain, is refused before anything
+/// is written (QEMU's lock refuses it), with qemu-img's message and exit status.
+#[test]
+fn converting_onto_the_source_is_refused() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "convert-onto-source");
+    let mut failures = Failures::new("convert-onto-source", &wd);
+    wd.setup_img(&["create", "-q", "-f", "raw", "base.raw", "1M"]);
+    wd.setup_io("base.raw", Some("raw"), &["write -P 5 0 1M"]);
+    wd.setup_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "base.raw",
+        "-F",
+        "raw",
+        "top.qcow2",
+    ]);
+    wd.setup_io("top.qcow2", None, &["write -P 7 0 64k"]);
+    for (format, target) in [
+        ("qcow2", "top.qcow2"),
+        ("raw", "top.qcow2"),
+        ("raw", "base.raw"),
+    ] {
+        let args = ["convert", "-O", format, "top.qcow2", target];
+        let q = wd.qemu_img(&args);
+        let v = wd.vdisk(&args);
+        failures.same_outcome(&format!("-O {format} onto {target}"), "convert", &q, &v);
+        let intact = wd.qemu_img(&["check", "top.qcow2"]).success()
+            && wd.read_file("base.raw").iter().all(|&b| b == 5);
+        failures.count(intact);
+    }
+    failures.finish();
+}

@@ -673,6 +673,7 @@ fn foreign_formats_are_refused_not_taken_for_raw() {
         ("vpc", &[]),
         ("vhdx", &[]),
         ("qed", &[]),
+        ("parallels", &[]),
     ] {
         let name = format!("disk.{format}");
         let mut args = vec!["create", "-q", "-f", format];

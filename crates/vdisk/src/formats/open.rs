@@ -179,8 +179,9 @@ impl BlockDev for Image {
     }
 }
 
-/// Formats QEMU would probe that vdisk cannot read, by their magic (offset, bytes): taken as
-/// raw, their metadata would be served as guest data and writes would damage them.
+/// Formats QEMU would probe that vdisk cannot read, by their magic (offset, bytes; dmg and
+/// cloop are not looked for): taken as raw, their metadata would be served as guest data and
+/// writes would damage them.
 const FOREIGN: &[(&str, usize, &[u8])] = &[
     ("luks", 0, b"LUKS\xba\xbe"),
     ("vmdk", 0, b"KDMV"),
@@ -189,6 +190,9 @@ const FOREIGN: &[(&str, usize, &[u8])] = &[
     ("vpc", 0, b"conectix"),
     ("qed", 0, b"QED\0"),
     ("vdi", 64, &[0x7f, 0x10, 0xda, 0xbe]),
+    ("parallels", 0, b"WithoutFreeSpace"),
+    ("parallels", 0, b"WithouFreSpacExt"),
+    ("bochs", 0, b"Bochs Virtual HD Image"),
 ];
 
 /// Probes the format of a file from its first bytes, as QEMU does: qcow2, raw, or an error for
