@@ -455,6 +455,17 @@ fn a_large_reply_does_not_stop_the_reader() {
     done.sort_unstable();
     assert_eq!(done, [read, write]);
     assert_eq!(c.read(16 << 20, 4096).unwrap(), data[..4096]);
+    // Small reads, each alone when it arrives, whose replies pile up unread: together they
+    // fill the socket just the same.
+    let mut sent = Vec::new();
+    for i in 0..8 {
+        sent.push(c.send(0, CMD_READ, i << 16, 1 << 16, &[]));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    sent.push(c.send(0, CMD_WRITE, 16 << 20, data.len() as u32, &data));
+    let mut done: Vec<u64> = (0..sent.len()).map(|_| c.reply().unwrap().cookie).collect();
+    done.sort_unstable();
+    assert_eq!(done, sent);
 }
 
 /// The same through `vdisk serve --cache none --aio native` on a qcow2 file: requests that

@@ -151,10 +151,6 @@ struct Queue {
     closing: bool,
 }
 
-/// The longest read served on the reader itself: its reply fits in a socket's send buffer
-/// (about 208 KiB by default on Linux) beside the replies the client has not read yet.
-const INLINE_READ_MAX: u32 = 64 << 10;
-
 /// One connection in transmission.
 pub(crate) struct Conn {
     pub session: Session,
@@ -402,11 +398,20 @@ fn read_requests<'s, 'e: 's, 'c: 'e>(
             budget,
         };
         // A client with nothing else in flight that has sent nothing more (queue depth 1) is
-        // served here: no thread wake-up, neither a worker's nor the AIO completer's. Not a
-        // long read: its reply may not fit in the socket, and a client may be sending more
-        // before it reads any reply; the reader must not stop reading while that reply waits.
-        let small_reply = req.kind != CMD_READ || req.len <= INLINE_READ_MAX;
-        let alone = conn.limits.inline && small_reply && conn.alone() && nothing_pending(reader);
+        // served here: no thread wake-up, neither a worker's nor the AIO completer's. Only if
+        // the reply fits in the socket beside the replies the client has not read yet: a
+        // client may send more before it reads any, and the reader must not stop reading
+        // while a reply waits.
+        let reply = 4096
+            + if req.kind == CMD_READ {
+                req.len as usize
+            } else {
+                0
+            };
+        let alone = conn.limits.inline
+            && conn.alone()
+            && nothing_pending(reader)
+            && reply_fits(reader, reply);
         if let Some(d) = direct.filter(|_| !alone) {
             match d.prepare(conn, job, batch) {
                 Ok(()) if batch.full() => {
@@ -426,15 +431,40 @@ fn read_requests<'s, 'e: 's, 'c: 'e>(
     }
 }
 
+fn socket_fd(reader: &BufReader<Stream>) -> libc::c_int {
+    match reader.get_ref() {
+        Stream::Unix(s) => s.as_raw_fd(),
+        Stream::Tcp(s) => s.as_raw_fd(),
+    }
+}
+
+/// Whether a reply of `bytes` goes into the socket without waiting, next to what is queued
+/// there: within half the send buffer (the kernel counts its own overhead against it too).
+fn reply_fits(reader: &BufReader<Stream>, bytes: usize) -> bool {
+    let fd = socket_fd(reader);
+    let (mut queued, mut buf): (libc::c_int, libc::c_int) = (0, 0);
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: SIOCOUTQ stores the bytes queued for sending in the c_int it is given, and
+    // getsockopt(SO_SNDBUF) an int of `len` bytes; `fd` is the open socket `reader` owns.
+    let ok = unsafe {
+        libc::ioctl(fd, libc::TIOCOUTQ, &mut queued) == 0
+            && libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                (&mut buf as *mut libc::c_int).cast(),
+                &mut len,
+            ) == 0
+    };
+    ok && queued as usize + bytes <= buf as usize / 2
+}
+
 /// Whether no request bytes are waiting: none buffered, none in the socket.
 fn nothing_pending(reader: &BufReader<Stream>) -> bool {
     if !reader.buffer().is_empty() {
         return false;
     }
-    let fd = match reader.get_ref() {
-        Stream::Unix(s) => s.as_raw_fd(),
-        Stream::Tcp(s) => s.as_raw_fd(),
-    };
+    let fd = socket_fd(reader);
     let mut n: libc::c_int = 0;
     // SAFETY: FIONREAD stores the number of readable bytes in the c_int it is given; `fd` is
     // the open socket `reader` owns.
