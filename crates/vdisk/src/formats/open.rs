@@ -298,7 +298,7 @@ pub fn open_overlay(
     })
 }
 
-fn open_file(path: &Path, opts: &ImageOptions) -> Result<Arc<dyn Storage>> {
+fn open_file(path: &Path, opts: &ImageOptions) -> Result<FileStorage> {
     let name = path.display();
     // Only regular files and block devices hold images; a directory would fail obscurely later,
     // and opening a FIFO would block until something writes to it.
@@ -315,21 +315,31 @@ fn open_file(path: &Path, opts: &ImageOptions) -> Result<Arc<dyn Storage>> {
             write: opts.write,
             create: false,
             direct: opts.direct,
-            lock: opts.write,
+            // Taken once the format is known (see `locked`).
+            lock: false,
         },
     )
-    .map_err(|source| match source.kind() {
-        // Another process uses the image: QEMU's lock message alone says it.
-        std::io::ErrorKind::WouldBlock => Error::invalid(source.to_string()),
-        _ => Error::Io {
-            context: format!("Could not open '{name}'"),
-            source,
-        },
-    })?;
+    .context(|| format!("Could not open '{name}'"))?;
     if opts.metadata_only {
         storage.no_readahead();
     }
-    Ok(Arc::new(storage))
+    Ok(storage)
+}
+
+/// The file of an image of `format`, with QEMU's writer locks when it is opened for writing.
+fn locked(file: FileStorage, path: &Path, format: Format, write: bool) -> Result<Arc<dyn Storage>> {
+    if write {
+        file.lock_for_writing(path, format == Format::Raw)
+            .map_err(|e| match e.kind() {
+                // Another process uses the image: QEMU's lock message alone says it.
+                std::io::ErrorKind::WouldBlock => Error::invalid(e.to_string()),
+                _ => Error::Io {
+                    context: format!("Could not open '{}'", path.display()),
+                    source: e,
+                },
+            })?;
+    }
+    Ok(Arc::new(file))
 }
 
 fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> Result<Image> {
@@ -351,8 +361,9 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
     let file = open_file(path, opts)?;
     let format = match opts.format {
         Some(f) => f,
-        None => probe(&*file)?,
+        None => probe(&file)?,
     };
+    let file = locked(file, path, format, opts.write)?;
     let driver = match format {
         Format::Raw => Driver::Raw(Raw::open(file, !opts.write)?),
         Format::Qcow2 => {
@@ -361,7 +372,13 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
             // directory rather than the image's.
             let data = match &header.data_file {
                 Some(name) if header.incompatible & qcow2::header::INCOMPAT_DATA_FILE != 0 => {
-                    Some(open_file(Path::new(name), opts)?)
+                    let path = Path::new(name);
+                    Some(locked(
+                        open_file(path, opts)?,
+                        path,
+                        Format::Raw,
+                        opts.write,
+                    )?)
                 }
                 _ => None,
             };

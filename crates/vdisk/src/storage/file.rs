@@ -14,7 +14,9 @@ pub struct OpenOptions {
     /// Bypass the host page cache (O_DIRECT) for every transfer whose offset, length and
     /// buffers are aligned to [`DIRECT_ALIGN`]; the rest goes through the page cache.
     pub direct: bool,
-    /// Take QEMU's locks of a writer (see `lock.rs`): fail if another process uses the file.
+    /// Take QEMU's locks of a qcow2 writer (see `lock.rs`) before anything else: fail if
+    /// another process uses the file. Images whose format is not known yet take theirs with
+    /// [`FileStorage::lock_for_writing`] once it is.
     pub lock: bool,
 }
 
@@ -44,7 +46,7 @@ impl FileStorage {
         o.read(true).write(opts.write).create(opts.create);
         let file = o.open(path)?;
         if opts.lock {
-            super::lock::lock_for_writing(&file, path)?;
+            super::lock::lock_for_writing(&file, path, false)?;
         }
         let device = file.metadata()?.file_type().is_block_device();
         let direct = if opts.direct {
@@ -94,6 +96,12 @@ impl FileStorage {
 
     pub fn file(&self) -> &File {
         &self.file
+    }
+
+    /// Takes QEMU's locks of a writer of a qcow2 image or (`raw`) of a raw one (see
+    /// `lock.rs`); fails if another process uses the file in a way that excludes it.
+    pub fn lock_for_writing(&self, path: &Path, raw: bool) -> io::Result<()> {
+        super::lock::lock_for_writing(&self.file, path, raw)
     }
 
     fn fallocate(&self, mode: libc::c_int, offset: u64, len: u64) -> io::Result<()> {

@@ -5,9 +5,10 @@
 //! and go away when it is closed. A conflict is a byte another descriptor has locked, found by
 //! testing it with a write lock.
 //!
-//! vdisk takes the locks of a writer only (what `qemu-img` takes for `commit`, `qemu-nbd`
-//! for a writable export): consistent read, write and resize held, write and resize not
-//! shared. Readers take none, as QEMU's readers do with `-U`.
+//! vdisk takes the locks of a writer only, as `qemu-nbd` does for a writable export: of a
+//! qcow2 image, consistent read, write and resize held, write and resize not shared; of a raw
+//! image, consistent read and write held, resize not shared (raw lets others write). Readers
+//! take none, as QEMU's readers do with `-U`.
 
 use std::fs::File;
 use std::io;
@@ -17,10 +18,10 @@ use std::path::Path;
 const PERM_BASE: i64 = 100;
 const SHARED_BASE: i64 = 200;
 
-/// The permissions a writer holds, by bit number and QEMU's name for them.
-const HELD: [(i64, &str); 3] = [(0, "consistent read"), (1, "write"), (3, "resize")];
-/// The ones it does not share.
-const UNSHARED: [(i64, &str); 2] = [(1, "write"), (3, "resize")];
+/// Permissions by bit number and QEMU's name for them.
+const READ: (i64, &str) = (0, "consistent read");
+const WRITE: (i64, &str) = (1, "write");
+const RESIZE: (i64, &str) = (3, "resize");
 
 fn lock_op(file: &File, cmd: libc::c_int, kind: libc::c_int, byte: i64) -> io::Result<bool> {
     // SAFETY: flock is plain data; all-zero is a valid value that the fields below complete.
@@ -37,12 +38,17 @@ fn lock_op(file: &File, cmd: libc::c_int, kind: libc::c_int, byte: i64) -> io::R
     Ok(fl.l_type == libc::F_UNLCK as libc::c_short)
 }
 
-/// Takes a writer's locks on `file` (the image at `path`), or fails as QEMU does when another
-/// process uses the image in a way a writer excludes. File systems without OFD locks are
-/// written without them, as QEMU does.
-pub fn lock_for_writing(file: &File, path: &Path) -> io::Result<()> {
-    let bytes = HELD.iter().map(|(p, _)| PERM_BASE + p);
-    for byte in bytes.chain(UNSHARED.iter().map(|(p, _)| SHARED_BASE + p)) {
+/// Takes a writer's locks on `file` (the image at `path`; `raw` for a raw image), or fails as
+/// QEMU does when another process uses the image in a way this writer excludes. File systems
+/// without OFD locks are written without them, as QEMU does.
+pub fn lock_for_writing(file: &File, path: &Path, raw: bool) -> io::Result<()> {
+    let (held, unshared): (&[_], &[_]) = if raw {
+        (&[READ, WRITE], &[RESIZE])
+    } else {
+        (&[READ, WRITE, RESIZE], &[WRITE, RESIZE])
+    };
+    let bytes = held.iter().map(|(p, _)| PERM_BASE + p);
+    for byte in bytes.chain(unshared.iter().map(|(p, _)| SHARED_BASE + p)) {
         match lock_op(file, libc::F_OFD_SETLK, libc::F_RDLCK, byte) {
             Ok(_) => {}
             Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) => {
@@ -52,12 +58,12 @@ pub fn lock_for_writing(file: &File, path: &Path) -> io::Result<()> {
         }
     }
     let free = |byte| lock_op(file, libc::F_OFD_GETLK, libc::F_WRLCK, byte);
-    for (p, name) in HELD {
+    for &(p, name) in held {
         if !free(SHARED_BASE + p)? {
             return Err(conflict(path, name, false));
         }
     }
-    for (p, name) in UNSHARED {
+    for &(p, name) in unshared {
         if !free(PERM_BASE + p)? {
             return Err(conflict(path, name, true));
         }
