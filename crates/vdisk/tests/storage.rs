@@ -133,3 +133,19 @@ fn direct_and_cached_transfers_see_each_other() {
     s.read_at(DIRECT_ALIGN as u64 - 5, &mut small).unwrap();
     assert_eq!(small, [2; 10]);
 }
+
+/// A direct read that meets the end of a file whose length is not aligned comes back short,
+/// and the rest reads as zero: the kernel answers a direct read past the end with nothing,
+/// aligned or not.
+#[test]
+fn direct_reads_end_cleanly_at_an_unaligned_end_of_file() {
+    let (s, _dir) = new_file(true);
+    s.write_at(0, &[7u8; 1000]).unwrap();
+    let mut back = AlignedBuf::zeroed(2 * DIRECT_ALIGN);
+    s.read_at(0, &mut back).unwrap();
+    assert!(back[..1000].iter().all(|&b| b == 7));
+    assert!(back[1000..].iter().all(|&b| b == 0));
+    let mut tail = AlignedBuf::zeroed(DIRECT_ALIGN);
+    s.read_at(512, &mut tail[..512]).unwrap();
+    assert!(tail[..488].iter().all(|&b| b == 7) && tail[488..512].iter().all(|&b| b == 0));
+}
