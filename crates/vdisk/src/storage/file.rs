@@ -27,11 +27,13 @@ pub const DIRECT_ALIGN: usize = 4096;
 
 /// A host file.
 ///
-/// With [`OpenOptions::direct`] it holds two descriptors of the same file: aligned transfers
-/// (all guest data of images with clusters of 4 KiB and more, from aligned buffers) bypass the
-/// page cache, while small metadata updates keep the page cache, as QEMU's bounce buffers
-/// would. Linux keeps the two coherent: a direct transfer first writes back and afterwards
-/// invalidates the cached pages of its range.
+/// With [`OpenOptions::direct`] it holds two descriptors of the same file: transfers aligned
+/// as the file system wants for O_DIRECT (usually sectors; all guest data of sector-aligned
+/// requests, from aligned buffers) bypass the page cache, while the rest keeps it, as QEMU's
+/// bounce buffers would. Linux keeps the two coherent: a direct transfer first writes back and
+/// afterwards invalidates the cached pages of its range. That fails (and the next sync
+/// reports EIO) when a page cache transfer dirties one of those pages meanwhile, which only a
+/// client racing overlapping writes below the sector size can cause.
 #[derive(Debug)]
 pub struct FileStorage {
     file: File,
