@@ -97,14 +97,14 @@ fn run_repair(
 ) -> Result<CheckReport, ExitCode> {
     let writable = OpenOptions {
         write: true,
-        lock: true,
         ..OpenOptions::default()
     };
     let storage: Arc<dyn Storage> = match FileStorage::open(Path::new(filename), writable) {
-        Ok(s) => Arc::new(s),
-        // Another process uses the image: QEMU's lock message says so.
-        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-            return Err(fail(format!("Could not open '{filename}': {e}"), 1));
+        Ok(s) => {
+            if let Err(e) = s.lock_for_writing(Path::new(filename), false) {
+                return Err(fail(format!("Could not open '{filename}': {e}"), 1));
+            }
+            Arc::new(s)
         }
         Err(e) => {
             let reason = strerror(&e);

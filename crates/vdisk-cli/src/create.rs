@@ -300,19 +300,15 @@ fn new_file(name: &str) -> vdisk::Result<Arc<dyn Storage>> {
         write: true,
         create: true,
         direct: false,
-        // Before the file is cut: never over an image another process uses.
-        lock: true,
     };
-    let file = FileStorage::open(name.as_ref(), opts)
-        .and_then(|f| f.set_len(0).map(|_| f))
-        .map_err(|source| match source.kind() {
-            // Another process uses the image: QEMU's lock message alone says it.
-            std::io::ErrorKind::WouldBlock => Error::invalid(source.to_string()),
-            _ => Error::Io {
-                context: format!("Could not create '{name}'"),
-                source,
-            },
-        })?;
+    let create_error = |source| Error::Io {
+        context: format!("Could not create '{name}'"),
+        source,
+    };
+    let file = FileStorage::open(name.as_ref(), opts).map_err(create_error)?;
+    // Before the file is cut: never over an image another process uses.
+    file.lock_for_writing(name.as_ref(), false)?;
+    file.set_len(0).map_err(create_error)?;
     Ok(Arc::new(file))
 }
 

@@ -52,7 +52,6 @@ fn host_file() -> (Arc<dyn Storage>, tempfile::TempDir) {
         write: true,
         create: true,
         direct: false,
-        lock: false,
     };
     let file = vdisk::storage::FileStorage::open(&dir.path().join("t.qcow2"), opts).unwrap();
     (Arc::new(file), dir)

@@ -15,7 +15,6 @@ fn new_file(direct: bool) -> (FileStorage, tempfile::TempDir) {
         write: true,
         create: true,
         direct,
-        lock: false,
     };
     (
         FileStorage::open(&dir.path().join("file"), opts).unwrap(),

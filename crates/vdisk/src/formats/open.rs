@@ -315,8 +315,6 @@ fn open_file(path: &Path, opts: &ImageOptions) -> Result<FileStorage> {
             write: opts.write,
             create: false,
             direct: opts.direct,
-            // Taken once the format is known (see `locked`).
-            lock: false,
         },
     )
     .context(|| format!("Could not open '{name}'"))?;
@@ -328,16 +326,9 @@ fn open_file(path: &Path, opts: &ImageOptions) -> Result<FileStorage> {
 
 /// The file of an image of `format`, with QEMU's writer locks when it is opened for writing.
 fn locked(file: FileStorage, path: &Path, format: Format, write: bool) -> Result<Arc<dyn Storage>> {
+    // Once the format is known: a raw image lets others write.
     if write {
-        file.lock_for_writing(path, format == Format::Raw)
-            .map_err(|e| match e.kind() {
-                // Another process uses the image: QEMU's lock message alone says it.
-                std::io::ErrorKind::WouldBlock => Error::invalid(e.to_string()),
-                _ => Error::Io {
-                    context: format!("Could not open '{}'", path.display()),
-                    source: e,
-                },
-            })?;
+        file.lock_for_writing(path, format == Format::Raw)?;
     }
     Ok(Arc::new(file))
 }

@@ -12,12 +12,9 @@ pub struct OpenOptions {
     pub write: bool,
     pub create: bool,
     /// Bypass the host page cache (O_DIRECT) for every transfer whose offset, length and
-    /// buffers are aligned to [`DIRECT_ALIGN`]; the rest goes through the page cache.
+    /// buffers are aligned as the file system wants (see [`FileStorage`]); the rest goes
+    /// through the page cache.
     pub direct: bool,
-    /// Take QEMU's locks of a qcow2 writer (see `lock.rs`) before anything else: fail if
-    /// another process uses the file. Images whose format is not known yet take theirs with
-    /// [`FileStorage::lock_for_writing`] once it is.
-    pub lock: bool,
 }
 
 /// An alignment of offsets, lengths and buffer addresses that O_DIRECT transfers accept on
@@ -51,9 +48,6 @@ impl FileStorage {
         let mut o = std::fs::OpenOptions::new();
         o.read(true).write(opts.write).create(opts.create);
         let file = o.open(path)?;
-        if opts.lock {
-            super::lock::lock_for_writing(&file, path, false)?;
-        }
         let device = file.metadata()?.file_type().is_block_device();
         let direct = if opts.direct {
             o.create(false).custom_flags(libc::O_DIRECT);
@@ -111,9 +105,16 @@ impl FileStorage {
     }
 
     /// Takes QEMU's locks of a writer of a qcow2 image or (`raw`) of a raw one (see
-    /// `lock.rs`); fails if another process uses the file in a way that excludes it.
-    pub fn lock_for_writing(&self, path: &Path, raw: bool) -> io::Result<()> {
-        super::lock::lock_for_writing(&self.file, path, raw)
+    /// `lock.rs`); fails, with QEMU's message alone, if another process uses the file in a way
+    /// that excludes it.
+    pub fn lock_for_writing(&self, path: &Path, raw: bool) -> crate::Result<()> {
+        super::lock::lock_for_writing(&self.file, path, raw).map_err(|e| match e.kind() {
+            io::ErrorKind::WouldBlock => crate::Error::invalid(e.to_string()),
+            _ => crate::Error::Io {
+                context: format!("Could not open '{}'", path.display()),
+                source: e,
+            },
+        })
     }
 
     fn fallocate(&self, mode: libc::c_int, offset: u64, len: u64) -> io::Result<()> {

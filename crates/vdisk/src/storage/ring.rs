@@ -456,7 +456,6 @@ mod tests {
             write: true,
             create: true,
             direct: true,
-            lock: false,
         };
         let file = FileStorage::open(&path, opts).unwrap();
         let mut ring = Ring::new(backend, 4).unwrap();

@@ -64,14 +64,27 @@ impl Location {
     }
 }
 
-/// The length of the directory entry that starts `dir` (its fixed part, extra data and name,
-/// unpadded), or `None` when it does not fit.
-pub fn entry_len(dir: &[u8]) -> Option<usize> {
-    let e = dir.get(..ENTRY_HEADER)?;
-    let name = usize::from(u16::from_be_bytes([e[18], e[19]]));
-    let extra = u32::from_be_bytes(e[20..24].try_into().ok()?) as usize;
-    let len = ENTRY_HEADER + extra + name;
-    (len <= dir.len()).then_some(len)
+/// Where each of the `n` entries of directory `dir` lies (its fixed part, extra data and
+/// name; entries start 8-byte aligned), or `None` when one does not fit.
+pub fn entries(dir: &[u8], n: u32) -> Option<Vec<std::ops::Range<usize>>> {
+    let mut out = Vec::with_capacity(n as usize);
+    let mut at = 0;
+    for _ in 0..n {
+        let e = dir.get(at..)?.get(..ENTRY_HEADER)?;
+        let name = usize::from(u16::from_be_bytes([e[18], e[19]]));
+        let extra = u32::from_be_bytes(e[20..24].try_into().ok()?) as usize;
+        let end = at + ENTRY_HEADER + extra + name;
+        if end > dir.len() {
+            return None;
+        }
+        out.push(at..end);
+        at = end.next_multiple_of(8);
+    }
+    Some(out)
+}
+
+fn invalid_entry() -> Error {
+    Error::corrupt("bitmap directory entry is invalid")
 }
 
 /// The bitmaps of the image (none when the autoclear bit does not vouch for them).
@@ -82,20 +95,16 @@ pub fn list(file: &dyn Storage, h: &Header) -> Result<Vec<BitmapInfo>> {
     };
     let file_len = file.len().context(|| "reading the image size".into())?;
     let dir = loc.read(file, file_len)?;
-    let mut at = 0;
-    for _ in 0..loc.entries {
-        let e = &dir[at.min(dir.len())..];
-        let len =
-            entry_len(e).ok_or_else(|| Error::corrupt("bitmap directory entry is invalid"))?;
+    for r in entries(&dir, loc.entries).ok_or_else(invalid_entry)? {
+        let e = &dir[r];
         let flags = u32::from_be_bytes(e[12..16].try_into().expect("4 bytes"));
         let extra = u32::from_be_bytes(e[20..24].try_into().expect("4 bytes")) as usize;
         out.push(BitmapInfo {
-            name: String::from_utf8_lossy(&e[ENTRY_HEADER + extra..len]).into_owned(),
+            name: String::from_utf8_lossy(&e[ENTRY_HEADER + extra..]).into_owned(),
             granularity: 1u64.checked_shl(u32::from(e[17])).unwrap_or(0),
             in_use: flags & FLAG_IN_USE != 0,
             auto: flags & FLAG_AUTO != 0,
         });
-        at = (at + len).next_multiple_of(8);
     }
     Ok(out)
 }
@@ -108,18 +117,12 @@ pub fn mark_in_use(file: &dyn Storage, h: &Header) -> Result<()> {
     };
     let file_len = file.len().context(|| "reading the image size".into())?;
     let mut dir = loc.read(file, file_len)?;
-    let mut at = 0;
     let mut changed = false;
-    for _ in 0..loc.entries {
-        let len = dir.get(at..).and_then(entry_len);
-        let Some(len) = len else {
-            return Err(Error::corrupt("bitmap directory entry is invalid"));
-        };
-        let flags = &mut dir[at + 12..at + 16];
+    for r in entries(&dir, loc.entries).ok_or_else(invalid_entry)? {
+        let flags = &mut dir[r.start + 12..r.start + 16];
         let old = u32::from_be_bytes(flags.try_into().expect("4 bytes"));
         flags.copy_from_slice(&(old | FLAG_IN_USE).to_be_bytes());
         changed |= old & FLAG_IN_USE == 0;
-        at = (at + len).next_multiple_of(8);
     }
     if changed {
         file.write_at(loc.offset, &dir)

@@ -612,17 +612,15 @@ impl<'a, 's> Checker<'a, 's> {
             })?;
         // Like QEMU's bitmap_list_load, every directory entry is validated before any table
         // is read, so a hostile directory costs nothing more than reading it.
-        let mut tables = Vec::new();
-        let mut at = 0usize;
-        for _ in 0..loc.entries {
-            let entry = dir.get(at..).and_then(|e| self.bitmap_entry(e));
-            let Some((table_offset, table_size, next)) = entry else {
-                self.report.corruptions += 1;
-                return Err(Error::corrupt("bitmap directory entry is invalid"));
-            };
-            tables.push((table_offset, table_size));
-            at = (at + next).next_multiple_of(8);
-        }
+        let tables = bitmaps::entries(&dir, loc.entries).and_then(|entries| {
+            (entries.into_iter())
+                .map(|r| self.bitmap_entry(&dir[r]))
+                .collect::<Option<Vec<_>>>()
+        });
+        let Some(tables) = tables else {
+            self.report.corruptions += 1;
+            return Err(Error::corrupt("bitmap directory entry is invalid"));
+        };
         for (table_offset, table_size) in tables {
             self.inc_refs(table_offset, table_size * 8);
             let entries = read_table(&**self.q.file(), table_offset, table_size, "bitmap table")?;
@@ -640,10 +638,9 @@ impl<'a, 's> Checker<'a, 's> {
         Ok(())
     }
 
-    /// QEMU's `check_dir_entry`: the table's offset and size, and the entry's length, of a
-    /// valid bitmap directory entry.
-    fn bitmap_entry(&self, e: &[u8]) -> Option<(u64, u64, usize)> {
-        let len = bitmaps::entry_len(e)?;
+    /// QEMU's `check_dir_entry`: the table's offset and size of a valid bitmap directory
+    /// entry (`e`, the whole entry).
+    fn bitmap_entry(&self, e: &[u8]) -> Option<(u64, u64)> {
         let table_offset = u64::from_be_bytes(e[0..8].try_into().ok()?);
         let table_size = u64::from(u32::from_be_bytes(e[8..12].try_into().ok()?));
         let flags = u32::from_be_bytes(e[12..16].try_into().ok()?);
@@ -663,7 +660,7 @@ impl<'a, 's> Checker<'a, 's> {
             && (flags & 1 != 0
                 || u128::from(self.q.header().size)
                     <= (u128::from(phys) * 8) << granularity_bits);
-        valid.then_some((table_offset, table_size, len))
+        valid.then_some((table_offset, table_size))
     }
 
     /// QEMU's `check_refblocks`: counts each refcount block, flags the structure for a rebuild
