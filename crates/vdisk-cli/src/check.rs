@@ -101,7 +101,7 @@ fn run_repair(
     };
     let storage: Arc<dyn Storage> = match FileStorage::open(Path::new(filename), writable) {
         Ok(s) => {
-            if let Err(e) = s.lock_for_writing(Path::new(filename), false) {
+            if let Err(e) = s.lock_for_writing(Path::new(filename), false, false) {
                 return Err(fail(format!("Could not open '{filename}': {e}"), 1));
             }
             Arc::new(s)

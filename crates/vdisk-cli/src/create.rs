@@ -307,7 +307,7 @@ fn new_file(name: &str) -> vdisk::Result<Arc<dyn Storage>> {
     };
     let file = FileStorage::open(name.as_ref(), opts).map_err(create_error)?;
     // Before the file is cut: never over an image another process uses.
-    file.lock_for_writing(name.as_ref(), false)?;
+    file.lock_for_writing(name.as_ref(), false, false)?;
     file.set_len(0).map_err(create_error)?;
     Ok(Arc::new(file))
 }

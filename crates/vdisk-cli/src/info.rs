@@ -47,6 +47,7 @@ fn open_chain(filename: &str, format: Option<&str>, chain: bool) -> vdisk::Resul
         seen.push(canonical);
         let opts = ImageOptions {
             no_backing: true,
+            data_file_optional: true,
             ..metadata_options(fmt.as_deref())?
         };
         let image = open_image(&name, &opts)?;

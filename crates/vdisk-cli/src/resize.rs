@@ -39,6 +39,7 @@ pub fn run(args: Args) -> ExitCode {
             Err(e) => return fail(e, 1),
         },
         write: true,
+        resize: true,
         ..ImageOptions::default()
     };
     let mut image = match open_image(args.filename, &opts) {

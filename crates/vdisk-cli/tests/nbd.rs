@@ -1432,7 +1432,9 @@ fn copy_on_write_with_cache_none_bypasses_the_page_cache() {
     assert_eq!(c.call(0, CMD_FLUSH, 0, 0, &[]).error, 0);
     c.disconnect();
     serve.stop_clean();
-    let map = run(qemu_img, &["map", "--output=json", top_s]);
+    // vdisk's map reads the tables without readahead, which would pull the cluster after them
+    // into the page cache (qemu-img map reads ahead).
+    let map = run(&vdisk_bin(), &["map", "--output=json", top_s]);
     let host = map
         .lines()
         .find(|l| l.contains(&format!("\"start\": {MIB},")))
@@ -1601,14 +1603,33 @@ fn image_locks_keep_writers_apart() {
     let info = run(qemu_img, &["info", img_s]);
     assert!(info.contains("file format: qcow2"), "{info}");
     run(qemu_img, &["check", img_s]);
+
+    // A raw image lets others write, not resize.
+    let raw = d.join("disk.raw");
+    let raw_s = raw.to_str().unwrap();
+    run(qemu_img, &["create", "-q", "-f", "raw", raw_s, "1M"]);
+    let nbd = QemuNbd::start(qemu_nbd, &d.join("r.sock"), &["-f", "raw", raw_s]);
+    in_use(
+        &try_run(&vdisk, &["resize", "-f", "raw", raw_s, "2M"]),
+        "vdisk resize",
+    );
+    drop(nbd);
+    assert_eq!(std::fs::metadata(&raw).unwrap().len(), 1 << 20);
+    let serve = Serve::start(d, &[raw_s, "-f", "raw"]);
+    in_use(
+        &try_run(qemu_img, &["resize", "-f", "raw", raw_s, "2M"]),
+        "qemu-img resize",
+    );
+    serve.stop_clean();
+    run(&vdisk, &["resize", "-f", "raw", raw_s, "2M"]);
 }
 
-/// Two clients writing overlapping ranges at once, of sizes and offsets in 512-byte steps,
-/// through `--cache none --aio native`. When only 4 KiB-aligned transfers went direct, a
-/// direct write and a page cache write on the same page at once made the kernel fail to drop
-/// the page ("Page cache invalidation failure on direct I/O") and the next flush fail with
-/// EIO. Sector-aligned transfers now go direct where the file system allows it; the flush
-/// and the close must succeed.
+/// Two clients writing overlapping ranges at once through `--cache none --aio native`, of
+/// sizes and offsets in 512-byte steps, then of any bytes. A direct write and a page cache
+/// write on the same page at once made the kernel fail to drop the page ("Page cache
+/// invalidation failure on direct I/O") and the next flush fail with EIO: first when only
+/// 4 KiB-aligned transfers went direct, then (until writes of parts of sectors became direct
+/// read-modify-writes) for byte-granular writes. The flush and the close must succeed.
 #[test]
 fn overlapping_writes_of_mixed_alignment_flush_cleanly() {
     let Some(t) = peers(&["qemu-img", "fio"]) else {
@@ -1621,21 +1642,23 @@ fn overlapping_writes_of_mixed_alignment_flush_cleanly() {
     let img_s = img.to_str().unwrap();
     run(qemu_img, &["create", "-q", "-f", "qcow2", img_s, "64M"]);
     let serve = Serve::start(d, &[img_s, "--cache", "none", "--aio", "native"]);
-    run(
-        fio,
+    // Sector-aligned writes of mixed sizes, then writes of any bytes (parts of sectors are
+    // read-modify-writes) by more clients into 256 KiB, so that they meet often.
+    for sizes in [
+        &["--bsrange=512-256k", "--size=64M", "--numjobs=2"][..],
         &[
-            "--name=overlap",
-            "--ioengine=nbd",
-            &format!("--uri={}", serve.uri("")),
-            "--rw=randwrite",
-            "--bsrange=512-256k",
-            "--size=64M",
-            "--iodepth=32",
-            "--numjobs=2",
-            "--time_based",
-            "--runtime=3",
+            "--bsrange=1-16k",
+            "--bs_unaligned=1",
+            "--size=256k",
+            "--numjobs=4",
         ],
-    );
+    ] {
+        let uri = format!("--uri={}", serve.uri(""));
+        let mut args = vec!["--name=overlap", "--ioengine=nbd", &uri, "--rw=randwrite"];
+        args.extend(sizes);
+        args.extend(["--iodepth=32", "--time_based", "--runtime=3"]);
+        run(fio, &args);
+    }
     let s = std::os::unix::net::UnixStream::connect(&serve.socket).unwrap();
     let mut c = Client::connect(s, &Opts::default()).unwrap();
     assert_eq!(c.call(0, CMD_FLUSH, 0, 0, &[]).error, 0, "flush failed");

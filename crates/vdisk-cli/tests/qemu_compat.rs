@@ -1354,6 +1354,54 @@ fn persistent_bitmaps() {
     assert!(!after.stdout.contains("in-use"), "{}", after.stdout);
 }
 
+/// qemu-img info describes an image whose external data file is gone (it opens without I/O);
+/// what reads guest data fails the same way in both tools.
+#[test]
+fn missing_data_file() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "missing_data_file");
+    create(&wd, "orphan.qcow2", "data_file=orphan.data", "4M");
+    io(&wd, "orphan.qcow2", &["write -P 1 0 64k"]);
+    wd.remove("orphan.data");
+    let mut f = Failures::new("missing_data_file", &wd);
+    for args in [
+        &["info", "orphan.qcow2"][..],
+        &["info", "--output=json", "orphan.qcow2"],
+        &["map", "orphan.qcow2"],
+        &["check", "orphan.qcow2"],
+        &["convert", "-O", "raw", "orphan.qcow2", "out.raw"],
+    ] {
+        let (q, v) = both(&wd, args);
+        f.same_outcome("orphan.qcow2", args[0], &q, &v);
+    }
+    f.finish();
+}
+
+/// An image cut short anywhere, inside its header cluster included: QEMU reads what is past
+/// the end as zeroes, opens the image and finds its tables missing.
+#[test]
+fn truncated_images() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "truncated_images");
+    create(&wd, "whole.qcow2", "", "16M");
+    io(
+        &wd,
+        "whole.qcow2",
+        &["write -P 1 0 128k", "write -P 2 8M 64k"],
+    );
+    let mut f = Failures::new("truncated_images", &wd);
+    for len in [72, 104, 300, 4096, 65536, 70000, 200000, 300000] {
+        let name = format!("cut{len}.qcow2");
+        wd.copy_dense("whole.qcow2", &name);
+        wd.set_len(&name, len);
+        for command in ["info", "map", "check"] {
+            let (q, v) = both(&wd, &[command, &name]);
+            f.same_outcome(&name, command, &q, &v);
+        }
+    }
+    f.finish();
+}
+
 #[test]
 fn internal_snapshots() {
     let Some(tools) = tools() else { return };

@@ -148,3 +148,32 @@ fn direct_reads_end_cleanly_at_an_unaligned_end_of_file() {
     s.read_at(512, &mut tail[..512]).unwrap();
     assert!(tail[..488].iter().all(|&b| b == 7) && tail[488..512].iter().all(|&b| b == 0));
 }
+
+/// A write of part of a sector on a direct file is a read-modify-write of whole sectors: many
+/// threads writing disjoint pieces of the same sectors at once must each keep their bytes.
+#[test]
+fn direct_partial_sector_writes_keep_each_others_bytes() {
+    const LEN: usize = 64 << 10;
+    const PIECE: usize = 7;
+    const THREADS: usize = 8;
+    let (s, _dir) = new_file(true);
+    s.write_at(0, &AlignedBuf::zeroed(LEN)).unwrap();
+    std::thread::scope(|scope| {
+        for t in 0..THREADS {
+            let s = &s;
+            scope.spawn(move || {
+                let mut at = t * PIECE;
+                while at + PIECE <= LEN {
+                    s.write_at(at as u64, &[t as u8 + 1; PIECE]).unwrap();
+                    at += THREADS * PIECE;
+                }
+            });
+        }
+    });
+    let mut back = AlignedBuf::zeroed(LEN);
+    s.read_at(0, &mut back).unwrap();
+    let whole = LEN / (THREADS * PIECE) * THREADS * PIECE;
+    for (i, &b) in back[..whole].iter().enumerate() {
+        assert_eq!(b as usize, i / PIECE % THREADS + 1, "byte {i}");
+    }
+}

@@ -9,7 +9,9 @@ use super::raw::Raw;
 use crate::blockdev::{BlockDev, BlockStatus, StartedRead, StartedWrite};
 use crate::counters::CountersSnapshot;
 use crate::error::{Error, IoContext, Result};
-use crate::storage::{FileStorage, OpenOptions, Storage};
+use crate::storage::{
+    Fault, FaultStorage, FileStorage, MemStorage, OpKind, OpenOptions, Storage, When,
+};
 
 /// Backing chains deeper than this are refused; a longer chain is almost surely a loop that the
 /// path comparison could not see (e.g. through bind mounts).
@@ -51,6 +53,12 @@ pub struct ImageOptions {
     /// Readahead past a table would cache the zero-allocated extents that follow it, and ext4
     /// then reports them as data, so block status would depend on what was read before.
     pub metadata_only: bool,
+    /// Open even when the external data file cannot be: `qemu-img info` opens images without
+    /// I/O (BDRV_O_NO_IO) and describes them all the same. Guest data then fails to read.
+    pub data_file_optional: bool,
+    /// The image will be resized: a raw one takes QEMU's resize lock too (qcow2 writers always
+    /// hold it).
+    pub resize: bool,
 }
 
 /// The format driver of an open image.
@@ -324,13 +332,27 @@ fn open_file(path: &Path, opts: &ImageOptions) -> Result<FileStorage> {
     Ok(storage)
 }
 
-/// The file of an image of `format`, with QEMU's writer locks when it is opened for writing.
-fn locked(file: FileStorage, path: &Path, format: Format, write: bool) -> Result<Arc<dyn Storage>> {
+/// The file of an image of `format`, with QEMU's writer locks when `opts` open it for writing.
+fn locked(
+    file: FileStorage,
+    path: &Path,
+    format: Format,
+    opts: &ImageOptions,
+) -> Result<Arc<dyn Storage>> {
     // Once the format is known: a raw image lets others write.
-    if write {
-        file.lock_for_writing(path, format == Format::Raw)?;
+    if opts.write {
+        file.lock_for_writing(path, format == Format::Raw, opts.resize)?;
     }
     Ok(Arc::new(file))
+}
+
+/// Storage in place of a data file that could not be opened: every transfer fails with EIO.
+fn absent_storage() -> Arc<dyn Storage> {
+    let absent = FaultStorage::new(Arc::new(MemStorage::new()));
+    for op in OpKind::ALL {
+        absent.inject(Fault::eio(op, When::From(0)));
+    }
+    Arc::new(absent)
 }
 
 fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> Result<Image> {
@@ -354,7 +376,7 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
         Some(f) => f,
         None => probe(&file)?,
     };
-    let file = locked(file, path, format, opts.write)?;
+    let file = locked(file, path, format, opts)?;
     let driver = match format {
         Format::Raw => Driver::Raw(Raw::open(file, !opts.write)?),
         Format::Qcow2 => {
@@ -364,12 +386,11 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
             let data = match &header.data_file {
                 Some(name) if header.incompatible & qcow2::header::INCOMPAT_DATA_FILE != 0 => {
                     let path = Path::new(name);
-                    Some(locked(
-                        open_file(path, opts)?,
-                        path,
-                        Format::Raw,
-                        opts.write,
-                    )?)
+                    match open_file(path, opts) {
+                        Ok(f) => Some(locked(f, path, Format::Raw, opts)?),
+                        Err(_) if opts.data_file_optional => Some(absent_storage()),
+                        Err(e) => return Err(e),
+                    }
                 }
                 _ => None,
             };
@@ -385,6 +406,8 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
                         direct: opts.direct,
                         no_backing: false,
                         metadata_only: opts.metadata_only,
+                        data_file_optional: opts.data_file_optional,
+                        resize: false,
                     };
                     let bpath = backing_path(filename, name);
                     let backing = open_chain(&bpath, &backing_opts, seen)

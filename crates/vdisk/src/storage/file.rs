@@ -1,10 +1,13 @@
 use std::fs::File;
 use std::io;
+use std::ops::Range;
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::path::Path;
+use std::sync::{Condvar, Mutex};
 
 use super::{IoStats, Storage};
+use crate::bytes::AlignedBuf;
 
 /// How to open a [`FileStorage`].
 #[derive(Debug, Clone, Copy, Default)]
@@ -26,11 +29,13 @@ pub const DIRECT_ALIGN: usize = 4096;
 ///
 /// With [`OpenOptions::direct`] it holds two descriptors of the same file: transfers aligned
 /// as the file system wants for O_DIRECT (usually sectors; all guest data of sector-aligned
-/// requests, from aligned buffers) bypass the page cache, while the rest keeps it, as QEMU's
-/// bounce buffers would. Linux keeps the two coherent: a direct transfer first writes back and
-/// afterwards invalidates the cached pages of its range. That fails (and the next sync
-/// reports EIO) when a page cache transfer dirties one of those pages meanwhile, which only a
-/// client racing overlapping writes below the sector size can cause.
+/// requests, from aligned buffers) bypass the page cache. Writes of parts of sectors go
+/// direct too, as read-modify-writes of whole sectors, as QEMU's do: Linux keeps the two
+/// descriptors coherent by invalidating the cached pages of a direct transfer's range when it
+/// completes, and when a page cache write dirtied one of them meanwhile it cannot, and fails
+/// the next sync with EIO. Reads and the remaining writes (buffers not aligned in memory,
+/// metadata) keep the page cache; they never share a page with data that concurrent requests
+/// write.
 #[derive(Debug)]
 pub struct FileStorage {
     file: File,
@@ -38,6 +43,9 @@ pub struct FileStorage {
     /// What the direct descriptor needs aligned: file offsets and lengths, and buffer
     /// addresses.
     align: (u64, usize),
+    /// Sectors under a read-modify-write, so that two never undo each other's bytes of a
+    /// shared sector.
+    rmw: Busy,
     /// A block device: its size is fixed and its inode does not tell it.
     device: bool,
     stats: IoStats,
@@ -63,6 +71,7 @@ impl FileStorage {
             file,
             direct,
             align,
+            rmw: Busy::default(),
             device,
             stats: IoStats::default(),
         })
@@ -89,6 +98,49 @@ impl FileStorage {
         self.direct_for(offset, bufs).unwrap_or(&self.file)
     }
 
+    /// With a direct descriptor, writes `bufs` at `offset`, when it starts or ends inside a
+    /// sector, as a read-modify-write of the sectors it touches, through that descriptor (see
+    /// [`FileStorage`]). Returns false, having done nothing, where the caller writes it as it
+    /// is: without a direct descriptor, when whole sectors are written, and past the end of the
+    /// file, whose length whole sectors there would change.
+    fn write_sectors(&self, offset: u64, bufs: &[&[u8]]) -> io::Result<bool> {
+        let Some(direct) = &self.direct else {
+            return Ok(false);
+        };
+        let pos = self.align.0;
+        let len: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "offset out of range"))?;
+        if len == 0 || offset % pos == 0 && end % pos == 0 {
+            return Ok(false);
+        }
+        let (first, last) = (offset - offset % pos, end.next_multiple_of(pos));
+        if last > self.len()? {
+            return Ok(false);
+        }
+        let _sectors = self.rmw.take(first..last);
+        let mut block = AlignedBuf::zeroed((last - first) as usize);
+        let sector = pos as usize;
+        if offset != first {
+            direct.read_exact_at(&mut block[..sector], first)?;
+        }
+        if end != last && (offset == first || last - first > pos) {
+            // Read on its own: a buffer address inside `block` may not be aligned enough.
+            let mut tail = AlignedBuf::zeroed(sector);
+            direct.read_exact_at(&mut tail, last - pos)?;
+            let at = block.len() - sector;
+            block[at..].copy_from_slice(&tail);
+        }
+        let mut at = (offset - first) as usize;
+        for b in bufs {
+            block[at..at + b.len()].copy_from_slice(b);
+            at += b.len();
+        }
+        direct.write_all_at(&block, first)?;
+        Ok(true)
+    }
+
     /// Tells the kernel that reads are scattered: no readahead on this file.
     pub fn no_readahead(&self) {
         for f in [Some(&self.file), self.direct.as_ref()]
@@ -104,11 +156,11 @@ impl FileStorage {
         &self.file
     }
 
-    /// Takes QEMU's locks of a writer of a qcow2 image or (`raw`) of a raw one (see
-    /// `lock.rs`); fails, with QEMU's message alone, if another process uses the file in a way
-    /// that excludes it.
-    pub fn lock_for_writing(&self, path: &Path, raw: bool) -> crate::Result<()> {
-        super::lock::lock_for_writing(&self.file, path, raw).map_err(|e| match e.kind() {
+    /// Takes QEMU's locks of a writer of a qcow2 image or (`raw`) of a raw one, which resizes it
+    /// if `resize` (see `lock.rs`); fails, with QEMU's message alone, if another process uses
+    /// the file in a way that excludes it.
+    pub fn lock_for_writing(&self, path: &Path, raw: bool, resize: bool) -> crate::Result<()> {
+        super::lock::lock_for_writing(&self.file, path, raw, resize).map_err(|e| match e.kind() {
             io::ErrorKind::WouldBlock => crate::Error::invalid(e.to_string()),
             _ => crate::Error::Io {
                 context: format!("Could not open '{}'", path.display()),
@@ -139,6 +191,44 @@ impl FileStorage {
             Some(libc::ENXIO) => Ok(None),
             _ => Err(err),
         }
+    }
+}
+
+/// Byte ranges in use, each by one thread, which waits for the ranges it overlaps to be let go.
+#[derive(Debug, Default)]
+struct Busy {
+    ranges: Mutex<Vec<Range<u64>>>,
+    freed: Condvar,
+}
+
+impl Busy {
+    fn take(&self, range: Range<u64>) -> BusyRange<'_> {
+        let lock = || self.ranges.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ranges = lock();
+        while ranges
+            .iter()
+            .any(|r| r.start < range.end && range.start < r.end)
+        {
+            ranges = self.freed.wait(ranges).unwrap_or_else(|e| e.into_inner());
+        }
+        ranges.push(range.clone());
+        BusyRange { busy: self, range }
+    }
+}
+
+/// A range of [`Busy`], let go when dropped.
+struct BusyRange<'b> {
+    busy: &'b Busy,
+    range: Range<u64>,
+}
+
+impl Drop for BusyRange<'_> {
+    fn drop(&mut self) {
+        let mut ranges = self.busy.ranges.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = ranges.iter().position(|r| *r == self.range) {
+            ranges.swap_remove(i);
+        }
+        self.busy.freed.notify_all();
     }
 }
 
@@ -248,6 +338,9 @@ impl Storage for FileStorage {
 
     fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
         self.stats.record_write(buf.len());
+        if self.write_sectors(offset, &[buf])? {
+            return Ok(());
+        }
         let file = self.fd_for(offset, [(buf.as_ptr() as usize, buf.len())]);
         file.write_all_at(buf, offset)
     }
@@ -278,6 +371,9 @@ impl Storage for FileStorage {
 
     fn write_vectored_at(&self, offset: u64, bufs: &[&[u8]]) -> io::Result<()> {
         self.stats.record_write(bufs.iter().map(|b| b.len()).sum());
+        if self.write_sectors(offset, bufs)? {
+            return Ok(());
+        }
         let mut iov: Vec<libc::iovec> = bufs
             .iter()
             .map(|b| libc::iovec {

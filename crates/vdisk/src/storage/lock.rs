@@ -7,7 +7,8 @@
 //!
 //! vdisk takes the locks of a writer only, as `qemu-nbd` does for a writable export: of a
 //! qcow2 image, consistent read, write and resize held, write and resize not shared; of a raw
-//! image, consistent read and write held, resize not shared (raw lets others write). Readers
+//! image, consistent read and write held (resize too by `vdisk resize`), resize not shared
+//! (raw lets others write). Readers
 //! take none, as QEMU's readers do with `-U`.
 
 use std::fs::File;
@@ -38,14 +39,15 @@ fn lock_op(file: &File, cmd: libc::c_int, kind: libc::c_int, byte: i64) -> io::R
     Ok(fl.l_type == libc::F_UNLCK as libc::c_short)
 }
 
-/// Takes a writer's locks on `file` (the image at `path`; `raw` for a raw image), or fails as
-/// QEMU does when another process uses the image in a way this writer excludes. File systems
-/// without OFD locks are written without them, as QEMU does.
-pub fn lock_for_writing(file: &File, path: &Path, raw: bool) -> io::Result<()> {
-    let (held, unshared): (&[_], &[_]) = if raw {
-        (&[READ, WRITE], &[RESIZE])
-    } else {
-        (&[READ, WRITE, RESIZE], &[WRITE, RESIZE])
+/// Takes a writer's locks on `file` (the image at `path`; `raw` for a raw image, `resize` if
+/// it will be resized), or fails as QEMU does when another process uses the image in a way
+/// this writer excludes. File systems without OFD locks are written without them, as QEMU
+/// does.
+pub fn lock_for_writing(file: &File, path: &Path, raw: bool, resize: bool) -> io::Result<()> {
+    let (held, unshared): (&[_], &[_]) = match (raw, resize) {
+        (true, false) => (&[READ, WRITE], &[RESIZE]),
+        (true, true) => (&[READ, WRITE, RESIZE], &[RESIZE]),
+        (false, _) => (&[READ, WRITE, RESIZE], &[WRITE, RESIZE]),
     };
     let bytes = held.iter().map(|(p, _)| PERM_BASE + p);
     for byte in bytes.chain(unshared.iter().map(|(p, _)| SHARED_BASE + p)) {

@@ -9,8 +9,8 @@
 //!   reader ─ start_* ─ batch ─ io_submit ─► kernel ─ io_getevents ─► completer ─ finish ─► reply
 //! ```
 //!
-//! Anything else (FUA, other commands, a write the disk will not hand out because a flush
-//! waits) takes the worker path.
+//! Anything else (FUA, other commands, writes of parts of sectors, a write the disk will not
+//! hand out because a flush waits) takes the worker path.
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 
@@ -149,9 +149,13 @@ impl<'d> DirectIo<'d> {
     pub fn prepare(&self, conn: &'d Conn, job: Job, batch: &mut Batch) -> Result<(), Job> {
         let dev = conn.session.export.dev();
         let req = job.req;
+        // A write of part of a sector is a read-modify-write on the disk (see FileStorage):
+        // two round trips to the device, which the reader must not wait for.
+        let partial = req.kind == CMD_WRITE && (req.offset | u64::from(req.len)) % 512 != 0;
         let plain = matches!(req.kind, CMD_READ | CMD_WRITE)
             && req.flags & CMD_FLAG_FUA == 0
             && req.len > 0
+            && !partial
             && commands::passes_checks(conn, &req);
         if !plain {
             return Err(job);

@@ -272,6 +272,16 @@ impl Refcounts {
         self.used_end().max(self.opened_len)
     }
 
+    /// After a shrink: the file may be cut at close right after its last cluster in use, below
+    /// its length at the open, as QEMU cuts a shrunk image.
+    pub fn cut_after_last_used(&mut self, file: &dyn Storage) -> Result<()> {
+        while self.high_water > 0 && self.get(file, self.high_water - 1)? == 0 {
+            self.high_water -= 1;
+        }
+        self.opened_len = self.opened_len.min(self.used_end());
+        Ok(())
+    }
+
     pub fn opened_len(&self) -> u64 {
         self.opened_len
     }

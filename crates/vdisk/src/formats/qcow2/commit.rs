@@ -148,14 +148,17 @@ impl Qcow2 {
             mapped = true;
         }
         if let Some(d) = meta.l1_dirty {
-            let (from, to) = d.sectors(meta.l1.len() * 8);
-            let bytes: Vec<u8> = meta.l1[from / 8..to.div_ceil(8)]
+            // Whole sectors, the last one padded with zeroes (the table's clusters hold nothing
+            // else): part of a sector would be a read-modify-write with `--cache none`.
+            let (from, to) = d.sectors((meta.l1.len() * 8).next_multiple_of(512));
+            let mut bytes: Vec<u8> = meta.l1[from / 8..(to / 8).min(meta.l1.len())]
                 .iter()
                 .flat_map(|e| e.to_be_bytes())
                 .collect();
+            bytes.resize(to - from, 0);
             let at = self.header.l1_table_offset + from as u64;
             self.file
-                .write_at(at, &bytes[..to - from])
+                .write_at(at, &bytes)
                 .context(|| format!("writing the L1 table at {at:#x}"))?;
             metadata_bytes += (to - from) as u64;
             meta.l1_dirty = None;

@@ -199,11 +199,12 @@ impl Header {
             h.autoclear = be64(cluster0, 88);
             h.refcount_order = be32(cluster0, 96);
             h.header_length = be32(cluster0, 100);
-            if h.header_length < 104 || u64::from(h.header_length) > cluster_size {
-                return Err(Error::corrupt(format!(
-                    "invalid qcow2 header length {}",
-                    h.header_length
-                )));
+            // QEMU's messages.
+            if h.header_length < 104 {
+                return Err(Error::corrupt("qcow2 header too short"));
+            }
+            if u64::from(h.header_length) > cluster_size {
+                return Err(Error::corrupt("qcow2 header exceeds cluster size"));
             }
             if h.header_length as usize > cluster0.len() {
                 return Err(Error::corrupt(

@@ -82,13 +82,15 @@ pub fn read_header(file: &dyn Storage) -> Result<Header> {
     file.read_at(0, &mut fixed)
         .context(|| "reading the qcow2 header".into())?;
     // The header and its extensions live in the first cluster (at most 2 MiB); read just that.
+    // What lies past the end of a file cut short reads as zero, as in QEMU, which opens such
+    // an image (its tables are then found missing).
     let cluster_bits = u32::from_be_bytes([fixed[20], fixed[21], fixed[22], fixed[23]]);
     let want = if (9..=21).contains(&cluster_bits) {
         1u64 << cluster_bits
     } else {
         512
     };
-    let mut first = vec![0u8; want.min(file_len) as usize];
+    let mut first = vec![0u8; want as usize];
     file.read_at(0, &mut first)
         .context(|| "reading the qcow2 header".into())?;
     Header::parse(&first, file_len)

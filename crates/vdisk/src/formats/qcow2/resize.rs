@@ -59,6 +59,12 @@ impl Qcow2 {
         if self.header.data_file_raw() && new_size > old_size {
             self.map_raw_data(old_size, new_size)?;
         }
+        if new_size < old_size {
+            // The header no longer maps what was dropped, and its refcounts are durable.
+            let mut meta = self.lock();
+            let refs = meta.refs.as_mut().expect("writable images have refcounts");
+            refs.cut_after_last_used(&*self.file)?;
+        }
         Ok(())
     }
 
