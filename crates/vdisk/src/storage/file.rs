@@ -33,9 +33,9 @@ pub const DIRECT_ALIGN: usize = 4096;
 /// direct too, as read-modify-writes of whole sectors, as QEMU's do: Linux keeps the two
 /// descriptors coherent by invalidating the cached pages of a direct transfer's range when it
 /// completes, and when a page cache write dirtied one of them meanwhile it cannot, and fails
-/// the next sync with EIO. Reads and the remaining writes (buffers not aligned in memory,
-/// metadata) keep the page cache; they never share a page with data that concurrent requests
-/// write.
+/// the next sync with EIO. Reads and the remaining writes (from buffers not aligned in
+/// memory: metadata) keep the page cache; with clusters of at least a page, they never share a
+/// page with data that concurrent requests write.
 #[derive(Debug)]
 pub struct FileStorage {
     file: File,
