@@ -68,8 +68,13 @@ fn rebase(args: &Args) -> vdisk::Result<()> {
         keep_contents(&image, new_backing.as_ref(), args.progress)?;
     }
     let q = image.qcow2_mut().expect("checked above");
-    q.set_backing(new, new.and(args.backing_format))?;
-    q.close()
+    let result = q.set_backing(new, new.and(args.backing_format));
+    // Without copying, no guest data changed: persistent bitmaps stay right.
+    let closed = match args.unsafe_ {
+        true => q.close_keeping_bitmaps(),
+        false => q.close(),
+    };
+    result.and(closed)
 }
 
 /// Copies into `image` every cluster it does not hold itself whose content differs under

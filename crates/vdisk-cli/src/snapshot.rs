@@ -35,13 +35,22 @@ pub fn run(filename: &str, format: Option<&str>, action: Action) -> ExitCode {
     };
     let result = match image.qcow2_mut() {
         None => Err(Error::unsupported("Operation not supported")),
-        Some(q) => match action {
-            Action::Create(n) => q.snapshot_create(n),
-            Action::Apply(n) => q.snapshot_apply(n),
-            Action::Delete(n) => q.snapshot_delete(n),
-            Action::List => unreachable!("handled above"),
+        Some(q) => {
+            // Creating or deleting a snapshot changes no guest data, and applying one is
+            // refused before it changes any where there are bitmaps: they stay right.
+            let keep = !matches!(action, Action::Apply(_)) || q.has_bitmaps();
+            let result = match action {
+                Action::Create(n) => q.snapshot_create(n),
+                Action::Apply(n) => q.snapshot_apply(n),
+                Action::Delete(n) => q.snapshot_delete(n),
+                Action::List => unreachable!("handled above"),
+            };
+            let closed = match keep {
+                true => q.close_keeping_bitmaps(),
+                false => q.close(),
+            };
+            result.and(closed)
         }
-        .and_then(|()| q.close()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

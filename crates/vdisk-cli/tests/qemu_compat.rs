@@ -1352,6 +1352,35 @@ fn persistent_bitmaps() {
     let after = wd.qemu_img(&["info", "--output=json", "bitmaps.qcow2"]);
     assert_eq!(before.stdout, after.stdout);
     assert!(!after.stdout.contains("in-use"), "{}", after.stdout);
+
+    // Commands that change no guest data leave the bitmaps valid, as QEMU's do; applying a
+    // snapshot is refused, as QEMU refuses it.
+    let mut f = Failures::new("persistent_bitmaps_metadata", &wd);
+    wd.copy_dense("bitmaps.qcow2", "q.qcow2");
+    wd.copy_dense("bitmaps.qcow2", "v.qcow2");
+    for command in [
+        &["snapshot", "-c", "s1"][..],
+        &["snapshot", "-c", "s2"],
+        &["snapshot", "-d", "s1"],
+        &["rebase", "-u", "-b", ""],
+        &["snapshot", "-a", "s2"],
+    ] {
+        let with = |image: &'static str| [command, &[image]].concat();
+        let (q, v) = (wd.qemu_img(&with("q.qcow2")), wd.vdisk(&with("v.qcow2")));
+        f.same_outcome("bitmaps.qcow2", command[0], &q, &v);
+        let info = |image| wd.qemu_img(&["info", "--output=json", image]);
+        let bitmaps = |image| {
+            let v: Value = serde_json::from_str(&info(image).stdout).unwrap();
+            v["format-specific"]["data"]["bitmaps"].to_string()
+        };
+        f.same_text(
+            command[0],
+            "bitmaps",
+            &bitmaps("q.qcow2"),
+            &bitmaps("v.qcow2"),
+        );
+    }
+    f.finish();
 }
 
 /// qemu-img info describes an image whose external data file is gone (it opens without I/O);

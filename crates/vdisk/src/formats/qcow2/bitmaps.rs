@@ -1,8 +1,9 @@
 //! Persistent dirty bitmaps (qcow2.txt, "Bitmaps extension"). vdisk reads past them and does
 //! not keep them up to date: before its first write to an image it marks every bitmap in use,
-//! as QEMU does while it has an image open, and never clears the mark, so that QEMU treats the
-//! bitmaps as inconsistent (an incremental backup refuses them) instead of trusting bits that
-//! vdisk's writes did not set. Their clusters stay referenced: `check` finds no leak.
+//! as QEMU does while it has an image open, and clears the mark only after commands that
+//! change no guest data (creating or deleting a snapshot, `rebase -u`), so that QEMU treats
+//! the bitmaps as inconsistent (an incremental backup refuses them) instead of trusting bits
+//! that vdisk's writes did not set. Their clusters stay referenced: `check` finds no leak.
 
 use super::header::{Header, AUTOCLEAR_BITMAPS};
 use crate::error::{Error, IoContext, Result};
@@ -110,24 +111,51 @@ pub fn list(file: &dyn Storage, h: &Header) -> Result<Vec<BitmapInfo>> {
 }
 
 /// Marks every bitmap in use (see the module comment) and makes that durable; nothing to do
-/// when they all are already.
-pub fn mark_in_use(file: &dyn Storage, h: &Header) -> Result<()> {
-    let Some(loc) = location(h).filter(|l| l.entries > 0) else {
+/// when they all are already. Returns which bitmaps were in use before.
+pub fn mark_in_use(file: &dyn Storage, h: &Header) -> Result<Vec<bool>> {
+    set_in_use(file, h, &[], "marking the bitmaps in use")
+}
+
+/// Gives the bitmaps back the in-use marks `before` (from [`mark_in_use`]) as QEMU's close
+/// does, for a command that changed no guest data: the bitmaps are still right.
+pub fn restore_in_use(file: &dyn Storage, h: &Header, before: &[bool]) -> Result<()> {
+    if before.iter().all(|&b| b) {
         return Ok(());
+    }
+    set_in_use(file, h, before, "giving the bitmaps back").map(drop)
+}
+
+/// Sets the in-use flag of bitmap `i` to `to[i]` (true where `to` is too short) and syncs the
+/// directory if that changed it; returns the flags it found.
+fn set_in_use(file: &dyn Storage, h: &Header, to: &[bool], what: &str) -> Result<Vec<bool>> {
+    let Some(loc) = location(h).filter(|l| l.entries > 0) else {
+        return Ok(Vec::new());
     };
     let file_len = file.len().context(|| "reading the image size".into())?;
     let mut dir = loc.read(file, file_len)?;
-    let mut changed = false;
-    for r in entries(&dir, loc.entries).ok_or_else(invalid_entry)? {
+    let mut found = Vec::new();
+    for (i, r) in entries(&dir, loc.entries)
+        .ok_or_else(invalid_entry)?
+        .into_iter()
+        .enumerate()
+    {
         let flags = &mut dir[r.start + 12..r.start + 16];
         let old = u32::from_be_bytes(flags.try_into().expect("4 bytes"));
-        flags.copy_from_slice(&(old | FLAG_IN_USE).to_be_bytes());
-        changed |= old & FLAG_IN_USE == 0;
+        let new = match to.get(i).copied().unwrap_or(true) {
+            true => old | FLAG_IN_USE,
+            false => old & !FLAG_IN_USE,
+        };
+        flags.copy_from_slice(&new.to_be_bytes());
+        found.push(old & FLAG_IN_USE != 0);
     }
-    if changed {
+    if found
+        .iter()
+        .enumerate()
+        .any(|(i, &b)| b != to.get(i).copied().unwrap_or(true))
+    {
         file.write_at(loc.offset, &dir)
             .and_then(|()| file.sync())
-            .context(|| "marking the bitmaps in use".into())?;
+            .context(|| what.into())?;
     }
-    Ok(())
+    Ok(found)
 }

@@ -60,6 +60,8 @@ pub struct Qcow2 {
     snapshots: Vec<Snapshot>,
     /// Bytes the snapshot table occupies, as parsed.
     snapshot_table_bytes: u64,
+    /// Which persistent bitmaps were in use when the image was opened for writing.
+    bitmaps_in_use: Vec<bool>,
     backing: Option<Arc<Image>>,
     /// The last decompressed cluster, by L2 entry: sequential reads of a compressed cluster
     /// decode it once.
@@ -165,9 +167,10 @@ impl Qcow2 {
         };
         let (snapshots, snapshot_table_bytes) = read_snapshots(&*file, &header)?;
         let mut l1 = read_l1(&*file, &header, header.l1_table_offset, header.l1_size)?;
+        let mut bitmaps_in_use = Vec::new();
         let refs = if writable {
             write::check_writable(&header)?;
-            bitmaps::mark_in_use(&*file, &header)?;
+            bitmaps_in_use = bitmaps::mark_in_use(&*file, &header)?;
             l1.resize(header.l1_size as usize, 0);
             Some(alloc::Refcounts::load(&*file, &header)?)
         } else {
@@ -193,6 +196,7 @@ impl Qcow2 {
             counters: Counters::default(),
             snapshots,
             snapshot_table_bytes,
+            bitmaps_in_use,
             backing,
             last_compressed: Mutex::new(None),
             data_holes: OnceLock::new(),
@@ -252,6 +256,19 @@ impl Qcow2 {
 
     pub fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    /// Whether the image has persistent dirty bitmaps.
+    pub fn has_bitmaps(&self) -> bool {
+        bitmaps::location(&self.header).is_some_and(|l| l.entries > 0)
+    }
+
+    /// Closes the image after a command that changed no guest data (creating or deleting a
+    /// snapshot, `rebase -u`): its persistent bitmaps are still right, and lose the in-use
+    /// mark the open gave them, as QEMU's close clears it.
+    pub fn close_keeping_bitmaps(&self) -> Result<()> {
+        self.close()?;
+        bitmaps::restore_in_use(&*self.file, &self.header, &self.bitmaps_in_use)
     }
 
     pub fn snapshot_table_bytes(&self) -> u64 {

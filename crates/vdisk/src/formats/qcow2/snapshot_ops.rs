@@ -63,6 +63,10 @@ impl Qcow2 {
     /// Makes the active image what snapshot `name` (an id, or else a name) holds.
     pub fn snapshot_apply(&mut self, name: &str) -> Result<()> {
         self.writable_or_err("snapshot")?;
+        // As QEMU, which would have to revert the bitmaps too; refused before anything changes.
+        if self.has_bitmaps() {
+            return Err(Error::unsupported("Device has active dirty bitmaps"));
+        }
         if self.format.external_data {
             // As QEMU: clusters of an external data file have no refcounts to share.
             return Err(Error::unsupported("Operation not supported"));
