@@ -134,6 +134,7 @@ fn set_in_use(file: &dyn Storage, h: &Header, to: &[bool], what: &str) -> Result
     let file_len = file.len().context(|| "reading the image size".into())?;
     let mut dir = loc.read(file, file_len)?;
     let mut found = Vec::new();
+    let mut changed = false;
     for (i, r) in entries(&dir, loc.entries)
         .ok_or_else(invalid_entry)?
         .into_iter()
@@ -147,12 +148,9 @@ fn set_in_use(file: &dyn Storage, h: &Header, to: &[bool], what: &str) -> Result
         };
         flags.copy_from_slice(&new.to_be_bytes());
         found.push(old & FLAG_IN_USE != 0);
+        changed |= new != old;
     }
-    if found
-        .iter()
-        .enumerate()
-        .any(|(i, &b)| b != to.get(i).copied().unwrap_or(true))
-    {
+    if changed {
         file.write_at(loc.offset, &dir)
             .and_then(|()| file.sync())
             .context(|| what.into())?;
