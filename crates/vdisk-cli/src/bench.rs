@@ -170,6 +170,7 @@ pub fn run(a: &Args) -> ExitCode {
         },
         write: plan.write,
         direct: mode.direct(),
+        force_share: a.force_share,
         ..ImageOptions::default()
     };
     let image = match open_image(&a.filename, &opts) {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use vdisk::formats::qcow2::check::{check, CheckReport};
 use vdisk::formats::qcow2::repair::{repair, Fix};
-use vdisk::storage::{FileStorage, OpenOptions, Storage};
+use vdisk::storage::{FileStorage, LockRole, OpenOptions, Storage};
 use vdisk::{open_image, Error};
 
 use crate::qjson::{self, Dict};
@@ -23,6 +23,7 @@ pub fn run(
     output: Output,
     quiet: bool,
     repair_mode: Option<&str>,
+    force_share: bool,
 ) -> ExitCode {
     let fix = match repair_mode {
         None => None,
@@ -40,7 +41,13 @@ pub fn run(
             return ExitCode::from(1);
         }
     };
-    let opts = match metadata_options(format) {
+    if fix.is_some() && force_share {
+        return fail(
+            format!("Could not open '{filename}': force-share=on can only be used with read-only images"),
+            1,
+        );
+    }
+    let opts = match metadata_options(format, force_share) {
         Ok(o) => o,
         Err(e) => return fail(e, 1),
     };
@@ -101,7 +108,7 @@ fn run_repair(
     };
     let storage: Arc<dyn Storage> = match FileStorage::open(Path::new(filename), writable) {
         Ok(s) => {
-            if let Err(e) = s.lock_for_writing(Path::new(filename), false, false) {
+            if let Err(e) = s.lock(Path::new(filename), LockRole::Qcow2, true, false) {
                 return Err(fail(format!("Could not open '{filename}': {e}"), 1));
             }
             Arc::new(s)
@@ -140,7 +147,7 @@ fn run_repair(
         // QEMU makes an image unusable once it marked it corrupt: its second check fails.
         return Err(fail("Check failed: No medium found", 1));
     }
-    let opts = metadata_options(Some("qcow2")).map_err(|e| fail(e, 1))?;
+    let opts = metadata_options(Some("qcow2"), false).map_err(|e| fail(e, 1))?;
     let image = open_image(filename, &opts).map_err(|e| fail(e, 1))?;
     let q = image.qcow2().expect("opened as qcow2");
     let mut report = match check(q, &mut |m| eprintln!("{m}")) {

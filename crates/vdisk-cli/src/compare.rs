@@ -20,18 +20,19 @@ pub struct Args<'a> {
     pub quiet: bool,
     pub strict: bool,
     pub progress: bool,
+    pub force_share: bool,
 }
 
-fn open(name: &str, format: Option<&str>) -> Result<Image, ExitCode> {
-    read_options(format)
+fn open(name: &str, format: Option<&str>, force_share: bool) -> Result<Image, ExitCode> {
+    read_options(format, force_share)
         .and_then(|o| open_image(name, &o))
         .map_err(|e| fail(e, 2))
 }
 
 pub fn run(args: Args) -> ExitCode {
     let (a, b) = match (
-        open(args.image1, args.format1),
-        open(args.image2, args.format2),
+        open(args.image1, args.format1, args.force_share),
+        open(args.image2, args.format2, args.force_share),
     ) {
         (Ok(a), Ok(b)) => (a, b),
         (Err(code), _) | (_, Err(code)) => return code,

@@ -52,6 +52,8 @@ pub struct Args<'a> {
     pub backing_format: Option<&'a str>,
     /// `-S`: the shortest run of zeroes left unallocated (0: none).
     pub sparse: Option<&'a str>,
+    /// `-U`: read the source without locks.
+    pub force_share: bool,
     /// `-m`: parallel workers.
     pub workers: Option<&'a str>,
 }
@@ -131,7 +133,7 @@ pub fn run(args: Args) -> ExitCode {
         Ok(p) => p,
         Err(e) => return fail(e, 1),
     };
-    let opts = read_options(args.format).map(|o| ImageOptions {
+    let opts = read_options(args.format, args.force_share).map(|o| ImageOptions {
         direct: args.direct_source,
         ..o
     });

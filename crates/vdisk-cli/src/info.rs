@@ -11,8 +11,14 @@ use crate::qjson::{self, Dict, Value};
 use crate::text::{local_date, size_to_str};
 use crate::{fail, metadata_options, Output};
 
-pub fn run(filename: &str, format: Option<&str>, output: Output, chain: bool) -> ExitCode {
-    let images = match open_chain(filename, format, chain) {
+pub fn run(
+    filename: &str,
+    format: Option<&str>,
+    output: Output,
+    chain: bool,
+    force_share: bool,
+) -> ExitCode {
+    let images = match open_chain(filename, format, chain, force_share) {
         Ok(images) => images,
         Err(e) => return fail(e, 1),
     };
@@ -33,7 +39,12 @@ pub fn run(filename: &str, format: Option<&str>, output: Output, chain: bool) ->
 
 /// Opens the image and, with `chain`, each image below it, one at a time and without its own
 /// backing file, as qemu-img does: a broken link fails on the image that is missing.
-fn open_chain(filename: &str, format: Option<&str>, chain: bool) -> vdisk::Result<Vec<Image>> {
+fn open_chain(
+    filename: &str,
+    format: Option<&str>,
+    chain: bool,
+    force_share: bool,
+) -> vdisk::Result<Vec<Image>> {
     let mut images: Vec<Image> = Vec::new();
     let mut seen = Vec::new();
     let mut next = Some((filename.to_string(), format.map(str::to_string)));
@@ -48,7 +59,7 @@ fn open_chain(filename: &str, format: Option<&str>, chain: bool) -> vdisk::Resul
         let opts = ImageOptions {
             no_backing: true,
             data_file_optional: true,
-            ..metadata_options(fmt.as_deref())?
+            ..metadata_options(fmt.as_deref(), force_share)?
         };
         let image = open_image(&name, &opts)?;
         if chain {

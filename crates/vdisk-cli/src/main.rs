@@ -97,7 +97,7 @@ enum Command {
         output: Output,
         #[arg(long)]
         backing_chain: bool,
-        /// Accepted for qemu-img compatibility; vdisk never takes locks for reading.
+        /// Take no locks: read an image another process is writing.
         #[arg(short = 'U', long = "force-share")]
         force_share: bool,
         filename: String,
@@ -333,19 +333,21 @@ pub fn fail(msg: impl std::fmt::Display, status: u8) -> ExitCode {
     ExitCode::from(status)
 }
 
-/// Image options for a read-only open with an optional `-f`.
-pub fn read_options(format: Option<&str>) -> vdisk::Result<ImageOptions> {
+/// Image options for a read-only open with an optional `-f`, without locks if `force_share`
+/// (`-U`).
+pub fn read_options(format: Option<&str>, force_share: bool) -> vdisk::Result<ImageOptions> {
     Ok(ImageOptions {
         format: format.map(Format::parse).transpose()?,
+        force_share,
         ..ImageOptions::default()
     })
 }
 
 /// Image options for commands that read metadata only (info, map, check, snapshot -l).
-pub fn metadata_options(format: Option<&str>) -> vdisk::Result<ImageOptions> {
+pub fn metadata_options(format: Option<&str>, force_share: bool) -> vdisk::Result<ImageOptions> {
     Ok(ImageOptions {
         metadata_only: true,
-        ..read_options(format)?
+        ..read_options(format, force_share)?
     })
 }
 
@@ -406,28 +408,36 @@ fn main() -> ExitCode {
             format,
             output,
             backing_chain,
+            force_share,
             filename,
-            ..
-        } => info::run(&filename, format.as_deref(), output, backing_chain),
+        } => info::run(
+            &filename,
+            format.as_deref(),
+            output,
+            backing_chain,
+            force_share,
+        ),
         Command::Map {
             format,
             output,
             start_offset,
             max_length,
+            force_share,
             filename,
             ..
         } => map::run(
             &filename,
             format.as_deref(),
             output,
-            start_offset,
-            max_length,
+            (start_offset, max_length),
+            force_share,
         ),
         Command::Check {
             format,
             output,
             quiet,
             repair,
+            force_share,
             filename,
             ..
         } => check::run(
@@ -436,6 +446,7 @@ fn main() -> ExitCode {
             output,
             quiet,
             repair.as_deref(),
+            force_share,
         ),
         Command::Convert {
             format,
@@ -453,6 +464,7 @@ fn main() -> ExitCode {
             sparse,
             workers,
             quiet,
+            force_share,
             source,
             target,
             ..
@@ -473,6 +485,7 @@ fn main() -> ExitCode {
             backing_format: backing_format.as_deref(),
             sparse: sparse.as_deref(),
             workers: workers.as_deref(),
+            force_share,
         }),
         Command::Commit {
             format,
@@ -526,6 +539,7 @@ fn main() -> ExitCode {
             create,
             apply,
             delete,
+            force_share,
             filename,
             ..
         } => {
@@ -541,7 +555,7 @@ fn main() -> ExitCode {
                 (_, _, Some(n)) => snapshot::Action::Delete(n),
                 _ => snapshot::Action::List,
             };
-            snapshot::run(&filename, format.as_deref(), action)
+            snapshot::run(&filename, format.as_deref(), action, force_share)
         }
         Command::Serve {
             images,
@@ -579,9 +593,9 @@ fn main() -> ExitCode {
             quiet,
             strict,
             progress,
+            force_share,
             image1,
             image2,
-            ..
         } => compare::run(compare::Args {
             image1: &image1,
             image2: &image2,
@@ -590,6 +604,7 @@ fn main() -> ExitCode {
             quiet,
             strict,
             progress,
+            force_share,
         }),
     }
 }

@@ -65,10 +65,10 @@ pub fn run(
     filename: &str,
     format: Option<&str>,
     output: Output,
-    start: Option<u64>,
-    max_length: Option<u64>,
+    (start, max_length): (Option<u64>, Option<u64>),
+    force_share: bool,
 ) -> ExitCode {
-    let image = match metadata_options(format).and_then(|o| open_image(filename, &o)) {
+    let image = match metadata_options(format, force_share).and_then(|o| open_image(filename, &o)) {
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };

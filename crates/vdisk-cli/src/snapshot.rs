@@ -14,9 +14,9 @@ pub enum Action<'a> {
     Delete(&'a str),
 }
 
-pub fn run(filename: &str, format: Option<&str>, action: Action) -> ExitCode {
+pub fn run(filename: &str, format: Option<&str>, action: Action, force_share: bool) -> ExitCode {
     let (name, verb) = match action {
-        Action::List => return list(filename, format),
+        Action::List => return list(filename, format, force_share),
         Action::Create(n) => (n, "create"),
         Action::Apply(n) => (n, "apply"),
         Action::Delete(n) => (n, "delete"),
@@ -27,6 +27,7 @@ pub fn run(filename: &str, format: Option<&str>, action: Action) -> ExitCode {
         .map(|format| ImageOptions {
             format,
             write: true,
+            force_share,
             ..ImageOptions::default()
         });
     let mut image = match opts.and_then(|o| open_image(filename, &o)) {
@@ -58,8 +59,8 @@ pub fn run(filename: &str, format: Option<&str>, action: Action) -> ExitCode {
     }
 }
 
-fn list(filename: &str, format: Option<&str>) -> ExitCode {
-    let image = match metadata_options(format).and_then(|o| open_image(filename, &o)) {
+fn list(filename: &str, format: Option<&str>, force_share: bool) -> ExitCode {
+    let image = match metadata_options(format, force_share).and_then(|o| open_image(filename, &o)) {
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };

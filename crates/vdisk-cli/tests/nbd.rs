@@ -1573,7 +1573,24 @@ fn image_locks_keep_writers_apart() {
     in_use(&try_run(qemu_img, &["info", img_s]), "qemu-img info");
     in_use(&try_run(qemu_io, &["-c", "write 0 4k", img_s]), "qemu-io");
     run(qemu_img, &["info", "-U", img_s]);
-    run(&vdisk, &["info", img_s]);
+    // Readers, as QEMU's: refused while another process writes, unless told to share (-U).
+    in_use(&try_run(&vdisk, &["info", img_s]), "vdisk info");
+    in_use(&try_run(&vdisk, &["map", img_s]), "vdisk map");
+    run(&vdisk, &["info", "-U", img_s]);
+    run(&vdisk, &["map", "-U", img_s]);
+    // An overlay of an image in use may be made (a snapshot of a running VM), not opened.
+    let overlay = d.join("overlay.qcow2");
+    let overlay_s = overlay.to_str().unwrap();
+    run(
+        &vdisk,
+        &[
+            "create", "-q", "-f", "qcow2", "-b", img_s, "-F", "qcow2", overlay_s,
+        ],
+    );
+    in_use(
+        &try_run(&vdisk, &["map", overlay_s]),
+        "vdisk map of an overlay",
+    );
     let other = d.join("other");
     std::fs::create_dir(&other).unwrap();
     let second = std::process::Command::new(&vdisk)
@@ -1604,6 +1621,20 @@ fn image_locks_keep_writers_apart() {
     assert!(info.contains("file format: qcow2"), "{info}");
     run(qemu_img, &["check", img_s]);
 
+    // A read-only export and the backing file of a writable one are read: QEMU may read them
+    // too, not write them.
+    let serve = Serve::start(d, &[img_s, "--read-only"]);
+    run(qemu_img, &["info", img_s]);
+    in_use(&try_run(qemu_io, &["-c", "write 0 4k", img_s]), "qemu-io");
+    serve.stop_clean();
+    let serve = Serve::start(d, &[overlay_s]);
+    run(qemu_img, &["info", img_s]);
+    in_use(
+        &try_run(qemu_io, &["-c", "write 0 4k", img_s]),
+        "qemu-io on the backing file",
+    );
+    serve.stop_clean();
+
     // A raw image lets others write, not resize.
     let raw = d.join("disk.raw");
     let raw_s = raw.to_str().unwrap();
@@ -1622,6 +1653,25 @@ fn image_locks_keep_writers_apart() {
     );
     serve.stop_clean();
     run(&vdisk, &["resize", "-f", "raw", raw_s, "2M"]);
+    // Read, a raw image still lets others write; as a backing file it lets them resize too.
+    let serve = Serve::start(d, &[raw_s, "-f", "raw", "--read-only"]);
+    run(qemu_io, &["-f", "raw", "-c", "write 0 4k", raw_s]);
+    in_use(
+        &try_run(qemu_img, &["resize", "-f", "raw", raw_s, "3M"]),
+        "qemu-img resize of a raw image read",
+    );
+    serve.stop_clean();
+    let overlay = d.join("raw-overlay.qcow2");
+    let overlay_s = overlay.to_str().unwrap();
+    run(
+        &vdisk,
+        &[
+            "create", "-q", "-f", "qcow2", "-b", raw_s, "-F", "raw", overlay_s,
+        ],
+    );
+    let serve = Serve::start(d, &[overlay_s]);
+    run(qemu_img, &["resize", "-f", "raw", raw_s, "4M"]);
+    serve.stop_clean();
 }
 
 /// Two clients writing overlapping ranges at once through `--cache none --aio native`, of

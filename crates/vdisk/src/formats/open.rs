@@ -10,7 +10,7 @@ use crate::blockdev::{BlockDev, BlockStatus, StartedRead, StartedWrite};
 use crate::counters::CountersSnapshot;
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{
-    Fault, FaultStorage, FileStorage, MemStorage, OpKind, OpenOptions, Storage, When,
+    Fault, FaultStorage, FileStorage, LockRole, MemStorage, OpKind, OpenOptions, Storage, When,
 };
 
 /// Backing chains deeper than this are refused; a longer chain is almost surely a loop that the
@@ -59,6 +59,9 @@ pub struct ImageOptions {
     /// The image will be resized: a raw one takes QEMU's resize lock too (qcow2 writers always
     /// hold it).
     pub resize: bool,
+    /// Take no locks, so that an image another process writes can be read (`-U`, QEMU's
+    /// force-share); only for reading.
+    pub force_share: bool,
 }
 
 /// The format driver of an open image.
@@ -332,16 +335,15 @@ fn open_file(path: &Path, opts: &ImageOptions) -> Result<FileStorage> {
     Ok(storage)
 }
 
-/// The file of an image of `format`, with QEMU's writer locks when `opts` open it for writing.
+/// The file `path` in `role`, with QEMU's locks of a reader or writer as `opts` open it.
 fn locked(
     file: FileStorage,
     path: &Path,
-    format: Format,
+    role: LockRole,
     opts: &ImageOptions,
 ) -> Result<Arc<dyn Storage>> {
-    // Once the format is known: a raw image lets others write.
-    if opts.write {
-        file.lock_for_writing(path, format == Format::Raw, opts.resize)?;
+    if !opts.force_share {
+        file.lock(path, role, opts.write, opts.resize)?;
     }
     Ok(Arc::new(file))
 }
@@ -356,6 +358,13 @@ fn absent_storage() -> Arc<dyn Storage> {
 }
 
 fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> Result<Image> {
+    if opts.force_share && opts.write {
+        return Err(Error::invalid(
+            "force-share=on can only be used with read-only images",
+        ));
+    }
+    // The images above this one, if any, have put themselves in `seen`.
+    let backing = !seen.is_empty();
     let path = Path::new(filename);
     // Trust: an image names its backing file, so opening an image may open files the user did
     // not name. Like QEMU we follow plain paths only, read-only, and refuse loops.
@@ -376,7 +385,13 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
         Some(f) => f,
         None => probe(&file)?,
     };
-    let file = locked(file, path, format, opts)?;
+    // Once the format is known: raw images let others write, raw backing files resize too.
+    let role = match format {
+        Format::Qcow2 => LockRole::Qcow2,
+        Format::Raw if backing => LockRole::RawBacking,
+        Format::Raw => LockRole::Raw,
+    };
+    let file = locked(file, path, role, opts)?;
     let driver = match format {
         Format::Raw => Driver::Raw(Raw::open(file, !opts.write)?),
         Format::Qcow2 => {
@@ -387,7 +402,7 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
                 Some(name) if header.incompatible & qcow2::header::INCOMPAT_DATA_FILE != 0 => {
                     let path = Path::new(name);
                     match open_file(path, opts) {
-                        Ok(f) => Some(locked(f, path, Format::Raw, opts)?),
+                        Ok(f) => Some(locked(f, path, LockRole::DataFile, opts)?),
                         Err(_) if opts.data_file_optional => Some(absent_storage()),
                         Err(e) => return Err(e),
                     }
@@ -408,6 +423,7 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
                         metadata_only: opts.metadata_only,
                         data_file_optional: opts.data_file_optional,
                         resize: false,
+                        force_share: opts.force_share,
                     };
                     let bpath = backing_path(filename, name);
                     let backing = open_chain(&bpath, &backing_opts, seen)

@@ -5,11 +5,18 @@
 //! and go away when it is closed. A conflict is a byte another descriptor has locked, found by
 //! testing it with a write lock.
 //!
-//! vdisk takes the locks of a writer only, as `qemu-nbd` does for a writable export: of a
-//! qcow2 image, consistent read, write and resize held, write and resize not shared; of a raw
-//! image, consistent read and write held (resize too by `vdisk resize`), resize not shared
-//! (raw lets others write). Readers
-//! take none, as QEMU's readers do with `-U`.
+//! vdisk takes the locks QEMU's own processes take (read off `/proc/locks` beside `qemu-nbd`
+//! and `qemu-img`), by what the file is to the image ([`LockRole`]):
+//!
+//! | file                      | reader: held / not shared | writer: held / not shared   |
+//! | ------------------------- | ------------------------- | --------------------------- |
+//! | a qcow2 image             | read / write, resize      | read, write, resize / write, resize |
+//! | a raw image               | read / resize             | read, write (+resize) / resize |
+//! | a qcow2's data file       | read / resize             | read, write, resize / resize |
+//! | a raw backing file        | read / none               | (never written)             |
+//!
+//! A qcow2 backing file is locked as a qcow2 image read. With `-U` (force-share) a reader
+//! takes no locks at all.
 
 use std::fs::File;
 use std::io;
@@ -39,15 +46,30 @@ fn lock_op(file: &File, cmd: libc::c_int, kind: libc::c_int, byte: i64) -> io::R
     Ok(fl.l_type == libc::F_UNLCK as libc::c_short)
 }
 
-/// Takes a writer's locks on `file` (the image at `path`; `raw` for a raw image, `resize` if
-/// it will be resized), or fails as QEMU does when another process uses the image in a way
-/// this writer excludes. File systems without OFD locks are written without them, as QEMU
-/// does.
-pub fn lock_for_writing(file: &File, path: &Path, raw: bool, resize: bool) -> io::Result<()> {
-    let (held, unshared): (&[_], &[_]) = match (raw, resize) {
-        (true, false) => (&[READ, WRITE], &[RESIZE]),
-        (true, true) => (&[READ, WRITE, RESIZE], &[RESIZE]),
-        (false, _) => (&[READ, WRITE, RESIZE], &[WRITE, RESIZE]),
+/// What a file is to the image that opens it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockRole {
+    Qcow2,
+    Raw,
+    DataFile,
+    RawBacking,
+}
+
+/// Takes the locks of a reader or (`write`) a writer of `file` (at `path`, in `role`; `resize`
+/// if the writer will resize it), or fails as QEMU does when another process uses the file in
+/// a way this use excludes. File systems without OFD locks are used without them, as QEMU does.
+pub fn lock(file: &File, path: &Path, role: LockRole, write: bool, resize: bool) -> io::Result<()> {
+    let mut held = vec![READ];
+    if write {
+        held.push(WRITE);
+        if resize || matches!(role, LockRole::Qcow2 | LockRole::DataFile) {
+            held.push(RESIZE);
+        }
+    }
+    let unshared: &[_] = match role {
+        LockRole::Qcow2 => &[WRITE, RESIZE],
+        LockRole::Raw | LockRole::DataFile => &[RESIZE],
+        LockRole::RawBacking => &[],
     };
     let bytes = held.iter().map(|(p, _)| PERM_BASE + p);
     for byte in bytes.chain(unshared.iter().map(|(p, _)| SHARED_BASE + p)) {
@@ -60,7 +82,7 @@ pub fn lock_for_writing(file: &File, path: &Path, raw: bool, resize: bool) -> io
         }
     }
     let free = |byte| lock_op(file, libc::F_OFD_GETLK, libc::F_WRLCK, byte);
-    for &(p, name) in held {
+    for &(p, name) in &held {
         if !free(SHARED_BASE + p)? {
             return Err(conflict(path, name, false));
         }
