@@ -164,6 +164,9 @@ fn export_name_option_and_simple_replies() {
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
     server.serve_stream(b.into());
     client::start(&mut s).unwrap();
+    // All exports have names: there is no default export (as with qemu-nbd -x).
+    client::send_option(&mut s, OPT_INFO, &client::info_data("", &[])).unwrap();
+    assert_eq!(client::option_reply(&mut s).unwrap().kind, REP_ERR_UNKNOWN);
     client::send_option(&mut s, OPT_EXPORT_NAME, b"disk").unwrap();
     let mut reply = [0u8; 10];
     std::io::Read::read_exact(&mut s, &mut reply).unwrap();

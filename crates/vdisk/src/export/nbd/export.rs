@@ -141,19 +141,10 @@ impl Exports {
         Ok(Exports { list })
     }
 
-    /// The export called `name`; the empty name is the default export, which is the one named
-    /// `""` or else the first.
+    /// The export called `name`. The empty name is the default export, which is only an
+    /// export named `""`: like qemu-nbd, a server whose exports all have names has none.
     pub fn find(&self, name: &[u8]) -> Option<&Arc<Export>> {
-        self.list
-            .iter()
-            .find(|e| e.name().as_bytes() == name)
-            .or_else(|| {
-                if name.is_empty() {
-                    self.list.first()
-                } else {
-                    None
-                }
-            })
+        self.list.iter().find(|e| e.name().as_bytes() == name)
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Arc<Export>> {
