@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use vdisk::formats::qcow2::check::{check, CheckReport};
 use vdisk::formats::qcow2::repair::{repair, Fix};
-use vdisk::storage::{FileStorage, LockRole, OpenOptions, Storage};
+use vdisk::storage::{FileStorage, LockRole, LockUse, OpenOptions, Storage};
 use vdisk::{open_image, Error};
 
 use crate::qjson::{self, Dict};
@@ -108,7 +108,7 @@ fn run_repair(
     };
     let storage: Arc<dyn Storage> = match FileStorage::open(Path::new(filename), writable) {
         Ok(s) => {
-            if let Err(e) = s.lock(Path::new(filename), LockRole::Qcow2, true, false) {
+            if let Err(e) = s.lock(Path::new(filename), LockRole::Qcow2, LockUse::WRITER) {
                 return Err(fail(format!("Could not open '{filename}': {e}"), 1));
             }
             Arc::new(s)

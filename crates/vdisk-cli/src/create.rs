@@ -6,7 +6,7 @@ use std::sync::Arc;
 use vdisk::formats::qcow2::create::{create as create_qcow2, CreateOptions, Preallocation};
 use vdisk::formats::qcow2::header::Compression;
 use vdisk::formats::raw;
-use vdisk::storage::{FileStorage, LockRole, OpenOptions, Storage};
+use vdisk::storage::{FileStorage, LockRole, LockUse, OpenOptions, Storage};
 use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 
 use crate::fail;
@@ -307,7 +307,7 @@ fn new_file(name: &str) -> vdisk::Result<Arc<dyn Storage>> {
     };
     let file = FileStorage::open(name.as_ref(), opts).map_err(create_error)?;
     // Before the file is cut: never over an image another process uses.
-    file.lock(name.as_ref(), LockRole::Qcow2, true, false)?;
+    file.lock(name.as_ref(), LockRole::Qcow2, LockUse::WRITER)?;
     file.set_len(0).map_err(create_error)?;
     Ok(Arc::new(file))
 }

@@ -121,6 +121,7 @@ pub fn run(a: Args) -> ExitCode {
             format,
             write: !a.read_only,
             direct: a.cache.direct(),
+            fixed_size: true,
             ..ImageOptions::default()
         };
         let image = match vdisk::open_image(path, &opts) {

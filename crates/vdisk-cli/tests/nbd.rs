@@ -1606,6 +1606,8 @@ fn image_locks_keep_writers_apart() {
     serve.stop_clean();
 
     let nbd = QemuNbd::start(qemu_nbd, &d.join("q.sock"), &["-t", "-f", "qcow2", img_s]);
+    // Read as raw, the file is only read: nothing to keep the qcow2 writer from.
+    run(&vdisk, &["info", "-f", "raw", img_s]);
     in_use(
         &try_run(&vdisk, &["bench", "-w", "-c", "1", img_s]),
         "vdisk bench",
@@ -1656,7 +1658,7 @@ fn image_locks_keep_writers_apart() {
     );
     serve.stop_clean();
     run(&vdisk, &["resize", "-f", "raw", raw_s, "2M"]);
-    // Read, a raw image still lets others write; as a backing file it lets them resize too.
+    // Read, a raw image still lets others write; only an export keeps it from resizing.
     let serve = Serve::start(d, &[raw_s, "-f", "raw", "--read-only"]);
     run(qemu_io, &["-f", "raw", "-c", "write 0 4k", raw_s]);
     in_use(

@@ -10,7 +10,8 @@ use crate::blockdev::{BlockDev, BlockStatus, StartedRead, StartedWrite};
 use crate::counters::CountersSnapshot;
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{
-    Fault, FaultStorage, FileStorage, LockRole, MemStorage, OpKind, OpenOptions, Storage, When,
+    Fault, FaultStorage, FileStorage, LockRole, LockUse, MemStorage, OpKind, OpenOptions, Storage,
+    When,
 };
 
 /// Backing chains deeper than this are refused; a longer chain is almost surely a loop that the
@@ -62,6 +63,9 @@ pub struct ImageOptions {
     /// Take no locks, so that an image another process writes can be read (`-U`, QEMU's
     /// force-share); only for reading.
     pub force_share: bool,
+    /// Keep other processes from resizing the image (its backing files are never resized): an
+    /// NBD export's size is fixed for its clients.
+    pub fixed_size: bool,
 }
 
 /// The format driver of an open image.
@@ -343,7 +347,12 @@ fn locked(
     opts: &ImageOptions,
 ) -> Result<Arc<dyn Storage>> {
     if !opts.force_share {
-        file.lock(path, role, opts.write, opts.resize)?;
+        let usage = LockUse {
+            write: opts.write,
+            resize: opts.resize,
+            fixed: opts.fixed_size,
+        };
+        file.lock(path, role, usage)?;
     }
     Ok(Arc::new(file))
 }
@@ -363,8 +372,6 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
             "force-share=on can only be used with read-only images",
         ));
     }
-    // The images above this one, if any, have put themselves in `seen`.
-    let backing = !seen.is_empty();
     let path = Path::new(filename);
     // Trust: an image names its backing file, so opening an image may open files the user did
     // not name. Like QEMU we follow plain paths only, read-only, and refuse loops.
@@ -385,10 +392,9 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
         Some(f) => f,
         None => probe(&file)?,
     };
-    // Once the format is known: raw images let others write, raw backing files resize too.
+    // Once the format is known: raw images let others write.
     let role = match format {
         Format::Qcow2 => LockRole::Qcow2,
-        Format::Raw if backing => LockRole::RawBacking,
         Format::Raw => LockRole::Raw,
     };
     let file = locked(file, path, role, opts)?;
@@ -424,6 +430,7 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
                         data_file_optional: opts.data_file_optional,
                         resize: false,
                         force_share: opts.force_share,
+                        fixed_size: false,
                     };
                     let bpath = backing_path(filename, name);
                     let backing = open_chain(&bpath, &backing_opts, seen)

@@ -6,7 +6,7 @@ use std::os::unix::io::{AsRawFd, RawFd};
 use std::path::Path;
 use std::sync::{Condvar, Mutex};
 
-use super::lock::LockRole;
+use super::lock::{LockRole, LockUse};
 use super::{IoStats, Storage};
 use crate::bytes::AlignedBuf;
 
@@ -157,17 +157,10 @@ impl FileStorage {
         &self.file
     }
 
-    /// Takes QEMU's locks of a reader or (`write`) a writer of the file in `role` (see
-    /// `lock.rs`); fails, with QEMU's message alone, if another process uses the file in a way
-    /// that excludes this use.
-    pub fn lock(
-        &self,
-        path: &Path,
-        role: LockRole,
-        write: bool,
-        resize: bool,
-    ) -> crate::Result<()> {
-        super::lock::lock(&self.file, path, role, write, resize).map_err(|e| match e.kind() {
+    /// Takes QEMU's locks of the file in `role` for `usage` (see `lock.rs`); fails, with
+    /// QEMU's message alone, if another process uses the file in a way that excludes this use.
+    pub fn lock(&self, path: &Path, role: LockRole, usage: LockUse) -> crate::Result<()> {
+        super::lock::lock(&self.file, path, role, usage).map_err(|e| match e.kind() {
             io::ErrorKind::WouldBlock => crate::Error::invalid(e.to_string()),
             _ => crate::Error::Io {
                 context: format!("Could not open '{}'", path.display()),

@@ -5,18 +5,17 @@
 //! and go away when it is closed. A conflict is a byte another descriptor has locked, found by
 //! testing it with a write lock.
 //!
-//! vdisk takes the locks QEMU's own processes take (read off `/proc/locks` beside `qemu-nbd`
-//! and `qemu-img`), by what the file is to the image ([`LockRole`]):
+//! vdisk takes the locks QEMU's own processes take (read off `/proc/locks` beside `qemu-io`,
+//! `qemu-nbd` and `qemu-img`), by what the file is to the image ([`LockRole`]):
 //!
-//! | file                      | reader: held / not shared | writer: held / not shared   |
-//! | ------------------------- | ------------------------- | --------------------------- |
-//! | a qcow2 image             | read / write, resize      | read, write, resize / write, resize |
-//! | a raw image               | read / resize             | read, write (+resize) / resize |
-//! | a qcow2's data file       | read / resize             | read, write, resize / resize |
-//! | a raw backing file        | read / none               | (never written)             |
+//! | file               | reader: held / not shared | writer: held / not shared           |
+//! | ------------------ | ------------------------- | ----------------------------------- |
+//! | a qcow2 image      | read / write, resize      | read, write, resize / write, resize |
+//! | a raw image        | read / none               | read, write (+resize) / none        |
+//! | a qcow2's data file | read / resize            | read, write, resize / resize        |
 //!
-//! A qcow2 backing file is locked as a qcow2 image read. With `-U` (force-share) a reader
-//! takes no locks at all.
+//! Backing files are read. An NBD export also keeps others from resizing its image (`fixed`):
+//! its size is fixed for its clients. With `-U` (force-share) a reader takes no locks at all.
 
 use std::fs::File;
 use std::io;
@@ -52,24 +51,41 @@ pub enum LockRole {
     Qcow2,
     Raw,
     DataFile,
-    RawBacking,
 }
 
-/// Takes the locks of a reader or (`write`) a writer of `file` (at `path`, in `role`; `resize`
-/// if the writer will resize it), or fails as QEMU does when another process uses the file in
-/// a way this use excludes. File systems without OFD locks are used without them, as QEMU does.
-pub fn lock(file: &File, path: &Path, role: LockRole, write: bool, resize: bool) -> io::Result<()> {
+/// How a process uses a file: read or written, resized by it, or of a size others must not
+/// change.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LockUse {
+    pub write: bool,
+    pub resize: bool,
+    pub fixed: bool,
+}
+
+impl LockUse {
+    /// A plain writer.
+    pub const WRITER: LockUse = LockUse {
+        write: true,
+        resize: false,
+        fixed: false,
+    };
+}
+
+/// Takes the locks of `file` (at `path`, in `role`) for `usage`, or fails as QEMU does when
+/// another process uses the file in a way this use excludes. File systems without OFD locks
+/// are used without them, as QEMU does.
+pub fn lock(file: &File, path: &Path, role: LockRole, usage: LockUse) -> io::Result<()> {
     let mut held = vec![READ];
-    if write {
+    if usage.write {
         held.push(WRITE);
-        if resize || matches!(role, LockRole::Qcow2 | LockRole::DataFile) {
+        if usage.resize || role != LockRole::Raw {
             held.push(RESIZE);
         }
     }
     let unshared: &[_] = match role {
         LockRole::Qcow2 => &[WRITE, RESIZE],
+        LockRole::Raw if !usage.fixed => &[],
         LockRole::Raw | LockRole::DataFile => &[RESIZE],
-        LockRole::RawBacking => &[],
     };
     let bytes = held.iter().map(|(p, _)| PERM_BASE + p);
     for byte in bytes.chain(unshared.iter().map(|(p, _)| SHARED_BASE + p)) {

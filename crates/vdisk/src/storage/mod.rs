@@ -30,7 +30,7 @@ pub use crash::{
 };
 pub use fault::{Fault, FaultStorage, OpKind, When};
 pub use file::{FileStorage, OpenOptions, DIRECT_ALIGN};
-pub use lock::LockRole;
+pub use lock::{LockRole, LockUse};
 pub use memory::MemStorage;
 pub use ring::{AioContext, Backend, IoEvent, Iocb, Ring};
 pub use stats::{IoStats, IoStatsSnapshot};
