@@ -21,12 +21,10 @@ use std::time::{Duration, Instant};
 
 use vdisk::bytes::AlignedBuf;
 use vdisk::storage::{Backend, Ring};
-use vdisk::{
-    open_image, BlockDev, CacheMode, Format, Image, ImageOptions, StartedWrite, WithCache,
-};
+use vdisk::{open_image, BlockDev, CacheMode, Image, ImageOptions, StartedWrite, WithCache};
 
 use crate::create::parse_size;
-use crate::fail;
+use crate::{fail, image_format};
 
 const INT_MAX: u64 = i32::MAX as u64;
 
@@ -164,7 +162,7 @@ pub fn run(a: &Args) -> ExitCode {
         );
     }
     let opts = ImageOptions {
-        format: match a.format.as_deref().map(Format::parse).transpose() {
+        format: match image_format(&a.filename, a.format.as_deref()) {
             Ok(f) => f,
             Err(e) => return fail(e, 1),
         },

@@ -47,7 +47,7 @@ pub fn run(
             1,
         );
     }
-    let opts = match metadata_options(format, force_share) {
+    let opts = match metadata_options(filename, format, force_share) {
         Ok(o) => o,
         Err(e) => return fail(e, 1),
     };
@@ -147,7 +147,7 @@ fn run_repair(
         // QEMU makes an image unusable once it marked it corrupt: its second check fails.
         return Err(fail("Check failed: No medium found", 1));
     }
-    let opts = metadata_options(Some("qcow2"), false).map_err(|e| fail(e, 1))?;
+    let opts = metadata_options(filename, Some("qcow2"), false).map_err(|e| fail(e, 1))?;
     let image = open_image(filename, &opts).map_err(|e| fail(e, 1))?;
     let q = image.qcow2().expect("opened as qcow2");
     let mut report = match check(q, &mut |m| eprintln!("{m}")) {

@@ -36,7 +36,10 @@ fn commit(args: &Args) -> vdisk::Result<()> {
     // Read without locks: the base below is written through a descriptor of its own, which
     // the read lock of this one would refuse. The writer's lock on the base keeps others out of
     // the chain.
-    let top = open_image(args.filename, &read_options(args.format, true)?)?;
+    let top = open_image(
+        args.filename,
+        &read_options(args.filename, args.format, true)?,
+    )?;
     // The chain below the top, with each layer's depth.
     let mut chain: Vec<&Image> = Vec::new();
     let mut layer = top.backing();

@@ -24,7 +24,7 @@ pub struct Args<'a> {
 }
 
 fn open(name: &str, format: Option<&str>, force_share: bool) -> Result<Image, ExitCode> {
-    read_options(format, force_share)
+    read_options(name, format, force_share)
         .and_then(|o| open_image(name, &o))
         .map_err(|e| fail(e, 2))
 }

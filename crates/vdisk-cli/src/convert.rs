@@ -133,7 +133,7 @@ pub fn run(args: Args) -> ExitCode {
         Ok(p) => p,
         Err(e) => return fail(e, 1),
     };
-    let opts = read_options(args.format, args.force_share).map(|o| ImageOptions {
+    let opts = read_options(args.source, args.format, args.force_share).map(|o| ImageOptions {
         direct: args.direct_source,
         ..o
     });

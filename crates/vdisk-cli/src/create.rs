@@ -184,7 +184,8 @@ fn option_help(format: &str, with_file: bool) -> ExitCode {
 
 /// Creates the image `args` describe (also used by `convert` for its target).
 pub fn create(args: &Args) -> vdisk::Result<()> {
-    let format = Format::parse(args.format)?;
+    let format = Format::parse(args.format)
+        .map_err(|_| Error::unsupported(format!("Unknown file format '{}'", args.format)))?;
     let mut o = CreateOptions::default();
     let mut shown: Vec<(String, String)> = Vec::new();
     let mut backing = args.backing.map(str::to_string);

@@ -59,7 +59,7 @@ fn open_chain(
         let opts = ImageOptions {
             no_backing: true,
             data_file_optional: true,
-            ..metadata_options(fmt.as_deref(), force_share)?
+            ..metadata_options(&name, fmt.as_deref(), force_share)?
         };
         let image = open_image(&name, &opts)?;
         if chain {
@@ -279,11 +279,18 @@ pub fn snapshot_list(snapshots: &[Snapshot]) -> String {
             secs % 60,
             (sn.vm_clock_nsec / 1_000_000) % 1000
         );
-        let icount = sn.icount.map(|i| i.to_string()).unwrap_or_default();
+        let icount = sn
+            .icount
+            .map_or_else(|| "--".to_string(), |i| i.to_string());
+        // QEMU pads with printf, which counts bytes, not characters.
+        let pad = |text: &str, width: usize| {
+            let fill = width.saturating_sub(text.len());
+            format!("{text}{}", " ".repeat(fill))
+        };
         s += &format!(
-            "{:<7} {:<16} {:>8} {:>19} {:>15} {:>10}\n",
-            sn.id,
-            sn.name,
+            "{} {} {:>8} {:>19} {:>15} {:>10}\n",
+            pad(&sn.id, 7),
+            pad(&sn.name, 16),
             size_to_str(sn.vm_state_size),
             local_date(sn.date_sec),
             clock,

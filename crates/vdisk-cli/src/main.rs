@@ -27,7 +27,11 @@ use vdisk::{CacheMode, Format, ImageOptions};
 #[command(
     name = "vdisk",
     version,
-    about = "vdisk: a user-space virtual-disk engine"
+    about = "vdisk: a user-space virtual-disk engine",
+    // As getopt_long, which qemu-img uses: unambiguous prefixes of long options, and a
+    // repeated option takes its last value.
+    infer_long_args = true,
+    args_override_self = true
 )]
 struct Cli {
     #[command(subcommand)]
@@ -69,21 +73,21 @@ fn max_length(text: &str) -> Result<u64, QemuMessage> {
 enum Command {
     /// Create a new image (like `qemu-img create`).
     Create {
-        #[arg(short = 'f', default_value = "raw")]
+        #[arg(short = 'f', long = "format", default_value = "raw")]
         format: String,
         /// Format options, comma separated (repeatable): cluster_size, compat, lazy_refcounts,
         /// extended_l2, refcount_bits, preallocation, compression_type, data_file,
         /// data_file_raw, backing_file, backing_fmt, size.
-        #[arg(short = 'o')]
+        #[arg(short = 'o', long = "options")]
         options: Vec<String>,
-        #[arg(short = 'b')]
+        #[arg(short = 'b', long = "backing")]
         backing: Option<String>,
-        #[arg(short = 'F')]
+        #[arg(short = 'F', long = "backing-format")]
         backing_format: Option<String>,
         /// Do not open the backing file.
-        #[arg(short = 'u')]
+        #[arg(short = 'u', long = "backing-unsafe")]
         unsafe_backing: bool,
-        #[arg(short = 'q')]
+        #[arg(short = 'q', long = "quiet")]
         quiet: bool,
         /// Optional only with `-o help`.
         filename: Option<String>,
@@ -91,11 +95,11 @@ enum Command {
     },
     /// Show information about an image (like `qemu-img info`).
     Info {
-        #[arg(short = 'f')]
+        #[arg(short = 'f', long = "format")]
         format: Option<String>,
         #[arg(long, value_enum, default_value = "human")]
         output: Output,
-        #[arg(long)]
+        #[arg(short = 'b', long)]
         backing_chain: bool,
         /// Take no locks: read an image another process is writing.
         #[arg(short = 'U', long = "force-share")]
@@ -104,7 +108,7 @@ enum Command {
     },
     /// Show where guest data lives (like `qemu-img map`).
     Map {
-        #[arg(short = 'f')]
+        #[arg(short = 'f', long = "format")]
         format: Option<String>,
         #[arg(long, value_enum, default_value = "human")]
         output: Output,
@@ -121,112 +125,115 @@ enum Command {
     /// Check an image's consistency (like `qemu-img check`): exit 0 clean, 2 corrupt, 3 leaks
     /// only, 1 could not check.
     Check {
-        #[arg(short = 'f')]
+        #[arg(short = 'f', long = "format")]
         format: Option<String>,
         #[arg(long, value_enum, default_value = "human")]
         output: Output,
-        #[arg(short = 'q')]
+        #[arg(short = 'q', long = "quiet")]
         quiet: bool,
         #[arg(short = 'U', long = "force-share")]
         force_share: bool,
         /// Repair: `leaks` or `all` (opens the image for writing).
         #[arg(short = 'r', long = "repair")]
         repair: Option<String>,
+        /// Accepted for qemu-img compatibility.
+        #[arg(short = 'T', long = "cache")]
+        cache: Option<String>,
         filename: String,
     },
     /// Convert an image to another format (like `qemu-img convert`).
     Convert {
-        #[arg(short = 'f')]
+        #[arg(short = 'f', long = "source-format")]
         format: Option<String>,
-        #[arg(short = 'O', default_value = "raw")]
+        #[arg(short = 'O', long = "target-format", default_value = "raw")]
         output_format: String,
         /// Read this internal snapshot ("ID", "NAME" or "snapshot.id=ID,snapshot.name=NAME").
-        #[arg(short = 'l')]
+        #[arg(short = 'l', long = "source-snapshot")]
         snapshot: Option<String>,
         /// Options for the new image, as for `create -o` (repeatable).
-        #[arg(short = 'o')]
+        #[arg(short = 'o', long = "target-options")]
         options: Vec<String>,
         /// Compress the target's clusters (qcow2).
-        #[arg(short = 'c')]
+        #[arg(short = 'c', long = "compress")]
         compress: bool,
         /// Show progress.
-        #[arg(short = 'p')]
+        #[arg(short = 'p', long = "progress")]
         progress: bool,
         /// Cache mode of the target: like qemu-img convert, `unsafe` (the default) never syncs;
         /// every other mode makes the target durable before exiting.
-        #[arg(short = 't', value_parser = parse_cache, default_value = "unsafe")]
+        #[arg(short = 't', long = "target-cache", value_parser = parse_cache, default_value = "unsafe")]
         cache: CacheMode,
         #[arg(short = 'U', long = "force-share")]
         force_share: bool,
         /// Cache mode of the source (none reads it with O_DIRECT).
-        #[arg(short = 'T', value_parser = parse_cache)]
+        #[arg(short = 'T', long = "source-cache", value_parser = parse_cache)]
         source_cache: Option<CacheMode>,
         /// Do not create the target: write into the existing one (at least as large).
-        #[arg(short = 'n')]
+        #[arg(short = 'n', long = "no-create")]
         no_create: bool,
         /// With -n: the existing target is known to read as zero.
         #[arg(long = "target-is-zero")]
         target_is_zero: bool,
         /// Give the new target this backing file; only what the source's top layer holds is
         /// copied.
-        #[arg(short = 'B')]
+        #[arg(short = 'B', long = "backing")]
         backing: Option<String>,
         /// Format of the -B backing file.
-        #[arg(short = 'F')]
+        #[arg(short = 'F', long = "backing-format")]
         backing_format: Option<String>,
         /// Runs of zeroes at least this long stay unallocated (default 4k; 0 allocates all).
-        #[arg(short = 'S')]
+        #[arg(short = 'S', long = "sparse-size")]
         sparse: Option<String>,
         /// Parallel copy workers, 1 to 16.
-        #[arg(short = 'm')]
+        #[arg(short = 'm', long = "parallel")]
         workers: Option<String>,
         /// Out-of-order writes (vdisk always allows them).
-        #[arg(short = 'W')]
+        #[arg(short = 'W', long = "oob-writes")]
         out_of_order: bool,
-        #[arg(short = 'q')]
+        #[arg(short = 'q', long = "quiet")]
         quiet: bool,
         source: String,
         target: String,
     },
     /// Write an overlay's data into its backing file and empty it (like `qemu-img commit`).
     Commit {
-        #[arg(short = 'f')]
+        #[arg(short = 'f', long = "format")]
         format: Option<String>,
         /// Commit into this image of the backing chain (the overlay is then kept as it is).
-        #[arg(short = 'b')]
+        #[arg(short = 'b', long = "base")]
         base: Option<String>,
         /// Do not empty the overlay after the commit.
-        #[arg(short = 'd')]
+        #[arg(short = 'd', long = "drop")]
         keep: bool,
         /// Accepted for qemu-img compatibility.
-        #[arg(short = 't')]
+        #[arg(short = 't', long = "cache")]
         cache: Option<String>,
-        #[arg(short = 'p')]
+        #[arg(short = 'p', long = "progress")]
         progress: bool,
-        #[arg(short = 'q')]
+        #[arg(short = 'q', long = "quiet")]
         quiet: bool,
         filename: String,
     },
     /// Give an image another backing file (like `qemu-img rebase`); `-b ""` removes it.
     Rebase {
-        #[arg(short = 'f')]
+        #[arg(short = 'f', long = "format")]
         format: Option<String>,
-        #[arg(short = 'b')]
+        #[arg(short = 'b', long = "backing")]
         backing: String,
-        #[arg(short = 'F')]
+        #[arg(short = 'F', long = "backing-format")]
         backing_format: Option<String>,
         /// Only change the header: the caller vouches that the contents stay the same.
-        #[arg(short = 'u')]
+        #[arg(short = 'u', long = "backing-unsafe")]
         unsafe_: bool,
         /// Accepted for qemu-img compatibility.
-        #[arg(short = 't')]
+        #[arg(short = 't', long = "cache")]
         cache: Option<String>,
         /// Accepted for qemu-img compatibility.
-        #[arg(short = 'T')]
+        #[arg(short = 'T', long = "backing-cache")]
         source_cache: Option<String>,
-        #[arg(short = 'p')]
+        #[arg(short = 'p', long = "progress")]
         progress: bool,
-        #[arg(short = 'q')]
+        #[arg(short = 'q', long = "quiet")]
         quiet: bool,
         filename: String,
     },
@@ -235,12 +242,12 @@ enum Command {
     Bench(bench::Args),
     /// Change the virtual size of an image (like `qemu-img resize`): SIZE, +SIZE or -SIZE.
     Resize {
-        #[arg(short = 'f')]
+        #[arg(short = 'f', long = "format")]
         format: Option<String>,
         /// Allow the image to get smaller (data beyond the new end is lost).
         #[arg(long)]
         shrink: bool,
-        #[arg(short = 'q')]
+        #[arg(short = 'q', long = "quiet")]
         quiet: bool,
         filename: String,
         #[arg(allow_hyphen_values = true)]
@@ -249,18 +256,18 @@ enum Command {
     /// Manage internal snapshots (like `qemu-img snapshot`): list (-l, the default), create
     /// (-c), apply (-a) or delete (-d).
     Snapshot {
-        #[arg(short = 'f')]
+        #[arg(short = 'f', long = "format")]
         format: Option<String>,
         /// List the snapshots.
-        #[arg(short = 'l')]
+        #[arg(short = 'l', long = "list")]
         list: bool,
-        #[arg(short = 'c', value_name = "SNAPSHOT")]
+        #[arg(short = 'c', long = "create", value_name = "SNAPSHOT")]
         create: Option<String>,
-        #[arg(short = 'a', value_name = "SNAPSHOT")]
+        #[arg(short = 'a', long = "apply", value_name = "SNAPSHOT")]
         apply: Option<String>,
-        #[arg(short = 'd', value_name = "SNAPSHOT")]
+        #[arg(short = 'd', long = "delete", value_name = "SNAPSHOT")]
         delete: Option<String>,
-        #[arg(short = 'q')]
+        #[arg(short = 'q', long = "quiet")]
         quiet: bool,
         #[arg(short = 'U', long = "force-share")]
         force_share: bool,
@@ -309,16 +316,19 @@ enum Command {
     Stats { address: String },
     /// Compare the contents of two images (like `qemu-img compare`): exit 0 same, 1 different.
     Compare {
-        #[arg(short = 'f')]
+        #[arg(short = 'f', long = "a-format")]
         format1: Option<String>,
-        #[arg(short = 'F')]
+        #[arg(short = 'F', long = "b-format")]
         format2: Option<String>,
-        #[arg(short = 'q')]
+        #[arg(short = 'q', long = "quiet")]
         quiet: bool,
         /// Strict mode: also fail when one image has data allocated where the other has not.
-        #[arg(short = 's')]
+        #[arg(short = 's', long = "strict")]
         strict: bool,
-        #[arg(short = 'p')]
+        /// Accepted for qemu-img compatibility.
+        #[arg(short = 'T', long = "cache")]
+        cache: Option<String>,
+        #[arg(short = 'p', long = "progress")]
         progress: bool,
         #[arg(short = 'U', long = "force-share")]
         force_share: bool,
@@ -333,21 +343,37 @@ pub fn fail(msg: impl std::fmt::Display, status: u8) -> ExitCode {
     ExitCode::from(status)
 }
 
-/// Image options for a read-only open with an optional `-f`, without locks if `force_share`
-/// (`-U`).
-pub fn read_options(format: Option<&str>, force_share: bool) -> vdisk::Result<ImageOptions> {
+/// The format `-f` names for opening `filename`; an unknown one fails as QEMU's open does.
+pub fn image_format(filename: &str, format: Option<&str>) -> vdisk::Result<Option<Format>> {
+    format
+        .map(Format::parse)
+        .transpose()
+        .map_err(|e| e.prefixed(&format!("Could not open '{filename}': ")))
+}
+
+/// Image options for a read-only open of `filename` with an optional `-f`, without locks if
+/// `force_share` (`-U`).
+pub fn read_options(
+    filename: &str,
+    format: Option<&str>,
+    force_share: bool,
+) -> vdisk::Result<ImageOptions> {
     Ok(ImageOptions {
-        format: format.map(Format::parse).transpose()?,
+        format: image_format(filename, format)?,
         force_share,
         ..ImageOptions::default()
     })
 }
 
 /// Image options for commands that read metadata only (info, map, check, snapshot -l).
-pub fn metadata_options(format: Option<&str>, force_share: bool) -> vdisk::Result<ImageOptions> {
+pub fn metadata_options(
+    filename: &str,
+    format: Option<&str>,
+    force_share: bool,
+) -> vdisk::Result<ImageOptions> {
     Ok(ImageOptions {
         metadata_only: true,
-        ..read_options(format, force_share)?
+        ..read_options(filename, format, force_share)?
     })
 }
 
@@ -596,6 +622,7 @@ fn main() -> ExitCode {
             force_share,
             image1,
             image2,
+            ..
         } => compare::run(compare::Args {
             image1: &image1,
             image2: &image2,

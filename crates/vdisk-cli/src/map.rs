@@ -68,7 +68,9 @@ pub fn run(
     (start, max_length): (Option<u64>, Option<u64>),
     force_share: bool,
 ) -> ExitCode {
-    let image = match metadata_options(format, force_share).and_then(|o| open_image(filename, &o)) {
+    let image = match metadata_options(filename, format, force_share)
+        .and_then(|o| open_image(filename, &o))
+    {
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };

@@ -22,6 +22,12 @@ impl From<u64> for Value {
         Value::Int(i128::from(v))
     }
 }
+impl From<i64> for Value {
+    fn from(v: i64) -> Self {
+        Value::Int(i128::from(v))
+    }
+}
+
 impl From<u32> for Value {
     fn from(v: u32) -> Self {
         Value::Int(i128::from(v))

@@ -6,8 +6,8 @@ use std::process::ExitCode;
 
 use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 
-use crate::fail;
 use crate::text::Progress;
+use crate::{fail, image_format};
 
 pub struct Args<'a> {
     pub format: Option<&'a str>,
@@ -26,6 +26,7 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 fn rebase(args: &Args) -> vdisk::Result<()> {
+    let format = image_format(args.filename, args.format)?;
     let new = (!args.backing.is_empty()).then_some(args.backing);
     if new.is_some() && args.backing_format.is_none() {
         return Err(Error::invalid(format!(
@@ -33,7 +34,6 @@ fn rebase(args: &Args) -> vdisk::Result<()> {
             args.backing
         )));
     }
-    let format = args.format.map(Format::parse).transpose()?;
     let opts = ImageOptions {
         format,
         write: true,

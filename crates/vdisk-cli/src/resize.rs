@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use vdisk::{open_image, BlockDev, Format, ImageOptions};
 
 use crate::create::parse_size;
-use crate::fail;
+use crate::{fail, image_format};
 
 pub struct Args<'a> {
     pub format: Option<&'a str>,
@@ -34,7 +34,7 @@ pub fn run(args: Args) -> ExitCode {
         return fail(SIZE_HELP, 1);
     };
     let opts = ImageOptions {
-        format: match args.format.map(Format::parse).transpose() {
+        format: match image_format(args.filename, args.format) {
             Ok(f) => f,
             Err(e) => return fail(e, 1),
         },

@@ -3,9 +3,9 @@
 
 use std::process::ExitCode;
 
-use vdisk::{open_image, Error, Format, ImageOptions};
+use vdisk::{open_image, Error, ImageOptions};
 
-use crate::{fail, info, metadata_options};
+use crate::{fail, image_format, info, metadata_options};
 
 pub enum Action<'a> {
     List,
@@ -21,15 +21,12 @@ pub fn run(filename: &str, format: Option<&str>, action: Action, force_share: bo
         Action::Apply(n) => (n, "apply"),
         Action::Delete(n) => (n, "delete"),
     };
-    let opts = format
-        .map(Format::parse)
-        .transpose()
-        .map(|format| ImageOptions {
-            format,
-            write: true,
-            force_share,
-            ..ImageOptions::default()
-        });
+    let opts = image_format(filename, format).map(|format| ImageOptions {
+        format,
+        write: true,
+        force_share,
+        ..ImageOptions::default()
+    });
     let mut image = match opts.and_then(|o| open_image(filename, &o)) {
         Ok(i) => i,
         Err(e) => return fail(e, 1),
@@ -60,7 +57,9 @@ pub fn run(filename: &str, format: Option<&str>, action: Action, force_share: bo
 }
 
 fn list(filename: &str, format: Option<&str>, force_share: bool) -> ExitCode {
-    let image = match metadata_options(format, force_share).and_then(|o| open_image(filename, &o)) {
+    let image = match metadata_options(filename, format, force_share)
+        .and_then(|o| open_image(filename, &o))
+    {
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };

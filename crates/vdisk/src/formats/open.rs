@@ -417,12 +417,14 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
             };
             let backing = match &header.backing_file {
                 Some(name) if !opts.no_backing => {
+                    let in_backing = |e: Error| e.prefixed("Could not open backing file: ");
                     let backing_opts = ImageOptions {
                         format: header
                             .backing_format
                             .as_deref()
                             .map(Format::parse)
-                            .transpose()?,
+                            .transpose()
+                            .map_err(in_backing)?,
                         write: false,
                         direct: opts.direct,
                         no_backing: false,
@@ -433,8 +435,7 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
                         fixed_size: false,
                     };
                     let bpath = backing_path(filename, name);
-                    let backing = open_chain(&bpath, &backing_opts, seen)
-                        .map_err(|e| e.prefixed("Could not open backing file: "))?;
+                    let backing = open_chain(&bpath, &backing_opts, seen).map_err(in_backing)?;
                     Some(Arc::new(backing))
                 }
                 _ => None,

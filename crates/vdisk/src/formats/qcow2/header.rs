@@ -216,11 +216,19 @@ impl Header {
                     1 => Compression::Zstd,
                     t => {
                         return Err(Error::unsupported(format!(
-                            "unknown compression type {t} in qcow2 header"
+                            "qcow2: unknown compression type: {t}"
                         )))
                     }
                 };
             }
+        }
+        // Checked before the feature bits, as QEMU does.
+        let flagged = h.incompatible & INCOMPAT_COMPRESSION != 0;
+        if flagged != (h.compression != Compression::Zlib) {
+            let must = if flagged { "must not" } else { "must" };
+            return Err(Error::corrupt(format!(
+                "qcow2: Compression type incompatible feature bit {must} be set"
+            )));
         }
         let ext_end = if h.backing_file_offset_in(cluster0) != 0 {
             h.backing_file_offset_in(cluster0).min(cluster_size)
@@ -232,11 +240,6 @@ impl Header {
         if h.refcount_order > 6 {
             return Err(Error::corrupt(
                 "Reference count entry width too large; may not exceed 64 bits",
-            ));
-        }
-        if h.compression == Compression::Zstd && h.incompatible & INCOMPAT_COMPRESSION == 0 {
-            return Err(Error::corrupt(
-                "compression type set without the compression feature bit",
             ));
         }
         if h.extended_l2() && cluster_bits < 14 {
@@ -296,11 +299,14 @@ impl Header {
                 )));
             }
             let data = &cluster0[at..at + len];
+            // QEMU reads the two names as C strings: they end at a NUL.
+            let name = || {
+                let end = data.iter().position(|&b| b == 0).unwrap_or(data.len());
+                Some(String::from_utf8_lossy(&data[..end]).into_owned())
+            };
             match kind {
-                EXT_BACKING_FORMAT => {
-                    self.backing_format = Some(String::from_utf8_lossy(data).into_owned())
-                }
-                EXT_DATA_FILE => self.data_file = Some(String::from_utf8_lossy(data).into_owned()),
+                EXT_BACKING_FORMAT => self.backing_format = name(),
+                EXT_DATA_FILE => self.data_file = name(),
                 EXT_FEATURE_TABLE => {
                     for entry in data.chunks_exact(48) {
                         let name = &entry[2..];

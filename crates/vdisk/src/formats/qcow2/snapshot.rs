@@ -18,7 +18,8 @@ pub struct Snapshot {
     pub vm_state_size: u64,
     /// Virtual disk size when the snapshot was taken, if recorded.
     pub disk_size: Option<u64>,
-    pub icount: Option<u64>,
+    /// Instructions executed, if recorded (QEMU's int64; -1 records none).
+    pub icount: Option<i64>,
     /// Bytes of extra data in the entry (v3 requires at least 16).
     pub extra_len: u32,
     /// The extra data as stored, kept so that rewriting the table loses nothing of it.
@@ -134,8 +135,8 @@ pub fn parse_table(table: &[u8], count: u32) -> Result<Option<(Vec<Snapshot>, u6
         if extra.len() >= 16 {
             snap.disk_size = Some(be64(extra, 8));
         }
-        if extra.len() >= 24 && be64(extra, 16) != u64::MAX {
-            snap.icount = Some(be64(extra, 16));
+        if extra.len() >= 24 {
+            snap.icount = Some(be64(extra, 16) as i64).filter(|&i| i != -1);
         }
         at = (id_start + id_len + name_len).next_multiple_of(8);
         if at as u64 > MAX_TABLE_BYTES {
