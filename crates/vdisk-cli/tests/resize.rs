@@ -21,6 +21,14 @@ const CASES: &[(&str, &str, &[&str], &str)] = &[
     ("qcow2", "10M", &["-q"], "+1M"),
     ("qcow2:cluster_size=512", "4M", &[], "100M"),
     ("qcow2:cluster_size=512", "40M", &["--shrink"], "1M"),
+    // The new L1 table is longer than a refcount block's range.
+    ("qcow2:cluster_size=512", "4M", &[], "1G"),
+    (
+        "qcow2:cluster_size=512,refcount_bits=64+snapshot",
+        "4M",
+        &[],
+        "256M",
+    ),
     ("qcow2:compat=0.10", "10M", &[], "+100M"),
     ("qcow2:compat=0.10+snapshot", "10M", &[], "+100M"),
     ("qcow2:compat=0.10+snapshot", "10M", &["--shrink"], "4M"),

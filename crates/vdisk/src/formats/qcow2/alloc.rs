@@ -65,6 +65,9 @@ pub(super) struct Refcounts {
     pool: std::ops::Range<u64>,
     /// Clusters the next refill of the pool takes.
     pool_refill: u64,
+    /// The run an allocation is setting the refcounts of: a refcount block created meanwhile
+    /// must not take the first cluster of its range when the run holds it.
+    claimed: std::ops::Range<u64>,
     opened_len: u64,
 }
 
@@ -98,6 +101,7 @@ impl Refcounts {
             opened_len: file_len,
             increased: false,
             pool: 0..0,
+            claimed: 0..0,
             pool_refill: MIN_POOL,
         })
     }
@@ -188,7 +192,8 @@ impl Refcounts {
 
     /// A new refcount block for block index `b`, placed in the first cluster of the range it
     /// covers: with no block, nothing in that range is allocated, so the cluster is free, and
-    /// the block describes itself.
+    /// the block describes itself. Unless a run being allocated holds that cluster (a run
+    /// longer than a range): then the block goes past everything allocated or promised.
     fn create_block(&mut self, file: &dyn Storage, b: u64) -> Result<()> {
         if b as usize >= self.table.len() {
             self.grow_table(file, b)?;
@@ -198,10 +203,21 @@ impl Refcounts {
                 return Ok(());
             }
         }
-        let at = b * self.per_block;
+        let mut at = b * self.per_block;
+        if self.claimed.contains(&at) {
+            at = self.end;
+            // Nor on the place of another block still to be created.
+            while self.is_block_slot(at) {
+                at += 1;
+            }
+            self.reserve(file, at + 1)?;
+        }
         self.end = self.end.max(at + 1);
+        let own = at / self.per_block == b;
         let mut bytes = vec![0u8; self.cs() as usize];
-        refcount::set(&mut bytes, 0, self.order, 1);
+        if own {
+            refcount::set(&mut bytes, at % self.per_block, self.order, 1);
+        }
         self.blocks.insert(b, bytes);
         self.increased = true;
         let cs = self.cs() as usize;
@@ -209,6 +225,9 @@ impl Refcounts {
         self.high_water = self.high_water.max(at + 1);
         self.table[b as usize] = at << self.cluster_bits;
         self.table_dirty = true;
+        if !own {
+            self.set(file, at, 1)?;
+        }
         Ok(())
     }
 
@@ -375,9 +394,10 @@ impl Refcounts {
         if self.free_hint == start {
             self.free_hint = start + n;
         }
-        for k in start..start + n {
-            self.set(file, k, 1)?;
-        }
+        self.claimed = start..start + n;
+        let set = (start..start + n).try_for_each(|k| self.set(file, k, 1));
+        self.claimed = 0..0;
+        set?;
         Ok(start)
     }
 

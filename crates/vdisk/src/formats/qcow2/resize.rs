@@ -53,7 +53,7 @@ impl Qcow2 {
                 .set_len(new_size)
                 .context(|| "resizing the data file".into())?;
         }
-        self.write_header(&h)?;
+        self.write_header(&mut h)?;
         self.header = h;
         self.size = new_size;
         if self.header.data_file_raw() && new_size > old_size {

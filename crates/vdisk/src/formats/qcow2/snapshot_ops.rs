@@ -105,7 +105,7 @@ impl Qcow2 {
         if size != self.size {
             let mut h = self.header.clone();
             h.size = size;
-            self.write_header(&h)?;
+            self.write_header(&mut h)?;
             self.header = h;
             self.size = size;
         }
@@ -284,7 +284,7 @@ impl Qcow2 {
         let (old_offset, old_bytes) = (h.snapshots_offset, self.snapshot_table_bytes);
         h.nb_snapshots = snapshots.len() as u32;
         h.snapshots_offset = offset;
-        self.write_header(&h)?;
+        self.write_header(&mut h)?;
         self.header = h;
         if old_bytes > 0 {
             let mut meta = self.lock();

@@ -6,8 +6,29 @@ use super::Qcow2;
 use crate::error::{IoContext, Result};
 
 impl Qcow2 {
-    /// Writes header `h` and syncs it, then commits what it freed.
-    pub(super) fn write_header(&self, h: &super::header::Header) -> Result<()> {
+    /// Writes header `h` and syncs it, then commits what it freed. The refcount table's place
+    /// comes from the refcounts, not from `h` (a copy of the header as opened may be older than
+    /// a move of the table); a moved table is made durable first.
+    pub(super) fn write_header(&self, h: &mut Header) -> Result<()> {
+        {
+            let mut meta = self.lock();
+            if let Some(refs) = meta.refs.as_mut() {
+                if refs.table_moved {
+                    let mut bytes = refs.write_blocks(&*self.file)?;
+                    self.file
+                        .sync()
+                        .context(|| "syncing new refcount blocks".into())?;
+                    bytes += refs.write_table(&*self.file)?;
+                    self.file
+                        .sync()
+                        .context(|| "syncing the new refcount table".into())?;
+                    self.counters.metadata_written(bytes);
+                }
+                let (offset, clusters) = refs.table_location();
+                h.refcount_table_offset = offset;
+                h.refcount_table_clusters = clusters as u32;
+            }
+        }
         let bytes = h.to_bytes()?;
         self.file
             .write_at(0, &bytes)
@@ -21,6 +42,7 @@ impl Qcow2 {
             refs.defer_frees(frees);
             return Err(e);
         }
+        refs.table_moved = false;
         self.counters.metadata_written(bytes.len() as u64);
         // The old L1 table's clusters are free now that the header points elsewhere.
         refs.apply_frees(&*self.file, frees)
@@ -35,7 +57,7 @@ impl Qcow2 {
         let mut h: Header = self.header.clone();
         h.backing_file = name.map(str::to_string);
         h.backing_format = format.map(str::to_string);
-        self.write_header(&h)?;
+        self.write_header(&mut h)?;
         self.header = h;
         Ok(())
     }
