@@ -6,8 +6,9 @@ mod common;
 
 use common::{tools, Failures, Workdir};
 
-/// (format[:create options][+snapshot], size, resize options, new size); `+snapshot` takes an
-/// internal snapshot after the writes.
+/// (format[:create options][+snapshot|+backing], size, resize options, new size); `+snapshot`
+/// takes an internal snapshot after the writes, `+backing` puts the image over a longer backing
+/// file full of data (which must not show through the grown area).
 const CASES: &[(&str, &str, &[&str], &str)] = &[
     ("qcow2", "10M", &[], "+5M"),
     ("qcow2", "10M", &[], "10G"),
@@ -34,6 +35,9 @@ const CASES: &[(&str, &str, &[&str], &str)] = &[
     ("qcow2:compat=0.10+snapshot", "10M", &["--shrink"], "4M"),
     ("qcow2:compat=1.1+snapshot", "10M", &[], "+100M"),
     ("qcow2:extended_l2=on", "10M", &[], "2G"),
+    ("qcow2+backing", "10M", &[], "20M"),
+    ("qcow2:extended_l2=on+backing", "10M", &[], "40M"),
+    ("qcow2:compat=0.10+backing", "10M", &[], "20M"),
     ("qcow2:refcount_bits=1,cluster_size=4k", "10M", &[], "3G"),
     ("raw", "10M", &["-f", "raw"], "20M"),
     ("raw", "10M", &["-f", "raw", "--shrink"], "3M"),
@@ -50,10 +54,19 @@ fn resize_matches_qemu() {
             Some(r) => (r, true),
             None => (*recipe, false),
         };
+        let (recipe, backing) = match recipe.strip_suffix("+backing") {
+            Some(r) => (r, true),
+            None => (recipe, false),
+        };
         let (format, create_options) = recipe.split_once(':').unwrap_or((recipe, ""));
         let mut create = vec!["create", "-q", "-f", format];
         if !create_options.is_empty() {
             create.extend(["-o", create_options]);
+        }
+        if backing {
+            wd.setup_img(&["create", "-q", "-f", "qcow2", "base.img", "32M"]);
+            wd.setup_io("base.img", Some("qcow2"), &["write -P 0x44 0 32M"]);
+            create.extend(["-b", "base.img", "-F", "qcow2"]);
         }
         create.extend(["q.img", size]);
         wd.setup_img(&create);

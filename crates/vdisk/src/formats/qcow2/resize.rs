@@ -8,6 +8,7 @@
 
 use super::l2::{L2Entry, OFFSET_MASK, OFLAG_COPIED};
 use super::Qcow2;
+use crate::blockdev::BlockDev;
 use crate::error::{Error, IoContext, Result};
 
 impl Qcow2 {
@@ -33,6 +34,15 @@ impl Qcow2 {
         if new_size < self.size {
             self.drop_beyond(new_size)?;
         }
+        // As QEMU: the new area reads as zero, not as a longer backing file shows through.
+        let old_size = self.size;
+        let unveils =
+            new_size > old_size && self.backing.as_ref().is_some_and(|b| b.size() > old_size);
+        if unveils && self.header.version < 3 {
+            return Err(Error::unsupported(
+                "Failed to zero out new clusters: Operation not supported",
+            ));
+        }
         self.flush_impl()?;
         let mut h = self.header.clone();
         h.size = new_size;
@@ -45,7 +55,6 @@ impl Qcow2 {
             }
             self.grow_l1(&mut h, needed)?;
         }
-        let old_size = self.size;
         if self.format.external_data && new_size != old_size {
             // Before the header: a grown data file holds the new range before the header
             // offers it, and a shrunk one lost only clusters `drop_beyond` unmapped durably.
@@ -58,6 +67,10 @@ impl Qcow2 {
         self.size = new_size;
         if self.header.data_file_raw() && new_size > old_size {
             self.map_raw_data(old_size, new_size)?;
+        }
+        if unveils {
+            self.write_zeroes(old_size, new_size - old_size)?;
+            self.flush_impl()?;
         }
         if new_size < old_size {
             // The header no longer maps what was dropped, and its refcounts are durable.
