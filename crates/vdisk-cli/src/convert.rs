@@ -100,15 +100,21 @@ impl Plan {
         if args.target_is_zero && !args.no_create {
             return Err(Error::invalid("--target-is-zero requires use of -n flag"));
         }
-        if args.target_is_zero && args.backing.is_some() {
+        // `-o backing_file=` names the target's backing file as `-B` does, as in qemu-img.
+        let backed = args.backing.is_some()
+            || args.options.iter().any(|o| {
+                o.split(',')
+                    .any(|kv| kv.starts_with("backing_file=") && kv.len() > "backing_file=".len())
+            });
+        if args.target_is_zero && backed {
             return Err(Error::invalid(
                 "Cannot use --target-is-zero when the destination image has a backing file",
             ));
         }
         Ok(Plan {
             sparse: sparse as usize,
-            zero_init: (!args.no_create || args.target_is_zero) && args.backing.is_none(),
-            top_only: args.backing.is_some(),
+            zero_init: (!args.no_create || args.target_is_zero) && !backed,
+            top_only: backed,
             workers,
         })
     }

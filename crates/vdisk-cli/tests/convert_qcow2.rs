@@ -166,6 +166,19 @@ fn convert_flags_match_qemu() {
             &["-c", "-O", "qcow2", "-B", "base.raw", "-F", "raw"],
             "qcow2",
         ),
+        // `-o backing_file=` is `-B`.
+        (
+            "backing option",
+            "top.qcow2",
+            &["-O", "qcow2", "-o", "backing_file=base.raw,backing_fmt=raw"],
+            "qcow2",
+        ),
+        (
+            "flat backing option",
+            "flat.qcow2",
+            &["-O", "qcow2", "-o", "backing_file=base.raw,backing_fmt=raw"],
+            "qcow2",
+        ),
     ];
     for (name, source, flags, kind) in cases {
         let mut outs = Vec::new();
