@@ -258,6 +258,10 @@ pub fn create(args: &Args) -> vdisk::Result<()> {
     }
     // Disks are whole sectors (the line above shows the size as asked, like qemu-img).
     o.size = o.size.next_multiple_of(512);
+    // As qemu-img: refused after the line above, before any file is made.
+    if format == Format::Qcow2 {
+        o.validate()?;
+    }
     let file = new_file(args.filename)?;
     match format {
         Format::Raw => {
@@ -270,7 +274,6 @@ pub fn create(args: &Args) -> vdisk::Result<()> {
             raw::create(&*file, o.size, o.preallocation)
         }
         Format::Qcow2 => {
-            o.validate()?;
             let data = match &o.data_file {
                 Some(name) => Some(new_file(name)?),
                 None => None,

@@ -43,6 +43,15 @@ const REFUSED: &[(&str, &str)] = &[
     ("refcount_bits=3", "1M"),
     ("data_file_raw=on", "1M"),
     ("backing_file=base.raw", "1M"),
+    ("backing_fmt=raw", "1M"),
+    (
+        "backing_file=base.raw,backing_fmt=raw,preallocation=metadata",
+        "1M",
+    ),
+    (
+        "backing_file=base.raw,backing_fmt=raw,preallocation=metadata,extended_l2=on",
+        "1M",
+    ),
 ];
 
 /// Members of `qemu-img info --output=json` that depend on the file name or its allocation.
@@ -98,6 +107,13 @@ fn create_matches_qemu_img() {
             "create exit status",
             &format!("{:?}", qo.code),
             &format!("{:?}", vo.code),
+        );
+        // A refused image leaves no file behind.
+        f.same_text(
+            &name,
+            "file made",
+            &wd.abs(&q).exists().to_string(),
+            &wd.abs(&v).exists().to_string(),
         );
         if !vo.success() {
             f.add(&name, "vdisk create failed", &vo.stderr);

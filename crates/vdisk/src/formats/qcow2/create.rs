@@ -88,6 +88,22 @@ impl Default for CreateOptions {
 impl CreateOptions {
     /// Refuses combinations QEMU refuses, with QEMU's messages.
     pub fn validate(&self) -> Result<()> {
+        if self.backing_format.is_some() && self.backing_file.is_none() {
+            return Err(Error::invalid(
+                "Backing format cannot be used without backing file",
+            ));
+        }
+        // Preallocated clusters would read as zero and hide the backing file; only subclusters
+        // can be allocated and still unallocated.
+        if self.backing_file.is_some()
+            && self.preallocation != Preallocation::Off
+            && !self.extended_l2
+        {
+            return Err(Error::invalid(
+                "Backing file and preallocation can only be used at the same time if extended_l2 \
+                 is on",
+            ));
+        }
         let cs = self.cluster_size;
         if !cs.is_power_of_two() || !(512..=2 << 20).contains(&cs) {
             return Err(Error::invalid(
