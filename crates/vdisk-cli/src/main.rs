@@ -337,6 +337,14 @@ enum Command {
     },
 }
 
+/// Refuses a cache mode (`-t`, `-T`) qemu-img does not know, before anything is opened.
+fn bad_cache(mode: Option<&str>, which: &str) -> Option<ExitCode> {
+    let mode = mode?;
+    CacheMode::parse(mode)
+        .is_err()
+        .then(|| fail(format!("Invalid {which}cache option: {mode}"), 1))
+}
+
 /// Prints an error the way qemu-img does and returns the exit status.
 pub fn fail(msg: impl std::fmt::Display, status: u8) -> ExitCode {
     eprintln!("vdisk: {msg}");
@@ -519,15 +527,17 @@ fn main() -> ExitCode {
             keep,
             progress,
             quiet,
+            cache,
             filename,
-            ..
-        } => commit::run(commit::Args {
-            format: format.as_deref(),
-            base: base.as_deref(),
-            keep,
-            progress,
-            quiet,
-            filename: &filename,
+        } => bad_cache(cache.as_deref(), "").unwrap_or_else(|| {
+            commit::run(commit::Args {
+                format: format.as_deref(),
+                base: base.as_deref(),
+                keep,
+                progress,
+                quiet,
+                filename: &filename,
+            })
         }),
         Command::Rebase {
             format,
@@ -535,16 +545,22 @@ fn main() -> ExitCode {
             backing_format,
             unsafe_,
             progress,
+            cache,
+            source_cache,
             filename,
             ..
-        } => rebase::run(rebase::Args {
-            format: format.as_deref(),
-            backing: &backing,
-            backing_format: backing_format.as_deref(),
-            unsafe_,
-            progress,
-            filename: &filename,
-        }),
+        } => bad_cache(cache.as_deref(), "")
+            .or_else(|| bad_cache(source_cache.as_deref(), "source "))
+            .unwrap_or_else(|| {
+                rebase::run(rebase::Args {
+                    format: format.as_deref(),
+                    backing: &backing,
+                    backing_format: backing_format.as_deref(),
+                    unsafe_,
+                    progress,
+                    filename: &filename,
+                })
+            }),
         Command::Bench(args) => bench::run(&args),
         Command::Resize {
             format,
