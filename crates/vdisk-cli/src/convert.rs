@@ -211,14 +211,21 @@ fn to_raw(source: &Image, args: &Args, plan: &Plan) -> vdisk::Result<()> {
                 context: format!("Could not open '{}'", args.target),
                 source: e,
             })?;
+        // A disk has whole sectors: a file's tail rounds up, as QEMU's raw driver sees it.
         let len = target.metadata().map_err(create_error)?.len();
-        if len < source.size() {
+        if len.next_multiple_of(512) < source.size() {
             return Err(Error::invalid("output file is smaller than input file"));
         }
         target
     } else {
         let target = File::create(args.target).map_err(create_error)?;
         target.set_len(source.size()).map_err(create_error)?;
+        // As `create -f raw` and qemu-img: the first 4 KiB are written, so that the file is
+        // never wholly a hole.
+        let first = source.size().min(4096) as usize;
+        target
+            .write_all_at(&vec![0u8; first], 0)
+            .map_err(create_error)?;
         target
     };
     copy(
