@@ -218,8 +218,9 @@ enum Command {
     Rebase {
         #[arg(short = 'f', long = "format")]
         format: Option<String>,
+        /// The new backing file; required unless `-u` (which then removes it).
         #[arg(short = 'b', long = "backing")]
-        backing: String,
+        backing: Option<String>,
         #[arg(short = 'F', long = "backing-format")]
         backing_format: Option<String>,
         /// Only change the header: the caller vouches that the contents stay the same.
@@ -534,7 +535,7 @@ fn main() -> ExitCode {
                 format: format.as_deref(),
                 base: base.as_deref(),
                 keep,
-                progress,
+                progress: progress && !quiet,
                 quiet,
                 filename: &filename,
             })
@@ -545,22 +546,29 @@ fn main() -> ExitCode {
             backing_format,
             unsafe_,
             progress,
+            quiet,
             cache,
             source_cache,
             filename,
-            ..
-        } => bad_cache(cache.as_deref(), "")
-            .or_else(|| bad_cache(source_cache.as_deref(), "source "))
-            .unwrap_or_else(|| {
-                rebase::run(rebase::Args {
-                    format: format.as_deref(),
-                    backing: &backing,
-                    backing_format: backing_format.as_deref(),
-                    unsafe_,
-                    progress,
-                    filename: &filename,
+        } => {
+            if backing.is_none() && !unsafe_ {
+                eprintln!("vdisk: Must specify backing file (-b) or use unsafe mode (-u)");
+                eprintln!("Try 'vdisk rebase --help' for more info");
+                return ExitCode::from(1);
+            }
+            bad_cache(cache.as_deref(), "")
+                .or_else(|| bad_cache(source_cache.as_deref(), "source "))
+                .unwrap_or_else(|| {
+                    rebase::run(rebase::Args {
+                        format: format.as_deref(),
+                        backing: backing.as_deref().unwrap_or(""),
+                        backing_format: backing_format.as_deref(),
+                        unsafe_,
+                        progress: progress && !quiet,
+                        filename: &filename,
+                    })
                 })
-            }),
+        }
         Command::Bench(args) => bench::run(&args),
         Command::Resize {
             format,
@@ -646,7 +654,7 @@ fn main() -> ExitCode {
             format2: format2.as_deref(),
             quiet,
             strict,
-            progress,
+            progress: progress && !quiet,
             force_share,
         }),
     }

@@ -29,6 +29,11 @@ const COMMANDS: &[&[&str]] = &[
     &["rebase", "-b", "short.raw", "-F", "raw", "top.qcow2"],
     &["rebase", "-b", "nosuch", "-F", "qcow2", "top.qcow2"],
     &["rebase", "-b", "base.qcow2", "-F", "qcow2", "mid.qcow2"],
+    // Without -b: refused, unless unsafe, which removes the backing file.
+    &["rebase", "top.qcow2"],
+    &["rebase", "-u", "top.qcow2"],
+    &["commit", "-t", "bogus", "top.qcow2"],
+    &["rebase", "-T", "bogus", "-b", "", "top.qcow2"],
 ];
 
 const LAYERS: &[&str] = &["top.qcow2", "mid.qcow2", "base.qcow2"];

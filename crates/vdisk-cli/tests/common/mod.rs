@@ -91,13 +91,18 @@ impl Outcome {
         self.code == Some(0)
     }
 
-    /// stderr lines with qemu-img's `qemu-img: ` prefix spelled the way vdisk spells it.
+    /// stderr lines with qemu-img's `qemu-img: ` prefix (and its name in "Try 'qemu-img ...")
+    /// spelled the way vdisk spells them.
     pub fn stderr_lines_as_vdisk(&self) -> Vec<String> {
         self.stderr
             .lines()
             .map(|l| match l.strip_prefix("qemu-img: ") {
                 Some(rest) => format!("vdisk: {rest}"),
-                None => l.to_string(),
+                // qemu-img names itself as it was run (its whole path).
+                None => match (l.strip_prefix("Try '"), l.find("qemu-img ")) {
+                    (Some(_), Some(at)) => format!("Try 'vdisk {}", &l[at + 9..]),
+                    _ => l.to_string(),
+                },
             })
             .collect()
     }

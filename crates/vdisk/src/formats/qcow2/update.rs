@@ -29,7 +29,9 @@ impl Qcow2 {
                 h.refcount_table_clusters = clusters as u32;
             }
         }
-        let bytes = h.to_bytes()?;
+        // The whole first cluster, as QEMU writes it: no old backing file name is left behind.
+        let mut bytes = h.to_bytes()?;
+        bytes.resize(bytes.len().max(h.cluster_size() as usize), 0);
         self.file
             .write_at(0, &bytes)
             .context(|| "writing the header".into())?;
