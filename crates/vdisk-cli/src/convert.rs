@@ -97,6 +97,20 @@ impl Plan {
                 }
             },
         };
+        if args.no_create && !args.options.is_empty() {
+            return Err(Error::invalid(
+                "-o has no effect when skipping image creation",
+            ));
+        }
+        let preallocated = args.options.iter().any(|o| {
+            o.split(',')
+                .any(|kv| kv.starts_with("preallocation=") && kv != "preallocation=off")
+        });
+        if args.compress && preallocated {
+            return Err(Error::invalid(
+                "Compression and preallocation not supported at the same time",
+            ));
+        }
         if args.target_is_zero && !args.no_create {
             return Err(Error::invalid("--target-is-zero requires use of -n flag"));
         }
@@ -394,7 +408,7 @@ fn copy_range(
 }
 
 /// Copies `[start, end)` cluster by cluster into compressed clusters. All-zero clusters are
-/// skipped where the target reads as zero, else zeroed; with `-B`, clusters the source's top
+/// skipped where the target reads as zero, else zeroed (unless `-S 0`); with `-B`, clusters the source's top
 /// layer does not touch are left to the backing file.
 fn copy_compressed(
     source: &Image,
@@ -412,7 +426,8 @@ fn copy_compressed(
         if plan.top_only && !in_top_layer(source, at, cluster.len() as u64)? {
             continue;
         }
-        let written = if !vdisk::bytes::is_zero(cluster) {
+        // With `-S 0`, zero clusters are data too, stored compressed like the rest.
+        let written = if plan.sparse == 0 || !vdisk::bytes::is_zero(cluster) {
             match target.qcow2() {
                 Some(q) => q.write_compressed(at, cluster),
                 None => target.write(at, cluster),

@@ -166,6 +166,24 @@ fn convert_flags_match_qemu() {
             &["-c", "-O", "qcow2", "-B", "base.raw", "-F", "raw"],
             "qcow2",
         ),
+        (
+            "compressed sparse-0",
+            "top.qcow2",
+            &["-c", "-S", "0", "-O", "qcow2"],
+            "qcow2",
+        ),
+        (
+            "compressed preallocation",
+            "top.qcow2",
+            &["-c", "-O", "qcow2", "-o", "preallocation=metadata"],
+            "qcow2",
+        ),
+        (
+            "existing with options",
+            "top.qcow2",
+            &["-n", "-O", "raw", "-o", "preallocation=off"],
+            "large",
+        ),
         // `-o backing_file=` is `-B`.
         (
             "backing option",
