@@ -175,6 +175,9 @@ pub fn run(a: &Args) -> ExitCode {
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };
+    if plan.write {
+        crate::warn_probed_raw(&a.filename, a.format.as_deref(), &image);
+    }
     println!(
         "Sending {} {} requests, {} bytes each, {} in parallel (starting at offset {}, step size {})",
         plan.count,

@@ -56,6 +56,9 @@ pub fn run(
         Err(e) => return fail(e, 1),
     };
     if image.qcow2().is_none() {
+        if fix.is_some() {
+            crate::warn_probed_raw(filename, format, &image);
+        }
         return fail("This image format does not support checks", NO_CHECK);
     }
     let report = match fix {

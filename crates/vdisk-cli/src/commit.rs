@@ -40,6 +40,8 @@ fn commit(args: &Args) -> vdisk::Result<()> {
         args.filename,
         &read_options(args.filename, args.format, true)?,
     )?;
+    // QEMU opens the top for writing.
+    crate::warn_probed_raw(args.filename, args.format, &top);
     // The chain below the top, with each layer's depth.
     let mut chain: Vec<&Image> = Vec::new();
     let mut layer = top.backing();

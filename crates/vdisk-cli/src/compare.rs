@@ -30,12 +30,12 @@ fn open(name: &str, format: Option<&str>, force_share: bool) -> Result<Image, Ex
 }
 
 pub fn run(args: Args) -> ExitCode {
-    let (a, b) = match (
-        open(args.image1, args.format1, args.force_share),
-        open(args.image2, args.format2, args.force_share),
-    ) {
-        (Ok(a), Ok(b)) => (a, b),
-        (Err(code), _) | (_, Err(code)) => return code,
+    // The second is not opened when the first fails: one error, as qemu-img prints.
+    let opened = open(args.image1, args.format1, args.force_share)
+        .and_then(|a| Ok((a, open(args.image2, args.format2, args.force_share)?)));
+    let (a, b) = match opened {
+        Ok(pair) => pair,
+        Err(code) => return code,
     };
     let say = |msg: String| {
         if !args.quiet {

@@ -134,8 +134,9 @@ impl Plan {
     }
 }
 
-/// Parses `-l`: "ID_OR_NAME", "snapshot.id=ID" or "snapshot.name=NAME" (comma separated).
-fn snapshot_param(param: &str) -> String {
+/// Parses `-l`: "ID_OR_NAME", "snapshot.id=ID" or "snapshot.name=NAME" (comma separated),
+/// into the id or name to load. Given both, one snapshot must have both, as QEMU asks.
+fn snapshot_param(source: &Image, param: &str) -> vdisk::Result<String> {
     let mut id = None;
     let mut name = None;
     for part in param.split(',') {
@@ -145,7 +146,15 @@ fn snapshot_param(param: &str) -> String {
             name = Some(v);
         }
     }
-    id.or(name).unwrap_or(param).to_string()
+    if let (Some(id), Some(name)) = (id, name) {
+        let snapshots = source.qcow2().map(|q| q.snapshots()).unwrap_or_default();
+        if !snapshots.iter().any(|s| s.id == id && s.name == name) {
+            return Err(Error::invalid(
+                "Failed to load snapshot: Can't find snapshot",
+            ));
+        }
+    }
+    Ok(id.or(name).unwrap_or(param).to_string())
 }
 
 pub fn run(args: Args) -> ExitCode {
@@ -162,7 +171,8 @@ pub fn run(args: Args) -> ExitCode {
         Err(e) => return fail(e, 1),
     };
     if let Some(param) = args.snapshot {
-        if let Err(e) = source.load_snapshot(&snapshot_param(param)) {
+        let loaded = snapshot_param(&source, param).and_then(|p| source.load_snapshot(&p));
+        if let Err(e) = loaded {
             return fail(e, 1);
         }
     }

@@ -346,6 +346,18 @@ fn bad_cache(mode: Option<&str>, which: &str) -> Option<ExitCode> {
         .then(|| fail(format!("Invalid {which}cache option: {mode}"), 1))
 }
 
+/// qemu-img's warning when an image it opens for writing was probed as raw.
+pub fn warn_probed_raw(filename: &str, format: Option<&str>, image: &vdisk::Image) {
+    if format.is_none() && image.format() == Format::Raw {
+        eprintln!(
+            "WARNING: Image format was not specified for '{filename}' and probing guessed raw.\n         \
+             Automatically detecting the format is dangerous for raw images, write operations \
+             on block 0 will be restricted.\n         Specify the 'raw' format explicitly to \
+             remove the restrictions."
+        );
+    }
+}
+
 /// Prints an error the way qemu-img does and returns the exit status.
 pub fn fail(msg: impl std::fmt::Display, status: u8) -> ExitCode {
     eprintln!("vdisk: {msg}");

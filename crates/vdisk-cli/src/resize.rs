@@ -3,10 +3,10 @@
 
 use std::process::ExitCode;
 
-use vdisk::{open_image, BlockDev, Format, ImageOptions};
+use vdisk::{open_image, BlockDev, ImageOptions};
 
 use crate::create::parse_size;
-use crate::{fail, image_format};
+use crate::{fail, image_format, warn_probed_raw};
 
 pub struct Args<'a> {
     pub format: Option<&'a str>,
@@ -46,15 +46,7 @@ pub fn run(args: Args) -> ExitCode {
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };
-    if args.format.is_none() && image.format() == Format::Raw {
-        eprintln!(
-            "WARNING: Image format was not specified for '{}' and probing guessed raw.\n         \
-             Automatically detecting the format is dangerous for raw images, write operations \
-             on block 0 will be restricted.\n         Specify the 'raw' format explicitly to \
-             remove the restrictions.",
-            args.filename
-        );
-    }
+    warn_probed_raw(args.filename, args.format, &image);
     let old = image.size();
     let new = match sign {
         1 => old.checked_add(amount),

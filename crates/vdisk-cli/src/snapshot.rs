@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use vdisk::{open_image, Error, ImageOptions};
 
-use crate::{fail, image_format, info, metadata_options};
+use crate::{fail, image_format, info, metadata_options, warn_probed_raw};
 
 pub enum Action<'a> {
     List,
@@ -31,6 +31,7 @@ pub fn run(filename: &str, format: Option<&str>, action: Action, force_share: bo
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };
+    warn_probed_raw(filename, format, &image);
     let result = match image.qcow2_mut() {
         None => Err(Error::unsupported("Operation not supported")),
         Some(q) => {

@@ -261,3 +261,44 @@ fn create_option_help_is_qemu_img_s_for_the_options_vdisk_takes() {
     same(&mut f, &wd, &["create", "-o", "help"], "x.img");
     f.finish();
 }
+
+/// Command lines whose words qemu-img reads its own way: long options and their prefixes, a
+/// repeated option, `-f` with an unknown format, a raw image probed for writing (warned
+/// about), a snapshot named by id and name that do not belong together, two images that do
+/// not open (one error).
+#[test]
+fn qemu_img_spellings_read_the_same() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "cli-spellings");
+    let mut f = Failures::new("cli-spellings", &wd);
+    wd.setup_img(&["create", "-q", "-f", "qcow2", "a.qcow2", "1M"]);
+    wd.setup_img(&["snapshot", "-c", "s1", "a.qcow2"]);
+    wd.setup_img(&["snapshot", "-c", "s2", "a.qcow2"]);
+    wd.setup_img(&["create", "-q", "-f", "raw", "r.raw", "1M"]);
+    let lines: &[&[&str]] = &[
+        &["info", "--format", "qcow2", "--backing-chain", "a.qcow2"],
+        &["info", "--out=json", "-b", "a.qcow2"],
+        &["info", "-f", "raw", "-f", "qcow2", "a.qcow2"],
+        &["info", "-f", "qcow3", "a.qcow2"],
+        &["map", "--start=0", "--max=4096", "a.qcow2"],
+        &["snapshot", "--list", "a.qcow2"],
+        &["check", "-f", "nosuch", "a.qcow2"],
+        &["snapshot", "-c", "s", "r.raw"],
+        &["check", "-r", "all", "r.raw"],
+        &["commit", "r.raw"],
+        &[
+            "convert",
+            "-O",
+            "raw",
+            "-l",
+            "snapshot.id=1,snapshot.name=s2",
+            "a.qcow2",
+            "o",
+        ],
+        &["compare", "missing1", "missing2"],
+    ];
+    for args in lines {
+        same(&mut f, &wd, args, "o");
+    }
+    f.finish();
+}
