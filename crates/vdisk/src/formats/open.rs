@@ -220,7 +220,19 @@ pub fn probe(storage: &dyn Storage) -> Result<Format> {
         .read_at(0, head)
         .context(|| "reading the image magic".into())?;
     if head.starts_with(&qcow2::header::MAGIC.to_be_bytes()) {
-        return Ok(Format::Qcow2);
+        // As QEMU: version 1 is the older qcow format; a version below 1, or none, is raw data.
+        match head
+            .get(4..8)
+            .map(|v| u32::from_be_bytes(v.try_into().expect("4 bytes")))
+        {
+            Some(v) if v >= 2 => return Ok(Format::Qcow2),
+            Some(1) => {
+                return Err(Error::unsupported(
+                    "image format 'qcow' is not supported (use -f raw to read the file as raw)",
+                ))
+            }
+            _ => {}
+        }
     }
     let foreign = FOREIGN
         .iter()
