@@ -231,6 +231,9 @@ fn build_nested_chain(wd: &Workdir) {
     wd.setup_io("sub2/top.qcow2", None, &["write -P 7 0 64k"]);
 }
 
+/// (base size, base writes, overlay size, overlay writes, command, image written)
+type GrowthCase<'a> = (&'a str, &'a str, &'a str, &'a str, &'a [&'a str], &'a str);
+
 /// Commands that copy much data into a 512-byte-cluster image grow its refcount table, and
 /// every later header write must name the table where it moved to. Rebase wrote the header as
 /// opened, with the old table (every cluster then had refcount 0); commit into a base that
@@ -240,67 +243,53 @@ fn copies_that_grow_the_refcount_table_leave_clean_images() {
     let Some(tools) = tools() else { return };
     let wd = Workdir::new(&tools, "refcount-growth");
     let mut failures = Failures::new("refcount-growth", &wd);
-    let small = "cluster_size=512";
-    wd.setup_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-o",
-        small,
-        "base.qcow2",
-        "16M",
-    ]);
-    wd.setup_io("base.qcow2", Some("qcow2"), &["write -P 1 0 8M"]);
+    let small = ["create", "-q", "-f", "qcow2", "-o", "cluster_size=512"];
     let overlay = [
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-o",
-        small,
-        "-b",
-        "base.qcow2",
+        &small[..],
+        &["-b", "base.qcow2", "-F", "qcow2", "top.qcow2"],
+    ]
+    .concat();
+    let cases: &[GrowthCase] = &[
+        (
+            "16M",
+            "write -P 1 0 8M",
+            "16M",
+            "",
+            &["rebase", "-b", "", "top.qcow2"],
+            "top.qcow2",
+        ),
+        (
+            "1M",
+            "",
+            "1G",
+            "write -P 3 1000M 1M",
+            &["commit", "-d", "top.qcow2"],
+            "base.qcow2",
+        ),
     ];
-    wd.setup_img(&[&overlay[..], &["-F", "qcow2", "top.qcow2"]].concat());
-    let v = wd.vdisk(&["rebase", "-b", "", "top.qcow2"]);
-    failures.count(v.success());
-    let check = wd.qemu_img(&["check", "top.qcow2"]);
-    if !failures.count(check.success()) {
-        failures.add("rebase -b ''", "qemu-img check", &check.stdout);
-    }
-    let same = wd.qemu_img(&["compare", "base.qcow2", "top.qcow2"]);
-    if !failures.count(same.success()) {
-        failures.add("rebase -b ''", "contents", &same.stdout);
-    }
-
-    wd.remove("top.qcow2");
-    wd.remove("base.qcow2");
-    wd.setup_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-o",
-        small,
-        "base.qcow2",
-        "1M",
-    ]);
-    wd.setup_img(&[&overlay[..], &["-F", "qcow2", "top.qcow2", "1G"]].concat());
-    wd.setup_io("top.qcow2", Some("qcow2"), &["write -P 3 1000M 1M"]);
-    let v = wd.vdisk(&["commit", "-d", "top.qcow2"]);
-    failures.count(v.success());
-    let check = wd.qemu_img(&["check", "base.qcow2"]);
-    if !failures.count(check.success()) {
-        failures.add(
-            "commit into a growing base",
-            "qemu-img check",
-            &check.stdout,
-        );
-    }
-    let same = wd.qemu_img(&["compare", "base.qcow2", "top.qcow2"]);
-    if !failures.count(same.success()) {
-        failures.add("commit into a growing base", "contents", &same.stdout);
+    for (base_size, base_io, top_size, top_io, command, written) in cases {
+        for name in ["top.qcow2", "base.qcow2"] {
+            if wd.abs(name).exists() {
+                wd.remove(name);
+            }
+        }
+        wd.setup_img(&[&small[..], &["base.qcow2", base_size]].concat());
+        wd.setup_img(&[&overlay[..], &[*top_size]].concat());
+        for (image, io) in [("base.qcow2", base_io), ("top.qcow2", top_io)] {
+            if !io.is_empty() {
+                wd.setup_io(image, Some("qcow2"), &[io]);
+            }
+        }
+        let name = command.join(" ");
+        failures.count(wd.vdisk(command).success());
+        let check = wd.qemu_img(&["check", written]);
+        if !failures.count(check.success()) {
+            failures.add(&name, "qemu-img check", &check.stdout);
+        }
+        let same = wd.qemu_img(&["compare", "base.qcow2", "top.qcow2"]);
+        if !failures.count(same.success()) {
+            failures.add(&name, "contents", &same.stdout);
+        }
     }
     failures.finish();
 }
