@@ -42,10 +42,8 @@ pub fn run(
         }
     };
     if fix.is_some() && force_share {
-        return fail(
-            format!("Could not open '{filename}': force-share=on can only be used with read-only images"),
-            1,
-        );
+        let why = vdisk::formats::FORCE_SHARE_READ_ONLY;
+        return fail(format!("Could not open '{filename}': {why}"), 1);
     }
     let opts = match metadata_options(filename, format, force_share) {
         Ok(o) => o,

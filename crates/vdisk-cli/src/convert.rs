@@ -102,11 +102,14 @@ impl Plan {
                 "-o has no effect when skipping image creation",
             ));
         }
-        let preallocated = args.options.iter().any(|o| {
-            o.split(',')
-                .any(|kv| kv.starts_with("preallocation=") && kv != "preallocation=off")
-        });
-        if args.compress && preallocated {
+        // The target's options as `create` reads them (which refuses a malformed list itself);
+        // a later value of an option replaces an earlier one.
+        let options = crate::create::parse_options(args.options).unwrap_or_default();
+        let option = |key: &str| {
+            let found = options.iter().rev().find(|(k, _)| k == key);
+            found.map(|(_, v)| v.as_str())
+        };
+        if args.compress && option("preallocation").is_some_and(|v| v != "off") {
             return Err(Error::invalid(
                 "Compression and preallocation not supported at the same time",
             ));
@@ -115,11 +118,8 @@ impl Plan {
             return Err(Error::invalid("--target-is-zero requires use of -n flag"));
         }
         // `-o backing_file=` names the target's backing file as `-B` does, as in qemu-img.
-        let backed = args.backing.is_some()
-            || args.options.iter().any(|o| {
-                o.split(',')
-                    .any(|kv| kv.starts_with("backing_file=") && kv.len() > "backing_file=".len())
-            });
+        let backed =
+            args.backing.is_some() || option("backing_file").is_some_and(|v| !v.is_empty());
         if args.target_is_zero && backed {
             return Err(Error::invalid(
                 "Cannot use --target-is-zero when the destination image has a backing file",

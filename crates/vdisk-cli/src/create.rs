@@ -27,7 +27,7 @@ pub struct Args<'a> {
 }
 
 /// Splits `-o` option strings ("a=1,b=2", repeatable) into pairs.
-fn parse_options(options: &[String]) -> Result<Vec<(String, String)>, Error> {
+pub fn parse_options(options: &[String]) -> Result<Vec<(String, String)>, Error> {
     let mut out = Vec::new();
     for group in options {
         for item in group.split(',').filter(|s| !s.is_empty()) {

@@ -18,7 +18,7 @@ use crate::storage::Storage;
 
 pub use open::{
     backing_path, open_image, open_overlay, open_storage, open_storage_with, Driver, Format, Image,
-    ImageOptions,
+    ImageOptions, FORCE_SHARE_READ_ONLY,
 };
 
 /// Where a run of guest bytes lives in one layer of a backing chain.

@@ -14,6 +14,9 @@ use crate::storage::{
     When,
 };
 
+/// Why a write open with `-U` is refused (QEMU's words).
+pub const FORCE_SHARE_READ_ONLY: &str = "force-share=on can only be used with read-only images";
+
 /// Backing chains deeper than this are refused; a longer chain is almost surely a loop that the
 /// path comparison could not see (e.g. through bind mounts).
 const MAX_CHAIN_DEPTH: usize = 1000;
@@ -380,9 +383,7 @@ fn absent_storage() -> Arc<dyn Storage> {
 
 fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> Result<Image> {
     if opts.force_share && opts.write {
-        return Err(Error::invalid(
-            "force-share=on can only be used with read-only images",
-        ));
+        return Err(Error::invalid(FORCE_SHARE_READ_ONLY));
     }
     let path = Path::new(filename);
     // Trust: an image names its backing file, so opening an image may open files the user did

@@ -521,8 +521,18 @@ impl Refcounts {
     }
 
     /// Whether the table changed (it names a new block, or moved).
-    pub fn table_dirty(&self) -> bool {
-        self.table_dirty
+    /// Writes the changed refcount blocks and then, if it changed, the table: a new block must
+    /// be durable before the table entry naming it (the block holds its own refcount, and an
+    /// entry to a lost block reads as refcount 0), so a sync comes between. Returns the bytes
+    /// written; the caller syncs what follows.
+    pub fn write_out(&mut self, file: &dyn Storage) -> Result<u64> {
+        let mut written = self.write_blocks(file)?;
+        if self.table_dirty {
+            file.sync()
+                .context(|| "syncing new refcount blocks".into())?;
+            written += self.write_table(file)?;
+        }
+        Ok(written)
     }
 
     /// Writes the refcount table at its current place; returns the bytes written.

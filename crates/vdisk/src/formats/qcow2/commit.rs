@@ -102,13 +102,7 @@ impl Qcow2 {
         }
         meta.fresh.clear();
         let refs = meta.refs.as_mut().expect("writable images have refcounts");
-        metadata_bytes += refs.write_blocks(&*self.file)?;
-        if refs.table_dirty() {
-            // A new refcount block must be durable before the table entry naming it: the block
-            // holds its own refcount, and a table entry to a lost block reads as refcount 0.
-            sync("new refcount blocks")?;
-            metadata_bytes += refs.write_table(&*self.file)?;
-        }
+        metadata_bytes += refs.write_out(&*self.file)?;
         // The barrier between what the mapping points to and the mapping. It is not needed
         // when no refcount went up (new clusters came from the pool, whose refcounts are
         // durable already) and every newly mapped cluster or table reads as its old content

@@ -169,13 +169,7 @@ impl Qcow2 {
         // The new table and its refcounts must be durable before the header names it.
         let refs = meta.refs.as_mut().expect("writable images have refcounts");
         self.counters
-            .metadata_written(bytes.len() as u64 + refs.write_blocks(&*self.file)?);
-        if refs.table_dirty() {
-            self.file
-                .sync()
-                .context(|| "syncing new refcount blocks".into())?;
-            refs.write_table(&*self.file)?;
-        }
+            .metadata_written(bytes.len() as u64 + refs.write_out(&*self.file)?);
         self.file
             .sync()
             .context(|| "syncing the new L1 table".into())?;
@@ -184,12 +178,8 @@ impl Qcow2 {
         for c in 0..old_clusters {
             refs.free_later((old >> self.header.cluster_bits) + c);
         }
-        if refs.table_moved {
-            let (offset, n) = refs.table_location();
-            h.refcount_table_offset = offset;
-            h.refcount_table_clusters = n as u32;
-            refs.table_moved = false;
-        }
+        // A moved refcount table is durable now; `write_header` names it, from the refcounts.
+        refs.table_moved = false;
         h.l1_table_offset = at;
         h.l1_size = entries as u32;
         meta.l1 = l1;

@@ -14,11 +14,7 @@ impl Qcow2 {
             let mut meta = self.lock();
             if let Some(refs) = meta.refs.as_mut() {
                 if refs.table_moved {
-                    let mut bytes = refs.write_blocks(&*self.file)?;
-                    self.file
-                        .sync()
-                        .context(|| "syncing new refcount blocks".into())?;
-                    bytes += refs.write_table(&*self.file)?;
+                    let bytes = refs.write_out(&*self.file)?;
                     self.file
                         .sync()
                         .context(|| "syncing the new refcount table".into())?;
