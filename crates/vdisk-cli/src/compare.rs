@@ -90,8 +90,20 @@ fn compare(
         let sa = status(a, pos, common - pos)?;
         let sb = status(b, pos, common - pos)?;
         let chunk = sa.len.min(sb.len).min(CHUNK);
-        let key = |s: &vdisk::BlockStatus| (s.present, s.data, s.zero, s.compressed);
-        if strict && key(&sa) != key(&sb) {
+        // The flags QEMU's block status carries: allocated, data, zero, compressed, offset
+        // valid, and whether the extent reaches the end of its image.
+        let key = |s: &vdisk::BlockStatus, image: &Image| {
+            let eof = pos + s.len == image.size();
+            (
+                s.present,
+                s.data,
+                s.zero,
+                s.compressed,
+                s.offset.is_some(),
+                eof,
+            )
+        };
+        if strict && key(&sa, a) != key(&sb, b) {
             return Ok(Verdict::Status(pos));
         }
         let len = chunk as usize;

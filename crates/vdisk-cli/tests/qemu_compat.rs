@@ -404,6 +404,11 @@ fn verify_compare(wd: &Workdir, img: &Image, reference: &str, f: &mut Failures) 
             ),
         );
     }
+    // Strict mode compares block status too: against the raw file and against itself.
+    for other in [reference, &img.path] {
+        let (q, v) = both(wd, &with_format(img, &["compare", "-s", &img.path, other]));
+        f.same_outcome(&img.name, &format!("compare -s with {other}"), &q, &v);
+    }
     let data = wd.read_file(reference);
     if data.is_empty() {
         return;
