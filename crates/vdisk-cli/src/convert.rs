@@ -7,7 +7,8 @@
 //! the target as sparse as `qemu-img convert` makes it. Where the target may not read as zero
 //! (an existing one with `-n`, one with a backing file with `-B`) zeroes are written instead of
 //! skipped; with `-B` only what the source's top layer holds is copied, the rest is left to
-//! the backing file. `-S 0` writes every byte, allocating the whole target.
+//! the backing file. `-S 0` writes every byte, allocating the whole target. Several sources
+//! are copied one after the other into one target, as qemu-img concatenates them.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -30,7 +31,8 @@ const SPARSE: usize = 4096;
 const MAX_SPARSE: u64 = 16 << 20;
 
 pub struct Args<'a> {
-    pub source: &'a str,
+    /// The images to copy, in order (more than one are concatenated).
+    pub sources: &'a [String],
     pub target: &'a str,
     pub format: Option<&'a str>,
     pub output_format: &'a str,
@@ -125,6 +127,12 @@ impl Plan {
                 "Cannot use --target-is-zero when the destination image has a backing file",
             ));
         }
+        if args.sources.len() > 1 && backed {
+            return Err(Error::invalid(
+                "Having a backing file for the target makes no sense when concatenating \
+                 multiple input images",
+            ));
+        }
         Ok(Plan {
             sparse: sparse as usize,
             zero_init: (!args.no_create || args.target_is_zero) && !backed,
@@ -162,28 +170,19 @@ pub fn run(args: Args) -> ExitCode {
         Ok(p) => p,
         Err(e) => return fail(e, 1),
     };
-    let opts = read_options(args.source, args.format, args.force_share).map(|o| ImageOptions {
-        direct: args.direct_source,
-        ..o
-    });
-    let mut source = match opts.and_then(|o| open_image(args.source, &o)) {
-        Ok(i) => i,
+    let source = match Sources::open(&args) {
+        Ok(s) => s,
         Err(e) => return fail(e, 1),
     };
-    if let Some(param) = args.snapshot {
-        let loaded = snapshot_param(&source, param).and_then(|p| source.load_snapshot(&p));
-        if let Err(e) = loaded {
-            return fail(e, 1);
-        }
-    }
-    if reads_from(&source, args.target) {
+    if source.images.iter().any(|i| reads_from(i, args.target)) {
         // QEMU's own words: the source holds the file and its lock refuses the writer.
+        let t = args.target;
+        let context = match args.no_create {
+            true => format!("Could not open '{t}'"),
+            false => format!("{t}: error while converting {}", args.output_format),
+        };
         return fail(
-            format!(
-                "{}: error while converting {}: Failed to get \"write\" lock\nIs another process \
-                 using the image [{}]?",
-                args.target, args.output_format, args.target
-            ),
+            format!("{context}: Failed to get \"write\" lock\nIs another process using the image [{t}]?"),
             1,
         );
     }
@@ -200,6 +199,79 @@ pub fn run(args: Args) -> ExitCode {
         return fail(e, 1);
     }
     ExitCode::SUCCESS
+}
+
+/// The source images read as one disk, each after the one before it.
+struct Sources {
+    images: Vec<Image>,
+    /// Where each image starts in the whole.
+    starts: Vec<u64>,
+    size: u64,
+}
+
+impl Sources {
+    fn open(args: &Args) -> vdisk::Result<Sources> {
+        let mut images = Vec::with_capacity(args.sources.len());
+        for name in args.sources {
+            let opts = read_options(name, args.format, args.force_share)?;
+            let opts = ImageOptions {
+                direct: args.direct_source,
+                ..opts
+            };
+            images.push(open_image(name, &opts)?);
+        }
+        if let Some(param) = args.snapshot {
+            if images.len() > 1 {
+                return Err(Error::unsupported(
+                    "No support for concatenating multiple snapshot",
+                ));
+            }
+            let image = &mut images[0];
+            snapshot_param(image, param).and_then(|p| image.load_snapshot(&p))?;
+        }
+        let mut starts = Vec::with_capacity(images.len());
+        let mut size = 0u64;
+        for image in &images {
+            starts.push(size);
+            size = size
+                .checked_add(image.size())
+                .ok_or_else(|| Error::invalid("The sources are too large together"))?;
+        }
+        Ok(Sources {
+            images,
+            starts,
+            size,
+        })
+    }
+
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The image that holds byte `pos` of the whole, the offset in it and its bytes from there.
+    fn locate(&self, pos: u64) -> (&Image, u64, u64) {
+        let i = self.starts.partition_point(|&s| s <= pos) - 1;
+        let image = &self.images[i];
+        let at = pos - self.starts[i];
+        (image, at, image.size() - at)
+    }
+
+    /// Block status of `[pos, pos + len)`, which ends at the end of the image it starts in.
+    fn block_status(&self, pos: u64, len: u64) -> vdisk::Result<vdisk::BlockStatus> {
+        let (image, at, left) = self.locate(pos);
+        image.block_status(at, len.min(left))
+    }
+
+    fn read(&self, pos: u64, buf: &mut [u8]) -> vdisk::Result<()> {
+        let mut done = 0;
+        while done < buf.len() {
+            let (image, at, left) = self.locate(pos + done as u64);
+            let n = (buf.len() - done).min(left as usize);
+            image.read(at, &mut buf[done..done + n])?;
+            done += n;
+        }
+        Ok(())
+    }
 }
 
 /// Whether `target` is a file the source (or its backing chain) reads: writing it would
@@ -222,7 +294,7 @@ fn reads_from(source: &Image, target: &str) -> bool {
 }
 
 /// Converts into a raw file written directly (the fast path: no format layer to go through).
-fn to_raw(source: &Image, args: &Args, plan: &Plan) -> vdisk::Result<()> {
+fn to_raw(source: &Sources, args: &Args, plan: &Plan) -> vdisk::Result<()> {
     let create_error = |e: std::io::Error| Error::Io {
         context: format!("Could not create '{}'", args.target),
         source: e,
@@ -268,7 +340,7 @@ fn to_raw(source: &Image, args: &Args, plan: &Plan) -> vdisk::Result<()> {
 }
 
 /// Converts into a new image created like `vdisk create` would, written through the engine.
-fn to_image(source: &Image, args: &Args, plan: &Plan) -> vdisk::Result<()> {
+fn to_image(source: &Sources, args: &Args, plan: &Plan) -> vdisk::Result<()> {
     if args.compress && args.output_format != "qcow2" {
         return Err(Error::unsupported(
             "Compression not supported for this file format",
@@ -329,7 +401,7 @@ enum Target<'a> {
 }
 
 /// Copies all guest data of `source` into `target` with the plan's workers.
-fn copy(source: &Image, target: &Target, plan: &Plan, show_progress: bool) -> vdisk::Result<()> {
+fn copy(source: &Sources, target: &Target, plan: &Plan, show_progress: bool) -> vdisk::Result<()> {
     let size = source.size();
     let next = AtomicU64::new(0);
     let done = AtomicU64::new(0);
@@ -385,7 +457,7 @@ fn writing(at: u64) -> impl Fn(Error) -> Error {
 }
 
 fn copy_range(
-    source: &Image,
+    source: &Sources,
     target: &Target,
     plan: &Plan,
     start: u64,
@@ -421,7 +493,7 @@ fn copy_range(
 /// skipped where the target reads as zero, else zeroed (unless `-S 0`); with `-B`, clusters the source's top
 /// layer does not touch are left to the backing file.
 fn copy_compressed(
-    source: &Image,
+    source: &Sources,
     target: &Image,
     plan: &Plan,
     start: u64,
@@ -454,7 +526,7 @@ fn copy_compressed(
 
 /// Whether any part of `[at, at + len)` is defined by the image itself rather than its backing
 /// chain (including ranges that read zero because no backing file covers them).
-fn in_top_layer(source: &Image, at: u64, len: u64) -> vdisk::Result<bool> {
+fn in_top_layer(source: &Sources, at: u64, len: u64) -> vdisk::Result<bool> {
     let mut pos = at;
     while pos < at + len {
         let st = source

@@ -192,8 +192,9 @@ enum Command {
         out_of_order: bool,
         #[arg(short = 'q', long = "quiet")]
         quiet: bool,
-        source: String,
-        target: String,
+        /// The source images (several are copied one after the other), then the target.
+        #[arg(required = true, num_args = 2.., value_name = "FILE")]
+        files: Vec<String>,
     },
     /// Write an overlay's data into its backing file and empty it (like `qemu-img commit`).
     Commit {
@@ -248,6 +249,9 @@ enum Command {
         /// Allow the image to get smaller (data beyond the new end is lost).
         #[arg(long)]
         shrink: bool,
+        /// How to allocate the grown area: off, metadata (qcow2), falloc or full.
+        #[arg(long, value_name = "MODE")]
+        preallocation: Option<String>,
         #[arg(short = 'q', long = "quiet")]
         quiet: bool,
         filename: String,
@@ -512,12 +516,11 @@ fn main() -> ExitCode {
             workers,
             quiet,
             force_share,
-            source,
-            target,
+            files,
             ..
         } => convert::run(convert::Args {
-            source: &source,
-            target: &target,
+            sources: &files[..files.len() - 1],
+            target: &files[files.len() - 1],
             format: format.as_deref(),
             output_format: &output_format,
             snapshot: snapshot.as_deref(),
@@ -585,12 +588,14 @@ fn main() -> ExitCode {
         Command::Resize {
             format,
             shrink,
+            preallocation,
             quiet,
             filename,
             size,
         } => resize::run(resize::Args {
             format: format.as_deref(),
             shrink,
+            preallocation: preallocation.as_deref(),
             quiet,
             filename: &filename,
             size: &size,

@@ -3,6 +3,7 @@
 
 use std::process::ExitCode;
 
+use vdisk::formats::qcow2::create::Preallocation;
 use vdisk::{open_image, BlockDev, ImageOptions};
 
 use crate::create::parse_size;
@@ -11,6 +12,7 @@ use crate::{fail, image_format, warn_probed_raw};
 pub struct Args<'a> {
     pub format: Option<&'a str>,
     pub shrink: bool,
+    pub preallocation: Option<&'a str>,
     pub quiet: bool,
     pub filename: &'a str,
     pub size: &'a str,
@@ -25,6 +27,14 @@ shrunken image's end. Before performing such an operation, make sure there is no
 data there.";
 
 pub fn run(args: Args) -> ExitCode {
+    let prealloc = match args.preallocation.map(Preallocation::parse) {
+        None => Preallocation::Off,
+        Some(Ok(p)) => p,
+        Some(Err(_)) => {
+            let mode = args.preallocation.unwrap_or_default();
+            return fail(format!("Invalid preallocation mode '{mode}'"), 1);
+        }
+    };
     let (sign, number) = match args.size.as_bytes().first() {
         Some(b'+') => (1, &args.size[1..]),
         Some(b'-') => (-1, &args.size[1..]),
@@ -56,14 +66,19 @@ pub fn run(args: Args) -> ExitCode {
     let Some(new) = new.filter(|&n| n > 0) else {
         return fail("New image size must be positive", 1);
     };
+    if new <= old && prealloc != Preallocation::Off {
+        return fail("Preallocation can only be used for growing images", 1);
+    }
     if new < old && !args.shrink {
         eprintln!("vdisk: Use the --shrink option to perform a shrink operation.");
         return fail(SHRINK_WARNING, 1);
     }
-    let result = image.resize(new).and_then(|()| match image.qcow2() {
-        Some(q) => q.close(),
-        None => image.flush(),
-    });
+    let result = image
+        .resize(new, prealloc)
+        .and_then(|()| match image.qcow2() {
+            Some(q) => q.close(),
+            None => image.flush(),
+        });
     if let Err(e) = result {
         return fail(e, 1);
     }

@@ -197,6 +197,43 @@ fn convert_flags_match_qemu() {
             &["-O", "qcow2", "-o", "backing_file=base.raw,backing_fmt=raw"],
             "qcow2",
         ),
+        // Several sources are copied one after the other.
+        (
+            "concatenated",
+            "top.qcow2 flat.qcow2 base.raw",
+            &["-O", "qcow2"],
+            "qcow2",
+        ),
+        (
+            "concatenated raw",
+            "flat.qcow2 top.qcow2",
+            &["-O", "raw"],
+            "raw",
+        ),
+        (
+            "concatenated compressed",
+            "top.qcow2 flat.qcow2",
+            &["-c", "-O", "qcow2"],
+            "qcow2",
+        ),
+        (
+            "concatenated existing",
+            "flat.qcow2 top.qcow2",
+            &["-n", "-O", "raw"],
+            "large",
+        ),
+        (
+            "concatenated backing",
+            "top.qcow2 flat.qcow2",
+            &["-O", "qcow2", "-B", "base.raw", "-F", "raw"],
+            "qcow2",
+        ),
+        (
+            "concatenated snapshot",
+            "flat.qcow2 top.qcow2",
+            &["-l", "s", "-O", "qcow2"],
+            "qcow2",
+        ),
     ];
     for (name, source, flags, kind) in cases {
         let mut outs = Vec::new();
@@ -210,7 +247,8 @@ fn convert_flags_match_qemu() {
                 }
                 _ => {}
             }
-            let args = [&["convert"][..], flags, &[source, &out]].concat();
+            let sources: Vec<&str> = source.split(' ').collect();
+            let args = [&["convert"][..], flags, &sources, &[&out]].concat();
             let outcome = if who == "q" {
                 wd.qemu_img(&args)
             } else {
@@ -296,15 +334,17 @@ fn converting_onto_the_source_is_refused() {
         "top.qcow2",
     ]);
     wd.setup_io("top.qcow2", None, &["write -P 7 0 64k"]);
-    for (format, target) in [
-        ("qcow2", "top.qcow2"),
-        ("raw", "top.qcow2"),
-        ("raw", "base.raw"),
+    for (format, flag, target) in [
+        ("qcow2", "-q", "top.qcow2"),
+        ("raw", "-q", "top.qcow2"),
+        ("raw", "-q", "base.raw"),
+        ("raw", "-n", "base.raw"),
     ] {
-        let args = ["convert", "-O", format, "top.qcow2", target];
+        let args = ["convert", flag, "-O", format, "top.qcow2", target];
         let q = wd.qemu_img(&args);
         let v = wd.vdisk(&args);
-        failures.same_outcome(&format!("-O {format} onto {target}"), "convert", &q, &v);
+        let name = format!("{flag} -O {format} onto {target}");
+        failures.same_outcome(&name, "convert", &q, &v);
         let intact = wd.qemu_img(&["check", "top.qcow2"]).success()
             && wd.read_file("base.raw").iter().all(|&b| b == 5);
         failures.count(intact);

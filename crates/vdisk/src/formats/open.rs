@@ -4,6 +4,7 @@ use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use super::qcow2::create::Preallocation;
 use super::qcow2::{self, Qcow2};
 use super::raw::Raw;
 use crate::blockdev::{BlockDev, BlockStatus, StartedRead, StartedWrite};
@@ -135,11 +136,12 @@ impl Image {
         }
     }
 
-    /// Sets the virtual size (the image must be open for writing).
-    pub fn resize(&mut self, new_size: u64) -> Result<()> {
+    /// Sets the virtual size (the image must be open for writing), preallocating a grown
+    /// area as `prealloc` asks.
+    pub fn resize(&mut self, new_size: u64, prealloc: Preallocation) -> Result<()> {
         match &mut self.driver {
-            Driver::Raw(r) => r.resize(new_size),
-            Driver::Qcow2(q) => q.resize(new_size),
+            Driver::Raw(r) => r.resize(new_size, prealloc),
+            Driver::Qcow2(q) => q.resize(new_size, prealloc),
         }
     }
 

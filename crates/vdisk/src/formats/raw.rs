@@ -44,12 +44,26 @@ impl Raw {
         &self.storage
     }
 
-    /// Sets the size, truncating or extending the file (new space reads as zero).
-    pub fn resize(&mut self, new_size: u64) -> Result<()> {
+    /// Sets the size, truncating or extending the file (new space reads as zero and is
+    /// reserved or written as `prealloc` asks).
+    pub fn resize(&mut self, new_size: u64, prealloc: Preallocation) -> Result<()> {
         self.writable("resize")?;
-        self.storage
-            .set_len(new_size)
-            .context(|| format!("resizing the raw image to {new_size} bytes"))?;
+        if prealloc == Preallocation::Metadata {
+            return Err(Error::unsupported(
+                "Unsupported preallocation mode: metadata",
+            ));
+        }
+        let what = || format!("resizing the raw image to {new_size} bytes");
+        let old = self.storage.len().context(what)?;
+        if new_size < old && prealloc != Preallocation::Off {
+            return Err(Error::unsupported(
+                "Cannot use preallocation for shrinking files",
+            ));
+        }
+        if new_size > old {
+            preallocate(&*self.storage, old, new_size, prealloc)?;
+        }
+        self.storage.set_len(new_size).context(what)?;
         self.size = new_size;
         Ok(())
     }

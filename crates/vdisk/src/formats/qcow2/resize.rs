@@ -4,16 +4,21 @@
 //! larger table is written to new clusters and made durable before the header points to it
 //! (one header write switches size and table together), and the old table's clusters are freed
 //! only after that. Shrinking drops every cluster past the new end first (committed like any
-//! discard), then lowers the size in the header.
+//! discard), then lowers the size in the header. A preallocated growth (`--preallocation`)
+//! maps the new clusters after the header names the new size, one committed batch at a time,
+//! so that a crash in between leaves at most leaked clusters.
 
+use super::create::{preallocate, Preallocation};
 use super::l2::{L2Entry, OFFSET_MASK, OFLAG_COPIED};
 use super::Qcow2;
 use crate::blockdev::BlockDev;
 use crate::error::{Error, IoContext, Result};
+use crate::storage::zero_range;
 
 impl Qcow2 {
-    /// Sets the virtual size to `new_size` (a multiple of 512).
-    pub fn resize(&mut self, new_size: u64) -> Result<()> {
+    /// Sets the virtual size to `new_size` (a multiple of 512); a growth preallocates the new
+    /// area as `prealloc` asks, as qemu-img resize --preallocation does.
+    pub fn resize(&mut self, new_size: u64, prealloc: Preallocation) -> Result<()> {
         if !self.writable {
             return Err(Error::ReadOnly("resize".into()));
         }
@@ -24,6 +29,11 @@ impl Qcow2 {
         if self.header.version < 3 && !self.snapshots.is_empty() {
             return Err(Error::unsupported(
                 "Can't resize a v2 image which has snapshots",
+            ));
+        }
+        if new_size < self.size && prealloc != Preallocation::Off {
+            return Err(Error::invalid(
+                "Preallocation can't be used for shrinking an image",
             ));
         }
         if self.format.external_data && new_size != self.size && self.data.fixed_size() {
@@ -65,12 +75,27 @@ impl Qcow2 {
         self.write_header(&mut h)?;
         self.header = h;
         self.size = new_size;
-        if self.header.data_file_raw() && new_size > old_size {
-            self.map_raw_data(old_size, new_size)?;
+        if new_size > old_size {
+            if self.header.data_file_raw() {
+                self.map_new_area(old_size, new_size, Preallocation::Metadata)?;
+            } else if prealloc != Preallocation::Off {
+                self.map_new_area(old_size, new_size, prealloc)?;
+            }
+            if self.format.external_data {
+                preallocate(&*self.data, old_size, new_size, prealloc)?;
+            }
         }
         if unveils {
-            self.write_zeroes(old_size, new_size - old_size)?;
-            self.flush_impl()?;
+            // Preallocated whole clusters read as zero already; a partial first one does not.
+            let cs = self.header.cluster_size();
+            let end = match prealloc {
+                Preallocation::Off => new_size,
+                _ => old_size.next_multiple_of(cs).min(new_size),
+            };
+            if end > old_size {
+                self.write_zeroes(old_size, end - old_size)?;
+                self.flush_impl()?;
+            }
         }
         if new_size < old_size {
             // The header no longer maps what was dropped, and its refcounts are durable.
@@ -81,28 +106,80 @@ impl Qcow2 {
         Ok(())
     }
 
-    /// Maps every cluster of `[from, to)` to its own offset in the raw data file, as such an
-    /// image is created, and commits the mapping 64 MiB of L2 tables at a time, so that memory
-    /// stays bounded however far the image grows.
-    fn map_raw_data(&self, from: u64, to: u64) -> Result<()> {
+    /// Gives every cluster of the grown area `[from, to)` that has no host cluster one that
+    /// reads as zero, as `prealloc` asks: in an external data file the cluster at the guest
+    /// offset, else a run of new clusters, whose space is reserved (falloc) or written (full).
+    /// The mapping is committed 64 MiB of L2 tables at a time, so that memory stays bounded
+    /// however far the image grows.
+    fn map_new_area(&self, from: u64, to: u64, prealloc: Preallocation) -> Result<()> {
         let cs = self.header.cluster_size();
+        let cb = self.header.cluster_bits;
         let tables = ((64 << 20) / cs).max(1);
         let batch = tables * self.header.l2_entries() * cs;
-        let mut guest = from.next_multiple_of(cs);
+        // Extended L2 subclusters: a raw data file is the disk itself, so all read from it;
+        // over a longer backing file all read as zero; else, as QEMU leaves them,
+        // unallocated (zero).
+        let unveils = self.backing.as_ref().is_some_and(|b| b.size() > from);
+        let bitmap = match (self.format.extended, self.header.data_file_raw(), unveils) {
+            (false, _, _) => 0,
+            (true, true, _) => 0xffff_ffff,
+            (true, false, true) => 0xffff_ffff << 32,
+            (true, false, false) => 0,
+        };
+        // A partial first cluster that shows a backing file before `from` keeps showing it.
+        let mut guest = if self.backing.is_some() {
+            from.next_multiple_of(cs)
+        } else {
+            from - from % cs
+        };
         while guest < to {
             let end = ((guest / batch + 1) * batch).min(to);
             {
                 let _pass = self.gate.enter();
                 let mut meta = self.lock();
+                let mut slots = Vec::new();
                 while guest < end {
                     let (table, index) = self.writable_table(&mut meta, guest)?;
-                    let bitmap = if self.format.extended { 0xffff_ffff } else { 0 };
+                    let e = meta.get(table).expect("table just loaded").get(index);
+                    if e == L2Entry::default() {
+                        slots.push((guest, table, index));
+                    }
+                    guest += cs;
+                }
+                let first = if self.format.external_data || slots.is_empty() {
+                    0
+                } else {
+                    self.alloc_clusters(&mut meta, slots.len() as u64)?
+                };
+                for (i, &(g, table, index)) in slots.iter().enumerate() {
+                    let host = if self.format.external_data {
+                        g
+                    } else {
+                        let c = first + i as u64;
+                        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+                        if !refs.is_known_zero(c) {
+                            // A cluster freed earlier: its old data must not show.
+                            zero_range(&*self.file, c << cb, cs)
+                                .context(|| "zeroing a preallocated cluster".into())?;
+                            meta.ordered = true;
+                        }
+                        c << cb
+                    };
                     let entry = L2Entry {
-                        word: guest | OFLAG_COPIED,
+                        word: host | OFLAG_COPIED,
                         bitmap,
                     };
                     self.set_entry(&mut meta, table, index, entry);
-                    guest += cs;
+                }
+                if !self.format.external_data && !slots.is_empty() {
+                    let (start, end) = (first << cb, (first + slots.len() as u64) << cb);
+                    if prealloc == Preallocation::Metadata {
+                        // As QEMU leaves it: holes, which `map` reports as zero. Only space
+                        // is at stake, so a file system that cannot punch keeps it.
+                        let _ = self.file.punch_hole(start, end - start);
+                    } else {
+                        preallocate(&*self.file, start, end, prealloc)?;
+                    }
                 }
             }
             self.flush_impl()?;

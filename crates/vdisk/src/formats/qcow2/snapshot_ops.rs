@@ -12,6 +12,7 @@
 
 use std::collections::BTreeMap;
 
+use super::create::Preallocation;
 use super::l2::{L2Entry, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
 use super::snapshot::Snapshot;
 use super::{read_l1, Qcow2};
@@ -82,7 +83,7 @@ impl Qcow2 {
         self.flush_impl()?;
         let size = sn.disk_size.unwrap_or(self.size);
         if u64::from(sn.l1_size) > u64::from(self.header.l1_size) {
-            self.resize(size.max(self.size))?;
+            self.resize(size.max(self.size), Preallocation::Off)?;
         }
         let mut l1 = read_l1(&*self.file, &self.header, sn.l1_table_offset, sn.l1_size)?;
         l1.resize(self.header.l1_size as usize, 0);
