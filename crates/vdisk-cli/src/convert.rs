@@ -73,6 +73,7 @@ struct Plan {
 
 impl Plan {
     fn new(args: &Args) -> vdisk::Result<Plan> {
+        crate::create::check_option_lists(args.options).map_err(Error::invalid)?;
         let sparse = match args.sparse {
             None => SPARSE as u64,
             Some(s) => match crate::create::parse_size(s) {
@@ -144,7 +145,7 @@ impl Plan {
 
 /// Parses `-l`: "ID_OR_NAME", "snapshot.id=ID" or "snapshot.name=NAME" (comma separated),
 /// into the id or name to load. Given both, one snapshot must have both, as QEMU asks.
-fn snapshot_param(source: &Image, param: &str) -> vdisk::Result<String> {
+pub fn snapshot_param(source: &Image, param: &str) -> vdisk::Result<String> {
     let mut id = None;
     let mut name = None;
     for part in param.split(',') {

@@ -26,11 +26,35 @@ pub struct Args<'a> {
     pub size: Option<&'a str>,
 }
 
-/// Splits `-o` option strings ("a=1,b=2", repeatable) into pairs.
+/// qemu-img's check of each `-o` argument as it reads it: not empty, not starting with a
+/// comma, not ending in an odd number of commas (",," is a comma inside a value).
+pub fn check_option_lists(options: &[String]) -> Result<(), String> {
+    for o in options {
+        let trailing = o.len() - o.trim_end_matches(',').len();
+        if o.is_empty() || o.starts_with(',') || trailing % 2 == 1 {
+            return Err(format!("Invalid option list: {o}"));
+        }
+    }
+    Ok(())
+}
+
+/// Splits `-o` option strings ("a=1,b=2", repeatable; ",," stands for a comma) into pairs.
 pub fn parse_options(options: &[String]) -> Result<Vec<(String, String)>, Error> {
     let mut out = Vec::new();
     for group in options {
-        for item in group.split(',').filter(|s| !s.is_empty()) {
+        let mut items = vec![String::new()];
+        let mut chars = group.chars().peekable();
+        while let Some(c) = chars.next() {
+            match c {
+                ',' if chars.peek() == Some(&',') => {
+                    chars.next();
+                    items.last_mut().expect("one item").push(',');
+                }
+                ',' => items.push(String::new()),
+                c => items.last_mut().expect("one item").push(c),
+            }
+        }
+        for item in items.iter().filter(|s| !s.is_empty()) {
             let (k, v) = item
                 .split_once('=')
                 .ok_or_else(|| Error::invalid(format!("Invalid parameter '{item}'")))?;
@@ -53,6 +77,9 @@ fn on_off(key: &str, v: &str) -> Result<bool, Error> {
 /// `vdisk create` with a file name: the checks qemu-img makes of its command line, then
 /// [`create`].
 pub fn run(args: Args) -> ExitCode {
+    if let Err(msg) = check_option_lists(args.options) {
+        return fail(msg, 1);
+    }
     if asks_help(args.options) {
         return option_help(args.format, true);
     }

@@ -9,6 +9,7 @@ mod convert;
 mod create;
 mod info;
 mod map;
+mod measure;
 mod qjson;
 mod rebase;
 mod resize;
@@ -242,6 +243,27 @@ enum Command {
     /// Run a simple I/O benchmark on an image (like `qemu-img bench`), then print what the
     /// engine and the storage did.
     Bench(bench::Args),
+    /// Estimate the file size a new image needs (like `qemu-img measure`), for a copy of
+    /// FILENAME or an empty disk of --size.
+    Measure {
+        #[arg(short = 'f', long = "format")]
+        format: Option<String>,
+        #[arg(short = 'O', long = "target-format", default_value = "raw")]
+        target_format: String,
+        /// Options of the new image, as for `create -o` (repeatable).
+        #[arg(short = 'o', long = "options")]
+        options: Vec<String>,
+        #[arg(long, allow_hyphen_values = true)]
+        size: Option<String>,
+        /// Measure this internal snapshot of FILENAME.
+        #[arg(short = 'l', long = "snapshot")]
+        snapshot: Option<String>,
+        #[arg(long, value_enum, default_value = "human")]
+        output: Output,
+        #[arg(short = 'U', long = "force-share")]
+        force_share: bool,
+        filename: Option<String>,
+    },
     /// Change the virtual size of an image (like `qemu-img resize`): SIZE, +SIZE or -SIZE.
     Resize {
         #[arg(short = 'f', long = "format")]
@@ -585,6 +607,25 @@ fn main() -> ExitCode {
                 })
         }
         Command::Bench(args) => bench::run(&args),
+        Command::Measure {
+            format,
+            target_format,
+            options,
+            size,
+            snapshot,
+            output,
+            force_share,
+            filename,
+        } => measure::run(measure::Args {
+            filename: filename.as_deref(),
+            format: format.as_deref(),
+            target_format: &target_format,
+            options: &options,
+            size: size.as_deref(),
+            snapshot: snapshot.as_deref(),
+            output,
+            force_share,
+        }),
         Command::Resize {
             format,
             shrink,

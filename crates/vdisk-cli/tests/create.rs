@@ -37,6 +37,11 @@ const CASES: &[(&str, &str)] = &[
 
 /// Option sets both tools must refuse.
 const REFUSED: &[(&str, &str)] = &[
+    // Malformed option lists.
+    ("", "1M"),
+    (",", "1M"),
+    ("cluster_size=4k,", "1M"),
+    ("cluster_size=64k,,lazy_refcounts=on", "1M"),
     ("extended_l2=on,cluster_size=4k", "1M"),
     ("compat=0.10,lazy_refcounts=on", "1M"),
     ("cluster_size=3000", "1M"),
