@@ -18,6 +18,7 @@ mod size;
 mod snapshot;
 mod text;
 
+use std::io::Write as _;
 use std::process::ExitCode;
 
 use clap::error::ErrorKind;
@@ -386,7 +387,8 @@ pub fn warn_probed_raw(filename: &str, format: Option<&str>, image: &vdisk::Imag
 
 /// Prints an error the way qemu-img does and returns the exit status.
 pub fn fail(msg: impl std::fmt::Display, status: u8) -> ExitCode {
-    eprintln!("vdisk: {msg}");
+    // Not eprintln!, which panics when stderr cannot be written (a file on a full disk).
+    let _ = writeln!(std::io::stderr(), "vdisk: {msg}");
     ExitCode::from(status)
 }
 

@@ -462,6 +462,73 @@ fn preallocated_growth_survives_every_crash() {
     }
 }
 
+/// A preallocated growth that fails at any storage call (a full disk) returns the error and
+/// leaves an image that checks clean (leaks allowed), keeps its data and reads zero past it;
+/// failures before the new size is written leave the old size, as QEMU's do.
+#[test]
+fn failed_preallocated_growth_keeps_the_image_consistent() {
+    use vdisk::formats::qcow2::create::Preallocation;
+    use vdisk::storage::{Fault, FaultStorage, OpKind, When};
+    let o = CreateOptions {
+        size: SIZE,
+        cluster_size: 4096,
+        ..CreateOptions::default()
+    };
+    let data: Vec<u8> = (0..SIZE).map(|i| (i / 512 % 251) as u8 + 1).collect();
+    let base = Arc::new(MemStorage::new());
+    create(&*base, None, &o).unwrap();
+    let image = open_storage_with(base.clone(), Some(Format::Qcow2), "t", true).unwrap();
+    image.write(0, &data).unwrap();
+    image.qcow2().unwrap().close().unwrap();
+    drop(image);
+    let grow = |faulty: &Arc<FaultStorage>| -> vdisk::Result<()> {
+        let s: Arc<dyn Storage> = faulty.clone();
+        let mut image = open_storage_with(s, Some(Format::Qcow2), "t", true)?;
+        image.resize(8 * SIZE, Preallocation::Full)
+    };
+    let counter = Arc::new(FaultStorage::new(Arc::new(MemStorage::from_bytes(
+        base.to_bytes(),
+    ))));
+    grow(&counter).unwrap();
+    let mut kept_old_size = 0;
+    for op in [
+        OpKind::Write,
+        OpKind::Sync,
+        OpKind::Allocate,
+        OpKind::SetLen,
+    ] {
+        for k in 0..counter.calls(op) {
+            let inner = Arc::new(MemStorage::from_bytes(base.to_bytes()));
+            let faulty = Arc::new(FaultStorage::new(inner.clone()));
+            faulty.inject(Fault::enospc(op, When::From(k)));
+            if grow(&faulty).is_ok() {
+                continue;
+            }
+            let storage: Arc<dyn Storage> = inner;
+            if let Err(e) = check_clean(&storage, true) {
+                panic!("{op:?} call {k}: {e}");
+            }
+            let image = open_storage(storage, Some(Format::Qcow2), "t").unwrap();
+            let size = image.size();
+            assert!(
+                size == SIZE || size == 8 * SIZE,
+                "{op:?} call {k}: size {size}"
+            );
+            kept_old_size += usize::from(size == SIZE);
+            let got = contents(&image);
+            assert!(
+                got[..SIZE as usize] == data[..],
+                "{op:?} call {k}: old data"
+            );
+            assert!(
+                got[SIZE as usize..].iter().all(|&b| b == 0),
+                "{op:?} call {k}: new area"
+            );
+        }
+    }
+    assert!(kept_old_size > 0, "some failures leave the old size");
+}
+
 trait ToBytes {
     fn to_bytes_for_test(&self) -> Vec<u8>;
 }

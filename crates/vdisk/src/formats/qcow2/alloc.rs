@@ -53,6 +53,9 @@ pub(super) struct Refcounts {
     punched: BTreeMap<u64, u64>,
     /// Bytes of the file reserved with `allocate` (the file grows in steps, not per cluster).
     reserved: u64,
+    /// Grow the file without reserving space (holes): for a metadata preallocation, which
+    /// maps clusters but, as QEMU's, takes no space for them.
+    pub sparse: bool,
     /// One past the highest cluster ever allocated.
     high_water: u64,
     /// A refcount went up (or a refcount block or the table is new) since the blocks were last
@@ -97,6 +100,7 @@ impl Refcounts {
             vetted: Vec::new(),
             punched: BTreeMap::new(),
             reserved: file_len,
+            sparse: false,
             high_water: file_len.div_ceil(cs),
             opened_len: file_len,
             increased: false,
@@ -313,6 +317,15 @@ impl Refcounts {
         if need <= self.reserved {
             return Ok(());
         }
+        let len = file.len().context(|| "reading the image size".into())?;
+        if self.sparse {
+            if len < need {
+                file.set_len(need)
+                    .context(|| format!("growing the image file to {need} bytes"))?;
+            }
+            self.reserved = need;
+            return Ok(());
+        }
         let step = (self.reserved / 8).clamp(1 << 20, 64 << 20);
         let want = need.max(self.reserved + step).next_multiple_of(self.cs());
         let from = self.reserved;
@@ -322,8 +335,12 @@ impl Refcounts {
             Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => self.reserved = want,
             Err(_) => {
                 // Maybe the step is too much for the space left: try what is needed.
-                file.allocate(from, need - from)
-                    .context(|| format!("growing the image file to {need} bytes"))?;
+                if let Err(e) = file.allocate(from, need - from) {
+                    // A failed fallocate may keep what it got (ext4 does, and grows the file):
+                    // the old length gives that back to the full disk.
+                    let _ = file.set_len(len);
+                    return Err(e).context(|| format!("growing the image file to {need} bytes"));
+                }
                 self.reserved = need;
                 return Ok(());
             }
@@ -477,7 +494,8 @@ impl Refcounts {
             .take_while(|&(_, &end)| end > from)
             .map(|(&s, &e)| (s, e))
             .collect();
-        for &(s, e) in &hits {
+        // A sparse allocation leaves them holes.
+        for &(s, e) in hits.iter().filter(|_| !self.sparse) {
             let (a, b) = (s.max(from), e.min(to));
             match file.allocate(a * cs, (b - a) * cs) {
                 Ok(()) => {}

@@ -5,9 +5,11 @@
 //! (one header write switches size and table together), and the old table's clusters are freed
 //! only after that. Shrinking drops every cluster past the new end first (committed like any
 //! discard), then lowers the size in the header. A preallocated growth (`--preallocation`)
-//! maps the new clusters after the header names the new size, one committed batch at a time,
-//! so that a crash in between leaves at most leaked clusters.
+//! maps the new clusters before the header names the new size, one committed batch at a time:
+//! a crash or a full disk in between leaves the old size, with the clusters mapped so far
+//! beyond it (consistent, as QEMU leaves them).
 
+use super::cache::Meta;
 use super::create::{preallocate, Preallocation};
 use super::l2::{L2Entry, OFFSET_MASK, OFLAG_COPIED};
 use super::Qcow2;
@@ -72,19 +74,30 @@ impl Qcow2 {
                 .set_len(new_size)
                 .context(|| "resizing the data file".into())?;
         }
-        self.write_header(&mut h)?;
-        self.header = h;
-        self.size = new_size;
-        if new_size > old_size {
-            if self.header.data_file_raw() {
-                self.map_new_area(old_size, new_size, Preallocation::Metadata)?;
-            } else if prealloc != Preallocation::Off {
-                self.map_new_area(old_size, new_size, prealloc)?;
+        let raw_data = self.header.data_file_raw();
+        if new_size > old_size && (raw_data || prealloc != Preallocation::Off) {
+            // As QEMU orders it: a grown L1 table first (under the old size), then the new
+            // area's mapping, the new size last, so that a preallocation that fails (a full
+            // disk) leaves the image at its old size.
+            if h.l1_table_offset != self.header.l1_table_offset {
+                let mut grown = h.clone();
+                grown.size = old_size;
+                self.write_header(&mut grown)?;
+                self.header = grown;
             }
+            let mode = if raw_data {
+                Preallocation::Metadata
+            } else {
+                prealloc
+            };
+            self.map_new_area(old_size, new_size, mode)?;
             if self.format.external_data {
                 preallocate(&*self.data, old_size, new_size, prealloc)?;
             }
         }
+        self.write_header(&mut h)?;
+        self.header = h;
+        self.size = new_size;
         if unveils {
             // Preallocated whole clusters read as zero already; a partial first one does not.
             let cs = self.header.cluster_size();
@@ -114,8 +127,7 @@ impl Qcow2 {
     fn map_new_area(&self, from: u64, to: u64, prealloc: Preallocation) -> Result<()> {
         let cs = self.header.cluster_size();
         let cb = self.header.cluster_bits;
-        let tables = ((64 << 20) / cs).max(1);
-        let batch = tables * self.header.l2_entries() * cs;
+        let batch = ((64 << 20) / cs).max(1) * cs * self.header.l2_entries();
         // Extended L2 subclusters: a raw data file is the disk itself, so all read from it;
         // over a longer backing file all read as zero; else, as QEMU leaves them,
         // unallocated (zero).
@@ -137,54 +149,70 @@ impl Qcow2 {
             {
                 let _pass = self.gate.enter();
                 let mut meta = self.lock();
-                let mut slots = Vec::new();
-                while guest < end {
-                    let (table, index) = self.writable_table(&mut meta, guest)?;
+                // The tables first (and a count of the clusters to map), so that the batch's
+                // data lies in one run after them.
+                let mut count = 0;
+                for g in (guest..end).step_by(cs as usize) {
+                    let (table, index) = self.writable_table(&mut meta, g)?;
                     let e = meta.get(table).expect("table just loaded").get(index);
-                    if e == L2Entry::default() {
-                        slots.push((guest, table, index));
-                    }
-                    guest += cs;
+                    count += u64::from(e == L2Entry::default());
                 }
-                let first = if self.format.external_data || slots.is_empty() {
-                    0
-                } else {
-                    self.alloc_clusters(&mut meta, slots.len() as u64)?
+                let first = match count {
+                    _ if self.format.external_data => 0,
+                    0 => 0,
+                    n => self.alloc_new_area(&mut meta, n, prealloc)?,
                 };
-                for (i, &(g, table, index)) in slots.iter().enumerate() {
+                let mut next = first;
+                for g in (guest..end).step_by(cs as usize) {
+                    let (table, index) = self.writable_table(&mut meta, g)?;
+                    if meta.get(table).expect("table just loaded").get(index) != L2Entry::default()
+                    {
+                        continue;
+                    }
                     let host = if self.format.external_data {
                         g
                     } else {
-                        let c = first + i as u64;
-                        let refs = meta.refs.as_mut().expect("writable images have refcounts");
-                        if !refs.is_known_zero(c) {
-                            // A cluster freed earlier: its old data must not show.
-                            zero_range(&*self.file, c << cb, cs)
-                                .context(|| "zeroing a preallocated cluster".into())?;
-                            meta.ordered = true;
-                        }
-                        c << cb
+                        next << cb
                     };
+                    next += 1;
                     let entry = L2Entry {
                         word: host | OFLAG_COPIED,
                         bitmap,
                     };
                     self.set_entry(&mut meta, table, index, entry);
                 }
-                if !self.format.external_data && !slots.is_empty() {
-                    let (start, end) = (first << cb, (first + slots.len() as u64) << cb);
-                    if prealloc == Preallocation::Metadata {
-                        // As QEMU leaves it: holes, which `map` reports as zero. Only space
-                        // is at stake, so a file system that cannot punch keeps it.
-                        let _ = self.file.punch_hole(start, end - start);
-                    } else {
-                        preallocate(&*self.file, start, end, prealloc)?;
-                    }
-                }
+                guest = end;
             }
             self.flush_impl()?;
         }
         Ok(())
+    }
+
+    /// Allocates `n` contiguous clusters for a grown area and makes them read as zero, their
+    /// space reserved (falloc), written (full) or left as holes (metadata, as QEMU leaves it:
+    /// the file grows without taking space, and `map` reports the holes as zero).
+    fn alloc_new_area(&self, meta: &mut Meta, n: u64, prealloc: Preallocation) -> Result<u64> {
+        let cs = self.header.cluster_size();
+        let cb = self.header.cluster_bits;
+        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        refs.sparse = prealloc == Preallocation::Metadata;
+        let first = self.alloc_clusters(meta, n);
+        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        refs.sparse = false;
+        let first = first?;
+        for c in first..first + n {
+            let refs = meta.refs.as_ref().expect("writable images have refcounts");
+            if !refs.is_known_zero(c) {
+                // A cluster freed earlier: its old data must not show.
+                zero_range(&*self.file, c << cb, cs)
+                    .context(|| "zeroing a preallocated cluster".into())?;
+                meta.ordered = true;
+            }
+        }
+        if prealloc != Preallocation::Metadata {
+            preallocate(&*self.file, first << cb, (first + n) << cb, prealloc)?;
+        }
+        Ok(first)
     }
 
     /// Unmaps every cluster that starts at or after `new_size`, and the L2 tables wholly past it.
