@@ -1552,6 +1552,34 @@ fn a_full_host_disk_fails_the_write_and_keeps_the_image() {
     }
 }
 
+/// Waits until a process holds QEMU's lock byte `byte` of `path`: qemu-nbd listens on its
+/// socket before it has opened and locked the image.
+fn wait_for_lock_byte(path: &std::path::Path, byte: u64) {
+    use std::os::unix::fs::MetadataExt;
+    let inode = std::fs::metadata(path).unwrap().ino().to_string();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        // "1: OFDLCK ADVISORY READ -1 MAJOR:MINOR:INODE START END"
+        let locks = std::fs::read_to_string("/proc/locks").unwrap_or_default();
+        let held = locks.lines().any(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok());
+            f.get(5).and_then(|d| d.rsplit(':').next()) == Some(inode.as_str())
+                && num(6).is_some_and(|start| start <= byte)
+                && num(7).is_some_and(|end| byte <= end)
+        });
+        if held {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no lock on byte {byte} of {}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// vdisk takes QEMU's image locks when it writes: while `vdisk serve` has an image, QEMU's
 /// tools cannot open it (except with -U) and a second writer is refused; while `qemu-nbd` has
 /// it, vdisk refuses to write it or to create a new image over it.
@@ -1606,7 +1634,8 @@ fn image_locks_keep_writers_apart() {
     serve.stop_clean();
 
     let nbd = QemuNbd::start(qemu_nbd, &d.join("q.sock"), &["-t", "-f", "qcow2", img_s]);
-    // Read as raw, the file is only read: nothing to keep the qcow2 writer from.
+    wait_for_lock_byte(&img, 201); // "write" unshared
+                                   // Read as raw, the file is only read: nothing to keep the qcow2 writer from.
     run(&vdisk, &["info", "-f", "raw", img_s]);
     in_use(
         &try_run(&vdisk, &["bench", "-w", "-c", "1", img_s]),
@@ -1645,6 +1674,7 @@ fn image_locks_keep_writers_apart() {
     let raw_s = raw.to_str().unwrap();
     run(qemu_img, &["create", "-q", "-f", "raw", raw_s, "1M"]);
     let nbd = QemuNbd::start(qemu_nbd, &d.join("r.sock"), &["-f", "raw", raw_s]);
+    wait_for_lock_byte(&raw, 203); // "resize" unshared
     in_use(
         &try_run(&vdisk, &["resize", "-f", "raw", raw_s, "2M"]),
         "vdisk resize",
