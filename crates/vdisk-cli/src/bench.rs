@@ -13,7 +13,8 @@
 //! threads making blocking calls into the engine; with `native` (Linux AIO) or `io_uring` and a
 //! direct cache mode, writes go out from one thread, the engine placing each one
 //! ([`BlockDev::start_write`]) and the kernel interface of that name carrying its data, as
-//! QEMU's back ends do. Reads, and writes in the other cache modes, use the threads.
+//! QEMU's back ends do (writes that continue each other in the file go as one request, see
+//! [`Ring`]). Reads, and writes in the other cache modes, use the threads.
 
 use std::process::ExitCode;
 use std::sync::{Barrier, Condvar, Mutex, MutexGuard};
@@ -538,19 +539,19 @@ impl<'d> RingLoop<'d> {
         let slot = &mut self.slots[i];
         for t in &started.transfers {
             let data = &slot.buf[t.bytes.clone()];
-            let outcome = match started.storage.async_write_fd(t.host, data) {
+            match started.storage.async_write_fd(t.host, data) {
                 Some(fd) => {
                     // SAFETY: the slot's buffer is neither changed nor dropped before the ring
                     // reports this write: the slot is busy until then, and the ring is dropped
                     // first.
-                    let queued = unsafe { self.ring.write(fd, t.host, data, i as u64) };
-                    slot.waiting += usize::from(queued.is_ok());
-                    queued
+                    unsafe { self.ring.write(fd, t.host, data, i as u64) };
+                    slot.waiting += 1;
                 }
-                None => started.storage.write_at(t.host, data),
-            };
-            if let Err(e) = outcome {
-                slot.failed.get_or_insert(t.error(e));
+                None => {
+                    if let Err(e) = started.storage.write_at(t.host, data) {
+                        slot.failed.get_or_insert(t.error(e));
+                    }
+                }
             }
         }
         slot.started = Some(started);

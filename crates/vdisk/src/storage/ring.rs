@@ -5,6 +5,11 @@
 //! write then waits for its block allocation in `io_submit`, not in a kernel worker), and
 //! io_uring.
 //!
+//! Writes queued one after another that continue each other in the same file go to the kernel
+//! as one vectored write: sequential small writes then cost the device, and the file system
+//! (which converts each completed write's allocated-but-unwritten extent on its own), one
+//! request instead of many.
+//!
 //! The ring retries what the kernel leaves undone (EINTR, EAGAIN, short writes) and reports
 //! each write once, when all of it is written or it failed.
 
@@ -13,8 +18,10 @@ use std::os::fd::RawFd;
 
 use io_uring::{opcode, types, IoUring};
 
-/// The largest transfer submitted at once; longer ones complete as short writes and go on.
-const MAX_TRANSFER: usize = 1 << 30;
+/// Writes merged into one request: at most this many bytes ...
+const MAX_MERGED_BYTES: usize = 1 << 20;
+/// ... and this many writes (the kernel's `UIO_MAXIOV` is 1024).
+const MAX_MERGED_WRITES: usize = 256;
 
 /// Which kernel interface carries the writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,13 +32,19 @@ pub enum Backend {
 
 pub struct Ring {
     queue: Queue,
-    /// Writes in flight, indexed by their kernel tag; `None` for a free slot.
+    /// Requests, indexed by their kernel tag; `None` for a free slot.
     ops: Vec<Option<Op>>,
     free: Vec<usize>,
+    /// Requests still taking writes, not yet handed to the kernel, in order.
+    gathering: Vec<usize>,
     /// Finished writes not yet handed out: `(tag, outcome)`.
     ready: Vec<(u64, io::Result<()>)>,
     /// Completions taken from the kernel, `(slot, result)`, kept to save an allocation.
     reaped: Vec<(u64, i64)>,
+    /// Writes queued and not yet reported by [`Ring::complete`].
+    unreported: usize,
+    /// Requests handed to the kernel so far (a merged one counts once).
+    requests: u64,
 }
 
 enum Queue {
@@ -39,13 +52,33 @@ enum Queue {
     Aio(Aio),
 }
 
-/// What is left of one write.
+/// What is left of one request: one write, or several that continue each other.
 struct Op {
     fd: RawFd,
     offset: u64,
-    ptr: *const u8,
-    len: usize,
-    tag: u64,
+    /// One buffer per write; the kernel reads this array until the request completes (its
+    /// heap block stays put while the `Op` moves).
+    iov: Vec<libc::iovec>,
+    /// The writes' tags, in the order of `iov`.
+    tags: Vec<u64>,
+}
+
+impl Op {
+    fn new(fd: RawFd, offset: u64, ptr: *const u8, len: usize, tag: u64) -> Op {
+        Op {
+            fd,
+            offset,
+            iov: vec![libc::iovec {
+                iov_base: ptr as *mut libc::c_void,
+                iov_len: len,
+            }],
+            tags: vec![tag],
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.iov.iter().map(|v| v.iov_len).sum()
+    }
 }
 
 impl Ring {
@@ -60,30 +93,54 @@ impl Ring {
             queue,
             ops: Vec::new(),
             free: Vec::new(),
+            gathering: Vec::new(),
             ready: Vec::new(),
             reaped: Vec::new(),
+            unreported: 0,
+            requests: 0,
         })
     }
 
     /// Writes not yet reported by [`Ring::complete`].
     pub fn in_flight(&self) -> usize {
-        self.ops.len() - self.free.len() + self.ready.len()
+        self.unreported
     }
 
-    /// Queues a write of `buf` to `fd` at `offset`, reported under `tag`.
+    /// Requests handed to the kernel so far, retries included.
+    pub fn requests(&self) -> u64 {
+        self.requests
+    }
+
+    /// Queues a write of `buf` to `fd` at `offset`, reported under `tag`. It reaches the
+    /// kernel at the next [`Ring::complete`], joined to the write queued before it when that
+    /// one ends where this one starts.
     ///
     /// # Safety
     /// `buf` must stay valid and unchanged until [`Ring::complete`] reports `tag`, and `fd`
     /// open until then. (Dropping the ring waits for its writes.)
-    pub unsafe fn write(&mut self, fd: RawFd, offset: u64, buf: &[u8], tag: u64) -> io::Result<()> {
-        let op = Op {
-            fd,
-            offset,
-            ptr: buf.as_ptr(),
-            len: buf.len(),
-            tag,
-        };
-        let slot = match self.free.pop() {
+    pub unsafe fn write(&mut self, fd: RawFd, offset: u64, buf: &[u8], tag: u64) {
+        self.unreported += 1;
+        if let Some(op) = self.gathering.last().and_then(|&s| self.ops[s].as_mut()) {
+            let len = op.len();
+            if op.fd == fd
+                && op.offset + len as u64 == offset
+                && len + buf.len() <= MAX_MERGED_BYTES
+                && op.tags.len() < MAX_MERGED_WRITES
+            {
+                op.iov.push(libc::iovec {
+                    iov_base: buf.as_ptr() as *mut libc::c_void,
+                    iov_len: buf.len(),
+                });
+                op.tags.push(tag);
+                return;
+            }
+        }
+        let slot = self.slot(Op::new(fd, offset, buf.as_ptr(), buf.len(), tag));
+        self.gathering.push(slot);
+    }
+
+    fn slot(&mut self, op: Op) -> usize {
+        match self.free.pop() {
             Some(slot) => {
                 self.ops[slot] = Some(op);
                 slot
@@ -92,28 +149,40 @@ impl Ring {
                 self.ops.push(Some(op));
                 self.ops.len() - 1
             }
-        };
-        self.push(slot)
+        }
     }
 
-    /// Queues (the rest of) the write in `slot`.
-    fn push(&mut self, slot: usize) -> io::Result<()> {
-        let op = self.ops[slot].as_ref().expect("a live write");
-        let len = op.len.min(MAX_TRANSFER);
+    /// Hands (the rest of) the request in `slot` to the kernel's queue; if that fails, its
+    /// writes are reported failed.
+    fn push(&mut self, slot: usize) {
+        if let Err(e) = self.try_push(slot) {
+            self.fail(slot, &e);
+        }
+    }
+
+    fn try_push(&mut self, slot: usize) -> io::Result<()> {
+        self.requests += 1;
+        let op = self.ops[slot].as_ref().expect("a live request");
+        let iovecs = op.iov.len() as u32;
         match &mut self.queue {
             Queue::Aio(aio) => {
-                aio.queued
-                    .push(Iocb::write(op.fd, op.offset, op.ptr, len, slot as u64));
+                aio.queued.push(Iocb::writev(
+                    op.fd,
+                    op.offset,
+                    op.iov.as_ptr(),
+                    op.iov.len(),
+                    slot as u64,
+                ));
                 Ok(())
             }
             Queue::Uring(uring) => {
-                let entry = opcode::Write::new(types::Fd(op.fd), op.ptr, len as u32)
+                let entry = opcode::Writev::new(types::Fd(op.fd), op.iov.as_ptr(), iovecs)
                     .offset(op.offset)
                     .build()
                     .user_data(slot as u64);
                 loop {
-                    // SAFETY: the entry names a buffer that the caller of `write` keeps valid
-                    // until the write is reported, which is after the kernel is done with it.
+                    // SAFETY: the entry names buffers (and an iovec array) that stay valid
+                    // until the request is reported, which is after the kernel is done.
                     if unsafe { uring.submission().push(&entry) }.is_ok() {
                         return Ok(());
                     }
@@ -133,11 +202,27 @@ impl Ring {
         }
     }
 
+    /// Reports every write of the request in `slot` failed with `e`.
+    fn fail(&mut self, slot: usize, e: &io::Error) {
+        let op = self.ops[slot].take().expect("a live request");
+        self.free.push(slot);
+        for tag in op.tags {
+            let e = match e.raw_os_error() {
+                Some(errno) => io::Error::from_raw_os_error(errno),
+                None => io::Error::new(e.kind(), e.to_string()),
+            };
+            self.ready.push((tag, Err(e)));
+        }
+    }
+
     /// Submits what is queued, waits until at least one write is finished and moves every
     /// finished one into `done`, as `(tag, outcome)`. Returns at once when nothing is in
     /// flight.
     pub fn complete(&mut self, done: &mut Vec<(u64, io::Result<()>)>) -> io::Result<()> {
-        while self.ready.is_empty() && self.in_flight() > 0 {
+        for slot in std::mem::take(&mut self.gathering) {
+            self.push(slot);
+        }
+        while self.ready.is_empty() && self.ops.len() > self.free.len() {
             if self.reaped.is_empty() {
                 match &mut self.queue {
                     Queue::Aio(aio) => aio.submit_and_wait(&mut self.reaped)?,
@@ -154,6 +239,7 @@ impl Ring {
             }
             self.settle();
         }
+        self.unreported -= self.ready.len();
         done.append(&mut self.ready);
         Ok(())
     }
@@ -166,35 +252,42 @@ impl Ring {
             let slot = slot as usize;
             let op = self.ops[slot]
                 .as_mut()
-                .expect("a completion for a live write");
-            let again = match result {
-                n if n == -i64::from(libc::EINTR) || n == -i64::from(libc::EAGAIN) => true,
-                n if n > 0 && (n as usize) < op.len => {
-                    let n = n as usize;
-                    // SAFETY: `n < len`, so the rest starts inside the same buffer.
-                    op.ptr = unsafe { op.ptr.add(n) };
-                    op.offset += n as u64;
-                    op.len -= n;
-                    true
+                .expect("a completion for a live request");
+            let len = op.len();
+            if result == -i64::from(libc::EINTR) || result == -i64::from(libc::EAGAIN) {
+                self.push(slot);
+            } else if result >= 0 && result as usize == len {
+                let op = self.ops[slot].take().expect("a live request");
+                self.free.push(slot);
+                self.ready.extend(op.tags.into_iter().map(|t| (t, Ok(()))));
+            } else if op.tags.len() > 1 {
+                // A merged request fell short or failed: each write goes again on its own,
+                // to learn its own outcome (rewriting what did land is harmless, its buffer
+                // is unchanged).
+                let op = self.ops[slot].take().expect("a live request");
+                self.free.push(slot);
+                let mut at = op.offset;
+                for (v, tag) in op.iov.iter().zip(op.tags) {
+                    let single =
+                        self.slot(Op::new(op.fd, at, v.iov_base as *const u8, v.iov_len, tag));
+                    at += v.iov_len as u64;
+                    self.push(single);
                 }
-                _ => false,
-            };
-            let outcome = match result {
-                // Queued again, or failed to be: then the write fails, it is not lost.
-                _ if again => match self.push(slot) {
-                    Ok(()) => continue,
-                    Err(e) => Err(e),
-                },
-                n if n < 0 => Err(io::Error::from_raw_os_error(-n as i32)),
-                0 => Err(io::Error::new(
-                    io::ErrorKind::WriteZero,
-                    "write wrote nothing",
-                )),
-                _ => Ok(()),
-            };
-            let op = self.ops[slot].take().expect("a live write");
-            self.free.push(slot);
-            self.ready.push((op.tag, outcome));
+            } else if result > 0 {
+                let n = result as usize;
+                let v = &mut op.iov[0];
+                // SAFETY: `n < len`, so the rest starts inside the same buffer.
+                v.iov_base = unsafe { (v.iov_base as *mut u8).add(n) } as *mut libc::c_void;
+                v.iov_len -= n;
+                op.offset += n as u64;
+                self.push(slot);
+            } else {
+                let e = match result {
+                    0 => io::Error::new(io::ErrorKind::WriteZero, "write wrote nothing"),
+                    n => io::Error::from_raw_os_error(-n as i32),
+                };
+                self.fail(slot, &e);
+            }
         }
         // Completions reaped while queueing again are settled on the next round.
         let mut reaped = reaped;
@@ -217,7 +310,7 @@ impl Drop for Ring {
     /// The kernel may still read buffers of writes in flight: they end before the ring does.
     fn drop(&mut self) {
         let mut done = Vec::new();
-        while self.ops.len() > self.free.len() {
+        while self.unreported > 0 {
             if self.complete(&mut done).is_err() {
                 break;
             }
@@ -270,6 +363,7 @@ impl IoEvent {
 
 const IOCB_CMD_PREAD: u16 = 0;
 const IOCB_CMD_PWRITE: u16 = 1;
+const IOCB_CMD_PWRITEV: u16 = 8;
 
 #[cfg(not(target_endian = "little"))]
 compile_error!("the iocb layout above is the little-endian one");
@@ -289,6 +383,14 @@ impl Iocb {
             nbytes: len as u64,
             offset: offset as i64,
             ..Iocb::default()
+        }
+    }
+
+    /// A write of the `count` buffers of the iovec array at `iov` to `fd` at `offset`.
+    pub fn writev(fd: RawFd, offset: u64, iov: *const libc::iovec, count: usize, tag: u64) -> Iocb {
+        Iocb {
+            opcode: IOCB_CMD_PWRITEV,
+            ..Iocb::write(fd, offset, iov as *const u8, count, tag)
         }
     }
 
@@ -409,7 +511,8 @@ impl Aio {
     }
 
     /// Submits the queued control blocks, then waits for at least one completion and appends
-    /// every available one to `reaped` as `(tag, result)`.
+    /// every available one to `reaped` as `(tag, result)`. A block the kernel refuses (a bad
+    /// descriptor, say) completes at once with the error.
     fn submit_and_wait(&mut self, reaped: &mut Vec<(u64, i64)>) -> io::Result<()> {
         let mut sent = 0;
         while sent < self.queued.len() {
@@ -422,13 +525,22 @@ impl Aio {
                 }
                 // The context is full: what completes makes room.
                 Err(e) if e.raw_os_error() == Some(libc::EAGAIN) && self.in_kernel > 0 => break,
-                Err(e) => {
-                    self.queued.drain(..sent);
-                    return Err(e);
-                }
+                Err(e) => match e.raw_os_error() {
+                    Some(errno) if errno != libc::EAGAIN => {
+                        reaped.push((self.queued[sent].tag(), -i64::from(errno)));
+                        sent += 1;
+                    }
+                    _ => {
+                        self.queued.drain(..sent);
+                        return Err(e);
+                    }
+                },
             }
         }
         self.queued.drain(..sent);
+        if !reaped.is_empty() {
+            return Ok(());
+        }
         let n = self.cx.reap(&mut self.events, 1, None)?;
         self.in_kernel -= n;
         reaped.extend(self.events[..n].iter().map(IoEvent::result));
@@ -446,52 +558,115 @@ mod tests {
     fn writes_complete_and_land() {
         for backend in [Backend::LinuxAio, Backend::IoUring] {
             writes_complete_and_land_on(backend);
+            writes_that_continue_each_other_go_as_one(backend);
+            a_failed_merged_request_reports_every_write(backend);
         }
     }
 
-    fn writes_complete_and_land_on(backend: Backend) {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("f");
+    fn direct_file(dir: &tempfile::TempDir) -> FileStorage {
         let opts = OpenOptions {
             write: true,
             create: true,
             direct: true,
         };
-        let file = FileStorage::open(&path, opts).unwrap();
-        let mut ring = Ring::new(backend, 4).unwrap();
-        let bufs: Vec<AlignedBuf> = (0..20u8)
+        FileStorage::open(&dir.path().join("f"), opts).unwrap()
+    }
+
+    /// Buffers of `len` bytes filled with 1, 2, 3, ...
+    fn patterns(n: u8, len: usize) -> Vec<AlignedBuf> {
+        (0..n)
             .map(|i| {
-                let mut b = AlignedBuf::zeroed(8192);
+                let mut b = AlignedBuf::zeroed(len);
                 b.fill(i + 1);
                 b
             })
-            .collect();
+            .collect()
+    }
+
+    /// Waits for everything and returns the tags, sorted, with their outcomes.
+    fn drain(ring: &mut Ring) -> Vec<(u64, io::Result<()>)> {
+        let mut done = Vec::new();
+        while ring.in_flight() > 0 {
+            ring.complete(&mut done).unwrap();
+        }
+        done.sort_by_key(|(t, _)| *t);
+        done
+    }
+
+    fn writes_complete_and_land_on(backend: Backend) {
+        let dir = tempfile::tempdir().unwrap();
+        let file = direct_file(&dir);
+        let mut ring = Ring::new(backend, 4).unwrap();
+        let bufs = patterns(20, 8192);
+        // Backwards: no write continues the one queued before it.
         for (i, b) in bufs.iter().enumerate() {
             let at = (19 - i as u64) * 8192;
             let fd = file
                 .async_write_fd(at, b)
                 .expect("aligned writes go direct");
             // SAFETY: `bufs` outlives every completion collected below.
-            unsafe { ring.write(fd, at, b, i as u64) }.unwrap();
+            unsafe { ring.write(fd, at, b, i as u64) };
         }
-        let mut done = Vec::new();
-        while ring.in_flight() > 0 {
-            ring.complete(&mut done).unwrap();
+        let done = drain(&mut ring);
+        assert_eq!(done.len(), 20);
+        for (i, (t, r)) in done.iter().enumerate() {
+            assert_eq!(*t, i as u64);
+            assert!(r.is_ok(), "{r:?}");
         }
-        let mut tags: Vec<u64> = done
-            .iter()
-            .map(|(t, r)| {
-                assert!(r.is_ok(), "{r:?}");
-                *t
-            })
-            .collect();
-        tags.sort();
-        assert_eq!(tags, (0..20).collect::<Vec<_>>());
+        assert_eq!(ring.requests(), 20, "{backend:?}");
         let mut back = vec![0u8; 8192];
         file.read_at(19 * 8192, &mut back).unwrap();
         assert!(back.iter().all(|&b| b == 1));
         file.read_at(0, &mut back).unwrap();
         assert!(back.iter().all(|&b| b == 20));
         assert_eq!(file.stats().snapshot().writes, 20, "{backend:?}");
+    }
+
+    /// Writes queued in order, each where the one before ends, reach the kernel as one
+    /// request; a write elsewhere starts another.
+    fn writes_that_continue_each_other_go_as_one(backend: Backend) {
+        let dir = tempfile::tempdir().unwrap();
+        let file = direct_file(&dir);
+        let mut ring = Ring::new(backend, 4).unwrap();
+        let bufs = patterns(17, 4096);
+        let place = |i: usize| if i < 16 { i as u64 * 4096 } else { 1 << 20 };
+        for (i, b) in bufs.iter().enumerate() {
+            let fd = file.async_write_fd(place(i), b).unwrap();
+            // SAFETY: `bufs` outlives every completion collected below.
+            unsafe { ring.write(fd, place(i), b, i as u64) };
+        }
+        let done = drain(&mut ring);
+        assert_eq!(done.len(), 17);
+        assert!(done.iter().all(|(_, r)| r.is_ok()), "{done:?}");
+        assert_eq!(ring.requests(), 2, "{backend:?}");
+        let mut back = vec![0u8; 4096];
+        for i in 0..17 {
+            file.read_at(place(i), &mut back).unwrap();
+            assert!(back.iter().all(|&b| b == i as u8 + 1), "write {i}");
+        }
+    }
+
+    /// A merged request that fails is split, and each write reports its own failure.
+    fn a_failed_merged_request_reports_every_write(backend: Backend) {
+        let dir = tempfile::tempdir().unwrap();
+        drop(direct_file(&dir));
+        // Opened for reading only: every write fails with EBADF.
+        let file = std::fs::File::open(dir.path().join("f")).unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+        let mut ring = Ring::new(backend, 4).unwrap();
+        let bufs = patterns(8, 4096);
+        for (i, b) in bufs.iter().enumerate() {
+            // SAFETY: `bufs` outlives every completion collected below.
+            unsafe { ring.write(fd, i as u64 * 4096, b, i as u64) };
+        }
+        let done = drain(&mut ring);
+        assert_eq!(done.len(), 8);
+        for (i, (t, r)) in done.iter().enumerate() {
+            assert_eq!(*t, i as u64);
+            let e = r.as_ref().expect_err("a write to a read-only file");
+            assert_eq!(e.raw_os_error(), Some(libc::EBADF), "{backend:?}");
+        }
+        // The merged request, then each write on its own.
+        assert_eq!(ring.requests(), 9, "{backend:?}");
     }
 }
