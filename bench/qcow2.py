@@ -12,6 +12,9 @@ image and is run by:
   falloc      vdisk bench -f raw on a raw file made with preallocation=falloc: writes into space
               allocated but never written, what every allocating qcow2 write on ext4 becomes
               (the file system converts the extent at each write's completion)
+  written     vdisk bench -f raw on a raw file every byte of which was written before: pure
+              overwrites, no allocation at all, the most the disk gives any tool at this depth
+              (with 16 requests of B bytes in flight, at most 16*B bytes are ever on their way)
 Rows: 4 KiB writes on a fresh image and on an overlay over a fully written raw backing file,
 64 KiB and 2 MiB clusters, with and without --flush-interval=256; block sizes 4 KiB to 1 MiB;
 cache modes none and writethrough. Rows with -t none pass `-i native` to every tool (--aio
@@ -46,7 +49,8 @@ WORK = os.path.join(ROOT, "bench", "work", "qcow2")
 VDISK = os.path.join(ROOT, "target", "release", "vdisk")
 MIB = 1 << 20
 AIO = "native"
-CONFIGS = ["qemu", "qemu-best", "vdisk", "raw-qemu", "raw-vdisk", "falloc-vdisk"]
+CONFIGS = ["qemu", "qemu-best", "vdisk", "raw-qemu", "raw-vdisk", "falloc-vdisk",
+           "written-vdisk"]
 
 
 def big_stack():
@@ -103,12 +107,18 @@ def base_image(size):
     """A raw backing file of `size` bytes, every byte written."""
     path = os.path.join(WORK, "base-%d.raw" % size)
     if not os.path.exists(path):
-        block = bytes((i * 7 + 1) % 251 for i in range(MIB))
-        with open(path + ".tmp", "wb") as f:
-            for _ in range(size // MIB):
-                f.write(block)
+        fill(path + ".tmp", size)
         os.rename(path + ".tmp", path)
     return path
+
+
+def fill(path, size):
+    """Writes `size` bytes of data (no zero blocks) to a new file at `path`, to stable storage."""
+    block = bytes((i * 7 + 1) % 251 for i in range(MIB))
+    with open(path, "wb") as f:
+        for _ in range(size // MIB):
+            f.write(block)
+        os.fsync(f.fileno())
 
 
 def make_image(config, row, path):
@@ -117,6 +127,9 @@ def make_image(config, row, path):
         os.unlink(path)
     if config.startswith("raw"):
         sh(["qemu-img", "create", "-q", "-f", "raw", path, str(size)])
+        return "raw"
+    if config == "written-vdisk":
+        fill(path, size)
         return "raw"
     if config == "falloc-vdisk":
         sh(["qemu-img", "create", "-q", "-f", "raw", "-o", "preallocation=falloc", path,
@@ -134,7 +147,7 @@ def make_image(config, row, path):
 
 def bench_args(config, row, fmt, path, aio):
     _, _, bs, _, flush, cache, size = row
-    tool = [VDISK] if config in ("vdisk", "raw-vdisk", "falloc-vdisk") else ["qemu-img"]
+    tool = [VDISK] if config.endswith("vdisk") else ["qemu-img"]
     args = tool + ["bench", "-f", fmt, "-w", "-d", "16", "-s", str(bs), "-t", cache]
     args += ["-i", aio if cache == "none" else "threads"]
     args += ["-c", str(size // bs)]
@@ -260,24 +273,27 @@ def render(a, rounds, total, started, results):
         "defaults (images made by qemu-img create); raw: a sparse raw file (qemu-img bench -f raw "
         "and vdisk bench -f raw), the limit; falloc: vdisk bench -f raw on a raw file made with "
         "preallocation=falloc (writes into allocated, never written space: the limit of "
-        "allocating writes on this file system)",
+        "allocating writes on this file system); written: vdisk bench -f raw on a raw file "
+        "written in full before the run (overwrites, no allocation: the most the disk gives at "
+        "this depth)",
         "- aio: `-i %s` on the -t none rows (for every tool), `-i threads` on the others and "
         "under strace" % AIO,
         "",
         "## Throughput (MiB/s) and ratios",
         "",
-        "| row | qemu | qemu-best | vdisk | raw (qemu) | raw (vdisk) | falloc | vdisk/qemu | "
-        "vdisk/qemu-best | vdisk/raw | vdisk/falloc |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| row | qemu | qemu-best | vdisk | raw (qemu) | raw (vdisk) | falloc | written | "
+        "vdisk/qemu | vdisk/qemu-best | vdisk/raw | vdisk/falloc | vdisk/written |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |",
     ]
     for row, m, _ in results:
         raw = max(m["raw-qemu"], m["raw-vdisk"])
-        out.append("| %s | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | **%.2f** | %.2f | %.2f | "
-                   "%.2f |" % (
+        out.append("| %s | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | **%.2f** | %.2f | "
+                   "%.2f | %.2f | %.2f |" % (
                        row[0], m["qemu"], m["qemu-best"], m["vdisk"], m["raw-qemu"],
-                       m["raw-vdisk"], m["falloc-vdisk"], m["vdisk"] / m["qemu"],
-                       m["vdisk"] / m["qemu-best"], m["vdisk"] / raw,
-                       m["vdisk"] / m["falloc-vdisk"]))
+                       m["raw-vdisk"], m["falloc-vdisk"], m["written-vdisk"],
+                       m["vdisk"] / m["qemu"], m["vdisk"] / m["qemu-best"], m["vdisk"] / raw,
+                       m["vdisk"] / m["falloc-vdisk"], m["vdisk"] / m["written-vdisk"]))
     out += [
         "",
         "## Syncs and copy-on-write reads (one run each under strace -f)",
@@ -302,8 +318,14 @@ def render(a, rounds, total, started, results):
     more_syncs = [r[0] for r, _, t in results if t["vdisk"][0] > t["qemu"][0]]
     covered_reads = [r[0] for r, _, t in results
                      if r[3] and t["vdisk"][1] > 0 and covered(r)]
+    # A row below 2x beside what the disk gives at this depth: to writes into never-written
+    # space (falloc, what allocating writes are on ext4) and to overwrites (written).
+    below = ["%s (2 x qemu = %.0f, vdisk %.0f, falloc %.0f, written %.0f)" % (
+        r[0], 2 * m["qemu"], m["vdisk"], m["falloc-vdisk"], m["written-vdisk"])
+        for r, m in alloc4k if m["vdisk"] < 2 * m["qemu"]]
     out += [
         "- allocating 4 KiB writes (-t none), lowest vdisk/qemu: **%.2f** (target >= 2)" % worst,
+        "- allocating 4 KiB rows below 2x qemu (MiB/s): %s" % ("; ".join(below) or "none"),
         "- lowest vdisk/raw over all rows: **%.2f** (target >= 0.85)" % worst_raw,
         "- rows where vdisk synced more than qemu: %s" % (", ".join(more_syncs) or "none"),
         "- overlay rows where vdisk read the backing file for clusters the workload covers: %s"

@@ -64,14 +64,17 @@ pub fn parse_options(options: &[String]) -> Result<Vec<(String, String)>, Error>
     Ok(out)
 }
 
-fn on_off(key: &str, v: &str) -> Result<bool, Error> {
+/// A boolean option's value as QEMU's option parser reads it (`qapi_bool_parse`).
+pub fn parse_bool(key: &str, v: &str) -> Result<bool, String> {
     match v {
-        "on" | "yes" | "true" => Ok(true),
-        "off" | "no" | "false" => Ok(false),
-        _ => Err(Error::invalid(format!(
-            "Parameter '{key}' expects 'on' or 'off'"
-        ))),
+        "on" | "yes" | "true" | "y" => Ok(true),
+        "off" | "no" | "false" | "n" => Ok(false),
+        _ => Err(format!("Parameter '{key}' expects 'on' or 'off'")),
     }
+}
+
+fn on_off(key: &str, v: &str) -> Result<bool, Error> {
+    parse_bool(key, v).map_err(Error::invalid)
 }
 
 /// `vdisk create` with a file name: the checks qemu-img makes of its command line, then
@@ -376,7 +379,8 @@ fn formatting_line(
             .find(|(key, _)| key == k)
             .map(|(_, v)| v.clone())
     };
-    let onoff = |b: bool| if b { "on" } else { "off" }.to_string();
+    // A boolean shows the text it was given ("y", "true"...), as QEMU prints it.
+    let flag = |k: &str, b: bool| given(k).unwrap_or_else(|| if b { "on" } else { "off" }.into());
     let mut parts: Vec<(String, String)> = Vec::new();
     match format {
         Format::Raw => {
@@ -387,7 +391,7 @@ fn formatting_line(
         }
         Format::Qcow2 => {
             parts.push(("cluster_size".into(), o.cluster_size.to_string()));
-            parts.push(("extended_l2".into(), onoff(o.extended_l2)));
+            parts.push(("extended_l2".into(), flag("extended_l2", o.extended_l2)));
             if let Some(p) = given("preallocation") {
                 parts.push(("preallocation".into(), p));
             }
@@ -405,10 +409,13 @@ fn formatting_line(
             if let Some(d) = &o.data_file {
                 parts.push(("data_file".into(), d.clone()));
             }
-            if given("data_file_raw").is_some() {
-                parts.push(("data_file_raw".into(), onoff(o.data_file_raw)));
+            if let Some(raw) = given("data_file_raw") {
+                parts.push(("data_file_raw".into(), raw));
             }
-            parts.push(("lazy_refcounts".into(), onoff(o.lazy_refcounts)));
+            parts.push((
+                "lazy_refcounts".into(),
+                flag("lazy_refcounts", o.lazy_refcounts),
+            ));
             parts.push(("refcount_bits".into(), o.refcount_bits.to_string()));
         }
     }

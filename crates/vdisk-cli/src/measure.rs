@@ -10,7 +10,7 @@ use vdisk::formats::qcow2::create::Preallocation;
 use vdisk::{open_image, BlockDev, Error, Format, Image};
 
 use crate::convert::snapshot_param;
-use crate::create::{check_option_lists, parse_options};
+use crate::create::{check_option_lists, parse_bool, parse_options};
 use crate::qjson::{to_pretty, Dict};
 use crate::size::{cvtnum, option_size};
 use crate::{fail, read_options, Output};
@@ -146,11 +146,7 @@ fn read_target_options(format: Format, options: &[String]) -> Result<Opts, Strin
             Kind::Number => Value::Number(
                 parse_number(&v).ok_or_else(|| format!("Parameter '{k}' expects a number"))?,
             ),
-            Kind::Bool => Value::Bool(match v.as_str() {
-                "on" | "yes" | "true" | "y" => true,
-                "off" | "no" | "false" | "n" => false,
-                _ => return Err(format!("Parameter '{k}' expects 'on' or 'off'")),
-            }),
+            Kind::Bool => Value::Bool(parse_bool(&k, &v)?),
             Kind::Text => Value::Text(v),
         };
         opts.0.retain(|(key, _)| *key != k);

@@ -449,17 +449,23 @@ fn preallocated_growth_survives_every_crash() {
                 panic!("{prealloc:?}: crash image {img}: {e}");
             }
             let image = open_storage(s, Some(Format::Qcow2), "t").unwrap();
-            let got = contents(&image);
-            assert!(
-                got[..SIZE as usize] == data[..],
-                "{prealloc:?}: crash image {img}: old data"
-            );
-            assert!(
-                got[SIZE as usize..].iter().all(|&b| b == 0),
-                "{prealloc:?}: crash image {img}: the grown area reads zero"
+            assert_grown(
+                &contents(&image),
+                &data,
+                &format!("{prealloc:?}: crash image {img}"),
             );
         }
     }
+}
+
+/// Asserts that an image grown past `old` (its contents before) still holds `old` and reads zero
+/// in the grown area.
+fn assert_grown(got: &[u8], old: &[u8], what: &str) {
+    assert!(got[..old.len()] == old[..], "{what}: old data");
+    assert!(
+        got[old.len()..].iter().all(|&b| b == 0),
+        "{what}: the grown area reads zero"
+    );
 }
 
 /// A preallocated growth that fails at any storage call (a full disk) returns the error and
@@ -515,15 +521,7 @@ fn failed_preallocated_growth_keeps_the_image_consistent() {
                 "{op:?} call {k}: size {size}"
             );
             kept_old_size += usize::from(size == SIZE);
-            let got = contents(&image);
-            assert!(
-                got[..SIZE as usize] == data[..],
-                "{op:?} call {k}: old data"
-            );
-            assert!(
-                got[SIZE as usize..].iter().all(|&b| b == 0),
-                "{op:?} call {k}: new area"
-            );
+            assert_grown(&contents(&image), &data, &format!("{op:?} call {k}"));
         }
     }
     assert!(kept_old_size > 0, "some failures leave the old size");

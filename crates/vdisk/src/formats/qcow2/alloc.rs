@@ -328,7 +328,7 @@ impl Refcounts {
     /// it completes. While a file's extents number about what fits in its inode, the split
     /// grows the extent tree into a block of its own and the merge folds it back: a block
     /// allocated and freed, and the journal work twice, for every write (1023 allocations in
-    /// 1024 writes and 60% more time for some layouts in bench/results/reserve.md). Which
+    /// 1024 writes and 13-78% more time for some layouts in bench/results/reserve.md). Which
     /// layouts do it depends on the file's extents; new images written through this floor
     /// showed none of it there (18 allocations a run), where the earlier steps (an eighth of
     /// the file, 1 to 64 MiB) made 1025 with 2 MiB clusters (reserve-b23fea1.md).
