@@ -10,8 +10,9 @@ image and is run by:
   vdisk       vdisk bench on a qcow2 made by `qemu-img create` with QEMU's defaults
   raw         qemu-img bench -f raw and vdisk bench -f raw on a new sparse raw file: the limit
   falloc      vdisk bench -f raw on a raw file made with preallocation=falloc: writes into space
-              allocated but never written, what every allocating qcow2 write on ext4 becomes
-              (the file system converts the extent at each write's completion)
+              allocated but never written, where vdisk's allocating qcow2 writes go (into
+              space it reserved with fallocate; the file system converts the extent at each
+              write's completion)
   written     vdisk bench -f raw on a raw file every byte of which was written before: pure
               overwrites, no allocation at all, the most the disk gives any tool at this depth
               (with 16 requests of B bytes in flight, at most 16*B bytes are ever on their way)
