@@ -152,6 +152,13 @@ impl Ring {
         }
     }
 
+    /// Takes the request out of `slot` and frees the slot.
+    fn release(&mut self, slot: usize) -> Op {
+        let op = self.ops[slot].take().expect("a live request");
+        self.free.push(slot);
+        op
+    }
+
     /// Hands (the rest of) the request in `slot` to the kernel's queue; if that fails, its
     /// writes are reported failed.
     fn push(&mut self, slot: usize) {
@@ -204,8 +211,7 @@ impl Ring {
 
     /// Reports every write of the request in `slot` failed with `e`.
     fn fail(&mut self, slot: usize, e: &io::Error) {
-        let op = self.ops[slot].take().expect("a live request");
-        self.free.push(slot);
+        let op = self.release(slot);
         for tag in op.tags {
             let e = match e.raw_os_error() {
                 Some(errno) => io::Error::from_raw_os_error(errno),
@@ -257,15 +263,13 @@ impl Ring {
             if result == -i64::from(libc::EINTR) || result == -i64::from(libc::EAGAIN) {
                 self.push(slot);
             } else if result >= 0 && result as usize == len {
-                let op = self.ops[slot].take().expect("a live request");
-                self.free.push(slot);
+                let op = self.release(slot);
                 self.ready.extend(op.tags.into_iter().map(|t| (t, Ok(()))));
             } else if op.tags.len() > 1 {
                 // A merged request fell short or failed: each write goes again on its own,
                 // to learn its own outcome (rewriting what did land is harmless, its buffer
                 // is unchanged).
-                let op = self.ops[slot].take().expect("a live request");
-                self.free.push(slot);
+                let op = self.release(slot);
                 let mut at = op.offset;
                 for (v, tag) in op.iov.iter().zip(op.tags) {
                     let single =
