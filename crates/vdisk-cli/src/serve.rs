@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use vdisk::export::nbd::{Address, Export, ExportOptions, Limits, Server, ServerOptions};
+use vdisk::storage::Backend;
 use vdisk::{BlockDev, CacheMode, Format, Image, ImageOptions};
 
 use crate::fail;
@@ -156,7 +157,11 @@ pub fn run(a: Args) -> ExitCode {
         max_connections: a.max_connections,
         limits: Limits {
             workers: a.workers.max(1),
-            native_aio: a.aio == Some("native"),
+            aio: match a.aio {
+                Some("threads") => None,
+                Some("native") => Some(Backend::LinuxAio),
+                _ => Some(Backend::IoUring),
+            },
             ..Limits::default()
         },
         verbose: a.verbose,

@@ -903,9 +903,22 @@ fn qemu_tools_over_nbd_raw() {
     qemu_tools_on("raw", &[]);
 }
 
+/// The default: reads go from the reader through io_uring, through the page cache.
 #[test]
 fn qemu_tools_over_nbd_qcow2() {
     qemu_tools_on("qcow2", &[]);
+}
+
+/// Every request on worker threads.
+#[test]
+fn qemu_tools_over_nbd_qcow2_threads() {
+    qemu_tools_on("qcow2", &["--aio", "threads"]);
+}
+
+/// Reads through io_uring bypassing the page cache, writes on workers.
+#[test]
+fn qemu_tools_over_nbd_qcow2_io_uring_direct() {
+    qemu_tools_on("qcow2", &["--cache", "none", "--aio", "io_uring"]);
 }
 
 /// The same through the AIO path (reads and writes mapped by the reader, data through Linux
@@ -1108,6 +1121,11 @@ fn nbdcopy_both_ways_with_multi_conn() {
 #[test]
 fn fio_random_writes_verify() {
     fio_random_writes_verify_with(&[]);
+}
+
+#[test]
+fn fio_random_writes_verify_threads() {
+    fio_random_writes_verify_with(&["--aio", "threads"]);
 }
 
 /// Writes of the AIO path (placed by the reader, data through Linux AIO, replies from the

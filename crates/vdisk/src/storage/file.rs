@@ -469,10 +469,14 @@ impl Storage for FileStorage {
         Some(fd)
     }
 
-    fn async_read_fd(&self, offset: u64, buf: &mut [u8]) -> Option<RawFd> {
-        let fd = self
-            .direct_for(offset, [(buf.as_ptr() as usize, buf.len())])?
-            .as_raw_fd();
+    fn async_read_fd(&self, offset: u64, buf: &mut [u8], cached: bool) -> Option<RawFd> {
+        let direct = self.direct_for(offset, [(buf.as_ptr() as usize, buf.len())]);
+        let fd = match (direct, cached) {
+            (Some(f), _) => f,
+            (None, true) => &self.file,
+            (None, false) => return None,
+        }
+        .as_raw_fd();
         self.stats.record_read(buf.len());
         Some(fd)
     }

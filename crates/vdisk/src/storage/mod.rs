@@ -32,7 +32,7 @@ pub use fault::{Fault, FaultStorage, OpKind, When};
 pub use file::{FileStorage, OpenOptions, DIRECT_ALIGN};
 pub use lock::{LockRole, LockUse};
 pub use memory::MemStorage;
-pub use ring::{AioContext, Backend, IoEvent, Iocb, Ring};
+pub use ring::{AioContext, Backend, IoEvent, Iocb, Ring, UringContext};
 pub use stats::{IoStats, IoStatsSnapshot};
 
 use std::io;
@@ -100,10 +100,13 @@ pub trait Storage: Send + Sync {
     }
 
     /// The descriptor from which an asynchronous read into `buf` at `offset` may come,
-    /// counted here as a read; `None` where this storage reads only through `read_at`. A read
-    /// that comes back short met the end of the storage: the rest reads as zero.
-    fn async_read_fd(&self, offset: u64, buf: &mut [u8]) -> Option<RawFd> {
-        let _ = (offset, buf);
+    /// counted here as a read; `None` where this storage reads only through `read_at`. With
+    /// `cached`, the caller's queue reads through the page cache without blocking (io_uring),
+    /// so any descriptor will do; without, only one that bypasses it (Linux AIO blocks its
+    /// submitter on the page cache). A read that comes back short met the end of the storage:
+    /// the rest reads as zero.
+    fn async_read_fd(&self, offset: u64, buf: &mut [u8], cached: bool) -> Option<RawFd> {
+        let _ = (offset, buf, cached);
         None
     }
 

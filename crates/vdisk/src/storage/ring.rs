@@ -398,6 +398,24 @@ impl Iocb {
         }
     }
 
+    /// The io_uring entry doing what this block does.
+    fn sqe(&self) -> io_uring::squeue::Entry {
+        let fd = types::Fd(self.fildes as RawFd);
+        let (ptr, len) = (self.buf as *mut u8, self.nbytes as u32);
+        let sqe = match self.opcode {
+            IOCB_CMD_PREAD => opcode::Read::new(fd, ptr, len)
+                .offset(self.offset as u64)
+                .build(),
+            IOCB_CMD_PWRITE => opcode::Write::new(fd, ptr, len)
+                .offset(self.offset as u64)
+                .build(),
+            _ => opcode::Writev::new(fd, ptr as *const libc::iovec, len)
+                .offset(self.offset as u64)
+                .build(),
+        };
+        sqe.user_data(self.data)
+    }
+
     /// A read of `len` bytes from `fd` at `offset` into `ptr`, reported under `tag`.
     pub fn read(fd: RawFd, offset: u64, ptr: *mut u8, len: usize, tag: u64) -> Iocb {
         Iocb {
@@ -495,6 +513,143 @@ impl Drop for AioContext {
     }
 }
 
+/// An io_uring taking the same control blocks as an [`AioContext`], submitted from one thread
+/// and reaped from another. Unlike Linux AIO it reads through the page cache without blocking
+/// the submitter: a read of cached pages completes within the submission, a read of missing
+/// ones when the kernel has brought them in.
+pub struct UringContext {
+    ring: IoUring,
+    /// Taken by each side for its half of the ring, which the crate leaves to its caller.
+    sq: std::sync::Mutex<()>,
+    cq: std::sync::Mutex<()>,
+    /// `io_uring_enter` failed for a reason no retry mends: entries left in the queue must
+    /// never reach the kernel, as their caller runs them itself (see [`UringContext::submit`]).
+    broken: std::sync::atomic::AtomicBool,
+}
+
+const IORING_ENTER_GETEVENTS: u32 = 1;
+const IORING_ENTER_EXT_ARG: u32 = 8;
+
+impl UringContext {
+    /// A ring for about `depth` transfers in flight (more wait in the kernel). Fails where
+    /// io_uring is missing, forbidden, or too old to wait with a timeout (before Linux 5.11).
+    pub fn new(depth: u32) -> io::Result<UringContext> {
+        let ring = IoUring::new(depth.next_power_of_two().clamp(8, 4096))?;
+        if !ring.params().is_feature_ext_arg() || !ring.params().is_feature_nodrop() {
+            return Err(io::Error::from(io::ErrorKind::Unsupported));
+        }
+        Ok(UringContext {
+            ring,
+            sq: std::sync::Mutex::new(()),
+            cq: std::sync::Mutex::new(()),
+            broken: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// Submits control blocks from the start of `iocbs`; returns how many the kernel took
+    /// (fewer when the queue is full). When the kernel refuses the ring for good, the ring
+    /// takes nothing more: the blocks it did not take never reach the kernel, and an error
+    /// says so when it took none.
+    ///
+    /// # Safety
+    /// As [`AioContext::submit`].
+    pub unsafe fn submit(&self, iocbs: &mut [Iocb]) -> io::Result<usize> {
+        use std::sync::atomic::Ordering;
+        let _sq = self.sq.lock().unwrap_or_else(|e| e.into_inner());
+        if self.broken.load(Ordering::Relaxed) {
+            return Err(io::Error::from_raw_os_error(libc::EBADFD));
+        }
+        // SAFETY: only this function touches the submission queue, under `self.sq`.
+        let mut sq = unsafe { self.ring.submission_shared() };
+        let mut pushed = 0;
+        for c in iocbs.iter() {
+            // SAFETY: the caller keeps the buffers valid until the events are reaped.
+            if unsafe { sq.push(&c.sqe()) }.is_err() {
+                break;
+            }
+            pushed += 1;
+        }
+        sq.sync();
+        let (mut refused, mut busy) = (None, 0);
+        while !sq.is_empty() {
+            match self.ring.submitter().submit() {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                // Out of request memory, or completions overflowing: what the reaper takes
+                // makes room, unless this lasts.
+                Err(e)
+                    if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EBUSY))
+                        && busy < 1000 =>
+                {
+                    busy += 1;
+                    std::thread::sleep(std::time::Duration::from_micros(100));
+                }
+                Err(e) => {
+                    self.broken.store(true, Ordering::Relaxed);
+                    refused = Some(e);
+                    break;
+                }
+            }
+            sq.sync();
+        }
+        let taken = pushed - sq.len();
+        match refused {
+            Some(e) if taken == 0 => Err(e),
+            _ => Ok(taken),
+        }
+    }
+
+    /// As [`AioContext::reap`].
+    pub fn reap(
+        &self,
+        events: &mut [IoEvent],
+        min: usize,
+        timeout: Option<std::time::Duration>,
+    ) -> io::Result<usize> {
+        let _cq = self.cq.lock().unwrap_or_else(|e| e.into_inner());
+        let take = |events: &mut [IoEvent]| {
+            // SAFETY: only this function touches the completion queue, under `self.cq`.
+            let cq = unsafe { self.ring.completion_shared() };
+            let mut n = 0;
+            for (ev, cqe) in events.iter_mut().zip(cq) {
+                *ev = IoEvent {
+                    data: cqe.user_data(),
+                    res: i64::from(cqe.result()),
+                    ..IoEvent::default()
+                };
+                n += 1;
+            }
+            n
+        };
+        let ts = timeout.map(types::Timespec::from);
+        let mut n = 0;
+        loop {
+            n += take(&mut events[n..]);
+            if n >= min.min(events.len()) {
+                return Ok(n);
+            }
+            let args = match &ts {
+                Some(ts) => types::SubmitArgs::new().timespec(ts),
+                None => types::SubmitArgs::new(),
+            };
+            let flags = IORING_ENTER_GETEVENTS | IORING_ENTER_EXT_ARG;
+            // SAFETY: submits nothing; `args` is the extended argument EXT_ARG announces.
+            match unsafe {
+                self.ring
+                    .submitter()
+                    .enter(0, (min - n) as u32, flags, Some(&args))
+            } {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ETIME) => {
+                    return Ok(n + take(&mut events[n..]))
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
 /// A Linux AIO context with the control blocks queued for the next submission.
 struct Aio {
     cx: AioContext,
@@ -565,6 +720,61 @@ mod tests {
             writes_that_continue_each_other_go_as_one(backend);
             a_failed_merged_request_reports_every_write(backend);
         }
+    }
+
+    /// Reads submitted on one thread and reaped on another come back with the file's bytes,
+    /// through the page cache; one past the end of the file comes back short; more than the
+    /// queue holds go in several submissions; a wait with nothing in flight times out.
+    #[test]
+    fn uring_context_reads_through_the_page_cache() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let data: Vec<u8> = (0..20 * 4096 + 100).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        let opts = OpenOptions::default();
+        let file = FileStorage::open(&path, opts).unwrap();
+        let cx = UringContext::new(8).unwrap();
+        let mut bufs = patterns(21, 4096);
+        let mut iocbs = Vec::new();
+        for (i, b) in bufs.iter_mut().enumerate() {
+            let at = i as u64 * 4096;
+            assert_eq!(
+                file.async_read_fd(at, b, false),
+                None,
+                "no direct descriptor"
+            );
+            let fd = file
+                .async_read_fd(at, b, true)
+                .expect("buffered reads may go");
+            iocbs.push(Iocb::read(fd, at, b.as_mut_ptr(), b.len(), i as u64));
+        }
+        let mut results = std::thread::scope(|s| {
+            let reaper = s.spawn(|| {
+                let mut events = [IoEvent::default(); 4];
+                let mut got = Vec::new();
+                while got.len() < 21 {
+                    let n = cx.reap(&mut events, 1, None).unwrap();
+                    got.extend(events[..n].iter().map(IoEvent::result));
+                }
+                got
+            });
+            let mut sent = 0;
+            while sent < iocbs.len() {
+                // SAFETY: `bufs` outlives the reaper, which waits for every read.
+                sent += unsafe { cx.submit(&mut iocbs[sent..]) }.unwrap();
+            }
+            reaper.join().unwrap()
+        });
+        results.sort();
+        for (i, (tag, res)) in results.into_iter().enumerate() {
+            assert_eq!(tag, i as u64);
+            let len = if i == 20 { 100 } else { 4096 };
+            assert_eq!(res, len as i64, "read {i}");
+            assert_eq!(&bufs[i][..len], &data[i * 4096..i * 4096 + len]);
+        }
+        let mut events = [IoEvent::default(); 4];
+        let waited = cx.reap(&mut events, 1, Some(std::time::Duration::from_millis(10)));
+        assert_eq!(waited.unwrap(), 0);
     }
 
     fn direct_file(dir: &tempfile::TempDir) -> FileStorage {

@@ -1,16 +1,20 @@
-//! Reads and writes whose data moves through Linux AIO (`vdisk serve --aio native` with a
-//! direct cache mode): the connection's reader maps each plain read or write on the disk
-//! ([`BlockDev::start_read`], [`BlockDev::start_write`]) and submits its transfers itself; a
-//! completion thread reaps them and replies. The data then costs no worker thread wake-up, as
-//! in qemu-nbd's single event loop. The requests that one read from the socket brought in go
-//! to the kernel with one `io_submit`, so the device is told once for all of them.
+//! Reads and writes whose data moves through the kernel's asynchronous interfaces: the
+//! connection's reader maps each plain read or write on the disk ([`BlockDev::start_read`],
+//! [`BlockDev::start_write`]) and submits its transfers itself; a completion thread reaps them
+//! and replies. The data then costs no worker thread wake-up, as in qemu-nbd's single event
+//! loop. The requests that one read from the socket brought in go to the kernel with one system
+//! call, so the device is told once for all of them.
 //!
 //! ```text
-//!   reader ─ start_* ─ batch ─ io_submit ─► kernel ─ io_getevents ─► completer ─ finish ─► reply
+//!   reader ─ start_* ─ batch ─ submit ─► kernel ─ reap ─► completer ─ finish ─► reply
 //! ```
 //!
-//! Anything else (FUA, other commands, writes of parts of sectors, a write the disk will not
-//! hand out because a flush waits) takes the worker path.
+//! Two interfaces, as `vdisk serve --aio` chooses: Linux AIO (`native`, with a direct cache
+//! mode) carries reads and writes; io_uring carries reads only, in any cache mode, as it reads
+//! through the page cache without blocking the reader (Linux AIO would wait for the device
+//! inside its submission). Anything else (FUA, other commands, writes of parts of sectors, a
+//! write the disk will not hand out because a flush waits, every write under io_uring) takes
+//! the worker path.
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 
@@ -18,7 +22,7 @@ use super::commands::{self, Replies};
 use super::proto::{Request, CMD_FLAG_FUA, CMD_READ, CMD_WRITE};
 use super::transmission::{Buf, Conn, Job, Payload};
 use crate::blockdev::{StartedRead, StartedWrite, Transfer};
-use crate::storage::{AioContext, IoEvent, Iocb, Storage};
+use crate::storage::{AioContext, Backend, IoEvent, Iocb, Storage, UringContext};
 
 /// Events reaped at once.
 const EVENTS: usize = 64;
@@ -42,7 +46,7 @@ impl Batch {
 }
 
 pub(crate) struct DirectIo<'d> {
-    cx: AioContext,
+    cx: Kernel,
     table: Mutex<Table<'d>>,
     /// The completer waits here while nothing is in the kernel.
     busy: Condvar,
@@ -78,6 +82,37 @@ struct InFlight<'d> {
 enum Started<'d> {
     Read(StartedRead<'d>),
     Write(StartedWrite<'d>),
+}
+
+enum Kernel {
+    Aio(AioContext),
+    Uring(Box<UringContext>),
+}
+
+impl Kernel {
+    /// # Safety
+    /// As [`AioContext::submit`].
+    unsafe fn submit(&self, iocbs: &mut [Iocb]) -> std::io::Result<usize> {
+        // SAFETY: passed on to the caller.
+        unsafe {
+            match self {
+                Kernel::Aio(cx) => cx.submit(iocbs),
+                Kernel::Uring(cx) => cx.submit(iocbs),
+            }
+        }
+    }
+
+    fn reap(
+        &self,
+        events: &mut [IoEvent],
+        min: usize,
+        timeout: std::time::Duration,
+    ) -> std::io::Result<usize> {
+        match self {
+            Kernel::Aio(cx) => cx.reap(events, min, Some(timeout)),
+            Kernel::Uring(cx) => cx.reap(events, min, Some(timeout)),
+        }
+    }
 }
 
 impl<'d> Table<'d> {
@@ -130,10 +165,15 @@ impl InFlight<'_> {
 }
 
 impl<'d> DirectIo<'d> {
-    pub fn new(depth: usize) -> std::io::Result<DirectIo<'d>> {
+    /// Fails where the kernel does not offer `backend`.
+    pub fn new(backend: Backend, depth: usize) -> std::io::Result<DirectIo<'d>> {
+        // Requests may have several transfers each.
+        let depth = 2 * depth as u32;
         Ok(DirectIo {
-            // Requests may have several transfers each.
-            cx: AioContext::new(2 * depth as u32)?,
+            cx: match backend {
+                Backend::LinuxAio => Kernel::Aio(AioContext::new(depth)?),
+                Backend::IoUring => Kernel::Uring(Box::new(UringContext::new(depth)?)),
+            },
             table: Mutex::new(Table::default()),
             busy: Condvar::new(),
         })
@@ -143,16 +183,17 @@ impl<'d> DirectIo<'d> {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Takes a plain read or write that passes the checks onto the AIO path, its transfers
-    /// into `batch`; gives back any other job. The request cannot finish before the batch is
-    /// submitted ([`DirectIo::submit`]).
+    /// Takes a plain read (or, with Linux AIO, write) that passes the checks onto this path,
+    /// its transfers into `batch`; gives back any other job. The request cannot finish before
+    /// the batch is submitted ([`DirectIo::submit`]).
     pub fn prepare(&self, conn: &'d Conn, job: Job, batch: &mut Batch) -> Result<(), Job> {
         let dev = conn.session.export.dev();
         let req = job.req;
         // A write of part of a sector is a read-modify-write on the disk (see FileStorage):
         // two round trips to the device, which the reader must not wait for.
         let partial = req.kind == CMD_WRITE && (req.offset | u64::from(req.len)) % 512 != 0;
-        let plain = matches!(req.kind, CMD_READ | CMD_WRITE)
+        let uring = matches!(self.cx, Kernel::Uring(_));
+        let plain = (req.kind == CMD_READ || req.kind == CMD_WRITE && !uring)
             && req.flags & CMD_FLAG_FUA == 0
             && req.len > 0
             && !partial
@@ -209,7 +250,7 @@ impl<'d> DirectIo<'d> {
             let data = &mut io.buf[tr.bytes.clone()];
             let iocb = match io.started {
                 Started::Read(_) => storage
-                    .async_read_fd(tr.host, data)
+                    .async_read_fd(tr.host, data, uring)
                     .map(|fd| Iocb::read(fd, tr.host, data.as_mut_ptr(), data.len(), tag)),
                 Started::Write(_) => storage
                     .async_write_fd(tr.host, data)
@@ -220,8 +261,8 @@ impl<'d> DirectIo<'d> {
                 None => now.push(i),
             }
         }
-        // Unaligned transfers (the direct descriptor refuses them) run here, before the
-        // request is in the table.
+        // Transfers the storage has no descriptor for (unaligned ones under Linux AIO) run
+        // here, before the request is in the table.
         for i in now {
             io.transfer_now(i, 0);
         }
@@ -325,7 +366,7 @@ impl<'d> DirectIo<'d> {
             let min = usize::from(done.is_empty());
             let n = match in_kernel {
                 0 => 0,
-                _ => match self.cx.reap(&mut events, min, Some(READY_CHECK)) {
+                _ => match self.cx.reap(&mut events, min, READY_CHECK) {
                     Ok(n) => n,
                     Err(e) => {
                         (conn.log)(&format!("nbd: waiting for transfers failed: {e}"));

@@ -11,8 +11,9 @@
 //!
 //! A request that is alone (nothing else in flight, nothing more sent) runs on the reader
 //! itself: a client at queue depth 1 then costs no thread wake-up per request. With
-//! [`Limits::native_aio`], the reader places plain writes itself and their data goes out
-//! through Linux AIO, answered by a completion thread (`direct.rs`).
+//! [`Limits::aio`], the reader places plain reads (and, with Linux AIO, writes) itself and
+//! their data moves through the kernel's asynchronous interface, answered by a completion
+//! thread (`direct.rs`).
 //!
 //! Memory per connection is bounded: the reader waits before taking a request that would put
 //! more than [`Limits::max_bytes`] of payload buffers, or more than [`Limits::max_requests`]
@@ -33,6 +34,7 @@ use super::proto::*;
 use super::stream::Stream;
 use super::{ConnError, Log};
 use crate::bytes::AlignedBuf;
+use crate::storage::Backend;
 
 /// Bounds on one connection.
 #[derive(Debug, Clone, Copy)]
@@ -47,9 +49,10 @@ pub struct Limits {
     /// Run a request on the reader itself when it is the only one in flight and no other is
     /// waiting on the socket, saving a thread wake-up per request at queue depth 1.
     pub inline: bool,
-    /// Send the data of plain writes through Linux AIO from the reader (see `direct.rs`);
-    /// only useful where the image is opened for direct I/O.
-    pub native_aio: bool,
+    /// Place plain reads (and, with Linux AIO, writes) from the reader through this kernel
+    /// interface (see `direct.rs`); `None`, or an interface the kernel lacks, leaves them to
+    /// the workers. Linux AIO only serves images opened for direct I/O.
+    pub aio: Option<Backend>,
 }
 
 impl Default for Limits {
@@ -59,7 +62,7 @@ impl Default for Limits {
             max_requests: 512,
             max_bytes: 2 * MAX_PAYLOAD as usize,
             inline: true,
-            native_aio: false,
+            aio: Some(Backend::IoUring),
         }
     }
 }
@@ -307,12 +310,11 @@ pub(crate) fn serve(
 }
 
 fn serve_conn(conn: &Conn, reader: &mut BufReader<Stream>) -> Result<(), ConnError> {
-    // Without AIO on this machine, writes take the worker path.
+    // Where the kernel lacks the interface, everything takes the worker path.
     let direct = conn
         .limits
-        .native_aio
-        .then(|| DirectIo::new(conn.limits.max_requests).ok())
-        .flatten();
+        .aio
+        .and_then(|backend| DirectIo::new(backend, conn.limits.max_requests).ok());
     std::thread::scope(|scope| {
         if let Some(d) = &direct {
             scope.spawn(|| d.complete(conn));
