@@ -328,10 +328,10 @@ enum Command {
         /// directsync, unsafe.
         #[arg(long, value_parser = parse_cache, default_value = "writeback")]
         cache: CacheMode,
-        /// How plain reads and writes reach the disk: io_uring (default; reads go from each
-        /// connection's reader through io_uring, writes to worker threads), native (needs
-        /// --cache none or directsync; reads and writes go through Linux AIO), threads
-        /// (worker threads only). Where the kernel lacks the interface, worker threads.
+        /// How plain reads and writes reach the disk: io_uring (default; reads of up to 64 KiB
+        /// go from each connection's reader through io_uring, the rest to worker threads),
+        /// native (needs --cache none or directsync; reads and writes go through Linux AIO),
+        /// threads (worker threads only). Where the kernel lacks the interface, worker threads.
         #[arg(long)]
         aio: Option<String>,
         #[arg(long)]

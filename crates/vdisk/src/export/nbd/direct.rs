@@ -13,8 +13,8 @@
 //! mode) carries reads and writes; io_uring carries reads only, in any cache mode, as it reads
 //! through the page cache without blocking the reader (Linux AIO would wait for the device
 //! inside its submission). Anything else (FUA, other commands, writes of parts of sectors, a
-//! write the disk will not hand out because a flush waits, every write under io_uring) takes
-//! the worker path.
+//! write the disk will not hand out because a flush waits; under io_uring every write and
+//! reads above [`URING_MAX_READ`]) takes the worker path.
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 
@@ -31,6 +31,11 @@ const MAX_BATCH: usize = 256;
 /// How long the completer waits in the kernel before it looks at requests the reader finished
 /// itself (their notice cannot reach it there); transfers usually complete sooner.
 const READY_CHECK: std::time::Duration = std::time::Duration::from_millis(1);
+/// Reads up to this size go through io_uring; larger ones to the workers. Through the page
+/// cache the kernel copies a read's data on the thread that submitted it, so the reader would
+/// copy every large read in turn where the workers copy them side by side; for a small read
+/// the hand-off to a worker costs more than the copy.
+const URING_MAX_READ: u32 = 64 << 10;
 
 /// Requests prepared by the reader whose transfers wait to go to the kernel together.
 #[derive(Default)]
@@ -193,8 +198,11 @@ impl<'d> DirectIo<'d> {
         // two round trips to the device, which the reader must not wait for.
         let partial = req.kind == CMD_WRITE && (req.offset | u64::from(req.len)) % 512 != 0;
         let uring = matches!(self.cx, Kernel::Uring(_));
-        let plain = (req.kind == CMD_READ || req.kind == CMD_WRITE && !uring)
-            && req.flags & CMD_FLAG_FUA == 0
+        let plain = match req.kind {
+            CMD_READ => !uring || req.len <= URING_MAX_READ,
+            CMD_WRITE => !uring,
+            _ => false,
+        } && req.flags & CMD_FLAG_FUA == 0
             && req.len > 0
             && !partial
             && commands::passes_checks(conn, &req);
