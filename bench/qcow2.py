@@ -39,6 +39,7 @@ import glob
 import os
 import re
 import resource
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -261,7 +262,7 @@ def main():
 def render(a, rounds, total, started, results):
     version = sh(["qemu-img", "--version"]).stdout.splitlines()[0]
     rev = sh(["git", "describe", "--always", "--dirty"], cwd=ROOT).stdout.strip()
-    cmd = "bench/qcow2.py " + " ".join(sys.argv[1:])
+    cmd = shlex.join(["bench/qcow2.py"] + sys.argv[1:])
     out = ["# qcow2 write benchmark (%s)" % ("quick" if a.quick else "full"), ""]
     out += [
         "- command: `%s`" % cmd.strip(),
