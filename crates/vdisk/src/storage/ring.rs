@@ -170,23 +170,14 @@ impl Ring {
     fn try_push(&mut self, slot: usize) -> io::Result<()> {
         self.requests += 1;
         let op = self.ops[slot].as_ref().expect("a live request");
-        let iovecs = op.iov.len() as u32;
+        let iocb = Iocb::writev(op.fd, op.offset, op.iov.as_ptr(), op.iov.len(), slot as u64);
         match &mut self.queue {
             Queue::Aio(aio) => {
-                aio.queued.push(Iocb::writev(
-                    op.fd,
-                    op.offset,
-                    op.iov.as_ptr(),
-                    op.iov.len(),
-                    slot as u64,
-                ));
+                aio.queued.push(iocb);
                 Ok(())
             }
             Queue::Uring(uring) => {
-                let entry = opcode::Writev::new(types::Fd(op.fd), op.iov.as_ptr(), iovecs)
-                    .offset(op.offset)
-                    .build()
-                    .user_data(slot as u64);
+                let entry = iocb.sqe();
                 loop {
                     // SAFETY: the entry names buffers (and an iovec array) that stay valid
                     // until the request is reported, which is after the kernel is done.
