@@ -11,6 +11,12 @@
 //!
 //! Undamaged images must also read back exactly what was written and check clean, which keeps
 //! the writer honest; `builder_images_pass_qemu_img_check` has QEMU vouch for it too.
+//!
+//! Each proptest case then writes to the image (`hostile_images/writes.rs`): a short sequence of
+//! writes, zeroes, discards, flushes, reads and snapshots on a copy opened for writing, a close,
+//! a second writable open, a repair and reads again, under the same deadline and a larger heap
+//! budget. On undamaged images the disk must then hold exactly what a flat model of it says,
+//! and check clean after the close.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -25,6 +31,12 @@ use proptest::strategy::ValueTree;
 use vdisk::formats::qcow2::check::check;
 use vdisk::storage::{MemStorage, Storage};
 use vdisk::{open_storage, BlockDev, Format};
+
+#[path = "hostile_images/writes.rs"]
+mod writes;
+use writes::{
+    write_op_strategy, write_phase, WriteOp, WriteOutcome, SAMPLE_WRITES, WRITE_PHASE_HEAP,
+};
 
 // ------------------------------------------------------------------------------------------------
 // Counting allocator: per-thread live bytes and their peak.
@@ -684,6 +696,8 @@ struct Outcome {
     status_errors: Vec<String>,
     /// Corruptions + leaks found, or the error that stopped the check.
     check: Option<Result<(u64, u64), String>>,
+    /// What the write phase did, when the case has one and the image opened.
+    write: Option<Box<WriteOutcome>>,
     /// Peak heap bytes the case held.
     peak: u64,
     file_len: u64,
@@ -779,36 +793,46 @@ fn drive(dev: &dyn BlockDev, out: &mut Outcome, keep_contents: bool) {
     }
 }
 
-/// Opens `bytes` as qcow2 in memory and drives it; measures heap use and time.
-fn exercise(bytes: Vec<u8>, keep_contents: bool) -> Outcome {
+/// Opens the image in `storage` read-only and drives it: reads, block status, check, and the
+/// first snapshots read the way `convert -l` reads them.
+fn examine(storage: Arc<dyn Storage>, keep_contents: bool) -> Outcome {
+    let mut out = Outcome::default();
+    let image = match open_storage(storage.clone(), Some(Format::Qcow2), "hostile.qcow2") {
+        Ok(i) => i,
+        Err(e) => {
+            out.refused = Some(e.to_string());
+            return out;
+        }
+    };
+    out.size = image.size();
+    drive(&image, &mut out, keep_contents);
+    let q = image.qcow2().expect("opened as qcow2");
+    out.check = Some(match check(q, &mut |_| {}) {
+        Ok(r) => Ok((r.corruptions, r.leaks)),
+        Err(f) => Err(f.error.to_string()),
+    });
+    let ids: Vec<String> = q.snapshots().iter().take(2).map(|s| s.id.clone()).collect();
+    for id in ids {
+        let mut snap = open_storage(storage.clone(), Some(Format::Qcow2), "hostile.qcow2")
+            .expect("it opened a moment ago");
+        match snap.load_snapshot(&id) {
+            Ok(()) => drive(&snap, &mut Outcome::default(), false),
+            Err(e) => assert_clear(&e.to_string(), "loading a snapshot"),
+        }
+    }
+    out
+}
+
+/// Opens `bytes` as qcow2 in memory and drives it, then, if it opened and `writes` is not
+/// empty, runs the write phase on a copy; measures heap use and time.
+fn exercise(bytes: Vec<u8>, keep_contents: bool, writes: &[WriteOp]) -> Outcome {
     let file_len = bytes.len() as u64;
     let storage: Arc<dyn Storage> = Arc::new(MemStorage::from_bytes(bytes));
     let start = Instant::now();
     let (mut out, peak) = measured(|| {
-        let mut out = Outcome::default();
-        let image = match open_storage(storage.clone(), Some(Format::Qcow2), "hostile.qcow2") {
-            Ok(i) => i,
-            Err(e) => {
-                out.refused = Some(e.to_string());
-                return out;
-            }
-        };
-        out.size = image.size();
-        drive(&image, &mut out, keep_contents);
-        let q = image.qcow2().expect("opened as qcow2");
-        out.check = Some(match check(q, &mut |_| {}) {
-            Ok(r) => Ok((r.corruptions, r.leaks)),
-            Err(f) => Err(f.error.to_string()),
-        });
-        // Internal snapshots, read the way `convert -l` reads them.
-        let ids: Vec<String> = q.snapshots().iter().take(2).map(|s| s.id.clone()).collect();
-        for id in ids {
-            let mut snap = open_storage(storage.clone(), Some(Format::Qcow2), "hostile.qcow2")
-                .expect("it opened a moment ago");
-            match snap.load_snapshot(&id) {
-                Ok(()) => drive(&snap, &mut Outcome::default(), false),
-                Err(e) => assert_clear(&e.to_string(), "loading a snapshot"),
-            }
+        let mut out = examine(storage.clone(), keep_contents);
+        if out.refused.is_none() && !writes.is_empty() {
+            out.write = Some(Box::new(write_phase(&*storage, writes, keep_contents)));
         }
         out
     });
@@ -818,13 +842,38 @@ fn exercise(bytes: Vec<u8>, keep_contents: bool) -> Outcome {
     out
 }
 
-/// `exercise` on a thread of its own, failing on a hang or on too much memory.
-fn exercise_guarded(bytes: Vec<u8>, keep_contents: bool) -> Outcome {
+/// Fails on any unclear error message of `out` (and of its write phase).
+fn assert_clear_outcome(out: &Outcome) {
+    if let Some(e) = &out.refused {
+        assert_clear(e, "open");
+    }
+    for e in out.read_errors.iter().chain(&out.status_errors) {
+        assert_clear(e, "read or block status");
+    }
+    if let Some(Err(e)) = &out.check {
+        assert_clear(e, "check");
+    }
+    if let Some(w) = &out.write {
+        if let Some(e) = &w.refused {
+            assert_clear(e, "writable open");
+        }
+        for (what, e) in &w.errors {
+            assert_clear(e, what);
+        }
+        assert_clear_outcome(&w.closed);
+        assert_clear_outcome(&w.repaired);
+    }
+}
+
+/// `exercise` on a thread of its own, failing on a hang, on too much memory, or on an unclear
+/// error message.
+fn exercise_guarded(bytes: Vec<u8>, keep_contents: bool, writes: &[WriteOp]) -> Outcome {
     let (tx, rx) = mpsc::channel();
+    let writes = writes.to_vec();
     let worker = std::thread::Builder::new()
         .name("hostile-image".into())
         .spawn(move || {
-            let _ = tx.send(exercise(bytes, keep_contents));
+            let _ = tx.send(exercise(bytes, keep_contents, &writes));
         })
         .expect("spawn a worker");
     let out = match rx.recv_timeout(CASE_DEADLINE) {
@@ -837,22 +886,19 @@ fn exercise_guarded(bytes: Vec<u8>, keep_contents: bool) -> Outcome {
             Ok(()) => unreachable!("the worker sends before it ends"),
         },
     };
-    let budget = heap_budget(out.file_len);
+    let budget = heap_budget(out.file_len)
+        + if out.write.is_some() {
+            WRITE_PHASE_HEAP
+        } else {
+            0
+        };
     assert!(
         out.peak <= budget,
         "over-allocation: peak heap {} bytes for a {}-byte file (budget {budget})",
         out.peak,
         out.file_len
     );
-    if let Some(e) = &out.refused {
-        assert_clear(e, "open");
-    }
-    for e in out.read_errors.iter().chain(&out.status_errors) {
-        assert_clear(e, "read or block status");
-    }
-    if let Some(Err(e)) = &out.check {
-        assert_clear(e, "check");
-    }
+    assert_clear_outcome(&out);
     out
 }
 
@@ -873,17 +919,52 @@ fn config(cases: u32) -> ProptestConfig {
 proptest! {
     #![proptest_config(config(200))]
 
-    /// The writer is right: undamaged images read back what was written and check clean.
+    /// The writer is right: undamaged images read back what was written and check clean. And
+    /// so is the engine's write path on them: after the write phase the disk holds exactly
+    /// what the model says, before and after a clean close, and checks clean (no corruption,
+    /// no leak) after it and after a repair.
     #[test]
-    fn valid_images_read_back_and_check_clean(spec in spec_strategy()) {
+    fn valid_images_read_back_and_check_clean(
+        spec in spec_strategy(),
+        writes in prop::collection::vec(write_op_strategy(), 1..=8),
+    ) {
         let built = spec.build();
-        let out = exercise_guarded(built.bytes, true);
+        let out = exercise_guarded(built.bytes, true, &writes);
         prop_assert!(out.refused.is_none(), "refused: {:?}", out.refused);
         prop_assert!(out.read_errors.is_empty(), "read errors: {:?}", out.read_errors);
         prop_assert!(out.status_errors.is_empty(), "status errors: {:?}", out.status_errors);
         prop_assert_eq!(out.size, built.expected.len() as u64);
         prop_assert!(out.contents.as_ref() == Some(&built.expected), "contents differ");
         prop_assert_eq!(out.check, Some(Ok((0, 0))));
+
+        let w = out.write.expect("the image opened, so the write phase ran");
+        prop_assert!(w.refused.is_none(), "writable open refused: {:?}", w.refused);
+        // A snapshot that narrow refcounts cannot count is refused before anything changed.
+        let refused = |(what, e): &(String, String)| {
+            what == "TakeSnapshot" && has(e, &["would leave the range"])
+        };
+        prop_assert!(w.errors.iter().all(refused), "errors: {:?}", w.errors);
+        let mut model = built.expected;
+        let mut reads = w.reads.iter();
+        for (i, op) in writes.iter().enumerate() {
+            if let Some(want) = op.read_from(&model, spec.cs()) {
+                let got = reads.next().map(Vec::as_slice);
+                prop_assert!(got == Some(want), "operation {} read other data", i);
+            }
+            op.apply_to(&mut model, spec.cs());
+        }
+        prop_assert!(w.written.as_ref() == Some(&model), "contents differ from the model");
+        for (when, after) in [("after the close", &w.closed), ("after the repair", &w.repaired)] {
+            prop_assert!(after.refused.is_none(), "{}: refused: {:?}", when, after.refused);
+            prop_assert!(after.read_errors.is_empty(), "{}: {:?}", when, after.read_errors);
+            prop_assert!(
+                after.contents.as_ref() == Some(&model),
+                "contents differ from the model {}",
+                when
+            );
+            prop_assert_eq!(&after.check, &Some(Ok((0, 0))), "{}", when);
+        }
+        prop_assert_eq!(w.repair, Some(Ok((0, 0))));
     }
 }
 
@@ -894,13 +975,14 @@ proptest! {
     fn damaged_images_fail_cleanly(
         spec in spec_strategy(),
         mutations in prop::collection::vec(mutation_strategy(), 1..=4),
+        writes in prop::collection::vec(write_op_strategy(), 1..=8),
     ) {
         let built = spec.build();
         let mut bytes = built.bytes;
         for m in &mutations {
             apply(&mut bytes, &built.layout, m);
         }
-        exercise_guarded(bytes, false);
+        exercise_guarded(bytes, false, &writes);
     }
 }
 
@@ -927,7 +1009,7 @@ fn plain_spec(cluster_bits: u32) -> Spec {
 }
 
 fn open_err(bytes: Vec<u8>) -> String {
-    let mut out = exercise_guarded(bytes, false);
+    let mut out = exercise_guarded(bytes, false, &[]);
     match out.refused.take() {
         Some(e) => e,
         None => panic!("the image opened; expected an error ({out:?})"),
@@ -962,7 +1044,7 @@ fn largest_allowed_l1_claim_in_a_tiny_file_allocates_only_what_exists() {
     put64(&mut bytes, 24, entries * 64 * 512);
     put32(&mut bytes, 36, entries as u32);
     let len = bytes.len() as u64;
-    let out = exercise_guarded(bytes, false);
+    let out = exercise_guarded(bytes, false, &[]);
     assert!(out.refused.is_none(), "{:?}", out.refused);
     assert!(
         out.peak < (4 << 20) + 16 * len,
@@ -981,7 +1063,7 @@ fn l2_offset_into_the_header_or_other_metadata_fails_reads_not_the_process() {
         for target in [0x200, 0, b.layout.reftable, b.layout.refblock, b.layout.l1] {
             let mut bytes = b.bytes.clone();
             put64(&mut bytes, b.layout.l1, COPIED | target);
-            let out = exercise_guarded(bytes, false);
+            let out = exercise_guarded(bytes, false, &[]);
             assert!(out.refused.is_none(), "{:?}", out.refused);
             // A refcount block read as an L2 table is not refused (nor is it by QEMU): its
             // refcounts then read as mappings. Only check that nothing breaks.
@@ -1082,7 +1164,7 @@ fn bogus_snapshot_tables_fail_or_stay_bounded() {
     for (what, damage) in variants {
         let mut bytes = b.bytes.clone();
         damage(&mut bytes);
-        let out = exercise_guarded(bytes, false);
+        let out = exercise_guarded(bytes, false, &[]);
         if let Some(e) = &out.refused {
             assert!(has(e, &["snapshot"]), "{what}: {e}");
         }
@@ -1106,7 +1188,7 @@ fn huge_refcount_tables_are_refused_or_read_only_where_they_exist() {
     let mut bytes = b.bytes.clone();
     put32(&mut bytes, 56, (8 << 20) / 512);
     let len = bytes.len() as u64;
-    let out = exercise_guarded(bytes.clone(), false);
+    let out = exercise_guarded(bytes.clone(), false, &[]);
     assert!(out.refused.is_none(), "{:?}", out.refused);
     assert!(out.peak < (4 << 20) + 16 * len, "peak {}", out.peak);
     // Every refcount table entry naming the same refcount block, or the header, or beyond EOF.
@@ -1115,7 +1197,7 @@ fn huge_refcount_tables_are_refused_or_read_only_where_they_exist() {
         for i in 0..64 {
             put64(&mut bytes, b.layout.reftable + 8 * i, target);
         }
-        let out = exercise_guarded(bytes, false);
+        let out = exercise_guarded(bytes, false, &[]);
         assert!(out.check.is_some(), "{out:?}");
     }
 }
@@ -1215,7 +1297,7 @@ fn compressed_descriptor_beyond_eof_is_an_error() {
                 b.layout.l2,
                 COMPRESSED | (sectors << shift) | host,
             );
-            let out = exercise_guarded(bytes, false);
+            let out = exercise_guarded(bytes, false, &[]);
             assert!(out.refused.is_none());
             assert!(
                 out.read_errors.iter().any(|e| has(e, &["compress"])),
@@ -1236,7 +1318,7 @@ fn compressed_data_at_eof_is_a_corruption() {
     let mut bytes = b.bytes;
     let len = bytes.len() as u64;
     put64(&mut bytes, b.layout.l2, COMPRESSED | len);
-    let out = exercise_guarded(bytes, false);
+    let out = exercise_guarded(bytes, false, &[]);
     assert!(
         matches!(out.check, Some(Ok((c, _))) if c > 0),
         "check: {:?}",
@@ -1253,7 +1335,7 @@ fn compressed_garbage_is_an_error() {
         for garbage in [0x00u8, 0xff, 0x5a] {
             let mut bytes = b.bytes.clone();
             bytes[host..host + 4096].fill(garbage);
-            let out = exercise_guarded(bytes, false);
+            let out = exercise_guarded(bytes, false, &[]);
             assert!(
                 out.read_errors.iter().any(|e| has(e, &["compress"])),
                 "zstd {zstd}, garbage {garbage:#x}: {:?}",
@@ -1291,7 +1373,7 @@ fn invalid_extended_l2_bitmaps_are_errors() {
             put64(&mut bytes, l2 + entry, COMPRESSED | (6 << 20));
         }
         put64(&mut bytes, l2 + entry + 8, bitmap);
-        let out = exercise_guarded(bytes, false);
+        let out = exercise_guarded(bytes, false, &[]);
         assert!(out.refused.is_none(), "{what}: {:?}", out.refused);
         if what.starts_with("allocated") || what.starts_with("all") {
             assert!(
@@ -1321,7 +1403,7 @@ fn every_truncation_of_a_valid_image_fails_cleanly() {
     spec.guest.push(Guest::ZeroAlloc);
     let b = spec.build();
     for keep in (0..=b.bytes.len()).step_by(64) {
-        exercise_guarded(b.bytes[..keep].to_vec(), false);
+        exercise_guarded(b.bytes[..keep].to_vec(), false, SAMPLE_WRITES);
     }
 }
 
@@ -1343,7 +1425,7 @@ fn random_bytes_behind_a_qcow2_magic_fail_cleanly() {
         // Plausible cluster bits and no encryption, so the parser gets past the first checks.
         bytes[20..24].copy_from_slice(&(9 + (next() % 13) as u32).to_be_bytes());
         bytes[32..36].fill(0);
-        exercise_guarded(bytes, false);
+        exercise_guarded(bytes, false, SAMPLE_WRITES);
     }
 }
 
@@ -1373,7 +1455,7 @@ fn shared_l2_with_bad_entries(cluster_bits: u32) -> Vec<u8> {
 fn check_messages_stay_bounded_for_a_shared_l2_table() {
     let bytes = shared_l2_with_bad_entries(12);
     let len = bytes.len() as u64;
-    let out = exercise_guarded(bytes, false);
+    let out = exercise_guarded(bytes, false, &[]);
     assert!(out.peak < (4 << 20) + 16 * len, "peak {} bytes", out.peak);
 }
 
@@ -1381,7 +1463,7 @@ fn check_messages_stay_bounded_for_a_shared_l2_table() {
 /// is covered on every run.
 #[test]
 fn shared_l2_table_with_small_clusters_fails_cleanly() {
-    let out = exercise_guarded(shared_l2_with_bad_entries(9), false);
+    let out = exercise_guarded(shared_l2_with_bad_entries(9), false, &[]);
     assert!(matches!(out.check, Some(Ok((c, _))) if c > 0));
 }
 
@@ -1422,7 +1504,7 @@ fn bitmap_directory_image(n: u32, table_clusters: u64) -> Vec<u8> {
 #[test]
 fn check_of_a_huge_bitmap_directory_is_fast() {
     let bytes = bitmap_directory_image(20_000, 32);
-    let out = exercise_guarded(bytes, false);
+    let out = exercise_guarded(bytes, false, &[]);
     assert!(
         out.elapsed < Duration::from_secs(5),
         "check took {:?}",
@@ -1458,7 +1540,7 @@ fn l2_tables_beyond_eof_image() -> Vec<u8> {
 /// times cluster size: a 1 MiB file of this shape takes tens of minutes.
 #[test]
 fn check_of_l2_tables_beyond_eof_is_fast() {
-    let out = exercise_guarded(l2_tables_beyond_eof_image(), false);
+    let out = exercise_guarded(l2_tables_beyond_eof_image(), false, &[]);
     assert!(
         out.elapsed < Duration::from_secs(1),
         "took {:?}",
@@ -1468,7 +1550,7 @@ fn check_of_l2_tables_beyond_eof_is_fast() {
 
 #[test]
 fn small_bitmap_directory_fails_cleanly() {
-    let out = exercise_guarded(bitmap_directory_image(50, 1), false);
+    let out = exercise_guarded(bitmap_directory_image(50, 1), false, &[]);
     assert!(out.check.is_some());
 }
 

@@ -397,6 +397,54 @@ fn refcount_table_growth_is_consistent() {
     }
 }
 
+/// Regression: a refcount table of at least as many clusters as a refcount block has entries
+/// (with 512-byte clusters and 64-bit refcounts: 64 clusters, needed past 64 MiB of image)
+/// cannot be placed between two of the places kept for new refcount blocks, and the search for
+/// one never ended: writing 80 MiB hung. Then allocation was quadratic, each search walking
+/// every cluster allocated since the first free gap (12 s for 100 MiB). The writes must finish
+/// in seconds, read back and check clean.
+#[test]
+fn refcount_table_longer_than_a_refcount_block_range() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let size = 80u64 << 20;
+        let o = CreateOptions {
+            size,
+            cluster_size: 512,
+            refcount_bits: 64,
+            ..CreateOptions::default()
+        };
+        let storage: Arc<dyn Storage> = Arc::new(MemStorage::new());
+        create(&*storage, None, &o).unwrap();
+        let image = open_storage_with(storage.clone(), Some(Format::Qcow2), "t", true).unwrap();
+        let mib = 1u64 << 20;
+        for i in 0..size / mib {
+            image
+                .write(i * mib, &vec![i as u8 + 1; mib as usize])
+                .unwrap();
+            if i % 16 == 15 {
+                image.flush().unwrap();
+            }
+        }
+        let got = contents(&image);
+        let wrong = (0..size / mib).find(|&i| {
+            let at = (i * mib) as usize;
+            got[at..at + mib as usize].iter().any(|&b| b != i as u8 + 1)
+        });
+        image.qcow2().unwrap().close().unwrap();
+        drop(image);
+        let header = storage.to_bytes_for_test();
+        let reftable_clusters = u32::from_be_bytes(header[56..60].try_into().unwrap());
+        let _ = tx.send((wrong, reftable_clusters, check_clean(&storage, false)));
+    });
+    let (wrong, reftable_clusters, clean) = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the writes finish");
+    assert_eq!(wrong, None, "first MiB that reads back wrong");
+    assert!(reftable_clusters >= 64, "{reftable_clusters} clusters");
+    assert_eq!(clean, Ok(()));
+}
+
 /// Growth with `--preallocation`: the new clusters are mapped in committed batches after the
 /// header names the new size, so every crash state checks clean (leaks allowed), keeps the old
 /// data and reads zero wherever the header's size reaches past it; the finished image has no

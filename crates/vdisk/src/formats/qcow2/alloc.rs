@@ -38,7 +38,8 @@ pub(super) struct Refcounts {
     order: u32,
     cluster_bits: u32,
     per_block: u64,
-    /// No cluster below this one is free.
+    /// Where the search for free clusters starts (QEMU's `free_cluster_index`): no cluster
+    /// below it is free but those an allocation passed over, until a free lowers it again.
     free_hint: u64,
     /// No cluster from this one on is allocated or promised to an allocation in progress.
     end: u64,
@@ -76,10 +77,30 @@ pub(super) struct Refcounts {
     pool: std::ops::Range<u64>,
     /// Clusters the next refill of the pool takes.
     pool_refill: u64,
-    /// The run an allocation is setting the refcounts of: a refcount block created meanwhile
-    /// must not take the first cluster of its range when the run holds it.
-    claimed: std::ops::Range<u64>,
+    /// The runs whose refcounts are being set (an allocation's, and the refcount table's when
+    /// that allocation makes it grow): a refcount block created meanwhile must not take the
+    /// first cluster of its range when a run holds it.
+    claimed: Vec<std::ops::Range<u64>>,
     opened_len: u64,
+}
+
+/// Refuses a refcount table in which two entries name the same refcount block. That block
+/// would count two ranges of clusters at once (QEMU's check reports its extra reference as a
+/// corruption), and an allocation that finds it full would search every range it stands for: a
+/// table of such entries makes it walk billions of clusters, reading the block for each.
+fn refuse_shared_blocks(table: &[u64]) -> Result<()> {
+    let mut named: Vec<(u64, usize)> = (table.iter().enumerate())
+        .map(|(i, &e)| (e & !0x1ff, i))
+        .filter(|&(block, _)| block != 0)
+        .collect();
+    named.sort_unstable();
+    match named.windows(2).find(|w| w[0].0 == w[1].0) {
+        Some(w) => Err(Error::corrupt(format!(
+            "refcount table entries {:#x} and {:#x} name the same refcount block at {:#x}",
+            w[0].1, w[1].1, w[0].0
+        ))),
+        None => Ok(()),
+    }
 }
 
 impl Refcounts {
@@ -88,6 +109,7 @@ impl Refcounts {
         let entries = u64::from(h.refcount_table_clusters) * cs / 8;
         let mut table = read_table(file, h.refcount_table_offset, entries, "refcount table")?;
         let file_len = file.len().context(|| "reading the image size".into())?;
+        refuse_shared_blocks(&table)?;
         table.resize(entries as usize, 0);
         Ok(Refcounts {
             table,
@@ -114,7 +136,7 @@ impl Refcounts {
             opened_len: file_len,
             increased: false,
             pool: 0..0,
-            claimed: 0..0,
+            claimed: Vec::new(),
             pool_refill: MIN_POOL,
         })
     }
@@ -206,7 +228,8 @@ impl Refcounts {
     /// A new refcount block for block index `b`, placed in the first cluster of the range it
     /// covers: with no block, nothing in that range is allocated, so the cluster is free, and
     /// the block describes itself. Unless a run being allocated holds that cluster (a run
-    /// longer than a range): then the block goes past everything allocated or promised.
+    /// longer than a range, or a refcount table as long): then the block goes past everything
+    /// allocated or promised.
     fn create_block(&mut self, file: &dyn Storage, b: u64) -> Result<()> {
         if b as usize >= self.table.len() {
             self.grow_table(file, b)?;
@@ -217,7 +240,7 @@ impl Refcounts {
             }
         }
         let mut at = b * self.per_block;
-        if self.claimed.contains(&at) {
+        if self.claimed.iter().any(|run| run.contains(&at)) {
             at = self.end;
             // Nor on the place of another block still to be created.
             while self.is_block_slot(at) {
@@ -262,14 +285,20 @@ impl Refcounts {
         // Past everything allocated or promised: this may run in the middle of an allocation
         // whose clusters do not have their refcounts yet.
         let mut first = self.end;
-        // Nor may it cover the place a refcount block still to be created will take.
-        while let Some(slot) = (first..first + clusters).find(|&c| self.is_block_slot(c)) {
-            first = slot + 1;
+        // Nor may it cover the place a refcount block still to be created will take, unless it
+        // is too long to fit between two such places (at least as many clusters as a refcount
+        // block has entries: with 512-byte clusters and 64-bit refcounts, past 64 MiB of
+        // image); then the blocks for those ranges go after it, as for a long allocation.
+        if clusters < self.per_block {
+            while let Some(slot) = (first..first + clusters).find(|&c| self.is_block_slot(c)) {
+                first = slot + 1;
+            }
         }
         self.end = first + clusters;
-        for c in first..first + clusters {
-            self.set(file, c, 1)?;
-        }
+        self.claimed.push(first..first + clusters);
+        let set = (first..first + clusters).try_for_each(|c| self.set(file, c, 1));
+        self.claimed.pop();
+        set?;
         self.pending_frees.extend(old.0..old.0 + old.1);
         self.table_offset = first << self.cluster_bits;
         self.table_clusters = clusters;
@@ -430,12 +459,15 @@ impl Refcounts {
         // Promise the run first: setting these refcounts may create a refcount block or grow
         // the table, and those must not take clusters from it.
         self.end = self.end.max(start + n);
-        if self.free_hint == start {
-            self.free_hint = start + n;
-        }
-        self.claimed = start..start + n;
+        // The next search starts past this run, as QEMU's does: the free clusters passed over
+        // (gaps too small for this run, slots kept for refcount blocks) are looked at again
+        // once a cluster below is freed. Held at the first of them, the hint made every later
+        // allocation walk all the clusters allocated since: quadratic, minutes for a gigabyte
+        // written into an image of 512-byte clusters.
+        self.free_hint = start + n;
+        self.claimed.push(start..start + n);
         let set = (start..start + n).try_for_each(|k| self.set(file, k, 1));
-        self.claimed = 0..0;
+        self.claimed.pop();
         set?;
         Ok(start)
     }
@@ -488,6 +520,22 @@ impl Refcounts {
             at = end;
         }
         Ok(())
+    }
+
+    /// Refuses to write into, or count a reference to, mapped cluster `c` when it starts past
+    /// the end of the file as opened and of everything allocated since. QEMU's check counts
+    /// such a mapping as a corruption whatever the refcounts say; following it would grow the
+    /// file to wherever the entry points (up to 64 PiB), the next allocation could hand the
+    /// cluster out again, and the close, which gives back the file space past the clusters in
+    /// use, would cut a write there off again.
+    pub fn vet_mapped(&self, c: u64) -> Result<()> {
+        if c < self.end {
+            return Ok(());
+        }
+        Err(Error::corrupt(format!(
+            "cluster at host offset {:#x} is mapped but lies beyond the end of the image file",
+            c << self.cluster_bits
+        )))
     }
 
     /// Whether this is the first write into mapped cluster `c` that lay in the file when it was

@@ -95,7 +95,9 @@ impl Meta {
     }
 
     /// Caches a table read from disk, evicting the oldest clean tables beyond the capacity.
-    /// Dirty tables stay until a flush has written them.
+    /// Dirty tables stay until a flush has written them, and the table being inserted always
+    /// stays: its caller is about to use it, maybe to change it, and when every other cached
+    /// table is dirty it would otherwise be the one evicted.
     pub fn insert(&mut self, offset: u64, table: Arc<L2Table>) {
         if self.tables.insert(offset, table).is_none() {
             self.order.push_back(offset);
@@ -105,7 +107,7 @@ impl Meta {
             let Some(old) = self.order.pop_front() else {
                 break;
             };
-            if self.dirty.contains_key(&old) {
+            if old == offset || self.dirty.contains_key(&old) {
                 self.order.push_back(old);
                 scanned += 1;
             } else {

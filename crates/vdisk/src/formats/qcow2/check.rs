@@ -692,7 +692,7 @@ impl<'a, 's> Checker<'a, 's> {
                 };
                 self.corruption(format!("{verb} refcount block {i} is outside image"));
                 if self.fix.errors {
-                    match self.grow_file_to(off + self.cs) {
+                    match self.grow_to_hold(off) {
                         Ok(()) => {
                             self.report.corruptions -= 1;
                             self.report.corruptions_fixed += 1;
@@ -719,19 +719,20 @@ impl<'a, 's> Checker<'a, 's> {
         }
     }
 
-    /// Extends the file to `len` bytes (QEMU's truncate of the image file when a refcount block
-    /// lies beyond its end). The counts grow with it; a length far beyond what the file holds
-    /// is refused, so that a hostile table entry cannot make us allocate without bound.
-    fn grow_file_to(&mut self, len: u64) -> Result<()> {
+    /// Extends the file to hold the cluster at `offset` (QEMU's truncate of the image file when
+    /// a refcount block lies beyond its end). The counts grow with it; a length far beyond what
+    /// the file holds is refused, so that a hostile table entry cannot make us allocate without
+    /// bound (nor, with the largest offset an entry holds, wrap the length around to zero).
+    fn grow_to_hold(&mut self, offset: u64) -> Result<()> {
         let too_large = || Error::Io {
             context: "growing the image file".into(),
             source: std::io::Error::from_raw_os_error(libc::EFBIG),
         };
-        let clusters = len.div_ceil(self.cs);
         let bound = (self.refs.len() as u64 * 4).max(MAX_GROWN_CLUSTERS);
-        if len > i64::MAX as u64 || clusters > bound {
-            return Err(too_large());
-        }
+        let len = (offset.checked_add(self.cs))
+            .filter(|&len| len <= i64::MAX as u64 && len.div_ceil(self.cs) <= bound)
+            .ok_or_else(too_large)?;
+        let clusters = len.div_ceil(self.cs);
         let file = self.q.file();
         if file.len().context(|| "reading the image size".into())? < len {
             file.set_len(len)

@@ -397,12 +397,7 @@ impl Layer for Qcow2 {
             if !t.has_host_cluster() {
                 return Ok((t, None));
             }
-            let host = self.format.host_offset(e);
-            if host % cs != 0 {
-                return Err(Error::corrupt(format!(
-                    "Cluster allocation offset {host:#x} unaligned (L2 index: {index:#x})"
-                )));
-            }
+            let host = self.format.aligned(self.format.host_offset(e), index)?;
             Ok((t, Some(host + (sc << scb))))
         };
         let sc0 = (offset >> scb) & (per_cluster - 1);

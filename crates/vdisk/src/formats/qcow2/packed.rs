@@ -43,8 +43,7 @@ impl Qcow2 {
         let _pass = self.gate.enter();
         let host = {
             let mut meta = self.lock();
-            let (table, index) = self.writable_table(&mut meta, offset)?;
-            let old = meta.get(table).expect("table just loaded").get(index);
+            let (table, index, old) = self.writable_table(&mut meta, offset)?;
             meta.pending.remove(&offset);
             let host = self.pack(&mut meta, packed.len() as u64)?;
             self.free_entry_later(&mut meta, old);

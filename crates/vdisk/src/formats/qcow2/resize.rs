@@ -153,8 +153,7 @@ impl Qcow2 {
                 // data lies in one run after them.
                 let mut count = 0;
                 for g in (guest..end).step_by(cs as usize) {
-                    let (table, index) = self.writable_table(&mut meta, g)?;
-                    let e = meta.get(table).expect("table just loaded").get(index);
+                    let (_, _, e) = self.writable_table(&mut meta, g)?;
                     count += u64::from(e == L2Entry::default());
                 }
                 let first = match count {
@@ -164,9 +163,8 @@ impl Qcow2 {
                 };
                 let mut next = first;
                 for g in (guest..end).step_by(cs as usize) {
-                    let (table, index) = self.writable_table(&mut meta, g)?;
-                    if meta.get(table).expect("table just loaded").get(index) != L2Entry::default()
-                    {
+                    let (table, index, e) = self.writable_table(&mut meta, g)?;
+                    if e != L2Entry::default() {
                         continue;
                     }
                     let host = if self.format.external_data {
@@ -231,8 +229,7 @@ impl Qcow2 {
             let table_start = l1_index as u64 * span;
             let mut guest = table_start.max(first);
             while guest < table_start + span {
-                let (table, index) = self.writable_table(&mut meta, guest)?;
-                let e = meta.get(table).expect("table just loaded").get(index);
+                let (table, index, e) = self.writable_table(&mut meta, guest)?;
                 if e != L2Entry::default() {
                     meta.pending.remove(&guest);
                     self.free_entry_later(&mut meta, e);

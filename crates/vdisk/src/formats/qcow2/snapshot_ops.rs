@@ -183,6 +183,10 @@ impl Qcow2 {
         let max = refs.max_value();
         let mut new = Vec::with_capacity(changes.len());
         for (c, delta) in changes {
+            // A table naming a cluster past the end of the file is corrupt; counting it would
+            // put the refcount block for its range out there, growing the file to wherever
+            // the entry points.
+            refs.vet_mapped(c)?;
             let r = refs.get(&*self.file, c)?;
             match r.checked_add_signed(delta).filter(|&v| v <= max) {
                 Some(v) => new.push((c, v)),

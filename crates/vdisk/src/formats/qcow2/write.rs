@@ -152,8 +152,7 @@ impl Qcow2 {
     /// cluster, and whether it is pending. Allocates the cluster (or makes one of ours writable
     /// again) when it is not plainly ours.
     fn place(&self, meta: &mut Meta, guest: u64, within: u64, len: u64) -> Result<(u64, bool)> {
-        let (table_off, index) = self.writable_table(meta, guest)?;
-        let e = meta.get(table_off).expect("table just loaded").get(index);
+        let (table_off, index, e) = self.writable_table(meta, guest)?;
         let aligned = within % SECTOR == 0 && len % SECTOR == 0;
         let touched = self.touched_subclusters(within, len);
         if let Some(p) = meta.pending.get_mut(&guest) {
@@ -172,6 +171,10 @@ impl Qcow2 {
         // tells it from an unallocated entry (every such cluster has refcount 1).
         let allocated = host != 0 || self.format.external_data;
         let ours = e.word & OFLAG_COMPRESSED == 0 && allocated && e.word & OFLAG_COPIED != 0;
+        if ours && !self.format.external_data {
+            let refs = meta.refs.as_ref().expect("writable images have refcounts");
+            refs.vet_mapped(host >> self.header.cluster_bits)?;
+        }
         let complete = if self.format.extended {
             e.bitmap & ALL_ALLOC == ALL_ALLOC
         } else {
@@ -416,9 +419,28 @@ impl Qcow2 {
         Some(meta.get(l1e & OFFSET_MASK)?.get(index))
     }
 
+    /// The L2 table (host offset, index) for guest offset `guest`, made writable, and the entry
+    /// there, which the caller is about to replace or write through: a host cluster it names
+    /// must be aligned, as for reads (see [`EntryFormat::aligned`]).
+    ///
+    /// [`EntryFormat::aligned`]: super::l2::EntryFormat::aligned
+    pub(super) fn writable_table(
+        &self,
+        meta: &mut Meta,
+        guest: u64,
+    ) -> Result<(u64, usize, L2Entry)> {
+        let (table, index) = self.make_table_writable(meta, guest)?;
+        let cached = meta.get(table).expect("Meta::insert keeps what it inserts");
+        let e = cached.get(index);
+        if e.word & OFLAG_COMPRESSED == 0 {
+            self.format.aligned(self.format.host_offset(e), index)?;
+        }
+        Ok((table, index, e))
+    }
+
     /// The L2 table (host offset, index) for guest offset `guest`, made writable: a missing
     /// table is allocated, one shared with a snapshot (no COPIED flag) is copied.
-    pub(super) fn writable_table(&self, meta: &mut Meta, guest: u64) -> Result<(u64, usize)> {
+    fn make_table_writable(&self, meta: &mut Meta, guest: u64) -> Result<(u64, usize)> {
         let cb = self.header.cluster_bits;
         let l2_bits = self.header.l2_entries().trailing_zeros();
         let l1_index = (guest >> (cb + l2_bits)) as usize;
@@ -516,8 +538,7 @@ impl Qcow2 {
                     // is, and the file's own range is zeroed below.
                     meta.data_written = true;
                 } else if whole && (v3 || kind == Zeroing::Discard) {
-                    let (table_off, index) = self.writable_table(&mut meta, guest)?;
-                    let e = meta.get(table_off).expect("table just loaded").get(index);
+                    let (table_off, index, e) = self.writable_table(&mut meta, guest)?;
                     // A pending cluster's gaps need no filling any more: it is given up.
                     meta.pending.remove(&guest);
                     self.free_entry_later(&mut meta, e);
