@@ -513,6 +513,49 @@ fn writes_into_an_unaligned_cluster_are_refused_like_reads() {
     }
 }
 
+/// An L2 entry naming a cluster that holds the image's own tables: QEMU's overlap check refuses
+/// the write (EIO) rather than let guest data overwrite the L1 table, the refcount table, a
+/// refcount block or the L2 table itself; so does vdisk, and the image still opens afterwards.
+#[test]
+fn writes_through_an_entry_naming_metadata_are_refused() {
+    for cluster_bits in [12, 16] {
+        let b = plain_spec(cluster_bits).build();
+        let l = &b.layout;
+        for (what, target) in [
+            ("L1", l.l1),
+            ("refcount table", l.reftable),
+            ("refcount block", l.refblock),
+            ("L2", l.l2),
+        ] {
+            let mut bytes = b.bytes.clone();
+            put64(&mut bytes, l.l2, COPIED | target);
+            let writes = [
+                WriteOp::Write {
+                    at: Spot::Fraction(0),
+                    len: Extent::Bytes(4096),
+                    fill: 7,
+                    via: Via::Plain,
+                },
+                WriteOp::Flush,
+            ];
+            let out = exercise_guarded(bytes, false, &writes);
+            let w = out.write.expect("the image opened");
+            assert!(
+                w.errors
+                    .iter()
+                    .any(|(_, e)| has(e, &["Preventing invalid write on metadata"])),
+                "cluster_bits {cluster_bits}, entry naming the {what}: {:?}",
+                w.errors
+            );
+            assert!(
+                w.closed.refused.is_none(),
+                "cluster_bits {cluster_bits}, entry naming the {what}: the image no longer opens: {:?}",
+                w.closed.refused
+            );
+        }
+    }
+}
+
 /// Regression: a data cluster mapped (with COPIED) at or beyond the end of the file reads as
 /// zeroes, and a write followed the mapping: it grew the file to wherever the entry points (here
 /// 1 TiB), or, when the refcounts counted the cluster, the close cut it off again (it gives back

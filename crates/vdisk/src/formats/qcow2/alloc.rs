@@ -52,7 +52,8 @@ pub(super) struct Refcounts {
     /// Clusters at or past `zero_from` that were allocated and freed again: no longer zero.
     recycled: BTreeSet<u64>,
     /// One bit per cluster below `zero_from`: a write found it mapped and it was checked for
-    /// holes (see [`Refcounts::first_overwrite`]).
+    /// holes and for metadata (see [`Refcounts::first_overwrite`]), or it was allocated since
+    /// the open.
     vetted: Vec<u64>,
     /// Runs of free clusters (first → end) whose space was given back to the host. Allocating
     /// one takes its space again first, so that a full disk is still reported at allocation.
@@ -141,6 +142,11 @@ impl Refcounts {
         })
     }
 
+    /// The refcount table's entries: where each refcount block is (0 for none).
+    pub fn table(&self) -> &[u64] {
+        &self.table
+    }
+
     pub fn table_location(&self) -> (u64, u64) {
         (self.table_offset, self.table_clusters)
     }
@@ -206,7 +212,8 @@ impl Refcounts {
         }
         let (i, order) = (cluster % self.per_block, self.order);
         let blk = self.blocks.get_mut(&b).expect("block exists");
-        self.increased |= value > refcount::get(blk, i, order);
+        let old = refcount::get(blk, i, order);
+        self.increased |= value > old;
         refcount::set(blk, i, order, value);
         let byte = ((i << order) / 8) as usize;
         let width = (1usize << order).div_ceil(8);
@@ -221,6 +228,10 @@ impl Refcounts {
             }
         } else {
             self.high_water = self.high_water.max(cluster + 1);
+            if old == 0 {
+                // Allocated now: what it holds is ours, not a mapping found in the file.
+                self.first_overwrite(cluster);
+            }
         }
         Ok(())
     }
@@ -539,7 +550,8 @@ impl Refcounts {
     }
 
     /// Whether this is the first write into mapped cluster `c` that lay in the file when it was
-    /// opened (and so may be a hole there; clusters allocated since were reserved up front).
+    /// opened and was not allocated since: it may be a hole there (clusters allocated since were
+    /// reserved up front), and only the image's tables say it holds data, not metadata.
     pub fn first_overwrite(&mut self, c: u64) -> bool {
         if c >= self.zero_from {
             return false;

@@ -19,7 +19,7 @@ use super::cow::{Pending, SECTOR};
 use super::header::Header;
 use super::l2::OFLAG_ZERO;
 use super::l2::{L2Entry, L2Table, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
-use super::{compress, Qcow2};
+use super::{compress, repair, Qcow2};
 use crate::blockdev::{StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
 use crate::formats::read_backing;
@@ -148,6 +148,39 @@ impl Qcow2 {
         }
     }
 
+    /// QEMU's overlap check before guest data goes to host cluster `host`, found mapped in the
+    /// file (once per cluster): an L2 entry naming a cluster that holds metadata is corrupt, and
+    /// following it would overwrite the image's own tables with guest data. L2 tables and
+    /// refcount blocks are looked up in a sorted list, not by a walk over the L1 and refcount
+    /// tables for every cluster as QEMU does (millions of entries with small clusters).
+    fn refuse_metadata(&self, meta: &mut Meta, host: u64) -> Result<()> {
+        let cs = self.header.cluster_size();
+        let refs = meta.refs.as_ref().expect("writable images have refcounts");
+        let tables = meta.tables_found.get_or_insert_with(|| {
+            let l2 = meta
+                .l1
+                .iter()
+                .map(|&e| (e & OFFSET_MASK, "active L2 table"));
+            let blocks = (refs.table().iter()).map(|&e| (e & !0x1ff, "refcount block"));
+            let mut t: Vec<(u64, &'static str)> = l2.chain(blocks).filter(|t| t.0 != 0).collect();
+            t.sort_unstable();
+            t
+        });
+        // The last table starting at or before `host`, if its cluster holds `host`.
+        let below = tables.partition_point(|t| t.0 <= host);
+        let table = (below > 0)
+            .then(|| tables[below - 1])
+            .filter(|t| host - t.0 < cs)
+            .map(|t| t.1);
+        let what = table.or_else(|| repair::metadata_overlap(self, &[], &[], 0, host, cs));
+        match what {
+            Some(what) => Err(Error::corrupt(format!(
+                "Preventing invalid write on metadata (overlaps with {what})"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Where bytes `[within, within + len)` of the guest cluster at `guest` go: the host
     /// cluster, and whether it is pending. Allocates the cluster (or makes one of ours writable
     /// again) when it is not plainly ours.
@@ -180,19 +213,20 @@ impl Qcow2 {
         } else {
             e.word & OFLAG_ZERO == 0
         };
+        let cs = self.header.cluster_size();
+        let first = ours
+            && !self.format.external_data
+            && (meta.refs.as_mut())
+                .is_some_and(|r| r.first_overwrite(host >> self.header.cluster_bits));
+        if first {
+            self.refuse_metadata(meta, host)?;
+        }
         if ours && complete {
-            let cb = self.header.cluster_bits;
-            let first = !self.format.external_data
-                && meta
-                    .refs
-                    .as_mut()
-                    .is_some_and(|r| r.first_overwrite(host >> cb));
             if first {
-                self.allocate_holes(host, 1 << cb);
+                self.allocate_holes(host, cs);
             }
             return Ok((host, false));
         }
-        let cs = self.header.cluster_size();
         let mut pending = if ours {
             // One of our clusters with parts that read as zero or from the backing file: those
             // parts are filled; the parts that hold data stay where they are.
