@@ -556,6 +556,38 @@ fn writes_through_an_entry_naming_metadata_are_refused() {
     }
 }
 
+/// Regression: a header placing the refcount table (or the L1 table) past the end of the file
+/// opened for writing, the table reading as zeroes; the first commit wrote it back out there,
+/// growing a 7 KiB file to 636 GiB, and the check that followed took 2.7 GB. A writable open
+/// now refuses such a header (reads still work).
+#[test]
+fn tables_past_the_end_of_the_file_are_refused_for_writing() {
+    for (what, field) in [("refcount table", 48), ("L1 table", 40)] {
+        let b = plain_spec(10).build();
+        let mut bytes = b.bytes;
+        put64(&mut bytes, field, 0x9f_0000_0000);
+        let writes = [
+            WriteOp::Write {
+                at: Spot::Fraction(0),
+                len: Extent::Sectors(0),
+                fill: 7,
+                via: Via::Plain,
+            },
+            WriteOp::TakeSnapshot,
+        ];
+        let out = exercise_guarded(bytes, false, &writes);
+        let w = out.write.expect("the image opened for reading");
+        assert!(
+            w.refused
+                .as_deref()
+                .is_some_and(|e| has(e, &["beyond the end"])),
+            "{what}: {:?} {:?}",
+            w.refused,
+            w.errors
+        );
+    }
+}
+
 /// Regression: a data cluster mapped (with COPIED) at or beyond the end of the file reads as
 /// zeroes, and a write followed the mapping: it grew the file to wherever the entry points (here
 /// 1 TiB), or, when the refcounts counted the cluster, the close cut it off again (it gives back

@@ -169,7 +169,7 @@ impl Qcow2 {
         let mut l1 = read_l1(&*file, &header, header.l1_table_offset, header.l1_size)?;
         let mut bitmaps_in_use = Vec::new();
         let refs = if writable {
-            write::check_writable(&header)?;
+            write::check_writable(&*file, &header)?;
             bitmaps_in_use = bitmaps::mark_in_use(&*file, &header)?;
             l1.resize(header.l1_size as usize, 0);
             Some(alloc::Refcounts::load(&*file, &header)?)

@@ -25,6 +25,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::formats::read_backing;
 use crate::gate::Pass;
 use crate::storage::zero_range;
+use crate::storage::Storage;
 
 /// All subclusters allocated / all reading as zero, in an extended L2 bitmap.
 const ALL_ALLOC: u64 = 0xffff_ffff;
@@ -38,7 +39,7 @@ pub(super) enum Zeroing {
 }
 
 /// Refuses images this write path cannot keep consistent yet.
-pub(super) fn check_writable(h: &Header) -> Result<()> {
+pub(super) fn check_writable(file: &dyn Storage, h: &Header) -> Result<()> {
     if h.is_corrupt() {
         return Err(Error::unsupported(
             "image is marked corrupt and can only be opened read-only",
@@ -48,6 +49,25 @@ pub(super) fn check_writable(h: &Header) -> Result<()> {
         return Err(Error::unsupported(
             "image was not closed cleanly (dirty bit set); repair it with 'qemu-img check -r all'",
         ));
+    }
+    // Tables past the end of the file read as zeroes, but writing them back would grow the
+    // file to wherever the header points (up to 64 PiB away); only a corrupt header puts them
+    // there.
+    let file_len = file.len().context(|| "reading the image size".into())?;
+    let tables = [
+        ("L1 table", h.l1_table_offset, u64::from(h.l1_size) * 8),
+        (
+            "refcount table",
+            h.refcount_table_offset,
+            u64::from(h.refcount_table_clusters) * h.cluster_size(),
+        ),
+    ];
+    for (what, at, bytes) in tables {
+        if bytes > 0 && at.checked_add(bytes).is_none_or(|end| end > file_len) {
+            return Err(Error::corrupt(format!(
+                "the {what} at {at:#x} lies beyond the end of the image file"
+            )));
+        }
     }
     Ok(())
 }
