@@ -107,7 +107,7 @@ fn refuse_shared_blocks(table: &[u64]) -> Result<()> {
 impl Refcounts {
     pub fn load(file: &dyn Storage, h: &Header) -> Result<Refcounts> {
         let cs = h.cluster_size();
-        let entries = u64::from(h.refcount_table_clusters) * cs / 8;
+        let entries = h.refcount_table_bytes() / 8;
         let mut table = read_table(file, h.refcount_table_offset, entries, "refcount table")?;
         let file_len = file.len().context(|| "reading the image size".into())?;
         refuse_shared_blocks(&table)?;

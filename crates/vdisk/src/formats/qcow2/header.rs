@@ -95,6 +95,16 @@ impl Header {
         1 << self.cluster_bits
     }
 
+    /// Bytes of the active L1 table.
+    pub fn l1_bytes(&self) -> u64 {
+        u64::from(self.l1_size) * 8
+    }
+
+    /// Bytes of the refcount table.
+    pub fn refcount_table_bytes(&self) -> u64 {
+        u64::from(self.refcount_table_clusters) * self.cluster_size()
+    }
+
     pub fn extended_l2(&self) -> bool {
         self.incompatible & INCOMPAT_EXTL2 != 0
     }
@@ -364,11 +374,10 @@ impl Header {
             }
             Ok(())
         };
-        let l1_bytes = u64::from(self.l1_size) * 8;
         table(
             "Active L1 table",
             self.l1_table_offset,
-            l1_bytes,
+            self.l1_bytes(),
             MAX_L1_BYTES,
         )?;
         if u64::from(self.l1_size) < self.l1_entries_needed() {
@@ -377,11 +386,10 @@ impl Header {
         if self.refcount_table_clusters == 0 {
             return Err(Error::corrupt("image has no refcount table"));
         }
-        let rt_bytes = u64::from(self.refcount_table_clusters) * cs;
         table(
             "refcount table",
             self.refcount_table_offset,
-            rt_bytes,
+            self.refcount_table_bytes(),
             MAX_REFTABLE_BYTES,
         )?;
         if self.nb_snapshots > MAX_SNAPSHOTS {

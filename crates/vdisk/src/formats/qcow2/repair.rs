@@ -546,11 +546,10 @@ pub(super) fn metadata_overlap(
     let hits = |at: u64, len: u64| {
         len != 0 && start < u128::from(at) + u128::from(len) && u128::from(at) < end
     };
-    if chk & OL_ACTIVE_L1 != 0 && hits(h.l1_table_offset, u64::from(h.l1_size) * 8) {
+    if chk & OL_ACTIVE_L1 != 0 && hits(h.l1_table_offset, h.l1_bytes()) {
         return Some("active L1 table");
     }
-    let reftable_bytes = u64::from(h.refcount_table_clusters) * cs;
-    if chk & OL_REFCOUNT_TABLE != 0 && hits(h.refcount_table_offset, reftable_bytes) {
+    if chk & OL_REFCOUNT_TABLE != 0 && hits(h.refcount_table_offset, h.refcount_table_bytes()) {
         return Some("refcount table");
     }
     if chk & OL_SNAPSHOT_TABLE != 0 && hits(h.snapshots_offset, q.snapshot_table_bytes()) {

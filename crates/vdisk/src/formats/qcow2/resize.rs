@@ -276,7 +276,7 @@ impl Qcow2 {
             .sync()
             .context(|| "syncing the new L1 table".into())?;
         let old = h.l1_table_offset;
-        let old_clusters = (u64::from(h.l1_size) * 8).div_ceil(cs);
+        let old_clusters = h.l1_bytes().div_ceil(cs);
         for c in 0..old_clusters {
             refs.free_later((old >> self.header.cluster_bits) + c);
         }

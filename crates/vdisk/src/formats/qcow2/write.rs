@@ -55,11 +55,11 @@ pub(super) fn check_writable(file: &dyn Storage, h: &Header) -> Result<()> {
     // there.
     let file_len = file.len().context(|| "reading the image size".into())?;
     let tables = [
-        ("L1 table", h.l1_table_offset, u64::from(h.l1_size) * 8),
+        ("L1 table", h.l1_table_offset, h.l1_bytes()),
         (
             "refcount table",
             h.refcount_table_offset,
-            u64::from(h.refcount_table_clusters) * h.cluster_size(),
+            h.refcount_table_bytes(),
         ),
     ];
     for (what, at, bytes) in tables {
@@ -224,9 +224,16 @@ impl Qcow2 {
         // tells it from an unallocated entry (every such cluster has refcount 1).
         let allocated = host != 0 || self.format.external_data;
         let ours = e.word & OFLAG_COMPRESSED == 0 && allocated && e.word & OFLAG_COPIED != 0;
+        // A cluster found mapped in the file is vetted before the first write into it.
+        let mut first = false;
         if ours && !self.format.external_data {
-            let refs = meta.refs.as_ref().expect("writable images have refcounts");
-            refs.vet_mapped(host >> self.header.cluster_bits)?;
+            let refs = meta.refs.as_mut().expect("writable images have refcounts");
+            let c = host >> self.header.cluster_bits;
+            refs.vet_mapped(c)?;
+            first = refs.first_overwrite(c);
+        }
+        if first {
+            self.refuse_metadata(meta, host)?;
         }
         let complete = if self.format.extended {
             e.bitmap & ALL_ALLOC == ALL_ALLOC
@@ -234,13 +241,6 @@ impl Qcow2 {
             e.word & OFLAG_ZERO == 0
         };
         let cs = self.header.cluster_size();
-        let first = ours
-            && !self.format.external_data
-            && (meta.refs.as_mut())
-                .is_some_and(|r| r.first_overwrite(host >> self.header.cluster_bits));
-        if first {
-            self.refuse_metadata(meta, host)?;
-        }
         if ours && complete {
             if first {
                 self.allocate_holes(host, cs);
