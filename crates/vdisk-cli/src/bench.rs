@@ -208,6 +208,7 @@ pub fn run(a: &Args) -> ExitCode {
         Err(e) => return fail(format!("Failed request: {e}"), 1),
     };
     println!("Run completed in {:.3} seconds.", elapsed.as_secs_f64());
+    let kernel_requests = run.lock().kernel_requests;
     let image = disk.disk;
     if plan.write {
         let closed = match image.qcow2() {
@@ -219,6 +220,9 @@ pub fn run(a: &Args) -> ExitCode {
         }
     }
     print_counters(&image);
+    if let Some(n) = kernel_requests {
+        println!("aio={aio}: {n} requests to the kernel");
+    }
     ExitCode::SUCCESS
 }
 
@@ -258,6 +262,9 @@ struct State {
     next_offset: u64,
     /// A flush is due or running (`--flush-interval` with draining): nothing is sent.
     flushing: bool,
+    /// Requests the ring handed to the kernel, when the writes went on one (merged writes
+    /// count once).
+    kernel_requests: Option<u64>,
     /// The number of unsent requests at which the last flush was due (each point flushes once).
     flushed_at: Option<u64>,
     /// Flushes to run beside the requests (`--no-drain`).
@@ -422,6 +429,7 @@ impl<'p> Run<'p> {
             self.changed.notify_all();
         });
         let elapsed = started.elapsed();
+        self.lock().kernel_requests = Some(lp.ring.requests());
         drop(lp);
         match self.lock().failed.take() {
             Some(e) => Err(e),

@@ -225,3 +225,22 @@ fn flushes_follow_the_interval() {
     assert!(commits[0] <= 2, "{commits:?}");
     assert!((9..=12).contains(&commits[1]), "{commits:?}");
 }
+
+/// Sequential writes queued together reach the kernel as one request: the whole depth is
+/// handed over at once and completes at once, so each refill is merged again.
+#[test]
+fn sequential_direct_writes_are_merged() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "bench-merge");
+    for aio in ["native", "io_uring"] {
+        wd.setup_img(&["create", "-q", "-f", "raw", "v.raw", "64M"]);
+        let a = [
+            "bench", "-f", "raw", "-w", "-c", "4096", "-d", "16", "-s", "4k", "-t", "none", "-i",
+            aio, "v.raw",
+        ];
+        let v = wd.vdisk(&a);
+        assert_eq!(v.code, Some(0), "{v:?}");
+        let requests = counter(&v, &format!("aio={aio}"));
+        assert!((1..=4096 / 8).contains(&requests), "{aio}: {v:?}");
+    }
+}
