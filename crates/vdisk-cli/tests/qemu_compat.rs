@@ -1930,3 +1930,48 @@ fn check_both(wd: &Workdir, path: &str, name: &str, rc: Option<i32>, f: &mut Fai
         }
     }
 }
+
+/// A write through an L2 entry naming the L1 table: QEMU refuses it (its overlap check), marks
+/// the image corrupt in the header and takes no more writes; vdisk must do the same, so that
+/// `qemu-img info` and the next writable open see the mark, and `check -r all` clears it.
+#[test]
+fn a_write_onto_metadata_marks_the_image_corrupt() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "write_onto_metadata");
+    create(&wd, "q.qcow2", "", "64M");
+    io(&wd, "q.qcow2", &["write -P 1 0 64k"]);
+    let e = edit(&wd, "q.qcow2");
+    e.set_l2(0, COPIED | e.l1_offset);
+    wd.copy_dense("q.qcow2", "v.qcow2");
+    let write = ["-f", "qcow2", "-c", "write -P 2 0 4k"];
+    let q = wd.run(&wd.tools.qemu_io, &[&write[..], &["q.qcow2"]].concat());
+    assert!(q.stdout.contains("write failed"), "{q:?}");
+    let bench = [
+        "bench", "-f", "qcow2", "-w", "-c", "1", "-d", "1", "-s", "4k",
+    ];
+    let v = wd.vdisk(&[&bench[..], &["v.qcow2"]].concat());
+    assert_eq!(v.code, Some(1), "{v:?}");
+    assert!(
+        v.stderr.contains(
+            "Marking image as corrupt: Preventing invalid write on metadata (overlaps with \
+             active L1 table)"
+        ),
+        "{v:?}"
+    );
+    let corrupt = |path: &str| {
+        let info = wd.qemu_img(&["info", "--output=json", path]);
+        let json: Value = serde_json::from_str(&info.stdout).expect("qemu-img info JSON");
+        json["format-specific"]["data"]["corrupt"].clone()
+    };
+    assert_eq!(corrupt("q.qcow2"), Value::Bool(true));
+    assert_eq!(corrupt("v.qcow2"), Value::Bool(true));
+    // The mark keeps later writable opens away, as QEMU's does.
+    let again = wd.vdisk(&[&bench[..], &["v.qcow2"]].concat());
+    assert_eq!(again.code, Some(1), "{again:?}");
+    assert!(again.stderr.contains("corrupt"), "{again:?}");
+    // Nothing else was written: the two images hold the same bytes.
+    assert!(wd.read_file("q.qcow2") == wd.read_file("v.qcow2"));
+    let repaired = wd.qemu_img(&["check", "-r", "all", "v.qcow2"]);
+    assert_eq!(repaired.code, Some(0), "{repaired:?}");
+    assert_eq!(corrupt("v.qcow2"), Value::Bool(false));
+}

@@ -55,6 +55,7 @@ impl Qcow2 {
         if !self.writable {
             return Ok(());
         }
+        self.writable_or_err("flush")?;
         // No request is between placing its data and writing it while the metadata naming that
         // data is committed.
         let gate = self.gate.close();

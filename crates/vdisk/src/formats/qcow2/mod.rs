@@ -23,6 +23,7 @@ mod snapshot_ops;
 mod update;
 mod write;
 
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use self::cache::Meta;
@@ -52,6 +53,9 @@ pub struct Qcow2 {
     /// each lookup and held across an allocating write (see `write.rs`).
     meta: Mutex<Meta>,
     writable: bool,
+    /// A corruption event marked the image corrupt while it was open: like QEMU, which then
+    /// makes the image unusable, nothing more is written (reads still work).
+    marked_corrupt: AtomicBool,
     /// Passed by every write for as long as it is in flight, closed by a flush (see
     /// `write.rs`).
     gate: Gate,
@@ -200,6 +204,7 @@ impl Qcow2 {
             backing,
             last_compressed: Mutex::new(None),
             data_holes: OnceLock::new(),
+            marked_corrupt: AtomicBool::new(false),
             header,
         })
     }

@@ -151,7 +151,7 @@ fn eio(context: &str) -> Error {
 }
 
 /// Writes the incompatible feature bits of a version 3 header, synced.
-fn write_incompatible(file: &dyn Storage, bits: u64) -> Result<()> {
+pub(super) fn write_incompatible(file: &dyn Storage, bits: u64) -> Result<()> {
     file.write_at(72, &bits.to_be_bytes())
         .context(|| "writing the header".into())?;
     sync(file)
@@ -488,10 +488,7 @@ impl Signal {
         if self.signaled.replace(true) {
             return;
         }
-        say(format!(
-            "qcow2: Marking image as corrupt: {what}; further corruption events will be \
-             suppressed"
-        ));
+        say(marking_corrupt(what));
         let bits = self.incompatible.get() | INCOMPAT_CORRUPT;
         self.incompatible.set(bits);
         // Version 2 headers have no feature bits; like QEMU's, the mark is then lost.
@@ -499,6 +496,11 @@ impl Signal {
             let _ = write_incompatible(file, bits);
         }
     }
+}
+
+/// QEMU's message for a fatal corruption event.
+pub(super) fn marking_corrupt(what: &str) -> String {
+    format!("qcow2: Marking image as corrupt: {what}; further corruption events will be suppressed")
 }
 
 /// Metadata kinds of QEMU's overlap checks (`QCow2MetadataOverlap`).

@@ -12,11 +12,12 @@
 //!
 //! [`BlockDev::start_write`]: crate::BlockDev::start_write
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use super::cache::{Dirty, Meta};
 use super::cow::{Pending, SECTOR};
-use super::header::Header;
+use super::header::{Header, INCOMPAT_CORRUPT};
 use super::l2::OFLAG_ZERO;
 use super::l2::{L2Entry, L2Table, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
 use super::{compress, repair, Qcow2};
@@ -74,11 +75,27 @@ pub(super) fn check_writable(file: &dyn Storage, h: &Header) -> Result<()> {
 
 impl Qcow2 {
     pub(super) fn writable_or_err(&self, what: &str) -> Result<()> {
-        if self.writable {
-            Ok(())
-        } else {
-            Err(Error::ReadOnly(what.into()))
+        if !self.writable {
+            return Err(Error::ReadOnly(what.into()));
         }
+        if self.marked_corrupt.load(Relaxed) {
+            return Err(Error::corrupt(
+                "the image was marked corrupt; repair it with 'qemu-img check -r all'",
+            ));
+        }
+        Ok(())
+    }
+
+    /// QEMU's `qcow2_signal_corruption` for a fatal event on an image open for writing: the
+    /// corrupt bit goes into the header (version 3 only; version 2 has no feature bits), and
+    /// the image takes no more writes, so that nothing else lands on its damaged metadata.
+    fn mark_corrupt(&self, what: String) -> Error {
+        if !self.marked_corrupt.swap(true, Relaxed) && self.header.version >= 3 {
+            let bits = self.header.incompatible | INCOMPAT_CORRUPT;
+            // If this fails the write is refused all the same.
+            let _ = repair::write_incompatible(&*self.file, bits);
+        }
+        Error::corrupt(repair::marking_corrupt(&what))
     }
 
     pub(super) fn write_impl(&self, offset: u64, buf: &[u8]) -> Result<()> {
@@ -194,7 +211,7 @@ impl Qcow2 {
             .map(|t| t.1);
         let what = table.or_else(|| repair::metadata_overlap(self, &[], &[], 0, host, cs));
         match what {
-            Some(what) => Err(Error::corrupt(format!(
+            Some(what) => Err(self.mark_corrupt(format!(
                 "Preventing invalid write on metadata (overlaps with {what})"
             ))),
             None => Ok(()),
