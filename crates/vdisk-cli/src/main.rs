@@ -7,6 +7,7 @@ mod commit;
 mod compare;
 mod convert;
 mod create;
+mod dd;
 mod info;
 mod map;
 mod measure;
@@ -365,6 +366,17 @@ enum Command {
         image1: String,
         image2: String,
     },
+    /// Copy an image block by block into a new one (like `qemu-img dd`): operands if=INPUT
+    /// of=OUTPUT [bs=BLOCK_SIZE] [count=BLOCKS] [skip=BLOCKS].
+    Dd {
+        #[arg(short = 'f', long = "format")]
+        format: Option<String>,
+        #[arg(short = 'O', long = "output-format", default_value = "raw")]
+        output_format: String,
+        #[arg(short = 'U', long = "force-share")]
+        force_share: bool,
+        operands: Vec<String>,
+    },
 }
 
 /// Refuses a cache mode (`-t`, `-T`) qemu-img does not know, before anything is opened.
@@ -718,6 +730,17 @@ fn main() -> ExitCode {
             strict,
             progress: progress && !quiet,
             force_share,
+        }),
+        Command::Dd {
+            format,
+            output_format,
+            force_share,
+            operands,
+        } => dd::run(dd::Args {
+            format: format.as_deref(),
+            output_format: &output_format,
+            force_share,
+            operands: &operands,
         }),
     }
 }
