@@ -38,9 +38,8 @@ pub fn check_option_lists(options: &[String]) -> Result<(), String> {
     Ok(())
 }
 
-/// Splits `-o` option strings ("a=1,b=2", repeatable; ",," stands for a comma) into their
-/// items, empty ones left out.
-pub fn split_options(options: &[String]) -> Vec<String> {
+/// Splits `-o` option strings ("a=1,b=2", repeatable; ",," stands for a comma) into pairs.
+pub fn parse_options(options: &[String]) -> Result<Vec<(String, String)>, Error> {
     let mut out = Vec::new();
     for group in options {
         let mut items = vec![String::new()];
@@ -55,19 +54,12 @@ pub fn split_options(options: &[String]) -> Vec<String> {
                 c => items.last_mut().expect("one item").push(c),
             }
         }
-        out.extend(items.into_iter().filter(|s| !s.is_empty()));
-    }
-    out
-}
-
-/// Splits `-o` option strings into pairs; an item without a value is refused.
-pub fn parse_options(options: &[String]) -> Result<Vec<(String, String)>, Error> {
-    let mut out = Vec::new();
-    for item in split_options(options) {
-        let (k, v) = item
-            .split_once('=')
-            .ok_or_else(|| Error::invalid(format!("Invalid parameter '{item}'")))?;
-        out.push((k.to_string(), v.to_string()));
+        for item in items.iter().filter(|s| !s.is_empty()) {
+            let (k, v) = item
+                .split_once('=')
+                .ok_or_else(|| Error::invalid(format!("Invalid parameter '{item}'")))?;
+            out.push((k.to_string(), v.to_string()));
+        }
     }
     Ok(out)
 }
@@ -127,7 +119,7 @@ fn size_given_once(args: &Args) -> vdisk::Result<()> {
 }
 
 /// Whether an item of the `-o` lists is `help` or `?`, which asks for the option list.
-pub fn asks_help(options: &[String]) -> bool {
+fn asks_help(options: &[String]) -> bool {
     options
         .iter()
         .flat_map(|group| group.split(','))

@@ -5,7 +5,6 @@
 //! L2 tables are read on demand and kept in a bounded cache.
 
 mod alloc;
-pub mod amend;
 pub mod bitmaps;
 mod cache;
 pub mod check;
@@ -13,12 +12,10 @@ mod commit;
 mod compress;
 mod cow;
 pub mod create;
-mod downgrade;
 pub mod header;
 pub mod l2;
 mod packed;
 pub mod refcount;
-mod refcount_width;
 pub mod repair;
 mod resize;
 pub mod snapshot;
