@@ -211,11 +211,7 @@ pub fn run(a: &Args) -> ExitCode {
     let kernel_requests = run.lock().kernel_requests;
     let image = disk.disk;
     if plan.write {
-        let closed = match image.qcow2() {
-            Some(q) => q.close(),
-            None => image.flush(),
-        };
-        if let Err(e) = closed {
+        if let Err(e) = image.close() {
             return fail(e, 1);
         }
     }

@@ -100,10 +100,7 @@ fn commit(args: &Args) -> vdisk::Result<()> {
             p.show(pos);
         }
     }
-    match target.qcow2() {
-        Some(q) => q.close()?,
-        None => target.flush()?,
-    }
+    target.close()?;
     drop(target);
     if let Some(p) = progress {
         p.finish();

@@ -383,10 +383,7 @@ fn to_image(source: &Sources, args: &Args, plan: &Plan) -> vdisk::Result<()> {
         args.progress,
     );
     // Closing commits the metadata: always, so that the image is consistent whatever happened.
-    let closed = match target.qcow2() {
-        Some(q) => q.close(),
-        None => target.flush(),
-    };
+    let closed = target.close();
     copied?;
     closed
 }

@@ -108,10 +108,10 @@ fn copy(args: &Args, o: &Operands, input: &str, output: &str) -> vdisk::Result<(
             std::io::stderr(),
             "vdisk: {input}: cannot skip to specified offset"
         );
-        return close(&target);
+        return target.close();
     };
     let copied = copy_blocks(&source, &target, start, end, bs);
-    let closed = close(&target);
+    let closed = target.close();
     copied.and(closed)
 }
 
@@ -131,13 +131,6 @@ fn copy_blocks(source: &Image, target: &Image, start: u64, end: u64, bs: u64) ->
         at += n as u64;
     }
     Ok(())
-}
-
-fn close(target: &Image) -> vdisk::Result<()> {
-    match target.qcow2() {
-        Some(q) => q.close(),
-        None => target.flush(),
-    }
 }
 
 #[cfg(test)]

@@ -73,12 +73,7 @@ pub fn run(args: Args) -> ExitCode {
         eprintln!("vdisk: Use the --shrink option to perform a shrink operation.");
         return fail(SHRINK_WARNING, 1);
     }
-    let result = image
-        .resize(new, prealloc)
-        .and_then(|()| match image.qcow2() {
-            Some(q) => q.close(),
-            None => image.flush(),
-        });
+    let result = image.resize(new, prealloc).and_then(|()| image.close());
     if let Err(e) = result {
         return fail(e, 1);
     }

@@ -107,6 +107,15 @@ impl Image {
         }
     }
 
+    /// Makes everything written durable and the image consistent on disk: a qcow2 commits its
+    /// metadata and gives back the space reserved ahead; a raw image is flushed.
+    pub fn close(&self) -> Result<()> {
+        match self.qcow2() {
+            Some(q) => q.close(),
+            None => self.flush(),
+        }
+    }
+
     pub fn backing(&self) -> Option<&Arc<Image>> {
         self.qcow2().and_then(|q| q.backing())
     }
