@@ -68,14 +68,22 @@ impl FileStorage {
             .as_ref()
             .and_then(dio_align)
             .unwrap_or((DIRECT_ALIGN as u64, DIRECT_ALIGN));
-        Ok(FileStorage {
+        let storage = FileStorage {
             file,
             direct,
             align,
             rmw: Busy::default(),
             device,
             stats: IoStats::default(),
-        })
+        };
+        // With O_DIRECT the buffered descriptor carries only the few unaligned transfers: no
+        // readahead on them, as QEMU's cache=none has none. A readahead window would also leave
+        // a marker page that makes any later reader of the file read ahead, even one that
+        // asked for no readahead, pulling guest data into the page cache.
+        if storage.direct.is_some() {
+            storage.no_readahead();
+        }
+        Ok(storage)
     }
 
     /// The direct descriptor, if the transfer at `offset` of the buffers `(address, length)`
