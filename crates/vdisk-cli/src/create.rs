@@ -38,8 +38,9 @@ pub fn check_option_lists(options: &[String]) -> Result<(), String> {
     Ok(())
 }
 
-/// Splits `-o` option strings ("a=1,b=2", repeatable; ",," stands for a comma) into pairs.
-pub fn parse_options(options: &[String]) -> Result<Vec<(String, String)>, Error> {
+/// Splits `-o` option strings ("a=1,b=2", repeatable; ",," stands for a comma) into their
+/// items, empty ones left out.
+pub fn split_options(options: &[String]) -> Vec<String> {
     let mut out = Vec::new();
     for group in options {
         let mut items = vec![String::new()];
@@ -54,12 +55,19 @@ pub fn parse_options(options: &[String]) -> Result<Vec<(String, String)>, Error>
                 c => items.last_mut().expect("one item").push(c),
             }
         }
-        for item in items.iter().filter(|s| !s.is_empty()) {
-            let (k, v) = item
-                .split_once('=')
-                .ok_or_else(|| Error::invalid(format!("Invalid parameter '{item}'")))?;
-            out.push((k.to_string(), v.to_string()));
-        }
+        out.extend(items.into_iter().filter(|s| !s.is_empty()));
+    }
+    out
+}
+
+/// Splits `-o` option strings into pairs; an item without a value is refused.
+pub fn parse_options(options: &[String]) -> Result<Vec<(String, String)>, Error> {
+    let mut out = Vec::new();
+    for item in split_options(options) {
+        let (k, v) = item
+            .split_once('=')
+            .ok_or_else(|| Error::invalid(format!("Invalid parameter '{item}'")))?;
+        out.push((k.to_string(), v.to_string()));
     }
     Ok(out)
 }
@@ -119,7 +127,7 @@ fn size_given_once(args: &Args) -> vdisk::Result<()> {
 }
 
 /// Whether an item of the `-o` lists is `help` or `?`, which asks for the option list.
-fn asks_help(options: &[String]) -> bool {
+pub fn asks_help(options: &[String]) -> bool {
     options
         .iter()
         .flat_map(|group| group.split(','))

@@ -1,6 +1,7 @@
 //! `vdisk`: image tools whose subcommands, flags, output and exit codes follow `qemu-img`, so
 //! that a user's scripts keep working.
 
+mod amend;
 mod bench;
 mod check;
 mod commit;
@@ -95,6 +96,29 @@ enum Command {
         /// Optional only with `-o help`.
         filename: Option<String>,
         size: Option<String>,
+    },
+    /// Change the options of an existing qcow2 image (like `qemu-img amend`): compat level,
+    /// lazy refcounts, refcount width, virtual size, the external data file's name.
+    Amend {
+        #[arg(short = 'f', long = "format")]
+        format: Option<String>,
+        /// Options to change, comma separated (repeatable): compat, lazy_refcounts,
+        /// refcount_bits, size, data_file, data_file_raw (backing_file and backing_fmt only as
+        /// they are: `vdisk rebase` changes them).
+        #[arg(short = 'o', long = "options")]
+        options: Vec<String>,
+        /// Accepted for qemu-img compatibility (every change is synced).
+        #[arg(short = 't', long = "cache")]
+        cache: Option<String>,
+        #[arg(short = 'p', long = "progress")]
+        progress: bool,
+        #[arg(short = 'q', long = "quiet")]
+        quiet: bool,
+        /// Accepted for qemu-img compatibility (it only concerns encryption options).
+        #[arg(long)]
+        force: bool,
+        /// The image (exactly one).
+        files: Vec<String>,
     },
     /// Show information about an image (like `qemu-img info`).
     Info {
@@ -492,6 +516,21 @@ fn main() -> ExitCode {
             quiet,
             filename: &filename,
             size: size.as_deref(),
+        }),
+        Command::Amend {
+            format,
+            options,
+            cache,
+            progress,
+            quiet,
+            files,
+            ..
+        } => amend::run(amend::Args {
+            format: format.as_deref(),
+            options: &options,
+            cache: cache.as_deref(),
+            progress: progress && !quiet,
+            files: &files,
         }),
         Command::Info {
             format,

@@ -12,7 +12,7 @@ use vdisk::{open_image, BlockDev, Error, Format, Image};
 use crate::convert::snapshot_param;
 use crate::create::{check_option_lists, parse_bool, parse_options};
 use crate::qjson::{to_pretty, Dict};
-use crate::size::{cvtnum, option_size};
+use crate::size::{cvtnum, option_size, parse_number};
 use crate::{fail, read_options, Output};
 
 pub struct Args<'a> {
@@ -153,18 +153,6 @@ fn read_target_options(format: Format, options: &[String]) -> Result<Opts, Strin
         opts.0.push((k, value));
     }
     Ok(opts)
-}
-
-/// A number as QEMU's `qemu_strtou64` with base 0 reads it: decimal, 0x hexadecimal or 0
-/// octal, nothing after it.
-fn parse_number(text: &str) -> Option<u64> {
-    if let Some(hex) = text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
-        u64::from_str_radix(hex, 16).ok()
-    } else if text.len() > 1 && text.starts_with('0') {
-        u64::from_str_radix(&text[1..], 8).ok()
-    } else {
-        text.parse().ok()
-    }
 }
 
 enum Value {

@@ -61,6 +61,21 @@ pub fn cvtnum_in(what: &str, text: &str, min: u64, max: u64) -> Result<u64, Stri
     }
 }
 
+/// A number option's value as QEMU's `qemu_strtou64` with base 0 reads it: decimal, 0x
+/// hexadecimal or 0 octal, nothing after it; a minus sign wraps, as strtoull's does.
+pub fn parse_number(text: &str) -> Option<u64> {
+    if let Some(positive) = text.strip_prefix('-') {
+        return parse_number(positive).map(u64::wrapping_neg);
+    }
+    if let Some(hex) = text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
+        u64::from_str_radix(hex, 16).ok()
+    } else if text.len() > 1 && text.starts_with('0') {
+        u64::from_str_radix(&text[1..], 8).ok()
+    } else {
+        text.parse().ok()
+    }
+}
+
 /// qemu's `parse_option_size`: the value of a size option (`-o key=value`), or its message.
 pub fn option_size(key: &str, value: &str) -> Result<u64, String> {
     strtosz(value).map_err(|e| match e {

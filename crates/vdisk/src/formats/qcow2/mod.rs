@@ -5,6 +5,7 @@
 //! L2 tables are read on demand and kept in a bounded cache.
 
 mod alloc;
+pub mod amend;
 pub mod bitmaps;
 mod cache;
 pub mod check;
@@ -12,10 +13,12 @@ mod commit;
 mod compress;
 mod cow;
 pub mod create;
+mod downgrade;
 pub mod header;
 pub mod l2;
 mod packed;
 pub mod refcount;
+mod refcount_width;
 pub mod repair;
 mod resize;
 pub mod snapshot;

@@ -24,47 +24,19 @@ impl Qcow2 {
         if !self.writable {
             return Err(Error::ReadOnly("resize".into()));
         }
-        if new_size % 512 != 0 {
-            return Err(Error::invalid("The new size must be a multiple of 512"));
-        }
-        // A v2 snapshot has no size of its own: it takes the image's.
-        if self.header.version < 3 && !self.snapshots.is_empty() {
-            return Err(Error::unsupported(
-                "Can't resize a v2 image which has snapshots",
-            ));
-        }
-        if new_size < self.size && prealloc != Preallocation::Off {
-            return Err(Error::invalid(
-                "Preallocation can't be used for shrinking an image",
-            ));
-        }
-        if self.format.external_data && new_size != self.size && self.data.fixed_size() {
-            return Err(Error::unsupported("Cannot resize device files"));
-        }
+        self.check_resize(new_size, prealloc, self.header.version)?;
         // Snapshots keep their own L1 tables and sizes; clusters they share with the active
         // image lose one reference when it drops them.
         if new_size < self.size {
             self.drop_beyond(new_size)?;
         }
-        // As QEMU: the new area reads as zero, not as a longer backing file shows through.
         let old_size = self.size;
-        let unveils =
-            new_size > old_size && self.backing.as_ref().is_some_and(|b| b.size() > old_size);
-        if unveils && self.header.version < 3 {
-            return Err(Error::unsupported(
-                "Failed to zero out new clusters: Operation not supported",
-            ));
-        }
+        let unveils = self.unveils(new_size);
         self.flush_impl()?;
         let mut h = self.header.clone();
         h.size = new_size;
         let needed = h.l1_entries_needed();
         if needed > u64::from(h.l1_size) {
-            if needed * 8 > super::header::MAX_L1_BYTES {
-                return Err(Error::invalid(
-                    "Image size is too large for this cluster size",
-                ));
-            }
             self.grow_l1(&mut h, needed)?;
         }
         if self.format.external_data && new_size != old_size {
@@ -117,6 +89,53 @@ impl Qcow2 {
             refs.cut_after_last_used(&*self.file)?;
         }
         Ok(())
+    }
+
+    /// Refuses a resize to `new_size` as QEMU does, before anything changes; `version` is the
+    /// image's when the resize runs (an amend may upgrade it first).
+    pub(super) fn check_resize(
+        &self,
+        new_size: u64,
+        prealloc: Preallocation,
+        version: u32,
+    ) -> Result<()> {
+        if new_size % 512 != 0 {
+            return Err(Error::invalid("The new size must be a multiple of 512"));
+        }
+        // A v2 snapshot has no size of its own: it takes the image's.
+        if version < 3 && !self.snapshots.is_empty() {
+            return Err(Error::unsupported(
+                "Can't resize a v2 image which has snapshots",
+            ));
+        }
+        if new_size < self.size && prealloc != Preallocation::Off {
+            return Err(Error::invalid(
+                "Preallocation can't be used for shrinking an image",
+            ));
+        }
+        if self.format.external_data && new_size != self.size && self.data.fixed_size() {
+            return Err(Error::unsupported("Cannot resize device files"));
+        }
+        // Only v3 can make the new area read as zero where a longer backing file would show.
+        if self.unveils(new_size) && version < 3 {
+            return Err(Error::unsupported(
+                "Failed to zero out new clusters: Operation not supported",
+            ));
+        }
+        let mut h = self.header.clone();
+        h.size = new_size;
+        if h.l1_entries_needed() * 8 > super::header::MAX_L1_BYTES {
+            return Err(Error::invalid(
+                "Image size is too large for this cluster size",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether growing to `new_size` would show a longer backing file in the new area, which
+    /// must read as zero instead (as in QEMU).
+    fn unveils(&self, new_size: u64) -> bool {
+        new_size > self.size && self.backing.as_ref().is_some_and(|b| b.size() > self.size)
     }
 
     /// Gives every cluster of the grown area `[from, to)` that has no host cluster one that

@@ -265,7 +265,7 @@ impl Qcow2 {
 
     /// Writes `snapshots` as the new snapshot table in new clusters, commits its refcounts,
     /// points the header at it and frees the old table.
-    fn write_snapshot_table(&mut self, snapshots: Vec<Snapshot>) -> Result<()> {
+    pub(super) fn write_snapshot_table(&mut self, snapshots: Vec<Snapshot>) -> Result<()> {
         let bytes: Vec<u8> = snapshots.iter().flat_map(Snapshot::to_bytes).collect();
         let cs = self.header.cluster_size();
         let offset = if bytes.is_empty() {

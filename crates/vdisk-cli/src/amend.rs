@@ -1,0 +1,254 @@
+//! `vdisk amend`: change the options of an existing qcow2 image, with qemu-img amend's checks,
+//! messages and order (the image is opened, then the options are read by the types QEMU gives
+//! them, then the format refuses what it cannot do).
+
+use std::process::ExitCode;
+
+use vdisk::formats::qcow2::amend::AmendOptions;
+use vdisk::{open_image, BlockDev, Error, ImageOptions};
+
+use crate::create::{asks_help, check_option_lists, parse_bool, split_options};
+use crate::size::{option_size, parse_number};
+use crate::text::Progress;
+use crate::{bad_cache, fail, image_format, warn_probed_raw};
+
+pub struct Args<'a> {
+    pub format: Option<&'a str>,
+    pub options: &'a [String],
+    pub cache: Option<&'a str>,
+    pub progress: bool,
+    pub files: &'a [String],
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Size,
+    Number,
+    Bool,
+    Text,
+}
+
+/// qcow2's amend options in QEMU's order (`qcow2_amend_opts`, which its checks follow), the
+/// type QEMU reads each value as, and `-o help`'s description of those vdisk acts on (it lists
+/// no encryption option: vdisk opens no encrypted image).
+const AMEND: &[(&str, Kind, Option<&str>)] = &[
+    ("encrypt.state", Kind::Text, None),
+    ("encrypt.keyslot", Kind::Number, None),
+    ("encrypt.old-secret", Kind::Text, None),
+    ("encrypt.new-secret", Kind::Text, None),
+    ("encrypt.iter-time", Kind::Number, None),
+    ("size", Kind::Size, Some("Virtual disk size")),
+    (
+        "compat",
+        Kind::Text,
+        Some("Compatibility level (v2 [0.10] or v3 [1.1])"),
+    ),
+    (
+        "backing_file",
+        Kind::Text,
+        Some("File name of a base image"),
+    ),
+    (
+        "backing_fmt",
+        Kind::Text,
+        Some("Image format of the base image"),
+    ),
+    (
+        "data_file",
+        Kind::Text,
+        Some("File name of an external data file"),
+    ),
+    (
+        "data_file_raw",
+        Kind::Bool,
+        Some("The external data file must stay valid as a raw image"),
+    ),
+    (
+        "lazy_refcounts",
+        Kind::Bool,
+        Some("Postpone refcount updates"),
+    ),
+    (
+        "refcount_bits",
+        Kind::Number,
+        Some("Width of a reference count entry in bits"),
+    ),
+];
+
+/// Options only `qemu-img create` takes: a list they and the amend options take gets QEMU's
+/// hint.
+const CREATE_ONLY: &[(&str, Kind)] = &[
+    ("encryption", Kind::Bool),
+    ("encrypt.format", Kind::Text),
+    ("encrypt.key-secret", Kind::Text),
+    ("encrypt.cipher-alg", Kind::Text),
+    ("encrypt.cipher-mode", Kind::Text),
+    ("encrypt.ivgen-alg", Kind::Text),
+    ("encrypt.ivgen-hash-alg", Kind::Text),
+    ("encrypt.hash-alg", Kind::Text),
+    ("cluster_size", Kind::Size),
+    ("extended_l2", Kind::Bool),
+    ("preallocation", Kind::Text),
+    ("compression_type", Kind::Text),
+];
+
+enum Value {
+    Number(u64),
+    Bool(bool),
+    Text(String),
+}
+
+pub fn run(args: Args) -> ExitCode {
+    if let Err(msg) = check_option_lists(args.options) {
+        return fail(msg, 1);
+    }
+    if args.options.is_empty() {
+        eprintln!("vdisk: Must specify options (-o)");
+        eprintln!("Try 'vdisk amend --help' for more info");
+        return ExitCode::from(1);
+    }
+    if let Some(format) = args.format.filter(|_| asks_help(args.options)) {
+        return option_help(format);
+    }
+    let [filename] = args.files else {
+        return fail("Expecting one image file name", 1);
+    };
+    if let Some(code) = bad_cache(args.cache, "") {
+        return code;
+    }
+    match amend(filename, &args) {
+        Ok(code) => code,
+        Err(e) => fail(e, 1),
+    }
+}
+
+fn amend(filename: &str, args: &Args) -> vdisk::Result<ExitCode> {
+    let opts = ImageOptions {
+        format: image_format(filename, args.format)?,
+        write: true,
+        resize: true,
+        ..ImageOptions::default()
+    };
+    let mut image = open_image(filename, &opts)?;
+    warn_probed_raw(filename, args.format, &image);
+    if asks_help(args.options) {
+        return Ok(option_help(image.format().name()));
+    }
+    let Some(q) = image.qcow2_mut() else {
+        return Err(Error::unsupported(
+            "Format driver 'raw' does not support option amendment",
+        ));
+    };
+    let o = amend_options(args.options)?;
+    let progress = args.progress.then(|| Progress::new(100));
+    let old_size = q.size();
+    let result = q.amend(&o);
+    if let Some(p) = progress {
+        p.finish();
+    }
+    // Only a new size changes what persistent bitmaps describe (see the qcow2 bitmaps module).
+    let closed = if q.size() == old_size {
+        q.close_keeping_bitmaps()
+    } else {
+        q.close()
+    };
+    result.and(closed).map(|()| ExitCode::SUCCESS)
+}
+
+/// Reads the `-o` lists as QEMU's option parser does for amend (names, then value types),
+/// then the values QEMU's qcow2 driver checks before the image: encryption, compat.
+fn amend_options(options: &[String]) -> vdisk::Result<AmendOptions> {
+    let amend_kind = |k: &str| AMEND.iter().find(|o| o.0 == k).map(|o| o.1);
+    let values = match typed(options, amend_kind) {
+        Ok(values) => values,
+        Err(msg) => {
+            // QEMU's hint when its amend and creation options together take the list.
+            let any_kind = |k: &str| {
+                let create_only = CREATE_ONLY.iter().find(|o| o.0 == k).map(|o| o.1);
+                amend_kind(k).or(create_only)
+            };
+            let hint = match typed(options, any_kind) {
+                Ok(_) => "\nThis option is only supported for image creation",
+                Err(_) => "",
+            };
+            return Err(Error::invalid(format!("{msg}{hint}")));
+        }
+    };
+    if values.iter().any(|(k, _)| k.starts_with("encrypt.")) {
+        return Err(Error::invalid(
+            "Can't amend encryption options - encryption not present",
+        ));
+    }
+    let mut o = AmendOptions::default();
+    let mut compat = None;
+    for (k, v) in values {
+        match (k.as_str(), v) {
+            ("compat", Value::Text(c)) => compat = Some(c),
+            ("size", Value::Number(n)) => o.size = Some(n),
+            ("backing_file", Value::Text(t)) => o.backing_file = Some(t),
+            ("backing_fmt", Value::Text(t)) => o.backing_format = Some(t),
+            ("data_file", Value::Text(t)) => o.data_file = Some(t),
+            ("data_file_raw", Value::Bool(b)) => o.data_file_raw = Some(b),
+            ("lazy_refcounts", Value::Bool(b)) => o.lazy_refcounts = Some(b),
+            ("refcount_bits", Value::Number(n)) => o.refcount_bits = Some(n),
+            _ => {}
+        }
+    }
+    if let Some(c) = compat {
+        o.version = Some(match c.as_str() {
+            "0.10" | "v2" => 2,
+            "1.1" | "v3" => 3,
+            _ => return Err(Error::invalid(format!("Unknown compatibility level {c}"))),
+        });
+    }
+    Ok(o)
+}
+
+/// The items of the `-o` lists with their values read as `kind_of` says, or QEMU's message
+/// for the first that is not an option or not of its type. An item without `=` is "on".
+fn typed(
+    options: &[String],
+    kind_of: impl Fn(&str) -> Option<Kind>,
+) -> Result<Vec<(String, Value)>, String> {
+    let mut out = Vec::new();
+    for item in split_options(options) {
+        let (k, v) = item.split_once('=').unwrap_or((&item, "on"));
+        let value = match kind_of(k).ok_or_else(|| format!("Invalid parameter '{k}'"))? {
+            Kind::Size => Value::Number(option_size(k, v)?),
+            Kind::Number => Value::Number(
+                parse_number(v).ok_or_else(|| format!("Parameter '{k}' expects a number"))?,
+            ),
+            Kind::Bool => Value::Bool(parse_bool(k, v)?),
+            Kind::Text => Value::Text(v.to_string()),
+        };
+        out.push((k.to_string(), value));
+    }
+    Ok(out)
+}
+
+/// qemu-img's `print_amend_option_help`.
+fn option_help(format: &str) -> ExitCode {
+    match format {
+        "qcow2" => {}
+        "raw" => return fail("Format driver 'raw' does not support option amendment", 1),
+        _ => return fail(format!("Unknown file format '{format}'"), 1),
+    }
+    let mut list: Vec<(&str, &str, &str)> = AMEND
+        .iter()
+        .filter_map(|&(name, kind, help)| {
+            let kind = match kind {
+                Kind::Size => "size",
+                Kind::Number => "num",
+                Kind::Bool => "bool (on/off)",
+                Kind::Text => "str",
+            };
+            Some((name, kind, help?))
+        })
+        .collect();
+    list.sort();
+    println!("Amend options for '{format}':");
+    for (name, kind, help) in list {
+        println!("  {:<22} - {help}", format!("{name}=<{kind}>"));
+    }
+    ExitCode::SUCCESS
+}
