@@ -7,8 +7,7 @@ use std::process::ExitCode;
 use vdisk::formats::qcow2::amend::AmendOptions;
 use vdisk::{open_image, BlockDev, Error, ImageOptions};
 
-use crate::create::{asks_help, check_option_lists, parse_bool, split_options};
-use crate::size::{option_size, parse_number};
+use crate::options::{asks_help, check_option_lists, typed_options, Kind, Value};
 use crate::text::Progress;
 use crate::{bad_cache, fail, image_format, warn_probed_raw};
 
@@ -18,14 +17,6 @@ pub struct Args<'a> {
     pub cache: Option<&'a str>,
     pub progress: bool,
     pub files: &'a [String],
-}
-
-#[derive(Clone, Copy)]
-enum Kind {
-    Size,
-    Number,
-    Bool,
-    Text,
 }
 
 /// qcow2's amend options in QEMU's order (`qcow2_amend_opts`, which its checks follow), the
@@ -92,12 +83,6 @@ const CREATE_ONLY: &[(&str, Kind)] = &[
     ("compression_type", Kind::Text),
 ];
 
-enum Value {
-    Number(u64),
-    Bool(bool),
-    Text(String),
-}
-
 pub fn run(args: Args) -> ExitCode {
     if let Err(msg) = check_option_lists(args.options) {
         return fail(msg, 1);
@@ -159,7 +144,7 @@ fn amend(filename: &str, args: &Args) -> vdisk::Result<ExitCode> {
 /// then the values QEMU's qcow2 driver checks before the image: encryption, compat.
 fn amend_options(options: &[String]) -> vdisk::Result<AmendOptions> {
     let amend_kind = |k: &str| AMEND.iter().find(|o| o.0 == k).map(|o| o.1);
-    let values = match typed(options, amend_kind) {
+    let values = match typed_options(options, amend_kind) {
         Ok(values) => values,
         Err(msg) => {
             // QEMU's hint when its amend and creation options together take the list.
@@ -167,7 +152,7 @@ fn amend_options(options: &[String]) -> vdisk::Result<AmendOptions> {
                 let create_only = CREATE_ONLY.iter().find(|o| o.0 == k).map(|o| o.1);
                 amend_kind(k).or(create_only)
             };
-            let hint = match typed(options, any_kind) {
+            let hint = match typed_options(options, any_kind) {
                 Ok(_) => "\nThis option is only supported for image creation",
                 Err(_) => "",
             };
@@ -202,28 +187,6 @@ fn amend_options(options: &[String]) -> vdisk::Result<AmendOptions> {
         });
     }
     Ok(o)
-}
-
-/// The items of the `-o` lists with their values read as `kind_of` says, or QEMU's message
-/// for the first that is not an option or not of its type. An item without `=` is "on".
-fn typed(
-    options: &[String],
-    kind_of: impl Fn(&str) -> Option<Kind>,
-) -> Result<Vec<(String, Value)>, String> {
-    let mut out = Vec::new();
-    for item in split_options(options) {
-        let (k, v) = item.split_once('=').unwrap_or((&item, "on"));
-        let value = match kind_of(k).ok_or_else(|| format!("Invalid parameter '{k}'"))? {
-            Kind::Size => Value::Number(option_size(k, v)?),
-            Kind::Number => Value::Number(
-                parse_number(v).ok_or_else(|| format!("Parameter '{k}' expects a number"))?,
-            ),
-            Kind::Bool => Value::Bool(parse_bool(k, v)?),
-            Kind::Text => Value::Text(v.to_string()),
-        };
-        out.push((k.to_string(), value));
-    }
-    Ok(out)
 }
 
 /// qemu-img's `print_amend_option_help`.

@@ -73,7 +73,7 @@ struct Plan {
 
 impl Plan {
     fn new(args: &Args) -> vdisk::Result<Plan> {
-        crate::create::check_option_lists(args.options).map_err(Error::invalid)?;
+        crate::options::check_option_lists(args.options).map_err(Error::invalid)?;
         let sparse = match args.sparse {
             None => SPARSE as u64,
             Some(s) => match crate::create::parse_size(s) {
@@ -107,7 +107,7 @@ impl Plan {
         }
         // The target's options as `create` reads them (which refuses a malformed list itself);
         // a later value of an option replaces an earlier one.
-        let options = crate::create::parse_options(args.options).unwrap_or_default();
+        let options = crate::options::parse_options(args.options);
         let option = |key: &str| {
             let found = options.iter().rev().find(|(k, _)| k == key);
             found.map(|(_, v)| v.as_str())

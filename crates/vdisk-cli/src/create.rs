@@ -10,6 +10,7 @@ use vdisk::storage::{FileStorage, LockRole, LockUse, OpenOptions, Storage};
 use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 
 use crate::fail;
+use crate::options::{asks_help, check_option_lists, parse_bool, parse_options};
 use crate::size::{cvtnum, option_size};
 // resize, bench and convert read their sizes with the parser `create` uses.
 pub use crate::size::parse_size;
@@ -24,61 +25,6 @@ pub struct Args<'a> {
     pub quiet: bool,
     pub filename: &'a str,
     pub size: Option<&'a str>,
-}
-
-/// qemu-img's check of each `-o` argument as it reads it: not empty, not starting with a
-/// comma, not ending in an odd number of commas (",," is a comma inside a value).
-pub fn check_option_lists(options: &[String]) -> Result<(), String> {
-    for o in options {
-        let trailing = o.len() - o.trim_end_matches(',').len();
-        if o.is_empty() || o.starts_with(',') || trailing % 2 == 1 {
-            return Err(format!("Invalid option list: {o}"));
-        }
-    }
-    Ok(())
-}
-
-/// Splits `-o` option strings ("a=1,b=2", repeatable; ",," stands for a comma) into their
-/// items, empty ones left out.
-pub fn split_options(options: &[String]) -> Vec<String> {
-    let mut out = Vec::new();
-    for group in options {
-        let mut items = vec![String::new()];
-        let mut chars = group.chars().peekable();
-        while let Some(c) = chars.next() {
-            match c {
-                ',' if chars.peek() == Some(&',') => {
-                    chars.next();
-                    items.last_mut().expect("one item").push(',');
-                }
-                ',' => items.push(String::new()),
-                c => items.last_mut().expect("one item").push(c),
-            }
-        }
-        out.extend(items.into_iter().filter(|s| !s.is_empty()));
-    }
-    out
-}
-
-/// Splits `-o` option strings into pairs; an item without a value is refused.
-pub fn parse_options(options: &[String]) -> Result<Vec<(String, String)>, Error> {
-    let mut out = Vec::new();
-    for item in split_options(options) {
-        let (k, v) = item
-            .split_once('=')
-            .ok_or_else(|| Error::invalid(format!("Invalid parameter '{item}'")))?;
-        out.push((k.to_string(), v.to_string()));
-    }
-    Ok(out)
-}
-
-/// A boolean option's value as QEMU's option parser reads it (`qapi_bool_parse`).
-pub fn parse_bool(key: &str, v: &str) -> Result<bool, String> {
-    match v {
-        "on" | "yes" | "true" | "y" => Ok(true),
-        "off" | "no" | "false" | "n" => Ok(false),
-        _ => Err(format!("Parameter '{key}' expects 'on' or 'off'")),
-    }
 }
 
 fn on_off(key: &str, v: &str) -> Result<bool, Error> {
@@ -117,21 +63,11 @@ pub fn run_without_file(format: &str, options: &[String]) -> ExitCode {
 /// qemu-img refuses a size both as an argument and in `-o`; `convert` does not come here, as
 /// its size (the source's) overrides any `-o size` like qemu-img's.
 fn size_given_once(args: &Args) -> vdisk::Result<()> {
-    let in_options = parse_options(args.options)?
-        .iter()
-        .any(|(k, _)| k == "size");
+    let in_options = parse_options(args.options).iter().any(|(k, _)| k == "size");
     if in_options && args.size.is_some() {
         return Err(Error::invalid("The image size must be specified only once"));
     }
     Ok(())
-}
-
-/// Whether an item of the `-o` lists is `help` or `?`, which asks for the option list.
-pub fn asks_help(options: &[String]) -> bool {
-    options
-        .iter()
-        .flat_map(|group| group.split(','))
-        .any(|item| item == "help" || item == "?")
 }
 
 /// An option as `-o help` lists it: name, type of value, description, in qemu-img's words.
@@ -228,7 +164,7 @@ pub fn create(args: &Args) -> vdisk::Result<()> {
     let mut shown: Vec<(String, String)> = Vec::new();
     let mut backing = args.backing.map(str::to_string);
     let mut backing_format = args.backing_format.map(str::to_string);
-    for (k, v) in parse_options(args.options)? {
+    for (k, v) in parse_options(args.options) {
         match (format, k.as_str()) {
             (_, "size") => o.size = option_size(&k, &v).map_err(Error::invalid)?,
             (_, "preallocation") => o.preallocation = Preallocation::parse(&v)?,

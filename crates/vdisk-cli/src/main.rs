@@ -12,6 +12,7 @@ mod dd;
 mod info;
 mod map;
 mod measure;
+mod options;
 mod qjson;
 mod rebase;
 mod resize;

@@ -10,9 +10,9 @@ use vdisk::formats::qcow2::create::Preallocation;
 use vdisk::{open_image, BlockDev, Error, Format, Image};
 
 use crate::convert::snapshot_param;
-use crate::create::{check_option_lists, parse_bool, parse_options};
+use crate::options::{check_option_lists, typed_options, Kind, Value};
 use crate::qjson::{to_pretty, Dict};
-use crate::size::{cvtnum, option_size, parse_number};
+use crate::size::cvtnum;
 use crate::{fail, read_options, Output};
 
 pub struct Args<'a> {
@@ -127,38 +127,15 @@ fn option_kind(format: Format, key: &str) -> Option<Kind> {
     }
 }
 
-#[derive(Clone, Copy)]
-enum Kind {
-    Size,
-    Number,
-    Bool,
-    Text,
-}
-
 /// The options as QEMU's option parser checks them (names and value types), the last of a
 /// repeated key winning.
 fn read_target_options(format: Format, options: &[String]) -> Result<Opts, String> {
     let mut opts = Opts::default();
-    for (k, v) in parse_options(options).map_err(|e| e.to_string())? {
-        let kind = option_kind(format, &k).ok_or_else(|| format!("Invalid parameter '{k}'"))?;
-        let value = match kind {
-            Kind::Size => Value::Number(option_size(&k, &v)?),
-            Kind::Number => Value::Number(
-                parse_number(&v).ok_or_else(|| format!("Parameter '{k}' expects a number"))?,
-            ),
-            Kind::Bool => Value::Bool(parse_bool(&k, &v)?),
-            Kind::Text => Value::Text(v),
-        };
+    for (k, value) in typed_options(options, |k| option_kind(format, k))? {
         opts.0.retain(|(key, _)| *key != k);
         opts.0.push((k, value));
     }
     Ok(opts)
-}
-
-enum Value {
-    Number(u64),
-    Bool(bool),
-    Text(String),
 }
 
 #[derive(Default)]

@@ -20,6 +20,8 @@ const CASES: &[(&str, &str)] = &[
     ("lazy_refcounts=y,extended_l2=n", "10M"),
     ("lazy_refcounts=yes,extended_l2=false", "10M"),
     ("lazy_refcounts=on,lazy_refcounts=true", "10M"),
+    // An item without a value is "on".
+    ("lazy_refcounts,extended_l2", "10M"),
     ("data_file=DATA,data_file_raw=y", "10M"),
     ("compression_type=zstd", "10M"),
     ("preallocation=metadata", "10M"),
@@ -51,6 +53,7 @@ const REFUSED: &[(&str, &str)] = &[
     ("compat=0.10,lazy_refcounts=on", "1M"),
     ("cluster_size=3000", "1M"),
     ("lazy_refcounts=Y", "1M"),
+    ("cluster_size", "1M"),
     ("refcount_bits=3", "1M"),
     ("data_file_raw=on", "1M"),
     ("backing_file=base.raw", "1M"),

@@ -41,6 +41,8 @@ const OPTIONS: &[&str] = &[
     "preallocation=bogus",
     "foo=1",
     "lazy_refcounts=maybe",
+    "extended_l2",
+    "cluster_size",
     "help",
     "cluster_size=abc",
     "refcount_bits=abc",

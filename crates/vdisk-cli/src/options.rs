@@ -1,0 +1,102 @@
+//! The `-o` option lists of qemu-img's commands, read as QEMU's option parser reads them.
+
+use crate::size::{option_size, parse_number};
+
+/// qemu-img's check of each `-o` argument as it reads it: not empty, not starting with a
+/// comma, not ending in an odd number of commas (",," is a comma inside a value).
+pub fn check_option_lists(options: &[String]) -> Result<(), String> {
+    for o in options {
+        let trailing = o.len() - o.trim_end_matches(',').len();
+        if o.is_empty() || o.starts_with(',') || trailing % 2 == 1 {
+            return Err(format!("Invalid option list: {o}"));
+        }
+    }
+    Ok(())
+}
+
+/// Splits `-o` option strings ("a=1,b=2", repeatable; ",," stands for a comma) into their
+/// items, empty ones left out.
+fn split_options(options: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    for group in options {
+        let mut items = vec![String::new()];
+        let mut chars = group.chars().peekable();
+        while let Some(c) = chars.next() {
+            match c {
+                ',' if chars.peek() == Some(&',') => {
+                    chars.next();
+                    items.last_mut().expect("one item").push(',');
+                }
+                ',' => items.push(String::new()),
+                c => items.last_mut().expect("one item").push(c),
+            }
+        }
+        out.extend(items.into_iter().filter(|s| !s.is_empty()));
+    }
+    out
+}
+
+/// Splits `-o` option strings into key-value pairs; an item without `=` is the key set to "on",
+/// as QEMU's option parser reads it.
+pub fn parse_options(options: &[String]) -> Vec<(String, String)> {
+    split_options(options)
+        .into_iter()
+        .map(|item| match item.split_once('=') {
+            Some((k, v)) => (k.to_string(), v.to_string()),
+            None => (item, "on".to_string()),
+        })
+        .collect()
+}
+
+/// A boolean option's value as QEMU's option parser reads it (`qapi_bool_parse`).
+pub fn parse_bool(key: &str, v: &str) -> Result<bool, String> {
+    match v {
+        "on" | "yes" | "true" | "y" => Ok(true),
+        "off" | "no" | "false" | "n" => Ok(false),
+        _ => Err(format!("Parameter '{key}' expects 'on' or 'off'")),
+    }
+}
+
+/// Whether an item of the `-o` lists is `help` or `?`, which asks for the option list.
+pub fn asks_help(options: &[String]) -> bool {
+    options
+        .iter()
+        .flat_map(|group| group.split(','))
+        .any(|item| item == "help" || item == "?")
+}
+
+/// The type QEMU's option parser reads an option's value as.
+#[derive(Clone, Copy)]
+pub enum Kind {
+    Size,
+    Number,
+    Bool,
+    Text,
+}
+
+pub enum Value {
+    Number(u64),
+    Bool(bool),
+    Text(String),
+}
+
+/// The items of the `-o` lists with their values read as `kind_of` says, or QEMU's message for
+/// the first that is not an option or not of its type.
+pub fn typed_options(
+    options: &[String],
+    kind_of: impl Fn(&str) -> Option<Kind>,
+) -> Result<Vec<(String, Value)>, String> {
+    let mut out = Vec::new();
+    for (k, v) in parse_options(options) {
+        let value = match kind_of(&k).ok_or_else(|| format!("Invalid parameter '{k}'"))? {
+            Kind::Size => Value::Number(option_size(&k, &v)?),
+            Kind::Number => Value::Number(
+                parse_number(&v).ok_or_else(|| format!("Parameter '{k}' expects a number"))?,
+            ),
+            Kind::Bool => Value::Bool(parse_bool(&k, &v)?),
+            Kind::Text => Value::Text(v),
+        };
+        out.push((k, value));
+    }
+    Ok(out)
+}
