@@ -15,7 +15,7 @@ use std::rc::Rc;
 
 use super::bitmaps;
 use super::l2::{self, L2Entry, L2Table, OFLAG_COMPRESSED, OFLAG_COPIED, OFLAG_ZERO};
-use super::repair::{self, Fix, Signal};
+use super::repair::{self, hx, Fix, Signal};
 use super::{read_table, refcount, Qcow2};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::Storage;
@@ -926,15 +926,6 @@ impl<'a, 's> Checker<'a, 's> {
         (file.write_at(at, &entry.to_be_bytes()))
             .and_then(|()| file.sync())
             .context(|| format!("writing the L1 entry at {}", hx(at)))
-    }
-}
-
-/// C's `%#x`: "0x1f", but "0" for zero.
-fn hx(v: u64) -> String {
-    if v == 0 {
-        "0".into()
-    } else {
-        format!("{v:#x}")
     }
 }
 

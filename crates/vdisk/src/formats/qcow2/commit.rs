@@ -242,8 +242,16 @@ impl Qcow2 {
     }
 
     /// Flushes until nothing is left in memory (decrements applied by a flush are written by
-    /// the next one), then gives back the file space reserved ahead but not used.
+    /// the next one), then gives back the file space reserved ahead but not used. An image
+    /// marked corrupt while open is left as it is: nothing more goes onto its damaged metadata
+    /// (QEMU's driver is gone by then).
     pub fn close(&self) -> Result<()> {
+        if self
+            .marked_corrupt
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return Ok(());
+        }
         self.flush_impl()?;
         if let Some(refs) = self.lock().refs.as_mut() {
             refs.release_pool(&*self.file)?;

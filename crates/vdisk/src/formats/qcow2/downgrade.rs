@@ -101,7 +101,7 @@ impl Qcow2 {
                 }
                 SubclusterType::ZeroPlain => self.zeroed_cluster(&mut meta, sharers)?,
                 SubclusterType::ZeroAlloc => {
-                    let host = self.format.aligned(self.format.host_offset(e), index)?;
+                    let host = self.data_cluster(e, offset, index)?;
                     let refs = meta.refs.as_mut().expect("writable images have refcounts");
                     refs.vet_mapped(host >> cb)?;
                     if refs.get(&*self.file, host >> cb)? > sharers {

@@ -72,18 +72,6 @@ impl EntryFormat {
         e.word & OFFSET_MASK
     }
 
-    /// `host`, the host cluster that entry `index` of an L2 table names, if it is cluster
-    /// aligned. An unaligned one is corrupt (QEMU's message): its bytes would straddle two host
-    /// clusters, so reads, writes and frees refuse it alike.
-    pub fn aligned(&self, host: u64, index: usize) -> Result<u64> {
-        if host & ((1 << self.cluster_bits) - 1) != 0 {
-            return Err(Error::corrupt(format!(
-                "Cluster allocation offset {host:#x} unaligned (L2 index: {index:#x})"
-            )));
-        }
-        Ok(host)
-    }
-
     /// The type of subcluster `sc` (0 without extended L2) of the cluster `e` describes.
     pub fn subcluster_type(&self, e: L2Entry, sc: u64) -> Result<SubclusterType> {
         use SubclusterType::*;

@@ -27,11 +27,13 @@ mod update;
 mod write;
 
 use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use self::cache::Meta;
 use self::header::Header;
-use self::l2::{EntryFormat, L2Table, SubclusterType};
+use self::l2::{EntryFormat, L2Entry, L2Table, SubclusterType};
+use self::repair::hx;
 use self::snapshot::Snapshot;
 use super::{read_mapped, read_mapped_with, status_mapped, Holes, Image, Layer, Mapping};
 use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
@@ -305,8 +307,10 @@ impl Qcow2 {
         }
         let cs = self.header.cluster_size();
         if offset % cs != 0 {
-            return Err(Error::corrupt(format!(
-                "L2 table offset {offset:#x} unaligned (L1 index: {l1_index:#x})"
+            return Err(self.signal_corruption(format!(
+                "L2 table offset {} unaligned (L1 index: {})",
+                hx(offset),
+                hx(l1_index as u64)
             )));
         }
         self.check_not_metadata(offset, "L2 table")?;
@@ -347,9 +351,44 @@ impl Qcow2 {
         Ok(())
     }
 
+    /// The host cluster that entry `index` (`e`) of the L2 table at `l2` names. It must be
+    /// cluster aligned: an unaligned one would straddle two host clusters, so reads, writes and
+    /// frees refuse it alike, as a corruption event (QEMU's).
+    pub(super) fn data_cluster(&self, e: L2Entry, l2: u64, index: usize) -> Result<u64> {
+        let host = self.format.host_offset(e);
+        if host % self.header.cluster_size() != 0 {
+            return Err(self.signal_corruption(format!(
+                "Cluster allocation offset {} unaligned (L2 offset: {}, L2 index: {})",
+                hx(host),
+                hx(l2),
+                hx(index as u64)
+            )));
+        }
+        Ok(host)
+    }
+
+    /// QEMU's `qcow2_signal_corruption` for a fatal event, returned as the request's error. On
+    /// an image open for writing the corrupt bit goes into the header (version 3 only; version
+    /// 2 has no feature bits) and the image takes no more writes, so that nothing else lands
+    /// on its damaged metadata; a read-only image (a backing file too) only reports it.
+    pub(super) fn signal_corruption(&self, what: String) -> Error {
+        if !self.writable {
+            return Error::corrupt(format!(
+                "qcow2: Image is corrupt: {what}; further non-fatal corruption events will be \
+                 suppressed"
+            ));
+        }
+        if !self.marked_corrupt.swap(true, Relaxed) && self.header.version >= 3 {
+            let bits = self.header.incompatible | header::INCOMPAT_CORRUPT;
+            // If this fails the request is refused all the same.
+            let _ = repair::write_incompatible(&*self.file, bits);
+        }
+        Error::corrupt(repair::marking_corrupt(&what))
+    }
+
     /// The subcluster type and host offset (of the byte at `offset`) for one guest offset, plus
-    /// the L2 table and index so callers can scan forward.
-    fn lookup(&self, offset: u64) -> Result<Option<(Arc<L2Table>, usize)>> {
+    /// the L2 table (its host offset too) and index so callers can scan forward.
+    fn lookup(&self, offset: u64) -> Result<Option<(Arc<L2Table>, u64, usize)>> {
         let cb = self.header.cluster_bits;
         let l2_bits = self.header.l2_entries().trailing_zeros();
         let l1_index = (offset >> (cb + l2_bits)) as usize;
@@ -363,7 +402,7 @@ impl Qcow2 {
             return Ok(None);
         };
         let index = ((offset >> cb) & (self.header.l2_entries() - 1)) as usize;
-        Ok(Some((table, index)))
+        Ok(Some((table, l2_offset, index)))
     }
 
     fn mapping_of(&self, t: SubclusterType, host: Option<u64>) -> Mapping {
@@ -393,7 +432,7 @@ impl Layer for Qcow2 {
         let cs = 1u64 << cb;
         let l2_span = cs * self.header.l2_entries();
         let to_table_end = l2_span - (offset % l2_span);
-        let Some((table, first)) = self.lookup(offset)? else {
+        let Some((table, l2, first)) = self.lookup(offset)? else {
             return Ok((Mapping::Unallocated { offset: None }, len.min(to_table_end)));
         };
         let scb = self.format.subcluster_bits();
@@ -405,7 +444,7 @@ impl Layer for Qcow2 {
             if !t.has_host_cluster() {
                 return Ok((t, None));
             }
-            let host = self.format.aligned(self.format.host_offset(e), index)?;
+            let host = self.data_cluster(e, l2, index)?;
             Ok((t, Some(host + (sc << scb))))
         };
         let sc0 = (offset >> scb) & (per_cluster - 1);
@@ -451,7 +490,7 @@ impl Layer for Qcow2 {
 
     fn read_compressed(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         let cs = self.header.cluster_size();
-        let Some((table, index)) = self.lookup(offset)? else {
+        let Some((table, _, index)) = self.lookup(offset)? else {
             return Err(Error::corrupt("compressed cluster vanished"));
         };
         let entry = table.get(index);

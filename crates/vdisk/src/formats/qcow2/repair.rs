@@ -498,6 +498,16 @@ impl Signal {
     }
 }
 
+/// A number as C's `%#x` prints it: `0` for zero (no prefix), else `0x...`, as in QEMU's
+/// messages.
+pub(super) fn hx(v: u64) -> String {
+    if v == 0 {
+        "0".into()
+    } else {
+        format!("{v:#x}")
+    }
+}
+
 /// QEMU's message for a fatal corruption event.
 pub(super) fn marking_corrupt(what: &str) -> String {
     format!("qcow2: Marking image as corrupt: {what}; further corruption events will be suppressed")

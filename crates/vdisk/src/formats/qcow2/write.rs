@@ -17,9 +17,10 @@ use std::sync::Arc;
 
 use super::cache::{Dirty, Meta};
 use super::cow::{Pending, SECTOR};
-use super::header::{Header, INCOMPAT_CORRUPT};
+use super::header::Header;
 use super::l2::OFLAG_ZERO;
 use super::l2::{L2Entry, L2Table, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
+use super::repair::hx;
 use super::{compress, repair, Qcow2};
 use crate::blockdev::{StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
@@ -84,18 +85,6 @@ impl Qcow2 {
             ));
         }
         Ok(())
-    }
-
-    /// QEMU's `qcow2_signal_corruption` for a fatal event on an image open for writing: the
-    /// corrupt bit goes into the header (version 3 only; version 2 has no feature bits), and
-    /// the image takes no more writes, so that nothing else lands on its damaged metadata.
-    fn mark_corrupt(&self, what: String) -> Error {
-        if !self.marked_corrupt.swap(true, Relaxed) && self.header.version >= 3 {
-            let bits = self.header.incompatible | INCOMPAT_CORRUPT;
-            // If this fails the write is refused all the same.
-            let _ = repair::write_incompatible(&*self.file, bits);
-        }
-        Error::corrupt(repair::marking_corrupt(&what))
     }
 
     pub(super) fn write_impl(&self, offset: u64, buf: &[u8]) -> Result<()> {
@@ -211,7 +200,7 @@ impl Qcow2 {
             .map(|t| t.1);
         let what = table.or_else(|| repair::metadata_overlap(self, &[], &[], 0, host, cs));
         match what {
-            Some(what) => Err(self.mark_corrupt(format!(
+            Some(what) => Err(self.signal_corruption(format!(
                 "Preventing invalid write on metadata (overlaps with {what})"
             ))),
             None => Ok(()),
@@ -492,9 +481,7 @@ impl Qcow2 {
 
     /// The L2 table (host offset, index) for guest offset `guest`, made writable, and the entry
     /// there, which the caller is about to replace or write through: a host cluster it names
-    /// must be aligned, as for reads (see [`EntryFormat::aligned`]).
-    ///
-    /// [`EntryFormat::aligned`]: super::l2::EntryFormat::aligned
+    /// must be aligned, as for reads (QEMU's corruption event, in its words for writes).
     pub(super) fn writable_table(
         &self,
         meta: &mut Meta,
@@ -503,8 +490,13 @@ impl Qcow2 {
         let (table, index) = self.make_table_writable(meta, guest)?;
         let cached = meta.get(table).expect("Meta::insert keeps what it inserts");
         let e = cached.get(index);
-        if e.word & OFLAG_COMPRESSED == 0 {
-            self.format.aligned(self.format.host_offset(e), index)?;
+        let host = e.word & OFFSET_MASK;
+        if e.word & OFLAG_COMPRESSED == 0 && host % self.header.cluster_size() != 0 {
+            return Err(self.signal_corruption(format!(
+                "Data cluster offset {} unaligned (guest offset: {})",
+                hx(host),
+                hx(guest)
+            )));
         }
         Ok((table, index, e))
     }
