@@ -105,8 +105,8 @@ impl Plan {
                 "-o has no effect when skipping image creation",
             ));
         }
-        // The target's options as `create` reads them (which refuses a malformed list itself);
-        // a later value of an option replaces an earlier one.
+        // The target's options as `create` reads them (a malformed list was refused above); a
+        // later value of an option replaces an earlier one.
         let options = crate::options::parse_options(args.options);
         let option = |key: &str| {
             let found = options.iter().rev().find(|(k, _)| k == key);

@@ -136,25 +136,16 @@ impl<'a> RefcountReader<'a> {
             return Ok(0);
         }
         if block_offset & ((1 << self.cluster_bits) - 1) != 0 {
+            let what = format!(
+                "Refblock offset {} unaligned (reftable index: {})",
+                hx(block_offset),
+                hx(index)
+            );
             if let Some(signal) = &self.signal {
-                signal.fatal(
-                    self.file,
-                    &format!(
-                        "Refblock offset {} unaligned (reftable index: {})",
-                        hx(block_offset),
-                        hx(index)
-                    ),
-                    say,
-                );
+                signal.fatal(self.file, &what, say);
             } else if !self.reported_unaligned {
                 self.reported_unaligned = true;
-                say(format!(
-                    "qcow2: Image is corrupt: Refblock offset {} unaligned \
-                     (reftable index: {}); further non-fatal corruption events will be \
-                     suppressed",
-                    hx(block_offset),
-                    hx(index)
-                ));
+                say(repair::image_is_corrupt(&what));
             }
             return Err(Error::Io {
                 context: format!("refcount block at {} is unaligned", hx(block_offset)),

@@ -373,10 +373,7 @@ impl Qcow2 {
     /// on its damaged metadata; a read-only image (a backing file too) only reports it.
     pub(super) fn signal_corruption(&self, what: String) -> Error {
         if !self.writable {
-            return Error::corrupt(format!(
-                "qcow2: Image is corrupt: {what}; further non-fatal corruption events will be \
-                 suppressed"
-            ));
+            return Error::corrupt(repair::image_is_corrupt(&what));
         }
         if !self.marked_corrupt.swap(true, Relaxed) && self.header.version >= 3 {
             let bits = self.header.incompatible | header::INCOMPAT_CORRUPT;

@@ -513,6 +513,13 @@ pub(super) fn marking_corrupt(what: &str) -> String {
     format!("qcow2: Marking image as corrupt: {what}; further corruption events will be suppressed")
 }
 
+/// QEMU's message for a corruption event on an image it may not mark (open read-only).
+pub(super) fn image_is_corrupt(what: &str) -> String {
+    format!(
+        "qcow2: Image is corrupt: {what}; further non-fatal corruption events will be suppressed"
+    )
+}
+
 /// Metadata kinds of QEMU's overlap checks (`QCow2MetadataOverlap`).
 pub(super) const OL_MAIN_HEADER: u32 = 1 << 0;
 pub(super) const OL_ACTIVE_L1: u32 = 1 << 1;

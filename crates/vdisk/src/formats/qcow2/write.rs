@@ -490,7 +490,7 @@ impl Qcow2 {
         let (table, index) = self.make_table_writable(meta, guest)?;
         let cached = meta.get(table).expect("Meta::insert keeps what it inserts");
         let e = cached.get(index);
-        let host = e.word & OFFSET_MASK;
+        let host = self.format.host_offset(e);
         if e.word & OFLAG_COMPRESSED == 0 && host % self.header.cluster_size() != 0 {
             return Err(self.signal_corruption(format!(
                 "Data cluster offset {} unaligned (guest offset: {})",
