@@ -11,18 +11,18 @@
 //!
 //! How vdisk sends the requests follows `-i`: with `threads` (qemu-img's default), from DEPTH
 //! threads making blocking calls into the engine; with `native` (Linux AIO) or `io_uring` and a
-//! direct cache mode, writes go out from one thread, the engine placing each one
-//! ([`BlockDev::start_write`]) and the kernel interface of that name carrying its data, as
-//! QEMU's back ends do (writes that continue each other in the file go as one request, see
-//! [`Ring`]). Reads, and writes in the other cache modes, use the threads.
+//! direct cache mode, writes go out from one thread on the engine's I/O queue
+//! ([`vdisk::io`], the one `vdisk serve --aio` uses), the kernel interface of that name
+//! carrying their data, as QEMU's back ends do (writes that continue each other in the file go
+//! as one request). Reads, and writes in the other cache modes, use the threads.
 
 use std::process::ExitCode;
-use std::sync::{Barrier, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Barrier, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vdisk::bytes::AlignedBuf;
-use vdisk::storage::{Backend, Ring};
-use vdisk::{open_image, BlockDev, CacheMode, Image, ImageOptions, StartedWrite, WithCache};
+use vdisk::io::{Backend, Completion, Declined, Dir, IoCounters, IoCountersSnapshot, IoQueue};
+use vdisk::{open_image, BlockDev, CacheMode, Image, ImageOptions, WithCache};
 
 use crate::create::parse_size;
 use crate::{fail, image_format};
@@ -199,7 +199,7 @@ pub fn run(a: &Args) -> ExitCode {
         _ => None,
     };
     let result = if let Some(backend) = backend.filter(|_| plan.write && mode.direct()) {
-        run.execute_ring(&disk, backend)
+        run.execute_queued(&disk, backend)
     } else {
         run.execute(&disk)
     };
@@ -208,7 +208,7 @@ pub fn run(a: &Args) -> ExitCode {
         Err(e) => return fail(format!("Failed request: {e}"), 1),
     };
     println!("Run completed in {:.3} seconds.", elapsed.as_secs_f64());
-    let kernel_requests = run.lock().kernel_requests;
+    let queued = run.lock().queued;
     let image = disk.disk;
     if plan.write {
         if let Err(e) = image.close() {
@@ -216,8 +216,12 @@ pub fn run(a: &Args) -> ExitCode {
         }
     }
     print_counters(&image);
-    if let Some(n) = kernel_requests {
-        println!("aio={aio}: {n} requests to the kernel");
+    if let Some(q) = queued {
+        println!(
+            "io queue: {} requests, {} merged transfers, {} blocking transfers, {} declined",
+            q.requests, q.merged, q.blocking_transfers, q.declined
+        );
+        println!("aio={aio}: {} requests to the kernel", q.kernel_requests);
     }
     ExitCode::SUCCESS
 }
@@ -258,9 +262,8 @@ struct State {
     next_offset: u64,
     /// A flush is due or running (`--flush-interval` with draining): nothing is sent.
     flushing: bool,
-    /// Requests the ring handed to the kernel, when the writes went on one (merged writes
-    /// count once).
-    kernel_requests: Option<u64>,
+    /// What the I/O queue did, when the writes went on it.
+    queued: Option<IoCountersSnapshot>,
     /// The number of unsent requests at which the last flush was due (each point flushes once).
     flushed_at: Option<u64>,
     /// Flushes to run beside the requests (`--no-drain`).
@@ -373,28 +376,19 @@ impl<'p> Run<'p> {
         self.after_completion(st, disk)
     }
 
-    /// Runs the schedule from this thread, with the data of every write on `backend`; the
-    /// `--no-drain` flushes run on a thread beside it.
-    fn execute_ring(&self, disk: &dyn BlockDev, backend: Backend) -> vdisk::Result<Duration> {
+    /// Runs the schedule from this thread, every write on the engine's I/O queue over
+    /// `backend`; the `--no-drain` flushes run on a thread beside it.
+    fn execute_queued(&self, disk: &dyn BlockDev, backend: Backend) -> vdisk::Result<Duration> {
         let p = self.plan;
         let depth = p.depth.min(p.count) as usize;
-        let ring = Ring::new(backend, depth as u32).map_err(|e| vdisk::Error::Io {
-            context: format!("setting up {backend:?}"),
-            source: e,
-        })?;
-        let mut lp = RingLoop {
-            ring,
-            slots: (0..depth)
-                .map(|_| Slot {
-                    buf: self.buffer(),
-                    started: None,
-                    waiting: 0,
-                    failed: None,
-                })
-                .collect(),
-            idle: (0..depth).collect(),
-            disk,
-        };
+        let counters = Arc::new(IoCounters::default());
+        let queue =
+            IoQueue::new(backend, depth, counters.clone()).map_err(|e| vdisk::Error::Io {
+                context: format!("setting up {backend:?}"),
+                source: e,
+            })?;
+        let mut idle: Vec<AlignedBuf> = (0..depth).map(|_| self.buffer()).collect();
+        let mut done = Vec::new();
         let started = Instant::now();
         std::thread::scope(|s| {
             if !p.drain && p.flush_interval > 0 {
@@ -403,21 +397,32 @@ impl<'p> Run<'p> {
             loop {
                 let mut st = self.lock();
                 while st.failed.is_none() && st.sent < p.count && !st.flushing {
-                    let Some(i) = lp.idle.pop() else { break };
+                    let Some(buf) = idle.pop() else { break };
                     let offset = self.send(&mut st);
                     drop(st);
-                    let result = lp.start(self, i, offset);
-                    st = self.lock();
-                    if let Some(result) = result {
-                        st = self.completed(st, result, disk);
-                        lp.idle.push(i);
+                    if let Err(Declined { buf, .. }) =
+                        queue.start(disk, Dir::Write, offset, buf, ())
+                    {
+                        // A flush waits for the writes in flight: let them end, then write as
+                        // usual.
+                        while queue.in_flight() > 0 {
+                            if let Err(e) = self.reap(&queue, disk, &mut done, &mut idle) {
+                                self.lock().failed.get_or_insert(e);
+                                break;
+                            }
+                        }
+                        let result = disk.write(offset, &buf);
+                        idle.push(buf);
+                        drop(self.completed(self.lock(), result, disk));
                     }
+                    st = self.lock();
                 }
                 drop(st);
-                if lp.ring.in_flight() == 0 {
+                queue.submit();
+                if queue.in_flight() == 0 {
                     break;
                 }
-                if let Err(e) = lp.reap(self) {
+                if let Err(e) = self.reap(&queue, disk, &mut done, &mut idle) {
                     self.lock().failed.get_or_insert(e);
                     break;
                 }
@@ -425,12 +430,31 @@ impl<'p> Run<'p> {
             self.changed.notify_all();
         });
         let elapsed = started.elapsed();
-        self.lock().kernel_requests = Some(lp.ring.requests());
-        drop(lp);
+        drop(queue);
+        self.lock().queued = Some(counters.snapshot());
         match self.lock().failed.take() {
             Some(e) => Err(e),
             None => Ok(elapsed),
         }
+    }
+
+    /// Waits for writes on the queue to complete and accounts for them.
+    fn reap(
+        &self,
+        queue: &IoQueue<'_, AlignedBuf, ()>,
+        disk: &dyn BlockDev,
+        done: &mut Vec<Completion<AlignedBuf, ()>>,
+        idle: &mut Vec<AlignedBuf>,
+    ) -> vdisk::Result<()> {
+        queue.wait(done).map_err(|e| vdisk::Error::Io {
+            context: "waiting for writes".into(),
+            source: e,
+        })?;
+        for c in done.drain(..) {
+            idle.push(c.buf);
+            drop(self.completed(self.lock(), c.result, disk));
+        }
+        Ok(())
     }
 
     /// qemu-img bench's flush rule, checked at each completion.
@@ -501,97 +525,5 @@ impl<'p> Run<'p> {
             return 0;
         }
         next
-    }
-}
-
-/// The asynchronous path of a run: one slot per request in flight.
-struct RingLoop<'d> {
-    /// First, so that it is dropped (waiting for its writes) before the buffers they read.
-    ring: Ring,
-    slots: Vec<Slot<'d>>,
-    idle: Vec<usize>,
-    disk: &'d dyn BlockDev,
-}
-
-/// One request in flight on the ring.
-struct Slot<'d> {
-    buf: AlignedBuf,
-    started: Option<StartedWrite<'d>>,
-    /// Its transfers still on the ring.
-    waiting: usize,
-    failed: Option<vdisk::Error>,
-}
-
-impl<'d> RingLoop<'d> {
-    /// Starts the write of slot `i` at `offset`: its transfers go on the ring where the storage
-    /// allows. Returns the request's result if it is already complete.
-    fn start(&mut self, run: &Run, i: usize, offset: u64) -> Option<vdisk::Result<()>> {
-        let len = self.slots[i].buf.len();
-        let started = match self.disk.start_write(offset, len) {
-            Ok(Some(started)) => started,
-            Ok(None) => {
-                // A flush waits for the writes in flight: let them end, then write as usual.
-                while self.ring.in_flight() > 0 {
-                    if let Err(e) = self.reap(run) {
-                        return Some(Err(e));
-                    }
-                }
-                return Some(self.disk.write(offset, &self.slots[i].buf));
-            }
-            Err(e) => return Some(Err(e)),
-        };
-        let slot = &mut self.slots[i];
-        for t in &started.transfers {
-            let data = &slot.buf[t.bytes.clone()];
-            match started.storage.async_write_fd(t.host, data) {
-                Some(fd) => {
-                    // SAFETY: the slot's buffer is neither changed nor dropped before the ring
-                    // reports this write: the slot is busy until then, and the ring is dropped
-                    // first.
-                    unsafe { self.ring.write(fd, t.host, data, i as u64) };
-                    slot.waiting += 1;
-                }
-                None => {
-                    if let Err(e) = started.storage.write_at(t.host, data) {
-                        slot.failed.get_or_insert(t.error(e));
-                    }
-                }
-            }
-        }
-        slot.started = Some(started);
-        (slot.waiting == 0).then(|| Self::finish(self.disk, slot))
-    }
-
-    /// Waits for writes on the ring to complete and accounts for the requests they finish.
-    fn reap(&mut self, run: &Run) -> vdisk::Result<()> {
-        let mut done = Vec::new();
-        let waited = self.ring.complete(&mut done);
-        for (tag, outcome) in done {
-            let i = tag as usize;
-            let slot = &mut self.slots[i];
-            slot.waiting -= 1;
-            if let Err(e) = outcome {
-                slot.failed.get_or_insert(vdisk::Error::Io {
-                    context: "writing guest data".into(),
-                    source: e,
-                });
-            }
-            if slot.waiting == 0 {
-                let result = Self::finish(self.disk, slot);
-                drop(run.completed(run.lock(), result, self.disk));
-                self.idle.push(i);
-            }
-        }
-        waited.map_err(|e| vdisk::Error::Io {
-            context: "waiting for writes".into(),
-            source: e,
-        })
-    }
-
-    /// Hands a slot's write back to the disk once its transfers are done.
-    fn finish(disk: &dyn BlockDev, slot: &mut Slot<'_>) -> vdisk::Result<()> {
-        let started = slot.started.take().expect("a started write");
-        let outcome = slot.failed.take().map_or(Ok(()), Err);
-        disk.finish_write(started, outcome)
     }
 }

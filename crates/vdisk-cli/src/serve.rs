@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use vdisk::export::nbd::{Address, Export, ExportOptions, Limits, Server, ServerOptions};
-use vdisk::storage::Backend;
+use vdisk::io::Backend;
 use vdisk::{BlockDev, CacheMode, Format, Image, ImageOptions};
 
 use crate::fail;

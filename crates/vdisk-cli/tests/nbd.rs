@@ -497,6 +497,70 @@ fn pipelined_requests_with_native_aio() {
     run(&tools[0], &["check", "-q", path]);
 }
 
+/// `vdisk bench -i native` and `vdisk serve --aio native` move data through the same I/O
+/// queue of the engine: both report its counters, and both see sequential direct writes in
+/// flight together joined into fewer kernel requests (only the queue joins transfers).
+#[test]
+fn bench_and_serve_share_the_io_queue() {
+    let Some(tools) = peers(&["qemu-img"]) else {
+        return;
+    };
+    let dir = scratch("nbd-io-queue");
+    let d = dir.path();
+    let img = d.join("disk.raw");
+    let path = img.to_str().unwrap();
+    run(&tools[0], &["create", "-q", "-f", "raw", path, "64M"]);
+    let a = [
+        "bench", "-f", "raw", "-w", "-c", "4096", "-d", "16", "-t", "none", "-i", "native", path,
+    ];
+    let out = run(&vdisk_bin(), &a);
+    let line = out
+        .lines()
+        .find_map(|l| l.strip_prefix("io queue: "))
+        .unwrap_or_else(|| panic!("no io queue line in:\n{out}"));
+    let n: Vec<u64> = line
+        .split(", ")
+        .map(|f| f.split(' ').next().unwrap().parse().unwrap())
+        .collect();
+    let kernel: u64 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("aio=native: "))
+        .and_then(|l| l.split(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no kernel requests in:\n{out}"));
+    assert_eq!(n[0], 4096, "bench: every write went on the queue: {out}");
+    assert!(n[1] > 0 && kernel < 4096, "bench: nothing merged: {out}");
+
+    let serve = Serve::start(
+        d,
+        &["-f", "raw", path, "--cache", "none", "--aio", "native"],
+    );
+    let s = std::os::unix::net::UnixStream::connect(&serve.socket).unwrap();
+    let mut c = Client::connect(s, &Opts::default()).unwrap();
+    let data = random_bytes(4096, 7);
+    for i in 0..256u64 {
+        c.send(0, CMD_WRITE, i * 4096, 4096, &data);
+    }
+    for _ in 0..256 {
+        assert_eq!(c.reply().unwrap().error, 0);
+    }
+    let stats = run(
+        &vdisk_bin(),
+        &["stats", &format!("unix:{}", serve.stats.display())],
+    );
+    let requests = metric(&stats, "vdisk_io_requests_total");
+    let kernel = metric(&stats, "vdisk_io_kernel_requests_total");
+    let merged = metric(&stats, "vdisk_io_merged_total");
+    // The first write may run on the reader, alone in flight.
+    assert!(requests >= 255, "serve: writes not on the queue:\n{stats}");
+    assert!(
+        merged > 0 && kernel < requests,
+        "serve: nothing merged:\n{stats}"
+    );
+    c.disconnect();
+    serve.stop_clean();
+}
+
 /// 256 writes of distinct data in flight at once (a mix of sizes, some with FUA, some not
 /// sector aligned), then a flush, then 256 reads of them and 256 of the holes between them.
 fn pipeline(mut c: Client) {

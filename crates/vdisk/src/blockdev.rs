@@ -60,7 +60,7 @@ impl Transfer {
 }
 
 /// A write the disk has placed and whose data the caller transfers itself, for example
-/// asynchronously on a [`crate::storage::Ring`]. It goes back to [`BlockDev::finish_write`]
+/// asynchronously on the I/O queue ([`crate::io`]). It goes back to [`BlockDev::finish_write`]
 /// once every transfer is done. While a caller holds started writes it must not flush or write
 /// through the blocking methods: a flush waits for the writes started before it.
 pub struct StartedWrite<'a> {

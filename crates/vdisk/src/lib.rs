@@ -12,6 +12,7 @@ pub mod error;
 pub mod export;
 pub mod formats;
 mod gate;
+pub mod io;
 pub mod storage;
 
 pub use blockdev::{BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};

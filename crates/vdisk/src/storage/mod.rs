@@ -13,8 +13,8 @@
 //!           └─ FaultStorage (wraps any Storage; fails chosen calls with EIO, ENOSPC, short writes)
 //! ```
 //!
-//! A caller with many transfers in flight from one thread can instead run them through Linux
-//! AIO or io_uring ([`Ring`], [`AioContext`]) where the storage offers a descriptor for them
+//! A caller with many transfers in flight from few threads runs them through the engine's I/O
+//! queue ([`crate::io`]) where the storage offers a descriptor for them
 //! ([`Storage::async_write_fd`], [`Storage::async_read_fd`]).
 
 mod crash;
@@ -22,7 +22,6 @@ mod fault;
 mod file;
 mod lock;
 mod memory;
-mod ring;
 mod stats;
 
 pub use crash::{
@@ -32,7 +31,6 @@ pub use fault::{Fault, FaultStorage, OpKind, When};
 pub use file::{FileStorage, OpenOptions, DIRECT_ALIGN};
 pub use lock::{LockRole, LockUse};
 pub use memory::MemStorage;
-pub use ring::{AioContext, Backend, IoEvent, Iocb, Ring, UringContext};
 pub use stats::{IoStats, IoStatsSnapshot};
 
 use std::io;
@@ -92,8 +90,9 @@ pub trait Storage: Send + Sync {
         Ok((true, len))
     }
 
-    /// The descriptor to which an asynchronous write of `buf` at `offset` (on a [`Ring`]) may
-    /// go, counted here as a write; `None` where this storage writes only through `write_at`.
+    /// The descriptor to which an asynchronous write of `buf` at `offset` (on the I/O queue)
+    /// may go, counted here as a write; `None` where this storage writes only through
+    /// `write_at`.
     fn async_write_fd(&self, offset: u64, buf: &[u8]) -> Option<RawFd> {
         let _ = (offset, buf);
         None

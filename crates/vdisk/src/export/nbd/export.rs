@@ -8,6 +8,7 @@ use super::proto::*;
 use crate::blockdev::BlockDev;
 use crate::cache::{CacheMode, WithCache};
 use crate::formats::Image;
+use crate::io::IoCounters;
 
 /// How an export is offered to clients.
 #[derive(Debug, Clone)]
@@ -44,6 +45,8 @@ pub struct Export {
     /// Kept for its storage and engine counters (`vdisk stats`), when the disk is an image.
     image: Option<Arc<Image>>,
     pub(crate) stats: RequestStats,
+    /// What the connections' I/O queues did for this export.
+    pub(crate) io: Arc<IoCounters>,
 }
 
 impl Export {
@@ -59,6 +62,7 @@ impl Export {
             dev,
             image: None,
             stats: RequestStats::default(),
+            io: Arc::default(),
         }
     }
 

@@ -1,6 +1,7 @@
 //! Live counters of a server in Prometheus' text format (version 0.0.4): requests by command,
-//! bytes moved, and, for exports of images, the storage's operations (syncs, allocations) and
-//! the engine's (copy-on-write bytes, allocations, commits).
+//! bytes moved, the I/O queue's work (kernel requests, merged transfers), and, for exports of
+//! images, the storage's operations (syncs, allocations) and the engine's (copy-on-write bytes,
+//! allocations, commits).
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -8,6 +9,7 @@ use std::sync::Arc;
 
 use super::export::Export;
 use super::proto::*;
+use crate::io::IoCountersSnapshot;
 use crate::storage::IoStatsSnapshot;
 use crate::CountersSnapshot;
 
@@ -179,6 +181,40 @@ pub fn render(exports: &[Arc<Export>], conns: &ConnectionStats) -> String {
                 &[("export", e.name()), ("op", op)],
                 v.load(Relaxed),
             );
+        }
+    }
+
+    let queue_families: [Family<IoCountersSnapshot>; 5] = [
+        (
+            "vdisk_io_requests_total",
+            "Reads and writes started on the I/O queue.",
+            |s| s.requests,
+        ),
+        (
+            "vdisk_io_declined_total",
+            "Requests the disk would not hand to the I/O queue (they ran on workers).",
+            |s| s.declined,
+        ),
+        (
+            "vdisk_io_kernel_requests_total",
+            "Requests the I/O queue handed to the kernel (merged transfers count once).",
+            |s| s.kernel_requests,
+        ),
+        (
+            "vdisk_io_merged_total",
+            "Transfers the I/O queue joined to the one before them.",
+            |s| s.merged,
+        ),
+        (
+            "vdisk_io_blocking_transfers_total",
+            "Transfers of the I/O queue run with blocking calls instead of by the kernel.",
+            |s| s.blocking_transfers,
+        ),
+    ];
+    for (name, help, get) in queue_families {
+        f.head(name, "counter", help);
+        for e in exports {
+            f.sample(name, &[("export", e.name())], get(&e.io.snapshot()));
         }
     }
 

@@ -15,11 +15,11 @@
 //! a client that breaks the framing (bad magic) has its connection closed with a log line.
 
 mod commands;
-mod direct;
 mod export;
 mod handshake;
 mod metrics;
 pub mod proto;
+mod queued;
 mod server;
 mod stream;
 mod transmission;

@@ -11,9 +11,8 @@
 //!
 //! A request that is alone (nothing else in flight, nothing more sent) runs on the reader
 //! itself: a client at queue depth 1 then costs no thread wake-up per request. With
-//! [`Limits::aio`], the reader places plain reads (and, with Linux AIO, writes) itself and
-//! their data moves through the kernel's asynchronous interface, answered by a completion
-//! thread (`direct.rs`).
+//! [`Limits::aio`], the reader starts plain reads (and, with Linux AIO, writes) on the
+//! engine's I/O queue, answered by a completion thread (`queued.rs`).
 //!
 //! Memory per connection is bounded: the reader waits before taking a request that would put
 //! more than [`Limits::max_bytes`] of payload buffers, or more than [`Limits::max_requests`]
@@ -28,13 +27,13 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::Scope;
 
 use super::commands;
-use super::direct::{Batch, DirectIo};
 use super::handshake::Session;
 use super::proto::*;
+use super::queued::Queued;
 use super::stream::Stream;
 use super::{ConnError, Log};
 use crate::bytes::AlignedBuf;
-use crate::storage::Backend;
+use crate::io::{Backend, IoBuf};
 
 /// Bounds on one connection.
 #[derive(Debug, Clone, Copy)]
@@ -49,9 +48,9 @@ pub struct Limits {
     /// Run a request on the reader itself when it is the only one in flight and no other is
     /// waiting on the socket, saving a thread wake-up per request at queue depth 1.
     pub inline: bool,
-    /// Place plain reads (and, with Linux AIO, writes) from the reader through this kernel
-    /// interface (see `direct.rs`); `None`, or an interface the kernel lacks, leaves them to
-    /// the workers. Linux AIO only serves images opened for direct I/O.
+    /// Start plain reads (and, with Linux AIO, writes) from the reader on the engine's I/O
+    /// queue over this kernel interface (see `queued.rs`); `None`, or an interface the kernel
+    /// lacks, leaves them to the workers. Linux AIO only serves images opened for direct I/O.
     pub aio: Option<Backend>,
 }
 
@@ -100,6 +99,16 @@ impl std::ops::Deref for Buf {
 impl std::ops::DerefMut for Buf {
     fn deref_mut(&mut self) -> &mut [u8] {
         &mut self.v[..self.len]
+    }
+}
+
+// SAFETY: the bytes are those of the AlignedBuf's heap block, which moves with it.
+unsafe impl IoBuf for Buf {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self
     }
 }
 
@@ -176,6 +185,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Conn {
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
     pub fn take_buf(&self, len: usize) -> Buf {
         self.pool.take(len)
     }
@@ -311,38 +324,32 @@ pub(crate) fn serve(
 
 fn serve_conn(conn: &Conn, reader: &mut BufReader<Stream>) -> Result<(), ConnError> {
     // Where the kernel lacks the interface, everything takes the worker path.
-    let direct = conn
-        .limits
-        .aio
-        .and_then(|backend| DirectIo::new(backend, conn.limits.max_requests).ok());
+    let queued = (conn.limits.aio).and_then(|backend| Queued::new(conn, backend).ok());
     std::thread::scope(|scope| {
-        if let Some(d) = &direct {
-            scope.spawn(|| d.complete(conn));
+        if let Some(q) = &queued {
+            scope.spawn(|| q.complete(conn));
         }
-        let mut batch = Batch::default();
-        let result = read_requests(conn, direct.as_ref(), reader, scope, &mut batch);
+        let result = read_requests(conn, queued.as_ref(), reader, scope);
         conn.close_queue();
-        if let Some(d) = &direct {
-            d.submit(&mut batch);
-            d.close();
+        if let Some(q) = &queued {
+            q.close();
         }
         result
     })
 }
 
-/// The reader's loop. Requests prepared for AIO collect in `batch`, which goes to the kernel
-/// whenever the reader could block: before it reads the socket again, and before it waits for
-/// room (and, by the caller, when the loop ends).
+/// The reader's loop. Requests started on the I/O queue go to the kernel together whenever
+/// the reader could block: before it reads the socket again, and before it waits for room
+/// (and, by the caller, when the loop ends).
 fn read_requests<'s, 'e: 's, 'c: 'e>(
     conn: &'c Conn,
-    direct: Option<&'e DirectIo<'c>>,
+    queued: Option<&'e Queued<'c>>,
     reader: &mut BufReader<Stream>,
     scope: &'s Scope<'s, 'e>,
-    batch: &mut Batch,
 ) -> Result<(), ConnError> {
-    let submit = |batch: &mut Batch| {
-        if let Some(d) = direct {
-            d.submit(batch);
+    let submit = || {
+        if let Some(q) = queued {
+            q.submit();
         }
     };
     loop {
@@ -350,7 +357,7 @@ fn read_requests<'s, 'e: 's, 'c: 'e>(
             return Ok(());
         }
         if reader.buffer().len() < REQUEST_SIZE {
-            submit(batch);
+            submit();
         }
         let mut head = [0u8; REQUEST_SIZE];
         if !super::read_or_eof(reader, &mut head)? {
@@ -366,14 +373,14 @@ fn read_requests<'s, 'e: 's, 'c: 'e>(
             CMD_READ | CMD_WRITE if fits => req.len as usize,
             _ => 0,
         };
-        conn.admit(budget, || submit(batch));
+        conn.admit(budget, submit);
         let payload = if req.kind != CMD_WRITE {
             Payload::None
         } else if fits {
             let mut buf = conn.take_buf(req.len as usize);
             if reader.buffer().len() < buf.len() {
                 // The payload's read may block.
-                submit(batch);
+                submit();
             }
             if let Err(e) = reader.read_exact(&mut buf) {
                 conn.release(budget);
@@ -382,7 +389,7 @@ fn read_requests<'s, 'e: 's, 'c: 'e>(
             Payload::Data(buf)
         } else {
             // Too large to hold: consume it so the stream stays in step, then refuse it.
-            submit(batch);
+            submit();
             let len = u64::from(req.len);
             let skipped = io::copy(&mut reader.by_ref().take(len), &mut io::sink());
             if !matches!(skipped, Ok(n) if n == len) {
@@ -414,12 +421,8 @@ fn read_requests<'s, 'e: 's, 'c: 'e>(
             && conn.alone()
             && nothing_pending(reader)
             && reply_fits(reader, reply);
-        if let Some(d) = direct.filter(|_| !alone) {
-            match d.prepare(conn, job, batch) {
-                Ok(()) if batch.full() => {
-                    submit(batch);
-                    continue;
-                }
+        if let Some(q) = queued.filter(|_| !alone) {
+            match q.start(conn, job) {
                 Ok(()) => continue,
                 Err(back) => job = back,
             }
