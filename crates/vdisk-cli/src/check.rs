@@ -6,8 +6,9 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use vdisk::formats::qcow2::check::{check, CheckReport};
+use vdisk::formats::qcow2::check::check;
 use vdisk::formats::qcow2::repair::{repair, Fix};
+use vdisk::formats::CheckReport;
 use vdisk::storage::{FileStorage, LockRole, LockUse, OpenOptions, Storage};
 use vdisk::{open_image, Error};
 

@@ -3,7 +3,7 @@
 
 use std::process::ExitCode;
 
-use vdisk::formats::qcow2::create::Preallocation;
+use vdisk::Preallocation;
 use vdisk::{backing_path, open_image, BlockDev, Image, ImageOptions};
 
 use crate::text::Progress;
@@ -79,7 +79,7 @@ fn commit(args: &Args) -> vdisk::Result<()> {
     let mut target = open_image(&base.filename, &opts)?;
     let size = top.size();
     if target.size() < size {
-        target.resize(size, Preallocation::Off)?;
+        target.driver_mut().resize(size, Preallocation::Off)?;
     }
     let progress = args.progress.then(|| Progress::new(size));
     let mut buf = vec![0u8; CHUNK as usize];

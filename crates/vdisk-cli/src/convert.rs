@@ -228,7 +228,7 @@ impl Sources {
                 ));
             }
             let image = &mut images[0];
-            snapshot_param(image, param).and_then(|p| image.load_snapshot(&p))?;
+            snapshot_param(image, param).and_then(|p| image.driver_mut().load_snapshot(&p))?;
         }
         let mut starts = Vec::with_capacity(images.len());
         let mut size = 0u64;

@@ -3,10 +3,11 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use vdisk::formats::qcow2::create::{create as create_qcow2, CreateOptions, Preallocation};
+use vdisk::formats::qcow2::create::{create as create_qcow2, CreateOptions};
 use vdisk::formats::qcow2::header::Compression;
 use vdisk::formats::raw;
 use vdisk::storage::{FileStorage, LockRole, LockUse, OpenOptions, Storage};
+use vdisk::Preallocation;
 use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 
 use crate::fail;
@@ -130,9 +131,9 @@ fn option_help(format: &str, with_file: bool) -> ExitCode {
     let Ok(parsed) = Format::parse(format) else {
         return fail(format!("Unknown file format '{format}'"), 1);
     };
-    let mut list = match parsed {
-        Format::Raw => vec![SIZE_OPTION],
-        Format::Qcow2 => QCOW2_OPTIONS.to_vec(),
+    let mut list = match parsed.name() {
+        "qcow2" => QCOW2_OPTIONS.to_vec(),
+        _ => vec![SIZE_OPTION],
     };
     if with_file {
         // The format's own description of an option comes first, as in qemu_opts_append.
@@ -165,13 +166,13 @@ pub fn create(args: &Args) -> vdisk::Result<()> {
     let mut backing = args.backing.map(str::to_string);
     let mut backing_format = args.backing_format.map(str::to_string);
     for (k, v) in parse_options(args.options) {
-        match (format, k.as_str()) {
+        match (format.name(), k.as_str()) {
             (_, "size") => o.size = option_size(&k, &v).map_err(Error::invalid)?,
             (_, "preallocation") => o.preallocation = Preallocation::parse(&v)?,
-            (Format::Qcow2, "cluster_size") => {
+            ("qcow2", "cluster_size") => {
                 o.cluster_size = option_size(&k, &v).map_err(Error::invalid)?
             }
-            (Format::Qcow2, "compat") => {
+            ("qcow2", "compat") => {
                 o.version = match v.as_str() {
                     "0.10" | "v2" => 2,
                     "1.1" | "v3" => 3,
@@ -182,29 +183,29 @@ pub fn create(args: &Args) -> vdisk::Result<()> {
                     }
                 }
             }
-            (Format::Qcow2, "lazy_refcounts") => o.lazy_refcounts = on_off(&k, &v)?,
-            (Format::Qcow2, "extended_l2") => o.extended_l2 = on_off(&k, &v)?,
-            (Format::Qcow2, "refcount_bits") => {
+            ("qcow2", "lazy_refcounts") => o.lazy_refcounts = on_off(&k, &v)?,
+            ("qcow2", "extended_l2") => o.extended_l2 = on_off(&k, &v)?,
+            ("qcow2", "refcount_bits") => {
                 o.refcount_bits = v
                     .parse()
                     .map_err(|_| Error::invalid("Invalid refcount width"))?
             }
-            (Format::Qcow2, "compression_type") => {
+            ("qcow2", "compression_type") => {
                 o.compression = match v.as_str() {
                     "zlib" => Compression::Zlib,
                     "zstd" => Compression::Zstd,
                     _ => return Err(Error::invalid(format!("Invalid compression type '{v}'"))),
                 }
             }
-            (Format::Qcow2, "data_file") => o.data_file = Some(v.clone()),
-            (Format::Qcow2, "data_file_raw") => o.data_file_raw = on_off(&k, &v)?,
-            (Format::Qcow2, "backing_file") => backing = Some(v.clone()),
-            (Format::Qcow2, "backing_fmt") => backing_format = Some(v.clone()),
+            ("qcow2", "data_file") => o.data_file = Some(v.clone()),
+            ("qcow2", "data_file_raw") => o.data_file_raw = on_off(&k, &v)?,
+            ("qcow2", "backing_file") => backing = Some(v.clone()),
+            ("qcow2", "backing_fmt") => backing_format = Some(v.clone()),
             _ => return Err(Error::invalid(format!("Invalid parameter '{k}'"))),
         }
         shown.push((k, v));
     }
-    if format == Format::Raw {
+    if format == Format::RAW {
         refuse_backing(args)?;
     }
     o.backing_file = backing.clone();
@@ -233,12 +234,12 @@ pub fn create(args: &Args) -> vdisk::Result<()> {
     // Disks are whole sectors (the line above shows the size as asked, like qemu-img).
     o.size = o.size.next_multiple_of(512);
     // As qemu-img: refused after the line above, before any file is made.
-    if format == Format::Qcow2 {
+    if format == Format::QCOW2 {
         o.validate()?;
     }
     let file = new_file(args.filename)?;
-    match format {
-        Format::Raw => {
+    match format.name() {
+        "raw" => {
             // Metadata preallocation is qcow2's; qemu refuses it after creating the file.
             if o.preallocation == Preallocation::Metadata {
                 return Err(Error::unsupported(
@@ -247,13 +248,16 @@ pub fn create(args: &Args) -> vdisk::Result<()> {
             }
             raw::create(&*file, o.size, o.preallocation)
         }
-        Format::Qcow2 => {
+        "qcow2" => {
             let data = match &o.data_file {
                 Some(name) => Some(new_file(name)?),
                 None => None,
             };
             create_qcow2(&*file, data.as_deref(), &o)
         }
+        name => Err(Error::unsupported(format!(
+            "Format driver '{name}' does not support image creation"
+        ))),
     }
 }
 
@@ -326,14 +330,8 @@ fn formatting_line(
     // A boolean shows the text it was given ("y", "true"...), as QEMU prints it.
     let flag = |k: &str, b: bool| given(k).unwrap_or_else(|| if b { "on" } else { "off" }.into());
     let mut parts: Vec<(String, String)> = Vec::new();
-    match format {
-        Format::Raw => {
-            parts.push(("size".into(), o.size.to_string()));
-            if let Some(p) = given("preallocation") {
-                parts.push(("preallocation".into(), p));
-            }
-        }
-        Format::Qcow2 => {
+    match format.name() {
+        "qcow2" => {
             parts.push(("cluster_size".into(), o.cluster_size.to_string()));
             parts.push(("extended_l2".into(), flag("extended_l2", o.extended_l2)));
             if let Some(p) = given("preallocation") {
@@ -361,6 +359,12 @@ fn formatting_line(
                 flag("lazy_refcounts", o.lazy_refcounts),
             ));
             parts.push(("refcount_bits".into(), o.refcount_bits.to_string()));
+        }
+        _ => {
+            parts.push(("size".into(), o.size.to_string()));
+            if let Some(p) = given("preallocation") {
+                parts.push(("preallocation".into(), p));
+            }
         }
     }
     let opts: Vec<String> = parts.into_iter().map(|(k, v)| format!("{k}={v}")).collect();

@@ -414,7 +414,7 @@ fn bad_cache(mode: Option<&str>, which: &str) -> Option<ExitCode> {
 
 /// qemu-img's warning when an image it opens for writing was probed as raw.
 pub fn warn_probed_raw(filename: &str, format: Option<&str>, image: &vdisk::Image) {
-    if format.is_none() && image.format() == Format::Raw {
+    if format.is_none() && image.format() == Format::RAW {
         eprintln!(
             "WARNING: Image format was not specified for '{filename}' and probing guessed raw.\n         \
              Automatically detecting the format is dangerous for raw images, write operations \

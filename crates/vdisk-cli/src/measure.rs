@@ -6,7 +6,7 @@
 use std::process::ExitCode;
 
 use vdisk::formats::qcow2::bitmaps;
-use vdisk::formats::qcow2::create::Preallocation;
+use vdisk::Preallocation;
 use vdisk::{open_image, BlockDev, Error, Format, Image};
 
 use crate::convert::snapshot_param;
@@ -62,9 +62,9 @@ pub fn run(args: Args) -> ExitCode {
             return fail(format!("Invalid options for file format '{name}'"), 1);
         }
     };
-    let measured = match format {
-        Format::Raw => Ok(measure_raw(source.as_ref(), size)),
-        Format::Qcow2 => measure_qcow2(&opts, source.as_ref(), size),
+    let measured = match format.name() {
+        "qcow2" => measure_qcow2(&opts, source.as_ref(), size),
+        _ => Ok(measure_raw(source.as_ref(), size)),
     };
     match measured {
         Ok(m) => {
@@ -79,7 +79,7 @@ fn open(name: &str, args: &Args) -> vdisk::Result<Image> {
     let mut image = open_image(name, &read_options(name, args.format, args.force_share)?)?;
     if let Some(param) = args.snapshot {
         let snapshot = snapshot_param(&image, param)?;
-        image.load_snapshot(&snapshot)?;
+        image.driver_mut().load_snapshot(&snapshot)?;
     }
     Ok(image)
 }
@@ -115,14 +115,13 @@ fn option_kind(format: Format, key: &str) -> Option<Kind> {
         "nocow" => Some(Kind::Bool),
         _ => None,
     };
-    match (format, key) {
-        (Format::Qcow2, "cluster_size") => Some(Kind::Size),
-        (Format::Qcow2, "refcount_bits") => Some(Kind::Number),
-        (
-            Format::Qcow2,
-            "compat" | "backing_file" | "backing_fmt" | "data_file" | "compression_type",
-        ) => Some(Kind::Text),
-        (Format::Qcow2, "lazy_refcounts" | "extended_l2" | "data_file_raw") => Some(Kind::Bool),
+    match (format.name(), key) {
+        ("qcow2", "cluster_size") => Some(Kind::Size),
+        ("qcow2", "refcount_bits") => Some(Kind::Number),
+        ("qcow2", "compat" | "backing_file" | "backing_fmt" | "data_file" | "compression_type") => {
+            Some(Kind::Text)
+        }
+        ("qcow2", "lazy_refcounts" | "extended_l2" | "data_file_raw") => Some(Kind::Bool),
         _ => common,
     }
 }

@@ -3,7 +3,7 @@
 
 use std::process::ExitCode;
 
-use vdisk::formats::qcow2::create::Preallocation;
+use vdisk::Preallocation;
 use vdisk::{open_image, BlockDev, ImageOptions};
 
 use crate::create::parse_size;
@@ -73,7 +73,10 @@ pub fn run(args: Args) -> ExitCode {
         eprintln!("vdisk: Use the --shrink option to perform a shrink operation.");
         return fail(SHRINK_WARNING, 1);
     }
-    let result = image.resize(new, prealloc).and_then(|()| image.close());
+    let result = image
+        .driver_mut()
+        .resize(new, prealloc)
+        .and_then(|()| image.close());
     if let Err(e) = result {
         return fail(e, 1);
     }

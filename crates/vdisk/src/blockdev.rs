@@ -145,6 +145,16 @@ pub trait BlockDev: Send + Sync {
 
     /// The status of the range starting at `offset`, at most `len` bytes long.
     fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus>;
+
+    /// Sets the virtual size, as a file's length is set (grown space reads as zero), while
+    /// the disk is in use: what a layer below another format must do when that format grows
+    /// its storage. Disks whose size is fixed refuse it.
+    fn set_size(&self, size: u64) -> Result<()> {
+        let _ = size;
+        Err(crate::Error::unsupported(
+            "this disk cannot change its size",
+        ))
+    }
 }
 
 /// A shared disk is a disk: wrappers such as [`crate::WithCache`] can hold an `Arc` of one.
@@ -184,6 +194,9 @@ impl<T: BlockDev + ?Sized> BlockDev for std::sync::Arc<T> {
     }
     fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
         (**self).block_status(offset, len)
+    }
+    fn set_size(&self, size: u64) -> Result<()> {
+        (**self).set_size(size)
     }
 }
 

@@ -141,7 +141,7 @@ mod tests {
 
     fn syncs_for(mode: CacheMode) -> u64 {
         let storage: Arc<dyn Storage> = Arc::new(MemStorage::from_bytes(vec![0; 1 << 20]));
-        let image = open_storage_with(storage.clone(), Some(Format::Raw), "t.raw", true).unwrap();
+        let image = open_storage_with(storage.clone(), Some(Format::RAW), "t.raw", true).unwrap();
         let disk = WithCache { disk: image, mode };
         disk.write(0, &[1; 512]).unwrap();
         disk.write_zeroes(512, 512).unwrap();

@@ -21,5 +21,5 @@ pub use counters::{Counters, CountersSnapshot};
 pub use error::{Error, Result};
 pub use formats::{
     backing_path, open_image, open_overlay, open_storage, open_storage_with, Driver, Format, Image,
-    ImageOptions,
+    ImageOptions, Preallocation,
 };

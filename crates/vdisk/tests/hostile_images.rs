@@ -797,7 +797,7 @@ fn drive(dev: &dyn BlockDev, out: &mut Outcome, keep_contents: bool) {
 /// first snapshots read the way `convert -l` reads them.
 fn examine(storage: Arc<dyn Storage>, keep_contents: bool) -> Outcome {
     let mut out = Outcome::default();
-    let image = match open_storage(storage.clone(), Some(Format::Qcow2), "hostile.qcow2") {
+    let image = match open_storage(storage.clone(), Some(Format::QCOW2), "hostile.qcow2") {
         Ok(i) => i,
         Err(e) => {
             out.refused = Some(e.to_string());
@@ -813,9 +813,9 @@ fn examine(storage: Arc<dyn Storage>, keep_contents: bool) -> Outcome {
     });
     let ids: Vec<String> = q.snapshots().iter().take(2).map(|s| s.id.clone()).collect();
     for id in ids {
-        let mut snap = open_storage(storage.clone(), Some(Format::Qcow2), "hostile.qcow2")
+        let mut snap = open_storage(storage.clone(), Some(Format::QCOW2), "hostile.qcow2")
             .expect("it opened a moment ago");
-        match snap.load_snapshot(&id) {
+        match snap.driver_mut().load_snapshot(&id) {
             Ok(()) => drive(&snap, &mut Outcome::default(), false),
             Err(e) => assert_clear(&e.to_string(), "loading a snapshot"),
         }
@@ -1215,9 +1215,9 @@ fn snapshot_disk_size_beyond_its_l1_table_is_not_trusted() {
     let mut bytes = b.bytes;
     put64(&mut bytes, table + 48, 1 << 62);
     let storage: Arc<dyn Storage> = Arc::new(MemStorage::from_bytes(bytes));
-    let mut snap = open_storage(storage, Some(Format::Qcow2), "snap.qcow2").unwrap();
+    let mut snap = open_storage(storage, Some(Format::QCOW2), "snap.qcow2").unwrap();
     let per_l1_entry = 512 * 64;
-    if snap.load_snapshot("1").is_ok() {
+    if snap.driver_mut().load_snapshot("1").is_ok() {
         assert!(
             snap.size() <= per_l1_entry,
             "the snapshot opened with {} bytes, but its one L1 entry maps {per_l1_entry}",

@@ -17,7 +17,7 @@ const SIZE: u64 = 4 << 20;
 fn base() -> Arc<Image> {
     let bytes: Vec<u8> = (0..SIZE).map(|i| (i / 512 % 251) as u8 + 1).collect();
     let storage: Arc<dyn Storage> = Arc::new(MemStorage::from_bytes(bytes));
-    Arc::new(open_storage(storage, Some(Format::Raw), "base.raw").unwrap())
+    Arc::new(open_storage(storage, Some(Format::RAW), "base.raw").unwrap())
 }
 
 fn overlay(backing: &Arc<Image>) -> (Arc<dyn Storage>, Image) {
@@ -42,7 +42,7 @@ fn options() -> CreateOptions {
 
 fn fresh(storage: Arc<dyn Storage>) -> Image {
     create(&*storage, None, &options()).unwrap();
-    open_storage_with(storage, Some(Format::Qcow2), "fresh.qcow2", true).unwrap()
+    open_storage_with(storage, Some(Format::QCOW2), "fresh.qcow2", true).unwrap()
 }
 
 /// A new host file (where holes and allocated space are real), kept while the guard lives.
@@ -58,7 +58,7 @@ fn host_file() -> (Arc<dyn Storage>, tempfile::TempDir) {
 }
 
 fn assert_clean(storage: &Arc<dyn Storage>, allow_leaks: bool) {
-    let image = open_storage(storage.clone(), Some(Format::Qcow2), "t").unwrap();
+    let image = open_storage(storage.clone(), Some(Format::QCOW2), "t").unwrap();
     let report = check(image.qcow2().unwrap(), &mut |_| {}).unwrap();
     assert_eq!(report.corruptions, 0, "corruptions");
     if !allow_leaks {
@@ -242,7 +242,7 @@ fn every_injected_failure_leaves_a_consistent_image() {
                     image.qcow2().unwrap().close().unwrap();
                 }
                 assert_clean(&inner, true);
-                let image = open_storage(inner, Some(Format::Qcow2), "t").unwrap();
+                let image = open_storage(inner, Some(Format::QCOW2), "t").unwrap();
                 let mut got = vec![0u8; SIZE as usize];
                 image.read(0, &mut got).unwrap();
                 for (b, &v) in got.iter().enumerate() {
@@ -264,7 +264,7 @@ fn run_after_create(
     model: &mut Model,
 ) -> Option<Image> {
     let storage: Arc<dyn Storage> = faulty.clone();
-    let image = open_storage_with(storage, Some(Format::Qcow2), "f.qcow2", true).ok()?;
+    let image = open_storage_with(storage, Some(Format::QCOW2), "f.qcow2", true).ok()?;
     for (i, &(at, len, fill)) in writes.iter().enumerate() {
         let written = image.write(at, &vec![fill; len as usize]).is_ok();
         let range = at as usize..(at + len) as usize;
@@ -326,11 +326,11 @@ fn allocating_flushes_take_the_fewest_syncs() {
 fn first_write_into_a_preallocated_cluster_allocates_it() {
     let (storage, _dir) = host_file();
     let prealloc = CreateOptions {
-        preallocation: vdisk::formats::qcow2::create::Preallocation::Metadata,
+        preallocation: vdisk::Preallocation::Metadata,
         ..options()
     };
     create(&*storage, None, &prealloc).unwrap();
-    let image = open_storage_with(storage.clone(), Some(Format::Qcow2), "t", true).unwrap();
+    let image = open_storage_with(storage.clone(), Some(Format::QCOW2), "t", true).unwrap();
     let before = storage.allocated_bytes().unwrap();
     image.write(3 * CLUSTER, &[7u8; 4096]).unwrap();
     let grown = storage.allocated_bytes().unwrap() - before;
@@ -540,7 +540,7 @@ fn fast_zeroing_takes_whole_clusters_only() {
         ..options()
     };
     create(&*storage, None, &o).unwrap();
-    let v2 = open_storage_with(storage, Some(Format::Qcow2), "v2.qcow2", true).unwrap();
+    let v2 = open_storage_with(storage, Some(Format::QCOW2), "v2.qcow2", true).unwrap();
     let e = v2.write_zeroes_fast(0, CLUSTER).unwrap_err();
     assert_eq!(e.errno(), libc::ENOTSUP);
 }

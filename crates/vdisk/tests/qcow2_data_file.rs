@@ -157,7 +157,9 @@ fn open(image: Arc<dyn Storage>, data: Arc<dyn Storage>, o: &CreateOptions, writ
     let header = read_header(&*image).expect("header");
     let backing = o.backing_file.as_ref().map(|_| {
         let base: Arc<dyn Storage> = Arc::new(MemStorage::from_bytes(backing_content()));
-        Arc::new(open_storage(base, Some(Format::Raw), "base.raw").unwrap())
+        let base: Arc<dyn BlockDev> =
+            Arc::new(open_storage(base, Some(Format::RAW), "base.raw").unwrap());
+        base
     });
     Qcow2::open(image, header, Some(data), backing, write).expect("open")
 }

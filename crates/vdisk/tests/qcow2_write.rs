@@ -116,7 +116,7 @@ impl Disk {
         create(&*storage, None, o).expect("create");
         let backing = o.backing_file.as_ref().map(|_| {
             let base: Arc<dyn Storage> = Arc::new(MemStorage::from_bytes(backing_content()));
-            Arc::new(open_storage(base, Some(Format::Raw), "base.raw").unwrap())
+            Arc::new(open_storage(base, Some(Format::RAW), "base.raw").unwrap())
         });
         Disk { storage, backing }
     }
@@ -132,7 +132,7 @@ impl Disk {
         let name = "test.qcow2";
         match &self.backing {
             Some(b) => open_overlay(self.storage.clone(), b.clone(), name, write),
-            None => open_storage_with(self.storage.clone(), Some(Format::Qcow2), name, write),
+            None => open_storage_with(self.storage.clone(), Some(Format::QCOW2), name, write),
         }
         .expect("open")
     }
@@ -186,7 +186,7 @@ fn contents(image: &Image) -> Vec<u8> {
 }
 
 fn check_clean(storage: &Arc<dyn Storage>, allow_leaks: bool) -> Result<(), String> {
-    let image = open_storage(storage.clone(), Some(Format::Qcow2), "test.qcow2")
+    let image = open_storage(storage.clone(), Some(Format::QCOW2), "test.qcow2")
         .map_err(|e| format!("reopen: {e}"))?;
     let mut messages = Vec::new();
     let report = check(image.qcow2().unwrap(), &mut |m| messages.push(m))
@@ -371,7 +371,7 @@ fn refcount_table_growth_is_consistent() {
         }),
     );
     let storage: Arc<dyn Storage> = crash.clone();
-    let image = open_storage_with(storage.clone(), Some(Format::Qcow2), "t", true).unwrap();
+    let image = open_storage_with(storage.clone(), Some(Format::QCOW2), "t", true).unwrap();
     let data: Vec<u8> = (0..size).map(|i| (i / 512 % 251) as u8 + 1).collect();
     for chunk in 0..4 {
         let at = chunk * (size / 4);
@@ -416,7 +416,7 @@ fn refcount_table_longer_than_a_refcount_block_range() {
         };
         let storage: Arc<dyn Storage> = Arc::new(MemStorage::new());
         create(&*storage, None, &o).unwrap();
-        let image = open_storage_with(storage.clone(), Some(Format::Qcow2), "t", true).unwrap();
+        let image = open_storage_with(storage.clone(), Some(Format::QCOW2), "t", true).unwrap();
         let mib = 1u64 << 20;
         for i in 0..size / mib {
             image
@@ -451,7 +451,7 @@ fn refcount_table_longer_than_a_refcount_block_range() {
 /// leak and every new cluster mapped.
 #[test]
 fn preallocated_growth_survives_every_crash() {
-    use vdisk::formats::qcow2::create::Preallocation;
+    use vdisk::Preallocation;
     for (cluster_size, prealloc) in [
         (512, Preallocation::Full),
         (512, Preallocation::Metadata),
@@ -465,7 +465,7 @@ fn preallocated_growth_survives_every_crash() {
         let base = Arc::new(MemStorage::new());
         create(&*base, None, &o).unwrap();
         let data: Vec<u8> = (0..SIZE).map(|i| (i / 512 % 251) as u8 + 1).collect();
-        let image = open_storage_with(base.clone(), Some(Format::Qcow2), "t", true).unwrap();
+        let image = open_storage_with(base.clone(), Some(Format::QCOW2), "t", true).unwrap();
         image.write(0, &data).unwrap();
         image.qcow2().unwrap().close().unwrap();
         drop(image);
@@ -477,8 +477,8 @@ fn preallocated_growth_survives_every_crash() {
             },
         ));
         let storage: Arc<dyn Storage> = crash.clone();
-        let mut image = open_storage_with(storage.clone(), Some(Format::Qcow2), "t", true).unwrap();
-        image.resize(4 * SIZE, prealloc).unwrap();
+        let mut image = open_storage_with(storage.clone(), Some(Format::QCOW2), "t", true).unwrap();
+        image.driver_mut().resize(4 * SIZE, prealloc).unwrap();
         let grown = image.qcow2().unwrap();
         let mapped = (0..4 * SIZE / cluster_size).all(|c| {
             grown
@@ -496,7 +496,7 @@ fn preallocated_growth_survives_every_crash() {
             if let Err(e) = check_clean(&s, true) {
                 panic!("{prealloc:?}: crash image {img}: {e}");
             }
-            let image = open_storage(s, Some(Format::Qcow2), "t").unwrap();
+            let image = open_storage(s, Some(Format::QCOW2), "t").unwrap();
             assert_grown(
                 &contents(&image),
                 &data,
@@ -521,8 +521,8 @@ fn assert_grown(got: &[u8], old: &[u8], what: &str) {
 /// failures before the new size is written leave the old size, as QEMU's do.
 #[test]
 fn failed_preallocated_growth_keeps_the_image_consistent() {
-    use vdisk::formats::qcow2::create::Preallocation;
     use vdisk::storage::{Fault, FaultStorage, OpKind, When};
+    use vdisk::Preallocation;
     let o = CreateOptions {
         size: SIZE,
         cluster_size: 4096,
@@ -531,14 +531,14 @@ fn failed_preallocated_growth_keeps_the_image_consistent() {
     let data: Vec<u8> = (0..SIZE).map(|i| (i / 512 % 251) as u8 + 1).collect();
     let base = Arc::new(MemStorage::new());
     create(&*base, None, &o).unwrap();
-    let image = open_storage_with(base.clone(), Some(Format::Qcow2), "t", true).unwrap();
+    let image = open_storage_with(base.clone(), Some(Format::QCOW2), "t", true).unwrap();
     image.write(0, &data).unwrap();
     image.qcow2().unwrap().close().unwrap();
     drop(image);
     let grow = |faulty: &Arc<FaultStorage>| -> vdisk::Result<()> {
         let s: Arc<dyn Storage> = faulty.clone();
-        let mut image = open_storage_with(s, Some(Format::Qcow2), "t", true)?;
-        image.resize(8 * SIZE, Preallocation::Full)
+        let mut image = open_storage_with(s, Some(Format::QCOW2), "t", true)?;
+        image.driver_mut().resize(8 * SIZE, Preallocation::Full)
     };
     let counter = Arc::new(FaultStorage::new(Arc::new(MemStorage::from_bytes(
         base.to_bytes(),
@@ -562,7 +562,7 @@ fn failed_preallocated_growth_keeps_the_image_consistent() {
             if let Err(e) = check_clean(&storage, true) {
                 panic!("{op:?} call {k}: {e}");
             }
-            let image = open_storage(storage, Some(Format::Qcow2), "t").unwrap();
+            let image = open_storage(storage, Some(Format::QCOW2), "t").unwrap();
             let size = image.size();
             assert!(
                 size == SIZE || size == 8 * SIZE,

@@ -267,7 +267,7 @@ impl Drop for QemuNbd {
 /// A raw image in memory.
 pub fn mem_raw(size: usize) -> Arc<vdisk::Image> {
     let storage: Arc<dyn Storage> = Arc::new(MemStorage::from_bytes(vec![0u8; size]));
-    Arc::new(vdisk::open_storage_with(storage, Some(vdisk::Format::Raw), "mem.raw", true).unwrap())
+    Arc::new(vdisk::open_storage_with(storage, Some(vdisk::Format::RAW), "mem.raw", true).unwrap())
 }
 
 /// A fresh qcow2 image in memory.
@@ -279,7 +279,7 @@ pub fn mem_qcow2(size: u64) -> Arc<vdisk::Image> {
     };
     vdisk::formats::qcow2::create::create(&*storage, None, &opts).unwrap();
     Arc::new(
-        vdisk::open_storage_with(storage, Some(vdisk::Format::Qcow2), "mem.qcow2", true).unwrap(),
+        vdisk::open_storage_with(storage, Some(vdisk::Format::QCOW2), "mem.qcow2", true).unwrap(),
     )
 }
 

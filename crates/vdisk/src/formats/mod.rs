@@ -1,13 +1,23 @@
 //! Image formats. Each turns guest offsets into locations in its storage.
 //!
+//! ```text
+//!   registry (by name, by probe) ─► Format::open(storage, OpenContext) ─► Box<dyn Driver>
+//!   Image = filename + format + driver + the backing Image the driver reads through
+//!   Driver: BlockDev + capabilities (driver.rs); backing files are Arc<dyn BlockDev>
+//! ```
+//!
 //! Reads go through mappings: a format answers "where does guest offset X live?" with a
 //! [`Mapping`] and one shared routine ([`read_mapped`]) does the I/O for every format, following
 //! the backing chain where a layer has nothing. Block status is derived the same way
 //! ([`status_mapped`]), so `read` and `block_status` cannot disagree.
 
+pub mod driver;
+mod image;
 pub mod open;
+pub mod prealloc;
 pub mod qcow2;
 pub mod raw;
+mod registry;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -16,10 +26,14 @@ use crate::blockdev::{BlockDev, BlockStatus};
 use crate::error::{IoContext, Result};
 use crate::storage::Storage;
 
+pub use driver::{BitmapInfo, CheckFailed, CheckReport, Driver, Messages, SnapshotInfo};
+pub use image::Image;
 pub use open::{
-    backing_path, open_image, open_overlay, open_storage, open_storage_with, Driver, Format, Image,
-    ImageOptions, FORCE_SHARE_READ_ONLY,
+    backing_path, open_image, open_overlay, open_storage, open_storage_with, ImageOptions,
+    OpenContext, FORCE_SHARE_READ_ONLY,
 };
+pub use prealloc::Preallocation;
+pub use registry::{probe, Format};
 
 /// Where a run of guest bytes lives in one layer of a backing chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,8 +58,8 @@ pub(crate) trait Layer {
     /// The storage that [`Mapping::Data`] offsets refer to.
     fn data_storage(&self) -> &dyn Storage;
 
-    /// The image below this one, if any.
-    fn backing(&self) -> Option<&Arc<Image>>;
+    /// The disk below this one, if any.
+    fn backing(&self) -> Option<&Arc<dyn BlockDev>>;
 
     /// Reads guest bytes at `offset` that [`Layer::map`] reported as compressed.
     fn read_compressed(&self, offset: u64, buf: &mut [u8]) -> Result<()>;
@@ -99,8 +113,12 @@ pub(crate) fn read_mapped_with(
     Ok(())
 }
 
-/// Reads from a backing image; bytes beyond its end (or without one) read as zeroes.
-pub(crate) fn read_backing(backing: Option<&Arc<Image>>, pos: u64, buf: &mut [u8]) -> Result<()> {
+/// Reads from a backing disk; bytes beyond its end (or without one) read as zeroes.
+pub(crate) fn read_backing(
+    backing: Option<&Arc<dyn BlockDev>>,
+    pos: u64,
+    buf: &mut [u8],
+) -> Result<()> {
     let avail = match backing {
         Some(b) => b.size().saturating_sub(pos).min(buf.len() as u64) as usize,
         None => 0,

@@ -1,14 +1,17 @@
-//! Opening images by path: format probing, external data files and backing chains.
+//! Opening images: by path (probing the format, taking QEMU's locks, following backing chains
+//! and external data files), or from storage the caller already has.
+//!
+//! A format's open function gets an [`OpenContext`], through which it asks for the files its
+//! image names (a backing file, an external data file): the context decides where they come
+//! from, so the format never resolves paths or takes locks itself.
 
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::qcow2::create::Preallocation;
-use super::qcow2::{self, Qcow2};
-use super::raw::Raw;
-use crate::blockdev::{BlockDev, BlockStatus, StartedRead, StartedWrite};
-use crate::counters::CountersSnapshot;
+use super::image::Image;
+use super::registry::{probe, Format};
+use crate::blockdev::BlockDev;
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{
     Fault, FaultStorage, FileStorage, LockRole, LockUse, MemStorage, OpKind, OpenOptions, Storage,
@@ -21,29 +24,6 @@ pub const FORCE_SHARE_READ_ONLY: &str = "force-share=on can only be used with re
 /// Backing chains deeper than this are refused; a longer chain is almost surely a loop that the
 /// path comparison could not see (e.g. through bind mounts).
 const MAX_CHAIN_DEPTH: usize = 1000;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
-    Raw,
-    Qcow2,
-}
-
-impl Format {
-    pub fn name(self) -> &'static str {
-        match self {
-            Format::Raw => "raw",
-            Format::Qcow2 => "qcow2",
-        }
-    }
-
-    pub fn parse(name: &str) -> Result<Format> {
-        match name {
-            "raw" => Ok(Format::Raw),
-            "qcow2" => Ok(Format::Qcow2),
-            other => Err(Error::unsupported(format!("Unknown driver '{other}'"))),
-        }
-    }
-}
 
 /// How to open an image.
 #[derive(Debug, Clone, Default)]
@@ -72,190 +52,84 @@ pub struct ImageOptions {
     pub fixed_size: bool,
 }
 
-/// The format driver of an open image.
-pub enum Driver {
-    Raw(Raw),
-    Qcow2(Box<Qcow2>),
+/// Where the files an image names come from.
+enum Source<'a> {
+    /// Host paths, relative to the image's name; `seen` are the chain's files so far.
+    Paths { seen: &'a mut Vec<PathBuf> },
+    /// Storage given by the caller: this backing image (if any), no data files.
+    Given { backing: Option<Arc<Image>> },
 }
 
-/// An open image: its driver and the file name it was opened by (as given, or as derived from
-/// the image above it in a backing chain, the way QEMU spells it).
-pub struct Image {
-    pub filename: String,
-    pub driver: Driver,
+/// What a format's open function may ask of whoever opens the image.
+pub struct OpenContext<'a> {
+    filename: &'a str,
+    opts: &'a ImageOptions,
+    source: Source<'a>,
+    /// The backing image the format asked for, kept for [`Image::backing`].
+    backing: Option<Arc<Image>>,
 }
 
-impl Image {
-    pub fn format(&self) -> Format {
-        match self.driver {
-            Driver::Raw(_) => Format::Raw,
-            Driver::Qcow2(_) => Format::Qcow2,
+impl OpenContext<'_> {
+    /// Whether the image is opened for writing.
+    pub fn write(&self) -> bool {
+        self.opts.write
+    }
+
+    pub fn options(&self) -> &ImageOptions {
+        self.opts
+    }
+
+    /// The image's backing file, which the image names `name` (a path relative to the image),
+    /// of `format` if it names one; `None` where the caller asked for no backing file. It is
+    /// opened read-only with its own chain.
+    pub fn open_backing(
+        &mut self,
+        name: &str,
+        format: Option<&str>,
+    ) -> Result<Option<Arc<dyn BlockDev>>> {
+        if self.opts.no_backing {
+            return Ok(None);
         }
-    }
-
-    pub fn qcow2(&self) -> Option<&Qcow2> {
-        match &self.driver {
-            Driver::Qcow2(q) => Some(q),
-            Driver::Raw(_) => None,
-        }
-    }
-
-    pub fn qcow2_mut(&mut self) -> Option<&mut Qcow2> {
-        match &mut self.driver {
-            Driver::Qcow2(q) => Some(q),
-            Driver::Raw(_) => None,
-        }
-    }
-
-    /// Makes everything written durable and the image consistent on disk: a qcow2 commits its
-    /// metadata and gives back the space reserved ahead; a raw image is flushed.
-    pub fn close(&self) -> Result<()> {
-        match self.qcow2() {
-            Some(q) => q.close(),
-            None => self.flush(),
-        }
-    }
-
-    pub fn backing(&self) -> Option<&Arc<Image>> {
-        self.qcow2().and_then(|q| q.backing())
-    }
-
-    /// The host file that holds the image.
-    pub fn file(&self) -> &Arc<dyn Storage> {
-        match &self.driver {
-            Driver::Raw(r) => r.storage(),
-            Driver::Qcow2(q) => q.file(),
-        }
-    }
-
-    /// The name of the file guest data lives in: the image, or its external data file.
-    pub fn data_filename(&self) -> &str {
-        self.qcow2()
-            .and_then(|q| q.header().data_file.as_deref())
-            .unwrap_or(&self.filename)
-    }
-
-    /// Reads internal snapshot `name` (id or name) instead of the active image.
-    pub fn load_snapshot(&mut self, name: &str) -> Result<()> {
-        match &mut self.driver {
-            Driver::Qcow2(q) => q.load_snapshot(name),
-            Driver::Raw(_) => Err(Error::unsupported(
-                "Failed to load snapshot: Operation not supported",
-            )),
-        }
-    }
-
-    /// Sets the virtual size (the image must be open for writing), preallocating a grown
-    /// area as `prealloc` asks.
-    pub fn resize(&mut self, new_size: u64, prealloc: Preallocation) -> Result<()> {
-        match &mut self.driver {
-            Driver::Raw(r) => r.resize(new_size, prealloc),
-            Driver::Qcow2(q) => q.resize(new_size, prealloc),
-        }
-    }
-
-    /// The format's counters (all zero for raw, which allocates nothing and copies nothing).
-    pub fn counters(&self) -> CountersSnapshot {
-        self.qcow2()
-            .map(|q| q.counters().snapshot())
-            .unwrap_or_default()
-    }
-
-    fn dev(&self) -> &dyn BlockDev {
-        match &self.driver {
-            Driver::Raw(r) => r,
-            Driver::Qcow2(q) => &**q,
-        }
-    }
-}
-
-impl BlockDev for Image {
-    fn size(&self) -> u64 {
-        self.dev().size()
-    }
-    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        self.dev().read(offset, buf)
-    }
-    fn write(&self, offset: u64, buf: &[u8]) -> Result<()> {
-        self.dev().write(offset, buf)
-    }
-    fn flush(&self) -> Result<()> {
-        self.dev().flush()
-    }
-    fn write_fua(&self, offset: u64, buf: &[u8]) -> Result<()> {
-        self.dev().write_fua(offset, buf)
-    }
-    fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
-        self.dev().start_write(offset, len)
-    }
-    fn finish_write(&self, started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {
-        self.dev().finish_write(started, outcome)
-    }
-    fn start_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<StartedRead<'_>>> {
-        self.dev().start_read(offset, buf)
-    }
-    fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.dev().discard(offset, len)
-    }
-    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
-        self.dev().write_zeroes(offset, len)
-    }
-    fn write_zeroes_fast(&self, offset: u64, len: u64) -> Result<()> {
-        self.dev().write_zeroes_fast(offset, len)
-    }
-    fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
-        self.dev().block_status(offset, len)
-    }
-}
-
-/// Formats QEMU would probe that vdisk cannot read, by their magic (offset, bytes; dmg and
-/// cloop are not looked for): taken as raw, their metadata would be served as guest data and
-/// writes would damage them.
-const FOREIGN: &[(&str, usize, &[u8])] = &[
-    ("luks", 0, b"LUKS\xba\xbe"),
-    ("vmdk", 0, b"KDMV"),
-    ("vmdk", 0, b"# Disk DescriptorFile"),
-    ("vhdx", 0, b"vhdxfile"),
-    ("vpc", 0, b"conectix"),
-    ("qed", 0, b"QED\0"),
-    ("vdi", 64, &[0x7f, 0x10, 0xda, 0xbe]),
-    ("parallels", 0, b"WithoutFreeSpace"),
-    ("parallels", 0, b"WithouFreSpacExt"),
-    ("bochs", 0, b"Bochs Virtual HD Image"),
-];
-
-/// Probes the format of a file from its first bytes, as QEMU does: qcow2, raw, or an error for
-/// a format vdisk does not read (`-f raw` still opens such a file as raw).
-pub fn probe(storage: &dyn Storage) -> Result<Format> {
-    let mut head = [0u8; 68];
-    let len = storage.len().context(|| "reading the image size".into())?;
-    let head = &mut head[..len.min(68) as usize];
-    storage
-        .read_at(0, head)
-        .context(|| "reading the image magic".into())?;
-    if head.starts_with(&qcow2::header::MAGIC.to_be_bytes()) {
-        // As QEMU: version 1 is the older qcow format; a version below 1, or none, is raw data.
-        match head
-            .get(4..8)
-            .map(|v| u32::from_be_bytes(v.try_into().expect("4 bytes")))
-        {
-            Some(v) if v >= 2 => return Ok(Format::Qcow2),
-            Some(1) => {
-                return Err(Error::unsupported(
-                    "image format 'qcow' is not supported (use -f raw to read the file as raw)",
-                ))
+        let in_backing = |e: Error| e.prefixed("Could not open backing file: ");
+        let image = match &mut self.source {
+            Source::Given { backing } => match backing.take() {
+                Some(b) => b,
+                None => return Ok(None),
+            },
+            Source::Paths { seen } => {
+                let opts = ImageOptions {
+                    format: format.map(Format::parse).transpose().map_err(in_backing)?,
+                    write: false,
+                    direct: self.opts.direct,
+                    no_backing: false,
+                    metadata_only: self.opts.metadata_only,
+                    data_file_optional: self.opts.data_file_optional,
+                    resize: false,
+                    force_share: self.opts.force_share,
+                    fixed_size: false,
+                };
+                let path = backing_path(self.filename, name);
+                Arc::new(open_chain(&path, &opts, seen).map_err(in_backing)?)
             }
-            _ => {}
-        }
+        };
+        self.backing = Some(image.clone());
+        Ok(Some(image))
     }
-    let foreign = FOREIGN
-        .iter()
-        .find(|(_, at, magic)| head.get(*at..).is_some_and(|h| h.starts_with(magic)));
-    match foreign {
-        Some((name, ..)) => Err(Error::unsupported(format!(
-            "image format '{name}' is not supported (use -f raw to read the file as raw)"
-        ))),
-        None => Ok(Format::Raw),
+
+    /// The external data file `name` holding the image's guest data. Like QEMU it is opened by
+    /// its name as stored, relative to the current directory rather than the image's.
+    pub fn open_data_file(&mut self, name: &str) -> Result<Arc<dyn Storage>> {
+        if let Source::Given { .. } = self.source {
+            return Err(Error::unsupported(
+                "an external data file needs a path to open",
+            ));
+        }
+        let path = Path::new(name);
+        match open_file(path, self.opts) {
+            Ok(f) => locked(f, path, LockRole::DataFile, self.opts),
+            Err(_) if self.opts.data_file_optional => Ok(absent_storage()),
+            Err(e) => Err(e),
+        }
     }
 }
 
@@ -296,29 +170,10 @@ pub fn open_storage_with(
     name: &str,
     write: bool,
 ) -> Result<Image> {
-    let format = match format {
-        Some(f) => f,
-        None => probe(&*storage)?,
-    };
-    let driver = match format {
-        Format::Raw => Driver::Raw(Raw::open(storage, !write)?),
-        Format::Qcow2 => {
-            let header = qcow2::read_header(&*storage)?;
-            if header.incompatible & qcow2::header::INCOMPAT_DATA_FILE != 0 {
-                return Err(Error::unsupported(
-                    "an external data file needs a path to open",
-                ));
-            }
-            Driver::Qcow2(Box::new(Qcow2::open(storage, header, None, None, write)?))
-        }
-    };
-    Ok(Image {
-        filename: name.to_string(),
-        driver,
-    })
+    open_given(storage, format, None, name, write)
 }
 
-/// Opens the qcow2 image held in `storage` on top of `backing`, an image already open: for tests
+/// Opens the image held in `storage` on top of `backing`, an image already open: for tests
 /// and for images not in files. No external data file is opened.
 pub fn open_overlay(
     storage: Arc<dyn Storage>,
@@ -326,17 +181,32 @@ pub fn open_overlay(
     name: &str,
     write: bool,
 ) -> Result<Image> {
-    let header = qcow2::read_header(&*storage)?;
-    if header.incompatible & qcow2::header::INCOMPAT_DATA_FILE != 0 {
-        return Err(Error::unsupported(
-            "an external data file needs a path to open",
-        ));
-    }
-    let q = Qcow2::open(storage, header, None, Some(backing), write)?;
-    Ok(Image {
-        filename: name.to_string(),
-        driver: Driver::Qcow2(Box::new(q)),
-    })
+    open_given(storage, None, Some(backing), name, write)
+}
+
+fn open_given(
+    storage: Arc<dyn Storage>,
+    format: Option<Format>,
+    backing: Option<Arc<Image>>,
+    name: &str,
+    write: bool,
+) -> Result<Image> {
+    let format = match format {
+        Some(f) => f,
+        None => probe(&*storage)?,
+    };
+    let opts = ImageOptions {
+        write,
+        ..ImageOptions::default()
+    };
+    let mut cx = OpenContext {
+        filename: name,
+        opts: &opts,
+        source: Source::Given { backing },
+        backing: None,
+    };
+    let driver = (format.entry().open)(storage, &mut cx)?;
+    Ok(Image::new(name, format, driver, cx.backing))
 }
 
 fn open_file(path: &Path, opts: &ImageOptions) -> Result<FileStorage> {
@@ -416,60 +286,13 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
         Some(f) => f,
         None => probe(&file)?,
     };
-    // Once the format is known: raw images let others write.
-    let role = match format {
-        Format::Qcow2 => LockRole::Qcow2,
-        Format::Raw => LockRole::Raw,
+    let file = locked(file, path, format.entry().lock_role, opts)?;
+    let mut cx = OpenContext {
+        filename,
+        opts,
+        source: Source::Paths { seen },
+        backing: None,
     };
-    let file = locked(file, path, role, opts)?;
-    let driver = match format {
-        Format::Raw => Driver::Raw(Raw::open(file, !opts.write)?),
-        Format::Qcow2 => {
-            let header = qcow2::read_header(&*file)?;
-            // QEMU opens the external data file by its name as stored, relative to the current
-            // directory rather than the image's.
-            let data = match &header.data_file {
-                Some(name) if header.incompatible & qcow2::header::INCOMPAT_DATA_FILE != 0 => {
-                    let path = Path::new(name);
-                    match open_file(path, opts) {
-                        Ok(f) => Some(locked(f, path, LockRole::DataFile, opts)?),
-                        Err(_) if opts.data_file_optional => Some(absent_storage()),
-                        Err(e) => return Err(e),
-                    }
-                }
-                _ => None,
-            };
-            let backing = match &header.backing_file {
-                Some(name) if !opts.no_backing => {
-                    let in_backing = |e: Error| e.prefixed("Could not open backing file: ");
-                    let backing_opts = ImageOptions {
-                        format: header
-                            .backing_format
-                            .as_deref()
-                            .map(Format::parse)
-                            .transpose()
-                            .map_err(in_backing)?,
-                        write: false,
-                        direct: opts.direct,
-                        no_backing: false,
-                        metadata_only: opts.metadata_only,
-                        data_file_optional: opts.data_file_optional,
-                        resize: false,
-                        force_share: opts.force_share,
-                        fixed_size: false,
-                    };
-                    let bpath = backing_path(filename, name);
-                    let backing = open_chain(&bpath, &backing_opts, seen).map_err(in_backing)?;
-                    Some(Arc::new(backing))
-                }
-                _ => None,
-            };
-            let q = Qcow2::open(file, header, data, backing, opts.write)?;
-            Driver::Qcow2(Box::new(q))
-        }
-    };
-    Ok(Image {
-        filename: filename.to_string(),
-        driver,
-    })
+    let driver = (format.entry().open)(file, &mut cx)?;
+    Ok(Image::new(filename, format, driver, cx.backing))
 }

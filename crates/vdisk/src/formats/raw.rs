@@ -1,16 +1,28 @@
 //! Raw images: guest offset X is byte X of the file.
 
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
-use super::qcow2::create::{preallocate, Preallocation};
-use super::{status_mapped, Holes, Image, Layer, Mapping};
+use super::driver::Driver;
+use super::prealloc::{preallocate, Preallocation};
+use super::registry::FormatEntry;
+use super::{status_mapped, Holes, Layer, Mapping};
 use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
-use crate::storage::{zero_range, Storage};
+use crate::storage::{zero_range, LockRole, Storage};
+
+pub(crate) static FORMAT: FormatEntry = FormatEntry {
+    name: "raw",
+    lock_role: LockRole::Raw,
+    // Raw is what a file is when no other format recognises it.
+    probe: |_| false,
+    open: |storage, cx| Ok(Box::new(Raw::open(storage, !cx.write())?)),
+};
 
 pub struct Raw {
     storage: Arc<dyn Storage>,
-    size: u64,
+    /// The file's length rounded up to whole sectors; it changes with [`BlockDev::set_size`].
+    size: AtomicU64,
     read_only: bool,
 }
 
@@ -35,18 +47,27 @@ impl Raw {
         let size = size.next_multiple_of(512);
         Ok(Raw {
             storage,
-            size,
+            size: AtomicU64::new(size),
             read_only,
         })
     }
 
-    pub fn storage(&self) -> &Arc<dyn Storage> {
+    fn writable(&self, what: &str) -> Result<()> {
+        if self.read_only {
+            return Err(Error::ReadOnly(what.into()));
+        }
+        Ok(())
+    }
+}
+
+impl Driver for Raw {
+    fn file(&self) -> &Arc<dyn Storage> {
         &self.storage
     }
 
     /// Sets the size, truncating or extending the file (new space reads as zero and is
     /// reserved or written as `prealloc` asks).
-    pub fn resize(&mut self, new_size: u64, prealloc: Preallocation) -> Result<()> {
+    fn resize(&mut self, new_size: u64, prealloc: Preallocation) -> Result<()> {
         self.writable("resize")?;
         if prealloc == Preallocation::Metadata {
             return Err(Error::unsupported(
@@ -64,15 +85,16 @@ impl Raw {
             preallocate(&*self.storage, old, new_size, prealloc)?;
         }
         self.storage.set_len(new_size).context(what)?;
-        self.size = new_size;
+        self.size.store(new_size, Relaxed);
         Ok(())
     }
 
-    fn writable(&self, what: &str) -> Result<()> {
-        if self.read_only {
-            return Err(Error::ReadOnly(what.into()));
-        }
-        Ok(())
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
     }
 }
 
@@ -85,7 +107,7 @@ impl Layer for Raw {
         &*self.storage
     }
 
-    fn backing(&self) -> Option<&Arc<Image>> {
+    fn backing(&self) -> Option<&Arc<dyn BlockDev>> {
         None
     }
 
@@ -100,11 +122,11 @@ impl Layer for Raw {
 
 impl BlockDev for Raw {
     fn size(&self) -> u64 {
-        self.size
+        self.size.load(Relaxed)
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        check_range(self.size, offset, buf.len() as u64)?;
+        check_range(self.size(), offset, buf.len() as u64)?;
         self.storage
             .read_at(offset, buf)
             .context(|| format!("reading raw image at {offset:#x}"))
@@ -112,14 +134,14 @@ impl BlockDev for Raw {
 
     fn write(&self, offset: u64, buf: &[u8]) -> Result<()> {
         self.writable("write")?;
-        check_range(self.size, offset, buf.len() as u64)?;
+        check_range(self.size(), offset, buf.len() as u64)?;
         self.storage
             .write_at(offset, buf)
             .context(|| format!("writing raw image at {offset:#x}"))
     }
 
     fn start_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<StartedRead<'_>>> {
-        check_range(self.size, offset, buf.len() as u64)?;
+        check_range(self.size(), offset, buf.len() as u64)?;
         Ok(Some(StartedRead {
             storage: &*self.storage,
             transfers: vec![Transfer {
@@ -131,7 +153,7 @@ impl BlockDev for Raw {
 
     fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
         self.writable("write")?;
-        check_range(self.size, offset, len as u64)?;
+        check_range(self.size(), offset, len as u64)?;
         Ok(Some(StartedWrite {
             storage: &*self.storage,
             transfers: vec![Transfer {
@@ -152,7 +174,7 @@ impl BlockDev for Raw {
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         self.writable("discard")?;
-        check_range(self.size, offset, len)?;
+        check_range(self.size(), offset, len)?;
         // A hint: storage that cannot punch keeps the data, as QEMU's does.
         match self.storage.punch_hole(offset, len) {
             Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => Ok(()),
@@ -162,14 +184,14 @@ impl BlockDev for Raw {
 
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
         self.writable("write zeroes")?;
-        check_range(self.size, offset, len)?;
+        check_range(self.size(), offset, len)?;
         zero_range(&*self.storage, offset, len)
             .context(|| format!("zeroing the raw image at {offset:#x}"))
     }
 
     fn write_zeroes_fast(&self, offset: u64, len: u64) -> Result<()> {
         self.writable("write zeroes")?;
-        check_range(self.size, offset, len)?;
+        check_range(self.size(), offset, len)?;
         // EINVAL: a block device refuses ranges not aligned to its blocks.
         match self.storage.punch_hole(offset, len) {
             Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EINVAL)) => {
@@ -182,8 +204,19 @@ impl BlockDev for Raw {
     }
 
     fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
-        check_range(self.size, offset, len)?;
+        check_range(self.size(), offset, len)?;
         status_mapped(self, offset, len)
+    }
+
+    /// The file's length follows: a raw image can be storage for another format, which grows
+    /// it as a file (see [`crate::storage::DiskStorage`]).
+    fn set_size(&self, size: u64) -> Result<()> {
+        self.writable("resize")?;
+        self.storage
+            .set_len(size)
+            .context(|| format!("resizing the raw image to {size} bytes"))?;
+        self.size.store(size, Relaxed);
+        Ok(())
     }
 }
 

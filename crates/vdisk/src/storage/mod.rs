@@ -10,7 +10,8 @@
 //!   Storage ── FileStorage (host file, optional O_DIRECT)
 //!           ├─ MemStorage  (in memory, for tests)
 //!           ├─ CrashStorage (in memory; records syncs and produces every post-crash disk)
-//!           └─ FaultStorage (wraps any Storage; fails chosen calls with EIO, ENOSPC, short writes)
+//!           ├─ FaultStorage (wraps any Storage; fails chosen calls with EIO, ENOSPC, short writes)
+//!           └─ DiskStorage  (a BlockDev as storage: one format on another)
 //! ```
 //!
 //! A caller with many transfers in flight from few threads runs them through the engine's I/O
@@ -22,6 +23,7 @@ mod fault;
 mod file;
 mod lock;
 mod memory;
+mod on_disk;
 mod stats;
 
 pub use crash::{
@@ -31,6 +33,7 @@ pub use fault::{Fault, FaultStorage, OpKind, When};
 pub use file::{FileStorage, OpenOptions, DIRECT_ALIGN};
 pub use lock::{LockRole, LockUse};
 pub use memory::MemStorage;
+pub use on_disk::DiskStorage;
 pub use stats::{IoStats, IoStatsSnapshot};
 
 use std::io;

@@ -350,7 +350,7 @@ pub(super) fn write_phase(original: &dyn Storage, ops: &[WriteOp], keep: bool) -
     let mut w = WriteOutcome::default();
     let mut failed = |what: &str, e: String| w.errors.push((what.to_string(), e));
     let name = "hostile.qcow2";
-    match open_storage_with(file.clone(), Some(Format::Qcow2), name, true) {
+    match open_storage_with(file.clone(), Some(Format::QCOW2), name, true) {
         Err(e) => w.refused = Some(e.to_string()),
         Ok(mut image) => {
             let mut taken = Vec::new();
@@ -370,7 +370,7 @@ pub(super) fn write_phase(original: &dyn Storage, ops: &[WriteOp], keep: bool) -
         }
     }
     w.closed = examine(file.clone(), keep);
-    match open_storage_with(file.clone(), Some(Format::Qcow2), name, true) {
+    match open_storage_with(file.clone(), Some(Format::QCOW2), name, true) {
         Ok(image) => {
             if let Err(e) = image.qcow2().expect("opened as qcow2").close() {
                 failed("close after reopening", e.to_string());

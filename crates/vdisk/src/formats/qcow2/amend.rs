@@ -16,7 +16,6 @@
 //! Each step is crash safe on its own: a crash leaves the image as before or after the step,
 //! at worst with leaked clusters.
 
-use super::create::Preallocation;
 use super::header::{
     Compression, Header, AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS, INCOMPAT_COMPRESSION,
     INCOMPAT_DATA_FILE,
@@ -24,6 +23,7 @@ use super::header::{
 use super::snapshot::Snapshot;
 use super::Qcow2;
 use crate::error::{Error, Result};
+use crate::formats::prealloc::Preallocation;
 
 /// The options `qemu-img amend -o` takes for qcow2; `None` leaves one as it is.
 #[derive(Debug, Clone, Default)]
@@ -277,13 +277,13 @@ mod tests {
 
     fn backing() -> Arc<Image> {
         let mem = Arc::new(MemStorage::from_bytes(vec![0x11; SIZE as usize]));
-        Arc::new(open_storage_with(mem, Some(Format::Raw), "base.raw", false).unwrap())
+        Arc::new(open_storage_with(mem, Some(Format::RAW), "base.raw", false).unwrap())
     }
 
     fn open(file: Arc<dyn Storage>, backing: Option<&Arc<Image>>, write: bool) -> Image {
         match backing {
             Some(b) => open_overlay(file, b.clone(), "t.qcow2", write).unwrap(),
-            None => open_storage_with(file, Some(Format::Qcow2), "t.qcow2", write).unwrap(),
+            None => open_storage_with(file, Some(Format::QCOW2), "t.qcow2", write).unwrap(),
         }
     }
 
@@ -334,7 +334,7 @@ mod tests {
     fn both(file: Arc<dyn Storage>, backing: Option<&Arc<Image>>) -> (Vec<u8>, Vec<u8>) {
         let active = contents(&open(file.clone(), backing, false));
         let mut img = open(file, backing, false);
-        img.load_snapshot("s").unwrap();
+        img.driver_mut().load_snapshot("s").unwrap();
         (active, contents(&img))
     }
 

@@ -18,14 +18,7 @@ const ENTRY_HEADER: usize = 24;
 const FLAG_IN_USE: u32 = 1;
 const FLAG_AUTO: u32 = 2;
 
-/// What `qemu-img info` shows of a bitmap.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BitmapInfo {
-    pub name: String,
-    pub granularity: u64,
-    pub in_use: bool,
-    pub auto: bool,
-}
+pub use crate::formats::driver::BitmapInfo;
 
 /// The directory as the header describes it: how many entries, where, and how many bytes.
 pub struct Location {

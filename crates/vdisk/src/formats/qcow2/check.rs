@@ -18,6 +18,7 @@ use super::l2::{self, L2Entry, L2Table, OFLAG_COMPRESSED, OFLAG_COPIED, OFLAG_ZE
 use super::repair::{self, hx, Fix, Signal};
 use super::{read_table, refcount, Qcow2};
 use crate::error::{Error, IoContext, Result};
+use crate::formats::driver::{CheckFailed, CheckReport, Messages};
 use crate::storage::Storage;
 
 const L2E_STD_RESERVED: u64 = 0x3f00_0000_0000_01fe;
@@ -31,32 +32,6 @@ const BITMAP_ALL_ZEROES: u64 = 0xffff_ffff_0000_0000;
 /// Growing the file to take in a refcount block beyond its end is refused past this many
 /// clusters (or four times what the file had): the counts take memory per cluster.
 const MAX_GROWN_CLUSTERS: u64 = 1 << 20;
-
-/// What a check found. Field names follow QEMU's `ImageCheck`.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CheckReport {
-    pub corruptions: u64,
-    pub leaks: u64,
-    pub check_errors: u64,
-    pub corruptions_fixed: u64,
-    pub leaks_fixed: u64,
-    pub image_end_offset: u64,
-    pub total_clusters: u64,
-    pub allocated_clusters: u64,
-    pub fragmented_clusters: u64,
-    pub compressed_clusters: u64,
-}
-
-/// Receives one line per problem, in the order found (QEMU prints them to stderr as it goes).
-/// Streaming them keeps a check's memory independent of how many problems an image has.
-pub type Messages<'a> = &'a mut dyn FnMut(String);
-
-/// Why a check could not complete; the report so far is kept.
-#[derive(Debug)]
-pub struct CheckFailed {
-    pub report: CheckReport,
-    pub error: Error,
-}
 
 /// Reads stored refcounts one host cluster at a time, caching the current refcount block.
 pub struct RefcountReader<'a> {

@@ -14,6 +14,7 @@ mod compress;
 mod cow;
 pub mod create;
 mod downgrade;
+mod driver;
 pub mod header;
 pub mod l2;
 mod packed;
@@ -35,12 +36,44 @@ use self::header::Header;
 use self::l2::{EntryFormat, L2Entry, L2Table, SubclusterType};
 use self::repair::hx;
 use self::snapshot::Snapshot;
-use super::{read_mapped, read_mapped_with, status_mapped, Holes, Image, Layer, Mapping};
+use super::driver::Driver;
+use super::open::OpenContext;
+use super::registry::FormatEntry;
+use super::{read_mapped, read_mapped_with, status_mapped, Holes, Layer, Mapping};
 use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
 use crate::counters::Counters;
 use crate::error::{Error, IoContext, Result};
 use crate::gate::Gate;
-use crate::storage::Storage;
+use crate::storage::{LockRole, Storage};
+
+pub(crate) static FORMAT: FormatEntry = FormatEntry {
+    name: "qcow2",
+    lock_role: LockRole::Qcow2,
+    // As QEMU: the magic, and a version of at least 2 (1 is the older qcow format; below,
+    // or none, is raw data).
+    probe: |head| {
+        head.starts_with(&header::MAGIC.to_be_bytes())
+            && head.get(4..8).is_some_and(|v| v >= &2u32.to_be_bytes()[..])
+    },
+    open: open_driver,
+};
+
+/// Opens the qcow2 image in `file`, with the data file and backing file it names.
+fn open_driver(file: Arc<dyn Storage>, cx: &mut OpenContext) -> Result<Box<dyn Driver>> {
+    let header = read_header(&*file)?;
+    let data = match &header.data_file {
+        Some(name) if header.incompatible & header::INCOMPAT_DATA_FILE != 0 => {
+            Some(cx.open_data_file(name)?)
+        }
+        _ => None,
+    };
+    let backing = match &header.backing_file {
+        Some(name) => cx.open_backing(name, header.backing_format.as_deref())?,
+        None => None,
+    };
+    let write = cx.write();
+    Ok(Box::new(Qcow2::open(file, header, data, backing, write)?))
+}
 
 /// Memory for cached L2 tables: QEMU's default maximum on Linux.
 const L2_CACHE_BYTES: u64 = 32 << 20;
@@ -71,7 +104,7 @@ pub struct Qcow2 {
     snapshot_table_bytes: u64,
     /// Which persistent bitmaps were in use when the image was opened for writing.
     bitmaps_in_use: Vec<bool>,
-    backing: Option<Arc<Image>>,
+    backing: Option<Arc<dyn BlockDev>>,
     /// The last decompressed cluster, by L2 entry: sequential reads of a compressed cluster
     /// decode it once.
     last_compressed: Mutex<Option<(u64, Arc<Vec<u8>>)>>,
@@ -166,7 +199,7 @@ impl Qcow2 {
         file: Arc<dyn Storage>,
         header: Header,
         data: Option<Arc<dyn Storage>>,
-        backing: Option<Arc<Image>>,
+        backing: Option<Arc<dyn BlockDev>>,
         writable: bool,
     ) -> Result<Qcow2> {
         let header = if writable && header.is_dirty() && !header.is_corrupt() {
@@ -241,10 +274,6 @@ impl Qcow2 {
 
     pub fn snapshots(&self) -> &[Snapshot] {
         &self.snapshots
-    }
-
-    pub fn backing(&self) -> Option<&Arc<Image>> {
-        self.backing.as_ref()
     }
 
     pub fn has_external_data(&self) -> bool {
@@ -481,7 +510,7 @@ impl Layer for Qcow2 {
         &*self.data
     }
 
-    fn backing(&self) -> Option<&Arc<Image>> {
+    fn backing(&self) -> Option<&Arc<dyn BlockDev>> {
         self.backing.as_ref()
     }
 

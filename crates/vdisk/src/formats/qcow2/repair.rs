@@ -29,10 +29,11 @@ use std::cell::Cell;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use super::check::{CheckReport, Checker, Messages, RefcountReader};
+use super::check::{Checker, RefcountReader};
 use super::header::{Header, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE, INCOMPAT_DIRTY};
 use super::{bitmaps, l2, read_header, refcount, Qcow2};
 use crate::error::{Error, IoContext, Result};
+use crate::formats::driver::{CheckReport, Messages};
 use crate::storage::Storage;
 
 /// What a repair may correct: QEMU's `BDRV_FIX_LEAKS` and `BDRV_FIX_ERRORS` (`-r leaks` is
@@ -647,7 +648,7 @@ mod tests {
             ..CreateOptions::default()
         };
         create(&*mem, None, &o).unwrap();
-        let img = open_storage_with(mem.clone(), Some(Format::Qcow2), "t.qcow2", true).unwrap();
+        let img = open_storage_with(mem.clone(), Some(Format::QCOW2), "t.qcow2", true).unwrap();
         for (at, len, byte) in [
             (0u64, 128 << 10, 0xaa),
             (1 << 20, 64 << 10, 0xbb),
@@ -665,7 +666,7 @@ mod tests {
     }
 
     fn contents(file: Arc<dyn Storage>) -> Vec<u8> {
-        let img = open_storage(file, Some(Format::Qcow2), "t.qcow2").unwrap();
+        let img = open_storage(file, Some(Format::QCOW2), "t.qcow2").unwrap();
         let mut buf = vec![0u8; SIZE as usize];
         img.read(0, &mut buf).unwrap();
         buf
@@ -722,7 +723,7 @@ mod tests {
                 second.is_ok(),
                 "crash image {img}: second repair failed: {said:?}"
             );
-            let q = open_storage(file.clone(), Some(Format::Qcow2), "t.qcow2").unwrap();
+            let q = open_storage(file.clone(), Some(Format::QCOW2), "t.qcow2").unwrap();
             let report = check(q.qcow2().unwrap(), &mut |m| said.push(m)).unwrap();
             assert_eq!(
                 (report.corruptions, report.leaks, report.check_errors),

@@ -10,11 +10,11 @@
 //! beyond it (consistent, as QEMU leaves them).
 
 use super::cache::Meta;
-use super::create::{preallocate, Preallocation};
 use super::l2::{L2Entry, OFFSET_MASK, OFLAG_COPIED};
 use super::Qcow2;
 use crate::blockdev::BlockDev;
 use crate::error::{Error, IoContext, Result};
+use crate::formats::prealloc::{preallocate, Preallocation};
 use crate::storage::zero_range;
 
 impl Qcow2 {

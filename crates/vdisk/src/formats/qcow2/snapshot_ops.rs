@@ -12,11 +12,11 @@
 
 use std::collections::BTreeMap;
 
-use super::create::Preallocation;
 use super::l2::{L2Entry, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
 use super::snapshot::Snapshot;
 use super::{read_l1, Qcow2};
 use crate::error::{Error, IoContext, Result};
+use crate::formats::prealloc::Preallocation;
 
 impl Qcow2 {
     /// Takes snapshot `name` of the active image.

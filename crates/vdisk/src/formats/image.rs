@@ -1,0 +1,123 @@
+//! An open image: its format's driver, the name it was opened by and the chain below it.
+
+use std::sync::Arc;
+
+use super::driver::Driver;
+use super::qcow2::Qcow2;
+use super::registry::Format;
+use crate::blockdev::{BlockDev, BlockStatus, StartedRead, StartedWrite};
+use crate::error::Result;
+
+/// An open image: the driver of its format, the file name it was opened by (as given, or as
+/// derived from the image above it in a backing chain, the way QEMU spells it), and the image
+/// the driver reads as its backing file, if any.
+pub struct Image {
+    pub filename: String,
+    format: Format,
+    driver: Box<dyn Driver>,
+    backing: Option<Arc<Image>>,
+}
+
+impl Image {
+    pub(crate) fn new(
+        filename: &str,
+        format: Format,
+        driver: Box<dyn Driver>,
+        backing: Option<Arc<Image>>,
+    ) -> Image {
+        Image {
+            filename: filename.to_string(),
+            format,
+            driver,
+            backing,
+        }
+    }
+
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    /// The image's driver, for what not every format has (see [`Driver`]).
+    pub fn driver(&self) -> &dyn Driver {
+        &*self.driver
+    }
+
+    pub fn driver_mut(&mut self) -> &mut dyn Driver {
+        &mut *self.driver
+    }
+
+    /// The image below this one in its backing chain.
+    pub fn backing(&self) -> Option<&Arc<Image>> {
+        self.backing.as_ref()
+    }
+
+    pub fn qcow2(&self) -> Option<&Qcow2> {
+        self.driver.as_any().downcast_ref()
+    }
+
+    pub fn qcow2_mut(&mut self) -> Option<&mut Qcow2> {
+        self.driver.as_any_mut().downcast_mut()
+    }
+
+    /// Makes everything written durable and the image consistent on disk.
+    pub fn close(&self) -> Result<()> {
+        self.driver.close()
+    }
+
+    /// The storage that holds the image.
+    pub fn file(&self) -> &Arc<dyn crate::storage::Storage> {
+        self.driver.file()
+    }
+
+    /// The name of the file guest data lives in: the image, or its external data file.
+    pub fn data_filename(&self) -> &str {
+        self.driver.data_file_name().unwrap_or(&self.filename)
+    }
+
+    /// The format's counters (all zero for formats that allocate nothing).
+    pub fn counters(&self) -> crate::counters::CountersSnapshot {
+        self.driver.counters()
+    }
+}
+
+impl BlockDev for Image {
+    fn size(&self) -> u64 {
+        self.driver.size()
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.driver.read(offset, buf)
+    }
+    fn write(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        self.driver.write(offset, buf)
+    }
+    fn flush(&self) -> Result<()> {
+        self.driver.flush()
+    }
+    fn write_fua(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        self.driver.write_fua(offset, buf)
+    }
+    fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
+        self.driver.start_write(offset, len)
+    }
+    fn finish_write(&self, started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {
+        self.driver.finish_write(started, outcome)
+    }
+    fn start_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<StartedRead<'_>>> {
+        self.driver.start_read(offset, buf)
+    }
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.driver.discard(offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.driver.write_zeroes(offset, len)
+    }
+    fn write_zeroes_fast(&self, offset: u64, len: u64) -> Result<()> {
+        self.driver.write_zeroes_fast(offset, len)
+    }
+    fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
+        self.driver.block_status(offset, len)
+    }
+    fn set_size(&self, size: u64) -> Result<()> {
+        self.driver.set_size(size)
+    }
+}

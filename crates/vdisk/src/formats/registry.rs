@@ -1,0 +1,114 @@
+//! The formats vdisk reads and writes, found by name (`-f`) or by probing a file's first bytes
+//! as QEMU does. Adding a format is one line in [`FORMATS`]; each format describes itself in
+//! its own folder with a [`Format`].
+
+use std::sync::Arc;
+
+use super::driver::Driver;
+use super::open::OpenContext;
+use super::{qcow2, raw};
+use crate::error::{Error, IoContext, Result};
+use crate::storage::{LockRole, Storage};
+
+/// Every format, in probing order.
+static FORMATS: &[&FormatEntry] = &[&qcow2::FORMAT, &raw::FORMAT];
+
+/// Bytes of a file that probing looks at.
+const PROBE_BYTES: usize = 68;
+
+/// A format's entry in the registry: its name, how to recognise it and how to open an image
+/// of it.
+pub struct FormatEntry {
+    /// The name `-f` and image headers use (QEMU's driver name).
+    pub name: &'static str,
+    /// QEMU's image locks for a file of this format (raw files let others write).
+    pub lock_role: LockRole,
+    /// Whether the first bytes of a file (up to 68, fewer for a shorter file) are this format's.
+    pub probe: fn(&[u8]) -> bool,
+    /// Opens the image held in `file`.
+    pub open: OpenFn,
+}
+
+/// A format's open function: the image in a storage, with what it names asked of the context.
+pub type OpenFn = fn(Arc<dyn Storage>, &mut OpenContext) -> Result<Box<dyn Driver>>;
+
+/// A format vdisk reads and writes: a handle on its registry entry.
+#[derive(Clone, Copy)]
+pub struct Format(&'static FormatEntry);
+
+impl Format {
+    pub const RAW: Format = Format(&raw::FORMAT);
+    pub const QCOW2: Format = Format(&qcow2::FORMAT);
+
+    pub fn name(self) -> &'static str {
+        self.0.name
+    }
+
+    /// The format called `name`; QEMU's error for any other.
+    pub fn parse(name: &str) -> Result<Format> {
+        FORMATS
+            .iter()
+            .find(|f| f.name == name)
+            .map(|&f| Format(f))
+            .ok_or_else(|| Error::unsupported(format!("Unknown driver '{name}'")))
+    }
+
+    pub(crate) fn entry(self) -> &'static FormatEntry {
+        self.0
+    }
+}
+
+impl PartialEq for Format {
+    fn eq(&self, other: &Format) -> bool {
+        self.0.name == other.0.name
+    }
+}
+
+impl Eq for Format {}
+
+impl std::fmt::Debug for Format {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0.name)
+    }
+}
+
+/// Formats QEMU would probe that vdisk cannot read, by their magic (offset, bytes; dmg and
+/// cloop are not looked for): taken as raw, their metadata would be served as guest data and
+/// writes would damage them.
+const FOREIGN: &[(&str, usize, &[u8])] = &[
+    // qcow2's magic with version 1: the older qcow format.
+    ("qcow", 0, b"QFI\xfb\0\0\0\x01"),
+    ("luks", 0, b"LUKS\xba\xbe"),
+    ("vmdk", 0, b"KDMV"),
+    ("vmdk", 0, b"# Disk DescriptorFile"),
+    ("vhdx", 0, b"vhdxfile"),
+    ("vpc", 0, b"conectix"),
+    ("qed", 0, b"QED\0"),
+    ("vdi", 64, &[0x7f, 0x10, 0xda, 0xbe]),
+    ("parallels", 0, b"WithoutFreeSpace"),
+    ("parallels", 0, b"WithouFreSpacExt"),
+    ("bochs", 0, b"Bochs Virtual HD Image"),
+];
+
+/// Probes the format of a file from its first bytes, as QEMU does: one of [`FORMATS`], or an
+/// error for a format vdisk does not read (`-f raw` still opens such a file as raw).
+pub fn probe(storage: &dyn Storage) -> Result<Format> {
+    let mut head = [0u8; PROBE_BYTES];
+    let len = storage.len().context(|| "reading the image size".into())?;
+    let head = &mut head[..len.min(PROBE_BYTES as u64) as usize];
+    storage
+        .read_at(0, head)
+        .context(|| "reading the image magic".into())?;
+    if let Some(&f) = FORMATS.iter().find(|f| (f.probe)(head)) {
+        return Ok(Format(f));
+    }
+    let foreign = FOREIGN
+        .iter()
+        .find(|(_, at, magic)| head.get(*at..).is_some_and(|h| h.starts_with(magic)));
+    match foreign {
+        Some((name, ..)) => Err(Error::unsupported(format!(
+            "image format '{name}' is not supported (use -f raw to read the file as raw)"
+        ))),
+        None => Ok(Format::RAW),
+    }
+}
