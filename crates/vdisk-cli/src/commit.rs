@@ -94,7 +94,14 @@ fn commit(args: &Args) -> vdisk::Result<()> {
     let mut pos = 0;
     while pos < size {
         let st = top.block_status(pos, (size - pos).min(CHUNK))?;
-        if st.present && st.depth < depth {
+        // Not present: layer `st.depth` reads zeroes there, past the end of the layer below
+        // it (or the chain ends). QEMU counts those zeroes as the short layer's, so one above
+        // the target puts them in it; past a short target's own end, its resize zeroed them.
+        let above = match st.present {
+            true => st.depth < depth,
+            false => st.depth + 1 < depth,
+        };
+        if above {
             if st.zero && !st.data {
                 target.write_zeroes(pos, st.len)?;
             } else {

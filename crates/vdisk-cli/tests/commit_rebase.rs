@@ -314,6 +314,15 @@ struct ShortChain<'a> {
 /// zeroes (past the end of mid, the top read zeroes, not base's data).
 const READS_274: &[&str] = &["read -P 1 0 1M", "read -P 0 1M 1M"];
 
+/// The same after a commit of the top's data, which lies in 4 KiB clusters in its first MiB.
+const READS_TOP_DATA: &[&str] = &[
+    "read -P 1 0 4k",
+    "read -P 3 4k 8k",
+    "read -P 1 12k 1004k",
+    "read -P 5 1016k 8k",
+    "read -P 0 1M 1M",
+];
+
 const SHORT_CHAINS: &[ShortChain] = &[
     // iotest 274's chain, built with its steps.
     ShortChain {
@@ -324,7 +333,11 @@ const SHORT_CHAINS: &[ShortChain] = &[
             ("top", "qcow2", "", "2M"),
         ],
         writes: &[("base", &["write -P 1 0 2M"])],
-        commits: &[(&[], &[("mid", READS_274), ("top", READS_274)])],
+        commits: &[
+            (&[], &[("mid", READS_274), ("top", READS_274)]),
+            // No layer grows: past mid's end the top reads zeroes, which base must take.
+            (&["-b", "base"], &[("base", READS_274), ("top", READS_274)]),
+        ],
     },
     ShortChain {
         what: "274 over a raw base",
@@ -334,7 +347,10 @@ const SHORT_CHAINS: &[ShortChain] = &[
             ("top", "qcow2", "", "2M"),
         ],
         writes: &[("base", &["write -P 1 0 2M"])],
-        commits: &[(&[], &[("mid", READS_274), ("top", READS_274)])],
+        commits: &[
+            (&[], &[("mid", READS_274), ("top", READS_274)]),
+            (&["-b", "base"], &[("base", READS_274), ("top", READS_274)]),
+        ],
     },
     // A raw target that grows: its new area reads zeroes by itself.
     ShortChain {
@@ -356,10 +372,16 @@ const SHORT_CHAINS: &[ShortChain] = &[
             ("top", "qcow2", "", "2M"),
         ],
         writes: &[("base", &["write -P 1 0 2M"])],
-        commits: &[(
-            &[],
-            &[("mid", &["read -P 1 0 1000k", "read -P 0 1000k 1048k"])],
-        )],
+        commits: &[
+            (
+                &[],
+                &[("mid", &["read -P 1 0 1000k", "read -P 0 1000k 1048k"])],
+            ),
+            (
+                &["-b", "base"],
+                &[("base", &["read -P 1 0 1000k", "read -P 0 1000k 1048k"])],
+            ),
+        ],
     },
     // The top has data in its first MiB, in 4 KiB clusters: parts of mid's 64 KiB clusters,
     // whose rest must keep base's data, and up to mid's old end.
@@ -374,19 +396,10 @@ const SHORT_CHAINS: &[ShortChain] = &[
             ("base", &["write -P 1 0 2M"]),
             ("top", &["write -P 3 4k 8k", "write -P 5 1016k 8k"]),
         ],
-        commits: &[(
-            &[],
-            &[(
-                "mid",
-                &[
-                    "read -P 1 0 4k",
-                    "read -P 3 4k 8k",
-                    "read -P 1 12k 1004k",
-                    "read -P 5 1016k 8k",
-                    "read -P 0 1M 1M",
-                ],
-            )],
-        )],
+        commits: &[
+            (&[], &[("mid", READS_TOP_DATA)]),
+            (&["-b", "base"], &[("base", READS_TOP_DATA)]),
+        ],
     },
     // A v2 mid cannot make its grown area read as zero: QEMU's commit fails and leaves it.
     ShortChain {
@@ -397,7 +410,10 @@ const SHORT_CHAINS: &[ShortChain] = &[
             ("top", "qcow2", "", "2M"),
         ],
         writes: &[("base", &["write -P 1 0 2M"])],
-        commits: &[(&[], &[("mid", &["read -P 1 0 1M"]), ("top", READS_274)])],
+        commits: &[
+            (&[], &[("mid", &["read -P 1 0 1M"]), ("top", READS_274)]),
+            (&["-b", "base"], &[("base", READS_274), ("top", READS_274)]),
+        ],
     },
     // `-b` into a short layer in the middle of the chain, which grows over a longer base.
     ShortChain {
@@ -412,6 +428,7 @@ const SHORT_CHAINS: &[ShortChain] = &[
         commits: &[
             (&["-b", "mid"], &[("mid", READS_274), ("top", READS_274)]),
             (&[], &[("mid2", READS_274), ("top", READS_274)]),
+            (&["-b", "base"], &[("base", READS_274), ("top", READS_274)]),
         ],
     },
 ];
