@@ -70,23 +70,39 @@ fn commit(args: &Args) -> vdisk::Result<()> {
             }
         },
     };
+    // With its own backing chain, as QEMU opens it: growing over a longer backing file must
+    // zero the new area (past the target's old end the top read zeroes, not what lies below),
+    // and a write to part of a cluster keeps the backing file's data in the rest of it.
     let opts = ImageOptions {
         format: Some(base.format()),
         write: true,
-        no_backing: true,
         ..ImageOptions::default()
     };
     let mut target = open_image(&base.filename, &opts)?;
     let size = top.size();
     if target.size() < size {
-        target.driver_mut().resize(size, Preallocation::Off)?;
+        // QEMU grows the target inside its commit job, whose failure names only the errno.
+        target
+            .driver_mut()
+            .resize(size, Preallocation::Off)
+            .map_err(|e| vdisk::Error::Io {
+                context: "Block job failed".into(),
+                source: std::io::Error::from_raw_os_error(e.errno()),
+            })?;
     }
     let progress = args.progress.then(|| Progress::new(size));
     let mut buf = vec![0u8; CHUNK as usize];
     let mut pos = 0;
     while pos < size {
         let st = top.block_status(pos, (size - pos).min(CHUNK))?;
-        if st.present && st.depth < depth {
+        // Not present: layer `st.depth` reads zeroes there, past the end of the layer below
+        // it (or the chain ends). QEMU counts those zeroes as the short layer's, so one above
+        // the target puts them in it; past a short target's own end, its resize zeroed them.
+        let above = match st.present {
+            true => st.depth < depth,
+            false => st.depth + 1 < depth,
+        };
+        if above {
             if st.zero && !st.data {
                 target.write_zeroes(pos, st.len)?;
             } else {

@@ -293,3 +293,252 @@ fn copies_that_grow_the_refcount_table_leave_clean_images() {
     }
     failures.finish();
 }
+
+/// A chain for the short-layer tests, bottom first: (name, format, create options, size), each
+/// layer over the one before it.
+type ShortLayers<'a> = &'a [(&'a str, &'a str, &'a str, &'a str)];
+
+/// qemu-io commands and the image they run on.
+type IoChecks<'a> = &'a [(&'a str, &'a [&'a str])];
+
+/// One chain with short layers: how to build it, then each commit to run (the arguments before
+/// the top's name) with qemu-io checks of the result.
+struct ShortChain<'a> {
+    what: &'a str,
+    layers: ShortLayers<'a>,
+    writes: IoChecks<'a>,
+    commits: &'a [(&'a [&'a str], IoChecks<'a>)],
+}
+
+/// What iotest 274 reads after its commit: the first MiB comes from base, the second reads
+/// zeroes (past the end of mid, the top read zeroes, not base's data).
+const READS_274: &[&str] = &["read -P 1 0 1M", "read -P 0 1M 1M"];
+
+/// The same after a commit of the top's data, which lies in 4 KiB clusters in its first MiB.
+const READS_TOP_DATA: &[&str] = &[
+    "read -P 1 0 4k",
+    "read -P 3 4k 8k",
+    "read -P 1 12k 1004k",
+    "read -P 5 1016k 8k",
+    "read -P 0 1M 1M",
+];
+
+const SHORT_CHAINS: &[ShortChain] = &[
+    // iotest 274's chain, built with its steps.
+    ShortChain {
+        what: "iotest 274",
+        layers: &[
+            ("base", "qcow2", "", "2M"),
+            ("mid", "qcow2", "", "1M"),
+            ("top", "qcow2", "", "2M"),
+        ],
+        writes: &[("base", &["write -P 1 0 2M"])],
+        commits: &[
+            (&[], &[("mid", READS_274), ("top", READS_274)]),
+            // No layer grows: past mid's end the top reads zeroes, which base must take.
+            (&["-b", "base"], &[("base", READS_274), ("top", READS_274)]),
+        ],
+    },
+    ShortChain {
+        what: "274 over a raw base",
+        layers: &[
+            ("base", "raw", "", "2M"),
+            ("mid", "qcow2", "", "1M"),
+            ("top", "qcow2", "", "2M"),
+        ],
+        writes: &[("base", &["write -P 1 0 2M"])],
+        commits: &[
+            (&[], &[("mid", READS_274), ("top", READS_274)]),
+            (&["-b", "base"], &[("base", READS_274), ("top", READS_274)]),
+        ],
+    },
+    // A raw target that grows: its new area reads zeroes by itself.
+    ShortChain {
+        what: "short raw base",
+        layers: &[
+            ("base", "raw", "", "1M"),
+            ("mid", "qcow2", "", "2M"),
+            ("top", "qcow2", "", "2M"),
+        ],
+        writes: &[("base", &["write -P 1 0 1M"])],
+        commits: &[(&["-b", "base"], &[("base", READS_274), ("top", READS_274)])],
+    },
+    // Mid ends inside a cluster: the grown part of that cluster must read zeroes too.
+    ShortChain {
+        what: "mid not cluster-aligned",
+        layers: &[
+            ("base", "qcow2", "", "2M"),
+            ("mid", "qcow2", "", "1000k"),
+            ("top", "qcow2", "", "2M"),
+        ],
+        writes: &[("base", &["write -P 1 0 2M"])],
+        commits: &[
+            (
+                &[],
+                &[("mid", &["read -P 1 0 1000k", "read -P 0 1000k 1048k"])],
+            ),
+            (
+                &["-b", "base"],
+                &[("base", &["read -P 1 0 1000k", "read -P 0 1000k 1048k"])],
+            ),
+        ],
+    },
+    // The top has data in its first MiB, in 4 KiB clusters: parts of mid's 64 KiB clusters,
+    // whose rest must keep base's data, and up to mid's old end.
+    ShortChain {
+        what: "top with data in its first MiB",
+        layers: &[
+            ("base", "qcow2", "", "2M"),
+            ("mid", "qcow2", "", "1M"),
+            ("top", "qcow2", "cluster_size=4096", "2M"),
+        ],
+        writes: &[
+            ("base", &["write -P 1 0 2M"]),
+            ("top", &["write -P 3 4k 8k", "write -P 5 1016k 8k"]),
+        ],
+        commits: &[
+            (&[], &[("mid", READS_TOP_DATA)]),
+            (&["-b", "base"], &[("base", READS_TOP_DATA)]),
+        ],
+    },
+    // A v2 mid cannot make its grown area read as zero: QEMU's commit fails and leaves it.
+    ShortChain {
+        what: "v2 mid",
+        layers: &[
+            ("base", "qcow2", "", "2M"),
+            ("mid", "qcow2", "compat=0.10", "1M"),
+            ("top", "qcow2", "", "2M"),
+        ],
+        writes: &[("base", &["write -P 1 0 2M"])],
+        commits: &[
+            (&[], &[("mid", &["read -P 1 0 1M"]), ("top", READS_274)]),
+            (&["-b", "base"], &[("base", READS_274), ("top", READS_274)]),
+        ],
+    },
+    // `-b` into a short layer in the middle of the chain, which grows over a longer base.
+    ShortChain {
+        what: "four layers",
+        layers: &[
+            ("base", "qcow2", "", "2M"),
+            ("mid", "qcow2", "", "1M"),
+            ("mid2", "qcow2", "", "2M"),
+            ("top", "qcow2", "", "2M"),
+        ],
+        writes: &[("base", &["write -P 1 0 2M"])],
+        commits: &[
+            (&["-b", "mid"], &[("mid", READS_274), ("top", READS_274)]),
+            (&[], &[("mid2", READS_274), ("top", READS_274)]),
+            (&["-b", "base"], &[("base", READS_274), ("top", READS_274)]),
+        ],
+    },
+];
+
+/// Builds `chain` in directory `dir` of the workdir (replacing what was there), as iotest 274
+/// does: every layer created first, then the writes.
+fn build_short_chain(wd: &Workdir, dir: &str, chain: &ShortChain) {
+    if wd.abs(dir).exists() {
+        std::fs::remove_dir_all(wd.abs(dir)).expect("removing an old chain");
+    }
+    wd.mkdir(dir);
+    let mut below: Option<(&str, &str)> = None;
+    for (name, format, options, size) in chain.layers {
+        let path = format!("{dir}/{name}");
+        let mut args = vec!["create", "-q", "-f", format];
+        if !options.is_empty() {
+            args.extend(["-o", options]);
+        }
+        if let Some((backing, backing_format)) = below {
+            args.extend(["-b", backing, "-F", backing_format]);
+        }
+        args.extend([path.as_str(), size]);
+        wd.setup_img(&args);
+        below = Some((name, format));
+    }
+    for (name, cmds) in chain.writes {
+        wd.setup_io(
+            &format!("{dir}/{name}"),
+            Some(layer_format(chain, name)),
+            cmds,
+        );
+    }
+}
+
+fn layer_format<'a>(chain: &ShortChain<'a>, name: &str) -> &'a str {
+    let layer = chain.layers.iter().find(|l| l.0 == name);
+    layer.expect("a layer of the chain").1
+}
+
+fn virtual_size(wd: &Workdir, path: &str, format: &str) -> String {
+    let info = wd.qemu_img(&["info", "-f", format, "--output=json", path]);
+    let json: serde_json::Value = serde_json::from_str(&info.stdout)
+        .unwrap_or_else(|e| panic!("qemu-img info {path}: {e}: {}", info.stderr));
+    json["virtual-size"].to_string()
+}
+
+/// Issue 27, found by iotest 274: `commit` into a layer shorter than the top grew it without
+/// zeroing the new area, which then showed the data of the layer below it; and wherever the top
+/// reads zeroes past the end of a short layer, the target must read zeroes after the commit.
+/// The same commit on twin chains must leave every layer as qemu-img's does: the same guest
+/// contents (`qemu-img compare` with its twin), virtual size and qemu-io reads of 274's ranges,
+/// and qcow2 layers that `qemu-img check` finds clean.
+#[test]
+fn commit_over_short_layers_matches_qemu() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "commit-short");
+    let mut failures = Failures::new("commit-short", &wd);
+    for chain in SHORT_CHAINS {
+        for (options, reads) in chain.commits {
+            let args = |top: &'static str| [&["commit"], *options, &[top]].concat();
+            let name = format!("{}: {}", chain.what, args("top").join(" "));
+            build_short_chain(&wd, "q", chain);
+            build_short_chain(&wd, "v", chain);
+            let mut q = wd.qemu_img(&args("q/top"));
+            let v = wd.vdisk(&args("v/top"));
+            // The twins differ by their directory only.
+            q.stdout = q.stdout.replace("q/", "v/");
+            q.stderr = q.stderr.replace("q/", "v/");
+            failures.same_outcome(&name, "command", &q, &v);
+            compare_twins(&wd, &mut failures, &name, chain);
+            for (layer, cmds) in *reads {
+                for (dir, who) in [("q", "qemu-img's"), ("v", "vdisk's")] {
+                    let mut io = vec!["-f", layer_format(chain, layer)];
+                    io.extend(cmds.iter().flat_map(|c| ["-c", c]));
+                    let path = format!("{dir}/{layer}");
+                    io.push(&path);
+                    let out = wd.run(&wd.tools.qemu_io, &io);
+                    let text = format!("{}{}", out.stdout, out.stderr);
+                    if !failures.count(out.success() && !text.contains("fail")) {
+                        failures.add(&name, &format!("qemu-io reads of {who} {layer}"), text);
+                    }
+                }
+            }
+        }
+    }
+    failures.finish();
+}
+
+/// Each layer of chain `q/` against its twin in `v/`: guest contents, virtual size, and (for
+/// vdisk's qcow2 layers) `qemu-img check`.
+fn compare_twins(wd: &Workdir, failures: &mut Failures, name: &str, chain: &ShortChain) {
+    for (layer, format, ..) in chain.layers {
+        let (qp, vp) = (format!("q/{layer}"), format!("v/{layer}"));
+        let same = wd.qemu_img(&["compare", "-f", format, "-F", format, &qp, &vp]);
+        if !failures.count(same.success()) {
+            let detail = format!("{}{}", same.stdout, same.stderr);
+            failures.add(name, &format!("{layer} contents"), detail);
+        }
+        failures.same_text(
+            name,
+            &format!("{layer} virtual size"),
+            &virtual_size(wd, &qp, format),
+            &virtual_size(wd, &vp, format),
+        );
+        if *format == "qcow2" {
+            let check = wd.qemu_img(&["check", &vp]);
+            if !failures.count(check.success()) {
+                let detail = format!("{}{}", check.stdout, check.stderr);
+                failures.add(name, &format!("qemu-img check {layer}"), detail);
+            }
+        }
+    }
+}
