@@ -1,0 +1,140 @@
+//! The `BlockDev` conformance suite: one body of tests, written once against `&dyn BlockDev`,
+//! that every format and every stacking runs (STYLE.md point 8).
+//!
+//! A subject is a name and a factory ([`subject::Subject`]); the list below stamps one
+//! `#[test]` per subject and test body, named `subject::body`, so a failure names both and
+//! `cargo test --test conformance qcow2_512` or `... crash` runs one row or one column.
+//! Adding a subject is one line in the `subjects!` list at the end; adding a body is one line
+//! in the list of bodies inside `subjects!`.
+//!
+//! | file            | what it checks                                                          |
+//! |-----------------|-------------------------------------------------------------------------|
+//! | `io.rs`         | fresh reads, writes of every size class, out-of-range requests          |
+//! | `zeroes.rs`     | write_zeroes, write_zeroes_fast, discard                                |
+//! | `status.rs`     | block_status against reads, the chain and what was written              |
+//! | `started.rs`    | start_write / finish_write / start_read, failed outcomes                |
+//! | `durability.rs` | flush and FUA, close / drop / reopen, concurrent writers                |
+//! | `crash.rs`      | every crash state of two workloads (CrashStorage, torn writes in one)   |
+//! | `fault.rs`      | EIO, ENOSPC, short writes on every storage of the disk (FaultStorage)   |
+//!
+//! Around them: `subject.rs` (the subjects and the [`subject::Disk`] they open as),
+//! `model.rs` (the byte model and the data written), `workload.rs` (requests of every size
+//! class), `history.rs` (what a disk may hold after a crash or a failure).
+//!
+//! The crash and fault sweeps run on in-memory copies of a subject's storages (a file-backed
+//! subject's too), since every case needs fresh storages. A body marked `#[ignore]` shows an
+//! engine behaviour this suite reports rather than fixes; `--include-ignored` runs it.
+//!
+//! `CONFORMANCE_CASES=n` (default 1), for a soak: n times the crash and fault workloads per
+//! subject, each with up to n times more crash states checked and more fault points.
+
+#[path = "conformance/crash.rs"]
+mod crash;
+#[path = "conformance/durability.rs"]
+mod durability;
+#[path = "conformance/fault.rs"]
+mod fault;
+#[path = "conformance/history.rs"]
+mod history;
+#[path = "conformance/io.rs"]
+mod io;
+#[path = "conformance/model.rs"]
+mod model;
+#[path = "conformance/started.rs"]
+mod started;
+#[path = "conformance/status.rs"]
+mod status;
+#[path = "conformance/subject.rs"]
+mod subject;
+#[path = "conformance/workload.rs"]
+mod workload;
+#[path = "conformance/zeroes.rs"]
+mod zeroes;
+
+use vdisk::formats::qcow2::create::CreateOptions;
+
+/// The size of the disks the tests ask for; a subject makes at least four of its clusters.
+const MIN_SIZE: u64 = 1 << 20;
+
+/// Stamps one `#[test]` per body for the subject `subject()` of the enclosing module.
+macro_rules! bodies {
+    ($($(#[$attr:meta])* $module:ident :: $body:ident),* $(,)?) => {
+        $(
+            #[test]
+            $(#[$attr])*
+            fn $body() {
+                crate::$module::$body(&subject());
+            }
+        )*
+    };
+}
+
+/// One module per subject, holding one test per body.
+macro_rules! subjects {
+    ($($name:ident => $make:expr;)*) => {
+        $(
+            mod $name {
+                #[allow(unused_imports)]
+                use super::subject::*;
+                #[allow(unused_imports)]
+                use super::CreateOptions;
+
+                fn subject() -> Subject {
+                    $make
+                }
+
+                bodies! {
+                    io::fresh_disk_reads_its_initial_content,
+                    io::writes_of_every_size_read_back,
+                    io::out_of_range_requests_fail,
+                    zeroes::write_zeroes_reads_zero,
+                    zeroes::fast_zeroes_zero_or_refuse,
+                    zeroes::discard_reads_as_allowed,
+                    status::block_status_agrees_with_reads,
+                    #[ignore = "qcow2 over a backing file reports the host offset of a cluster \
+                                before its copy-on-write; see status.rs"]
+                    status::offsets_hold_the_data_before_a_flush,
+                    started::started_writes_and_reads_transfer_the_data,
+                    started::failed_started_writes_leave_old_or_new_data,
+                    #[ignore = "bug: a failed qcow2 write over a cluster awaiting copy-on-write \
+                                loses earlier unflushed writes to it; see started.rs"]
+                    started::failed_write_keeps_earlier_unflushed_writes,
+                    durability::flush_and_fua_make_writes_durable,
+                    durability::close_and_reopen_keep_everything,
+                    durability::drop_without_close_keeps_writes,
+                    durability::concurrent_writers_lose_nothing,
+                    crash::crash_states_keep_flushed_writes,
+                    fault::faults_fail_requests_and_keep_flushed_data,
+                    fault::read_faults_fail_reads_not_data,
+                }
+            }
+        )*
+    };
+}
+
+/// `..CreateOptions::default()` with the given fields.
+macro_rules! qcow2_opts {
+    ($($field:ident: $value:expr),* $(,)?) => {
+        CreateOptions { $($field: $value,)* ..CreateOptions::default() }
+    };
+}
+
+subjects! {
+    raw_memory => raw("raw on memory", Backend::Memory);
+    raw_file => raw("raw on a file", Backend::File);
+    qcow2_64k => qcow2("qcow2", qcow2_opts!());
+    qcow2_512 => qcow2("qcow2 512 B clusters", qcow2_opts!(cluster_size: 512));
+    qcow2_2m => qcow2("qcow2 2 MiB clusters", qcow2_opts!(cluster_size: 2 << 20));
+    qcow2_extended_l2 => qcow2("qcow2 extended_l2", qcow2_opts!(extended_l2: true));
+    qcow2_v2 => qcow2("qcow2 compat=0.10", qcow2_opts!(version: 2));
+    qcow2_lazy_refcounts => qcow2("qcow2 lazy_refcounts", qcow2_opts!(lazy_refcounts: true));
+    qcow2_refcount_bits_1 => qcow2("qcow2 refcount_bits=1", qcow2_opts!(refcount_bits: 1));
+    qcow2_refcount_bits_64 => qcow2("qcow2 refcount_bits=64", qcow2_opts!(refcount_bits: 64));
+    qcow2_over_raw => qcow2_over_raw("qcow2 over raw", qcow2_opts!());
+    qcow2_v2_over_raw => qcow2_over_raw("qcow2 compat=0.10 over raw", qcow2_opts!(version: 2));
+    qcow2_extended_l2_over_raw =>
+        qcow2_over_raw("qcow2 extended_l2 over raw", qcow2_opts!(extended_l2: true));
+    qcow2_over_qcow2_over_raw => qcow2_over_qcow2_over_raw("qcow2 over qcow2 over raw");
+    qcow2_data_file => qcow2_data_file("qcow2 with a data file", false);
+    qcow2_data_file_raw => qcow2_data_file("qcow2 with a raw data file", true);
+}
