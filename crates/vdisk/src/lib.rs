@@ -20,6 +20,6 @@ pub use cache::{CacheMode, WithCache};
 pub use counters::{Counters, CountersSnapshot};
 pub use error::{Error, Result};
 pub use formats::{
-    backing_path, open_image, open_overlay, open_storage, open_storage_with, Driver, Format, Image,
-    ImageOptions, Preallocation,
+    backing_path, open_image, open_overlay, open_parts, open_storage, open_storage_with, Driver,
+    Format, Image, ImageOptions, Preallocation,
 };

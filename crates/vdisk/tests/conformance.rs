@@ -137,4 +137,5 @@ subjects! {
     qcow2_over_qcow2_over_raw => qcow2_over_qcow2_over_raw("qcow2 over qcow2 over raw");
     qcow2_data_file => qcow2_data_file("qcow2 with a data file", false);
     qcow2_data_file_raw => qcow2_data_file("qcow2 with a raw data file", true);
+    qcow2_on_raw_file => qcow2_on_raw("qcow2 on raw-as-storage on a file", Backend::File);
 }

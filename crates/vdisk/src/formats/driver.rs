@@ -75,6 +75,12 @@ pub trait Driver: BlockDev {
     /// The storage that holds the image.
     fn file(&self) -> &Arc<dyn Storage>;
 
+    /// The storage that block status offsets ([`crate::BlockStatus::offset`]) refer to: the
+    /// image's file, or its external data file.
+    fn data_storage(&self) -> &Arc<dyn Storage> {
+        self.file()
+    }
+
     /// The name of an external file holding the guest data, if the image has one.
     fn data_file_name(&self) -> Option<&str> {
         None

@@ -29,8 +29,8 @@ use crate::storage::Storage;
 pub use driver::{BitmapInfo, CheckFailed, CheckReport, Driver, Messages, SnapshotInfo};
 pub use image::Image;
 pub use open::{
-    backing_path, open_image, open_overlay, open_storage, open_storage_with, ImageOptions,
-    OpenContext, FORCE_SHARE_READ_ONLY,
+    backing_path, open_image, open_overlay, open_parts, open_storage, open_storage_with,
+    ImageOptions, OpenContext, FORCE_SHARE_READ_ONLY,
 };
 pub use prealloc::Preallocation;
 pub use registry::{probe, Format};

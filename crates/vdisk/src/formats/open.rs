@@ -56,8 +56,11 @@ pub struct ImageOptions {
 enum Source<'a> {
     /// Host paths, relative to the image's name; `seen` are the chain's files so far.
     Paths { seen: &'a mut Vec<PathBuf> },
-    /// Storage given by the caller: this backing image (if any), no data files.
-    Given { backing: Option<Arc<Image>> },
+    /// Storage given by the caller: this backing image and data file, if any.
+    Given {
+        backing: Option<Arc<Image>>,
+        data: Option<Arc<dyn Storage>>,
+    },
 }
 
 /// What a format's open function may ask of whoever opens the image.
@@ -92,7 +95,7 @@ impl OpenContext<'_> {
         }
         let in_backing = |e: Error| e.prefixed("Could not open backing file: ");
         let image = match &mut self.source {
-            Source::Given { backing } => match backing.take() {
+            Source::Given { backing, .. } => match backing.take() {
                 Some(b) => b,
                 None => return Ok(None),
             },
@@ -119,10 +122,10 @@ impl OpenContext<'_> {
     /// The external data file `name` holding the image's guest data. Like QEMU it is opened by
     /// its name as stored, relative to the current directory rather than the image's.
     pub fn open_data_file(&mut self, name: &str) -> Result<Arc<dyn Storage>> {
-        if let Source::Given { .. } = self.source {
-            return Err(Error::unsupported(
-                "an external data file needs a path to open",
-            ));
+        if let Source::Given { data, .. } = &self.source {
+            return data
+                .clone()
+                .ok_or_else(|| Error::unsupported("an external data file needs a path to open"));
         }
         let path = Path::new(name);
         match open_file(path, self.opts) {
@@ -170,7 +173,7 @@ pub fn open_storage_with(
     name: &str,
     write: bool,
 ) -> Result<Image> {
-    open_given(storage, format, None, name, write)
+    open_parts(storage, format, None, None, name, write)
 }
 
 /// Opens the image held in `storage` on top of `backing`, an image already open: for tests
@@ -181,13 +184,17 @@ pub fn open_overlay(
     name: &str,
     write: bool,
 ) -> Result<Image> {
-    open_given(storage, None, Some(backing), name, write)
+    open_parts(storage, None, Some(backing), None, name, write)
 }
 
-fn open_given(
+/// Opens the image held in `storage` with the parts it names given, not opened by name: its
+/// backing image and its external data file (each read by the format only if the image names
+/// one). The format is probed when `None`.
+pub fn open_parts(
     storage: Arc<dyn Storage>,
     format: Option<Format>,
     backing: Option<Arc<Image>>,
+    data: Option<Arc<dyn Storage>>,
     name: &str,
     write: bool,
 ) -> Result<Image> {
@@ -202,7 +209,7 @@ fn open_given(
     let mut cx = OpenContext {
         filename: name,
         opts: &opts,
-        source: Source::Given { backing },
+        source: Source::Given { backing, data },
         backing: None,
     };
     let driver = (format.entry().open)(storage, &mut cx)?;

@@ -9,11 +9,13 @@
 use std::sync::Arc;
 
 use vdisk::formats::qcow2::check::check;
-use vdisk::formats::qcow2::create::{create, CreateOptions, Preallocation};
-use vdisk::formats::qcow2::{read_header, Qcow2};
+use vdisk::formats::qcow2::create::{create, CreateOptions};
 use vdisk::formats::raw;
-use vdisk::storage::{FileStorage, MemStorage, OpenOptions, Storage};
-use vdisk::{open_overlay, open_storage, open_storage_with, BlockDev, Driver, Format, Image};
+use vdisk::storage::{DiskStorage, FileStorage, MemStorage, OpenOptions, Storage};
+use vdisk::{
+    open_overlay, open_parts, open_storage, open_storage_with, BlockDev, Format, Image,
+    Preallocation,
+};
 
 use super::model::{backing_byte, pattern};
 
@@ -74,10 +76,7 @@ impl Disk for Image {
         for _ in 0..depth {
             layer = layer.backing()?;
         }
-        Some(match &layer.driver {
-            Driver::Raw(r) => r.storage().clone(),
-            Driver::Qcow2(q) => q.data_file().clone(),
-        })
+        Some(layer.driver().data_storage().clone())
     }
 }
 
@@ -186,19 +185,7 @@ pub fn raw(name: &'static str, backend: Backend) -> Subject {
         name,
         create: Box::new(move |min| {
             let size = disk_size(min, 4096);
-            let (storage, dir): (Arc<dyn Storage>, _) = match backend {
-                Backend::Memory => (Arc::new(MemStorage::new()), None),
-                Backend::File => {
-                    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-                    let opts = OpenOptions {
-                        write: true,
-                        create: true,
-                        direct: false,
-                    };
-                    let file = FileStorage::open(&dir.path().join("disk.raw"), opts).unwrap();
-                    (Arc::new(file), Some(dir))
-                }
-            };
+            let (storage, dir) = backend_storage(backend, "disk.raw");
             raw::create(&*storage, size, Preallocation::Off).expect("create raw");
             Setup {
                 name,
@@ -210,12 +197,65 @@ pub fn raw(name: &'static str, backend: Backend) -> Subject {
                 base: no_backing(size, Some(0)),
                 open: Box::new(|s, write| {
                     let image =
-                        open_storage_with(s[0].clone(), Some(Format::Raw), "disk.raw", write)?;
+                        open_storage_with(s[0].clone(), Some(Format::RAW), "disk.raw", write)?;
                     Ok(Box::new(image))
                 }),
                 _dir: dir,
             }
         }),
+    }
+}
+
+/// qcow2 whose storage is a raw image on `backend`, through [`DiskStorage`]: one format
+/// stacked on another, the raw image growing as the qcow2 grows its storage.
+pub fn qcow2_on_raw(name: &'static str, backend: Backend) -> Subject {
+    Subject {
+        name,
+        create: Box::new(move |min| {
+            let o = CreateOptions::default();
+            let size = disk_size(min, o.cluster_size);
+            let o = CreateOptions { size, ..o };
+            let (storage, dir) = backend_storage(backend, "disk.raw");
+            create(&*raw_stack(storage.clone(), true).unwrap(), None, &o).expect("create qcow2");
+            Setup {
+                name,
+                size,
+                cluster: o.cluster_size,
+                unit: qcow2_unit(&o),
+                storages: vec![storage],
+                initial: vec![0; size as usize],
+                base: no_backing(size, None),
+                open: Box::new(|s, write| {
+                    let stack = raw_stack(s[0].clone(), write)?;
+                    let image = open_storage_with(stack, Some(Format::QCOW2), "disk.qcow2", write)?;
+                    Ok(Box::new(image))
+                }),
+                _dir: dir,
+            }
+        }),
+    }
+}
+
+/// The raw image in `file`, presented as storage.
+fn raw_stack(file: Arc<dyn Storage>, write: bool) -> vdisk::Result<Arc<dyn Storage>> {
+    let raw = open_storage_with(file, Some(Format::RAW), "disk.raw", write)?;
+    Ok(Arc::new(DiskStorage::new(Arc::new(raw))))
+}
+
+/// Empty storage in memory, or a new file in a directory of its own (kept with the setup).
+fn backend_storage(backend: Backend, name: &str) -> (Arc<dyn Storage>, Option<tempfile::TempDir>) {
+    match backend {
+        Backend::Memory => (Arc::new(MemStorage::new()), None),
+        Backend::File => {
+            let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+            let opts = OpenOptions {
+                write: true,
+                create: true,
+                direct: false,
+            };
+            let file = FileStorage::open(&dir.path().join(name), opts).unwrap();
+            (Arc::new(file), Some(dir))
+        }
     }
 }
 
@@ -247,7 +287,7 @@ pub fn qcow2(name: &'static str, o: CreateOptions) -> Subject {
                 base: no_backing(size, None),
                 open: Box::new(|s, write| {
                     let image =
-                        open_storage_with(s[0].clone(), Some(Format::Qcow2), "disk.qcow2", write)?;
+                        open_storage_with(s[0].clone(), Some(Format::QCOW2), "disk.qcow2", write)?;
                     Ok(Box::new(image))
                 }),
                 _dir: None,
@@ -260,7 +300,7 @@ pub fn qcow2(name: &'static str, o: CreateOptions) -> Subject {
 fn raw_backing(len: u64) -> Arc<Image> {
     let bytes: Vec<u8> = (0..len).map(backing_byte).collect();
     let storage: Arc<dyn Storage> = Arc::new(MemStorage::from_bytes(bytes));
-    Arc::new(open_storage(storage, Some(Format::Raw), "base.raw").unwrap())
+    Arc::new(open_storage(storage, Some(Format::RAW), "base.raw").unwrap())
 }
 
 /// A qcow2 overlay made with `o` over a written raw image of the same size.
@@ -390,12 +430,16 @@ pub fn qcow2_data_file(name: &'static str, raw_data: bool) -> Subject {
                 initial: vec![0; size as usize],
                 base: no_backing(size, raw_data.then_some(0)),
                 open: Box::new(|s, write| {
-                    let header = read_header(&*s[0])?;
-                    let q = Qcow2::open(s[0].clone(), header, Some(s[1].clone()), None, write)?;
-                    Ok(Box::new(Image {
-                        filename: "disk.qcow2".into(),
-                        driver: Driver::Qcow2(Box::new(q)),
-                    }))
+                    let (file, data) = (s[0].clone(), Some(s[1].clone()));
+                    let format = Some(Format::QCOW2);
+                    Ok(Box::new(open_parts(
+                        file,
+                        format,
+                        None,
+                        data,
+                        "disk.qcow2",
+                        write,
+                    )?))
                 }),
                 _dir: None,
             }

@@ -15,6 +15,10 @@ impl Driver for Qcow2 {
         Qcow2::file(self)
     }
 
+    fn data_storage(&self) -> &Arc<dyn Storage> {
+        self.data_file()
+    }
+
     fn data_file_name(&self) -> Option<&str> {
         self.header().data_file.as_deref()
     }
