@@ -22,8 +22,7 @@
 //! class), `history.rs` (what a disk may hold after a crash or a failure).
 //!
 //! The crash and fault sweeps run on in-memory copies of a subject's storages (a file-backed
-//! subject's too), since every case needs fresh storages. A body marked `#[ignore]` shows an
-//! engine behaviour this suite reports rather than fixes; `--include-ignored` runs it.
+//! subject's too), since every case needs fresh storages.
 //!
 //! `CONFORMANCE_CASES=n` (default 1), for a soak: n times the crash and fault workloads per
 //! subject, each with up to n times more crash states checked and more fault points.
@@ -91,13 +90,9 @@ macro_rules! subjects {
                     zeroes::fast_zeroes_zero_or_refuse,
                     zeroes::discard_reads_as_allowed,
                     status::block_status_agrees_with_reads,
-                    #[ignore = "qcow2 over a backing file reports the host offset of a cluster \
-                                before its copy-on-write; see status.rs"]
                     status::offsets_hold_the_data_before_a_flush,
                     started::started_writes_and_reads_transfer_the_data,
                     started::failed_started_writes_leave_old_or_new_data,
-                    #[ignore = "bug: a failed qcow2 write over a cluster awaiting copy-on-write \
-                                loses earlier unflushed writes to it; see started.rs"]
                     started::failed_write_keeps_earlier_unflushed_writes,
                     durability::flush_and_fua_make_writes_durable,
                     durability::close_and_reopen_keep_everything,

@@ -251,8 +251,8 @@ pub fn failed_started_writes_leave_old_or_new_data(subject: &Subject) {
 
 /// A failed write over sectors that an earlier write put into a cluster still waiting for its
 /// copy-on-write (written since the last flush, over a backing file) leaves those sectors with
-/// the earlier data or the new, like any failed write. Ignored: qcow2 forgets every sector the
-/// failed write covered, the earlier write's too, and fills them from the backing file.
+/// the earlier data or the new, like any failed write. (qcow2 once forgot every sector the
+/// failed write covered, the earlier write's too, and filled them from the backing file.)
 pub fn failed_write_keeps_earlier_unflushed_writes(subject: &Subject) {
     let setup = subject.setup(MIN_SIZE);
     let disk = setup.open(true);

@@ -171,10 +171,9 @@ pub fn block_status_agrees_with_reads(subject: &Subject) {
     walk(&*disk, &model, &units, "reopened", true);
 }
 
-/// The offset a status reports holds the data even before a flush. Ignored: a writable qcow2
-/// over a backing file maps a partly written cluster before copying the rest of it from the
-/// backing file (at the next flush, or when a read needs it), and block_status reports that
-/// cluster's host offset meanwhile, where the gaps read as zeroes.
+/// The offset a status reports holds the data even before a flush: a writable qcow2 over a
+/// backing file maps a partly written cluster before copying the rest of it from the backing
+/// file (at the next flush, or when a read or a block status needs it).
 pub fn offsets_hold_the_data_before_a_flush(subject: &Subject) {
     let setup = subject.setup(MIN_SIZE);
     let disk = setup.open(true);

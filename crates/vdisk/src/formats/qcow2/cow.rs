@@ -53,11 +53,27 @@ impl Pending {
         }
     }
 
-    /// Marks the sectors of byte range `[from, to)` of the cluster as written. Partly covered
-    /// sectors count: callers only pass sector-aligned ranges.
-    pub fn mark(&mut self, from: u64, to: u64) {
+    /// Marks the sectors of byte range `[from, to)` of the cluster as written and tells
+    /// `newly` the byte ranges of those that were not yet, so that a write that fails
+    /// unmarks only its own (an earlier write to the other sectors was acknowledged). Partly
+    /// covered sectors count: callers only pass sector-aligned ranges.
+    pub fn mark(&mut self, from: u64, to: u64, mut newly: impl FnMut(u64, u64)) {
+        let mut run: Option<u64> = None;
         for s in from / SECTOR..to.div_ceil(SECTOR) {
-            self.written[(s / 64) as usize] |= 1 << (s % 64);
+            let (word, bit) = ((s / 64) as usize, 1u64 << (s % 64));
+            let new = self.written[word] & bit == 0;
+            self.written[word] |= bit;
+            match (new, run) {
+                (true, None) => run = Some(s),
+                (false, Some(start)) => {
+                    newly(start * SECTOR, s * SECTOR);
+                    run = None;
+                }
+                _ => {}
+            }
+        }
+        if let Some(start) = run {
+            newly(start * SECTOR, to.div_ceil(SECTOR) * SECTOR);
         }
     }
 

@@ -640,6 +640,12 @@ impl BlockDev for Qcow2 {
 
     fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
         check_range(self.size, offset, len)?;
-        status_mapped(self, offset, len)
+        let status = status_mapped(self, offset, len)?;
+        // A reported host offset holds the guest's data, as in QEMU, which maps a new cluster
+        // only once its copy-on-write is done: pending gaps are filled first.
+        if self.writable && status.depth == 0 && status.offset.is_some() {
+            self.fill_range(offset, status.len)?;
+        }
+        Ok(status)
     }
 }

@@ -119,11 +119,7 @@ impl Qcow2 {
                 let within = pos & (cs - 1);
                 let n = ((cs - within) as usize).min(len - done);
                 let guest = pos - within;
-                let (host, marked) = self.place(meta, guest, within, n as u64)?;
-                if marked {
-                    pending.push((guest, within, within + n as u64));
-                }
-                let host = host + within;
+                let host = self.place(meta, guest, within, n as u64, &mut pending)? + within;
                 match transfers.last_mut() {
                     Some(t) if t.host + t.bytes.len() as u64 == host => t.bytes.end = done + n,
                     _ => transfers.push(Transfer {
@@ -208,22 +204,30 @@ impl Qcow2 {
     }
 
     /// Where bytes `[within, within + len)` of the guest cluster at `guest` go: the host
-    /// cluster, and whether it is pending. Allocates the cluster (or makes one of ours writable
-    /// again) when it is not plainly ours.
-    fn place(&self, meta: &mut Meta, guest: u64, within: u64, len: u64) -> Result<(u64, bool)> {
+    /// cluster. Allocates the cluster (or makes one of ours writable again) when it is not
+    /// plainly ours; the sectors the write newly marks written in a pending cluster go to
+    /// `marked`, as `(guest cluster, from, to)`.
+    fn place(
+        &self,
+        meta: &mut Meta,
+        guest: u64,
+        within: u64,
+        len: u64,
+        marked: &mut Vec<(u64, u64, u64)>,
+    ) -> Result<u64> {
         let (table_off, index, e) = self.writable_table(meta, guest)?;
         let aligned = within % SECTOR == 0 && len % SECTOR == 0;
         let touched = self.touched_subclusters(within, len);
         if let Some(p) = meta.pending.get_mut(&guest) {
             let host = p.host;
             if aligned {
-                p.mark(within, within + len);
+                p.mark(within, within + len, |a, b| marked.push((guest, a, b)));
             }
             self.allocate_subclusters(meta, table_off, index, e, touched);
             if !aligned {
                 self.fill(meta, guest)?;
             }
-            return Ok((host, aligned));
+            return Ok(host);
         }
         let host = e.word & OFFSET_MASK;
         // In an external data file, guest cluster 0 sits at host offset 0: the COPIED flag
@@ -251,7 +255,7 @@ impl Qcow2 {
             if first {
                 self.allocate_holes(host, cs);
             }
-            return Ok((host, false));
+            return Ok(host);
         }
         let mut pending = if ours {
             // One of our clusters with parts that read as zero or from the backing file: those
@@ -260,7 +264,7 @@ impl Qcow2 {
             for sc in 0..self.subclusters() {
                 if self.format.subcluster_type(e, sc)? == SubclusterType::Normal {
                     let scs = cs / self.subclusters();
-                    p.mark(sc * scs, (sc + 1) * scs);
+                    p.mark(sc * scs, (sc + 1) * scs, |_, _| {});
                 }
             }
             p
@@ -295,13 +299,13 @@ impl Qcow2 {
             },
         );
         if aligned {
-            pending.mark(within, within + len);
+            pending.mark(within, within + len, |a, b| marked.push((guest, a, b)));
         }
         meta.pending.insert(guest, pending);
         if !aligned {
             self.fill(meta, guest)?;
         }
-        Ok((host, aligned))
+        Ok(host)
     }
 
     /// Whether every byte of the cluster entry `e` describes reads as zero.
