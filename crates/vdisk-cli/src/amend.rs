@@ -7,9 +7,11 @@ use std::process::ExitCode;
 use vdisk::formats::qcow2::amend::AmendOptions;
 use vdisk::{open_image, BlockDev, Error, ImageOptions};
 
+use crate::flags::bad_cache;
+use crate::open::image_format;
 use crate::options::{asks_help, check_option_lists, typed_options, Kind, Value};
+use crate::report::{fail, warn_probed_raw};
 use crate::text::Progress;
-use crate::{bad_cache, fail, image_format, warn_probed_raw};
 
 pub struct Args<'a> {
     pub format: Option<&'a str>,

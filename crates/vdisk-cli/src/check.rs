@@ -11,8 +11,10 @@ use vdisk::formats::qcow2::repair::{repair, Fix};
 use vdisk::storage::{FileStorage, LockRole, LockUse, OpenOptions, Storage};
 use vdisk::{open_image, Error};
 
+use crate::flags::Output;
+use crate::open::metadata_options;
 use crate::qjson::{self, Dict};
-use crate::{fail, metadata_options, Output};
+use crate::report::{fail, warn_probed_raw};
 
 /// Exit status when the format has no consistency check (qemu-img's 63).
 const NO_CHECK: u8 = 63;
@@ -55,7 +57,7 @@ pub fn run(
     };
     if image.qcow2().is_none() {
         if fix.is_some() {
-            crate::warn_probed_raw(filename, format, &image);
+            warn_probed_raw(filename, format, &image);
         }
         return fail("This image format does not support checks", NO_CHECK);
     }

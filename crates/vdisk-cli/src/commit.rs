@@ -6,8 +6,9 @@ use std::process::ExitCode;
 use vdisk::formats::qcow2::create::Preallocation;
 use vdisk::{backing_path, open_image, BlockDev, Image, ImageOptions};
 
+use crate::open::read_options;
+use crate::report::{fail, warn_probed_raw};
 use crate::text::Progress;
-use crate::{fail, read_options};
 
 /// Bytes copied at a time.
 const CHUNK: u64 = 2 << 20;
@@ -42,7 +43,7 @@ fn commit(args: &Args) -> vdisk::Result<()> {
         &read_options(args.filename, args.format, true)?,
     )?;
     // QEMU opens the top for writing.
-    crate::warn_probed_raw(args.filename, args.format, &top);
+    warn_probed_raw(args.filename, args.format, &top);
     // The chain below the top, with each layer's depth.
     let mut chain: Vec<&Image> = Vec::new();
     let mut layer = top.backing();

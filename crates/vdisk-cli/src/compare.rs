@@ -5,8 +5,9 @@ use std::process::ExitCode;
 
 use vdisk::{open_image, BlockDev, Image};
 
+use crate::open::read_options;
+use crate::report::fail;
 use crate::text::Progress;
-use crate::{fail, read_options};
 
 /// qemu-img's IO_BUF_SIZE: the most one comparison step reads.
 const CHUNK: u64 = 2 << 20;

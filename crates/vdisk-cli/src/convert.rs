@@ -20,8 +20,12 @@ use std::sync::Mutex;
 use vdisk::bytes::AlignedBuf;
 use vdisk::{open_image, BlockDev, Error, Format, Image, ImageOptions};
 
+use crate::new_image::{create, NewImage};
+use crate::open::read_options;
+use crate::options::{check_option_lists, parse_options, snapshot_param};
+use crate::report::fail;
+use crate::size::parse_size;
 use crate::text::Progress;
-use crate::{fail, read_options};
 
 /// Bytes one worker copies at a time.
 const CHUNK: u64 = 2 << 20;
@@ -73,10 +77,10 @@ struct Plan {
 
 impl Plan {
     fn new(args: &Args) -> vdisk::Result<Plan> {
-        crate::options::check_option_lists(args.options).map_err(Error::invalid)?;
+        check_option_lists(args.options).map_err(Error::invalid)?;
         let sparse = match args.sparse {
             None => SPARSE as u64,
-            Some(s) => match crate::create::parse_size(s) {
+            Some(s) => match parse_size(s) {
                 Some(n) if n % 512 == 0 && n <= MAX_SPARSE => n,
                 _ => {
                     return Err(Error::invalid(format!(
@@ -107,7 +111,7 @@ impl Plan {
         }
         // The target's options as `create` reads them (a malformed list was refused above); a
         // later value of an option replaces an earlier one.
-        let options = crate::options::parse_options(args.options);
+        let options = parse_options(args.options);
         let option = |key: &str| {
             let found = options.iter().rev().find(|(k, _)| k == key);
             found.map(|(_, v)| v.as_str())
@@ -141,29 +145,6 @@ impl Plan {
             workers,
         })
     }
-}
-
-/// Parses `-l`: "ID_OR_NAME", "snapshot.id=ID" or "snapshot.name=NAME" (comma separated),
-/// into the id or name to load. Given both, one snapshot must have both, as QEMU asks.
-pub fn snapshot_param(source: &Image, param: &str) -> vdisk::Result<String> {
-    let mut id = None;
-    let mut name = None;
-    for part in param.split(',') {
-        if let Some(v) = part.strip_prefix("snapshot.id=") {
-            id = Some(v);
-        } else if let Some(v) = part.strip_prefix("snapshot.name=") {
-            name = Some(v);
-        }
-    }
-    if let (Some(id), Some(name)) = (id, name) {
-        let snapshots = source.qcow2().map(|q| q.snapshots()).unwrap_or_default();
-        if !snapshots.iter().any(|s| s.id == id && s.name == name) {
-            return Err(Error::invalid(
-                "Failed to load snapshot: Can't find snapshot",
-            ));
-        }
-    }
-    Ok(id.or(name).unwrap_or(param).to_string())
 }
 
 pub fn run(args: Args) -> ExitCode {
@@ -355,7 +336,7 @@ fn to_image(source: &Sources, args: &Args, plan: &Plan) -> vdisk::Result<()> {
         ))
     };
     if !args.no_create {
-        crate::create::create(&crate::create::Args {
+        create(&NewImage {
             format: args.output_format,
             options: args.options,
             backing: args.backing,

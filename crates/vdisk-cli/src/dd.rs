@@ -7,8 +7,10 @@ use std::process::ExitCode;
 
 use vdisk::{open_image, BlockDev, Error, Format, Image, ImageOptions};
 
+use crate::new_image::{create, NewImage};
+use crate::open::read_options;
+use crate::report::fail;
 use crate::size::cvtnum_in;
-use crate::{fail, read_options};
 
 pub struct Args<'a> {
     pub format: Option<&'a str>,
@@ -83,7 +85,7 @@ fn copy(args: &Args, o: &Operands, input: &str, output: &str) -> vdisk::Result<(
     let skip = o.skip.map_or(Some(0), |s| s.checked_mul(bs));
     let start = skip.filter(|&s| s <= end);
     let size = start.map_or(0, |s| end - s);
-    crate::create::create(&crate::create::Args {
+    create(&NewImage {
         format: args.output_format,
         options: &[],
         backing: None,

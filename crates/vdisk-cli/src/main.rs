@@ -1,6 +1,7 @@
 //! `vdisk`: image tools whose subcommands, flags, output and exit codes follow `qemu-img`, so
 //! that a user's scripts keep working.
 
+// Subcommands.
 mod amend;
 mod bench;
 mod check;
@@ -12,21 +13,28 @@ mod dd;
 mod info;
 mod map;
 mod measure;
-mod options;
-mod qjson;
 mod rebase;
 mod resize;
 mod serve;
-mod size;
 mod snapshot;
+
+// What they share.
+mod flags;
+mod new_image;
+mod open;
+mod options;
+mod qjson;
+mod report;
+mod size;
 mod text;
 
-use std::io::Write as _;
 use std::process::ExitCode;
 
-use clap::error::ErrorKind;
-use clap::{Parser, Subcommand, ValueEnum};
-use vdisk::{CacheMode, Format, ImageOptions};
+use clap::{Parser, Subcommand};
+use vdisk::CacheMode;
+
+use flags::{bad_cache, parse_cache, Output};
+use report::QemuMessage;
 
 #[derive(Parser)]
 #[command(
@@ -42,29 +50,6 @@ struct Cli {
     #[command(subcommand)]
     command: Command,
 }
-
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Output {
-    Human,
-    Json,
-}
-
-/// Parses a cache mode (`-t`) by qemu-img's names.
-fn parse_cache(name: &str) -> Result<CacheMode, String> {
-    CacheMode::parse(name).map_err(|e| e.to_string())
-}
-
-/// A value refused in qemu-img's words, which it prints alone (not in clap's usage report).
-#[derive(Debug)]
-struct QemuMessage(String);
-
-impl std::fmt::Display for QemuMessage {
-    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for QemuMessage {}
 
 fn start_offset(text: &str) -> Result<u64, QemuMessage> {
     size::cvtnum("start offset", text).map_err(QemuMessage)
@@ -404,86 +389,10 @@ enum Command {
     },
 }
 
-/// Refuses a cache mode (`-t`, `-T`) qemu-img does not know, before anything is opened.
-fn bad_cache(mode: Option<&str>, which: &str) -> Option<ExitCode> {
-    let mode = mode?;
-    CacheMode::parse(mode)
-        .is_err()
-        .then(|| fail(format!("Invalid {which}cache option: {mode}"), 1))
-}
-
-/// qemu-img's warning when an image it opens for writing was probed as raw.
-pub fn warn_probed_raw(filename: &str, format: Option<&str>, image: &vdisk::Image) {
-    if format.is_none() && image.format() == Format::Raw {
-        eprintln!(
-            "WARNING: Image format was not specified for '{filename}' and probing guessed raw.\n         \
-             Automatically detecting the format is dangerous for raw images, write operations \
-             on block 0 will be restricted.\n         Specify the 'raw' format explicitly to \
-             remove the restrictions."
-        );
-    }
-}
-
-/// Prints an error the way qemu-img does and returns the exit status.
-pub fn fail(msg: impl std::fmt::Display, status: u8) -> ExitCode {
-    // Not eprintln!, which panics when stderr cannot be written (a file on a full disk).
-    let _ = writeln!(std::io::stderr(), "vdisk: {msg}");
-    ExitCode::from(status)
-}
-
-/// The format `-f` names for opening `filename`; an unknown one fails as QEMU's open does.
-pub fn image_format(filename: &str, format: Option<&str>) -> vdisk::Result<Option<Format>> {
-    format
-        .map(Format::parse)
-        .transpose()
-        .map_err(|e| e.prefixed(&format!("Could not open '{filename}': ")))
-}
-
-/// Image options for a read-only open of `filename` with an optional `-f`, without locks if
-/// `force_share` (`-U`).
-pub fn read_options(
-    filename: &str,
-    format: Option<&str>,
-    force_share: bool,
-) -> vdisk::Result<ImageOptions> {
-    Ok(ImageOptions {
-        format: image_format(filename, format)?,
-        force_share,
-        ..ImageOptions::default()
-    })
-}
-
-/// Image options for commands that read metadata only (info, map, check, snapshot -l).
-pub fn metadata_options(
-    filename: &str,
-    format: Option<&str>,
-    force_share: bool,
-) -> vdisk::Result<ImageOptions> {
-    Ok(ImageOptions {
-        metadata_only: true,
-        ..read_options(filename, format, force_share)?
-    })
-}
-
-/// Reports a command line clap refused. qemu-img exits 1 where clap would exit 2, which matters
-/// most to `compare`, whose 2 means "could not open"; help and version still go to stdout
-/// with 0. A value refused with a [`QemuMessage`] gets that message alone.
-fn usage_error(e: clap::Error) -> ExitCode {
-    let source = std::error::Error::source(&e);
-    if let Some(QemuMessage(msg)) = source.and_then(|s| s.downcast_ref()) {
-        return fail(msg, 1);
-    }
-    let _ = e.print();
-    match e.kind() {
-        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => ExitCode::SUCCESS,
-        _ => ExitCode::from(1),
-    }
-}
-
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
-        Err(e) => return usage_error(e),
+        Err(e) => return report::usage_error(e),
     };
     // Like qemu-img, end quietly when the reader of our output goes away (`| head`) instead of
     // failing on the write. A server keeps SIGPIPE ignored: a client that hangs up is an error
@@ -508,7 +417,7 @@ fn main() -> ExitCode {
             quiet,
             filename: Some(filename),
             size,
-        } => create::run(create::Args {
+        } => create::run(new_image::NewImage {
             format: &format,
             options: &options,
             backing: backing.as_deref(),

@@ -4,8 +4,10 @@ use std::process::ExitCode;
 
 use vdisk::{open_image, BlockDev, BlockStatus, Image};
 
+use crate::flags::Output;
+use crate::open::metadata_options;
+use crate::report::fail;
 use crate::text::hex16;
-use crate::{fail, metadata_options, Output};
 
 /// One printed extent: a block status plus the file its offset refers to.
 #[derive(Debug, Clone)]

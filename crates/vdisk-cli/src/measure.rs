@@ -9,11 +9,12 @@ use vdisk::formats::qcow2::bitmaps;
 use vdisk::formats::qcow2::create::Preallocation;
 use vdisk::{open_image, BlockDev, Error, Format, Image};
 
-use crate::convert::snapshot_param;
-use crate::options::{check_option_lists, typed_options, Kind, Value};
+use crate::flags::Output;
+use crate::open::read_options;
+use crate::options::{check_option_lists, snapshot_param, typed_options, Kind, Value};
 use crate::qjson::{to_pretty, Dict};
+use crate::report::fail;
 use crate::size::cvtnum;
-use crate::{fail, read_options, Output};
 
 pub struct Args<'a> {
     pub filename: Option<&'a str>,

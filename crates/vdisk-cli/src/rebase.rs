@@ -6,8 +6,9 @@ use std::process::ExitCode;
 
 use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 
+use crate::open::image_format;
+use crate::report::fail;
 use crate::text::Progress;
-use crate::{fail, image_format};
 
 pub struct Args<'a> {
     pub format: Option<&'a str>,

@@ -6,8 +6,9 @@ use std::process::ExitCode;
 use vdisk::formats::qcow2::create::Preallocation;
 use vdisk::{open_image, BlockDev, ImageOptions};
 
-use crate::create::parse_size;
-use crate::{fail, image_format, warn_probed_raw};
+use crate::open::image_format;
+use crate::report::{fail, warn_probed_raw};
+use crate::size::parse_size;
 
 pub struct Args<'a> {
     pub format: Option<&'a str>,

@@ -11,7 +11,7 @@ use vdisk::export::nbd::{Address, Export, ExportOptions, Limits, Server, ServerO
 use vdisk::storage::Backend;
 use vdisk::{BlockDev, CacheMode, Format, Image, ImageOptions};
 
-use crate::fail;
+use crate::report::fail;
 
 pub struct Args<'a> {
     /// `IMG` or `IMG=NAME`, one per export.

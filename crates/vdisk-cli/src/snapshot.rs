@@ -5,7 +5,9 @@ use std::process::ExitCode;
 
 use vdisk::{open_image, Error, ImageOptions};
 
-use crate::{fail, image_format, info, metadata_options, warn_probed_raw};
+use crate::open::{image_format, metadata_options};
+use crate::report::{fail, warn_probed_raw};
+use crate::text::snapshot_list;
 
 pub enum Action<'a> {
     List,
@@ -65,6 +67,6 @@ fn list(filename: &str, format: Option<&str>, force_share: bool) -> ExitCode {
         Err(e) => return fail(e, 1),
     };
     let snapshots = image.qcow2().map(|q| q.snapshots()).unwrap_or_default();
-    print!("{}", info::snapshot_list(snapshots));
+    print!("{}", snapshot_list(snapshots));
     ExitCode::SUCCESS
 }
