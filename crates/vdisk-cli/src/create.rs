@@ -4,14 +4,50 @@ use std::process::ExitCode;
 
 use vdisk::{Error, Format};
 
+use crate::flags::Quiet;
 use crate::new_image::{create, NewImage};
 use crate::options::{asks_help, check_option_lists, parse_options};
 use crate::report::fail;
 use crate::size::cvtnum;
 
-/// `vdisk create` with a file name: the checks qemu-img makes of its command line, then
-/// [`create`].
-pub fn run(args: NewImage) -> ExitCode {
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(short = 'f', long = "format", default_value = "raw")]
+    format: String,
+    /// Format options, comma separated (repeatable): cluster_size, compat, lazy_refcounts,
+    /// extended_l2, refcount_bits, preallocation, compression_type, data_file,
+    /// data_file_raw, backing_file, backing_fmt, size.
+    #[arg(short = 'o', long = "options")]
+    options: Vec<String>,
+    #[arg(short = 'b', long = "backing")]
+    backing: Option<String>,
+    #[arg(short = 'F', long = "backing-format")]
+    backing_format: Option<String>,
+    /// Do not open the backing file.
+    #[arg(short = 'u', long = "backing-unsafe")]
+    unsafe_backing: bool,
+    #[command(flatten)]
+    messages: Quiet,
+    /// Optional only with `-o help`.
+    filename: Option<String>,
+    size: Option<String>,
+}
+
+/// `vdisk create`: the checks qemu-img makes of its command line, then [`create`].
+pub fn run(a: &Args) -> ExitCode {
+    let Some(filename) = &a.filename else {
+        return run_without_file(&a.format, &a.options);
+    };
+    let args = NewImage {
+        format: &a.format,
+        options: &a.options,
+        backing: a.backing.as_deref(),
+        backing_format: a.backing_format.as_deref(),
+        unsafe_backing: a.unsafe_backing,
+        quiet: a.messages.quiet,
+        filename,
+        size: a.size.as_deref(),
+    };
     if let Err(msg) = check_option_lists(args.options) {
         return fail(msg, 1);
     }
@@ -29,7 +65,7 @@ pub fn run(args: NewImage) -> ExitCode {
 }
 
 /// `vdisk create` without a file name, which only `-o help` may leave out.
-pub fn run_without_file(format: &str, options: &[String]) -> ExitCode {
+fn run_without_file(format: &str, options: &[String]) -> ExitCode {
     if asks_help(options) {
         return option_help(format, false);
     }

@@ -7,19 +7,28 @@ use vdisk::formats::qcow2::snapshot::Snapshot;
 use vdisk::formats::qcow2::Qcow2;
 use vdisk::{open_image, BlockDev, Image, ImageOptions};
 
-use crate::flags::Output;
+use crate::flags::{ForceShare, ImageFormat, Output, Report};
 use crate::open::metadata_options;
 use crate::qjson::{self, Dict, Value};
 use crate::report::fail;
 use crate::text::{size_to_str, snapshot_list};
 
-pub fn run(
-    filename: &str,
-    format: Option<&str>,
-    output: Output,
-    chain: bool,
-    force_share: bool,
-) -> ExitCode {
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    image: ImageFormat,
+    #[command(flatten)]
+    report: Report,
+    #[arg(short = 'b', long)]
+    backing_chain: bool,
+    #[command(flatten)]
+    share: ForceShare,
+    filename: String,
+}
+
+pub fn run(a: &Args) -> ExitCode {
+    let (filename, format) = (&a.filename, a.image.format.as_deref());
+    let (output, chain, force_share) = (a.report.output, a.backing_chain, a.share.force_share);
     let images = match open_chain(filename, format, chain, force_share) {
         Ok(images) => images,
         Err(e) => return fail(e, 1),
