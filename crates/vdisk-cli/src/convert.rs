@@ -12,14 +12,15 @@
 
 mod sources;
 
-use std::fs::File;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
+use std::path::Path;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use vdisk::bytes::AlignedBuf;
+use vdisk::formats::qcow2::create::Preallocation;
+use vdisk::formats::raw;
+use vdisk::storage::{FileStorage, OpenOptions, Storage};
 use vdisk::{open_image, BlockDev, CacheMode, Error, Format, Image, ImageOptions};
 
 use crate::flags::{parse_cache, ForceShare, ShowProgress};
@@ -230,35 +231,41 @@ pub fn run(args: &Args) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// Converts into a raw file written directly (the fast path: no format layer to go through).
+/// Converts into a raw file written through its storage (the fast path: no format layer to go
+/// through).
 fn to_raw(source: &Sources, args: &Args, plan: &Plan) -> vdisk::Result<()> {
+    let path = Path::new(args.target());
     let create_error = |e: std::io::Error| Error::Io {
         context: format!("Could not create '{}'", args.target()),
         source: e,
     };
+    let writable = OpenOptions {
+        write: true,
+        ..OpenOptions::default()
+    };
     let target = if args.no_create {
-        let target = File::options()
-            .write(true)
-            .open(args.target())
-            .map_err(|e| Error::Io {
-                context: format!("Could not open '{}'", args.target()),
-                source: e,
-            })?;
+        let target = FileStorage::open(path, writable).map_err(|e| Error::Io {
+            context: format!("Could not open '{}'", args.target()),
+            source: e,
+        })?;
         // A disk has whole sectors: a file's tail rounds up, as QEMU's raw driver sees it.
-        let len = target.metadata().map_err(create_error)?.len();
+        let len = target.len().map_err(create_error)?;
         if len.next_multiple_of(512) < source.size() {
             return Err(Error::invalid("output file is smaller than input file"));
         }
         target
     } else {
-        let target = File::create(args.target()).map_err(create_error)?;
-        target.set_len(source.size()).map_err(create_error)?;
-        // As `create -f raw` and qemu-img: the first 4 KiB are written, so that the file is
-        // never wholly a hole.
-        let first = source.size().min(4096) as usize;
-        target
-            .write_all_at(&vec![0u8; first], 0)
-            .map_err(create_error)?;
+        let create = OpenOptions {
+            create: true,
+            ..writable
+        };
+        let target = FileStorage::open(path, create).map_err(create_error)?;
+        // Sized, with the first 4 KiB written, as `create -f raw` and qemu-img make it; a
+        // failure named as the file's creation, as qemu-img names it.
+        raw::create(&target, source.size(), Preallocation::Off).map_err(|e| match e {
+            Error::Io { source, .. } => create_error(source),
+            other => other,
+        })?;
         target
     };
     copy(
@@ -268,7 +275,7 @@ fn to_raw(source: &Sources, args: &Args, plan: &Plan) -> vdisk::Result<()> {
         args.progress.shown(),
     )?;
     if args.sync() {
-        target.sync_data().map_err(|e| Error::Io {
+        target.sync().map_err(|e| Error::Io {
             context: format!("error while syncing '{}'", args.target()),
             source: e,
         })?;
@@ -330,7 +337,7 @@ enum Target<'a> {
     /// A plain file, with a lock that takes its writes one at a time: buffered writes to one
     /// file serialise on its inode lock anyway, and a writer waiting here sleeps, where in the
     /// kernel it would spin and take the CPU from the workers that read.
-    File(&'a File, Mutex<()>),
+    File(&'a dyn Storage, Mutex<()>),
     /// An image, and whether to compress its clusters.
     Image(&'a Image, bool),
 }
@@ -479,7 +486,7 @@ fn write(target: &Target, at: u64, bytes: &[u8]) -> vdisk::Result<()> {
     match target {
         Target::File(f, one_at_a_time) => {
             let _turn = one_at_a_time.lock().unwrap_or_else(|p| p.into_inner());
-            f.write_all_at(bytes, at).map_err(|source| Error::Io {
+            f.write_at(at, bytes).map_err(|source| Error::Io {
                 context: format!("writing the target at {at:#x}"),
                 source,
             })
@@ -492,14 +499,11 @@ fn write(target: &Target, at: u64, bytes: &[u8]) -> vdisk::Result<()> {
 fn zero(target: &Target, at: u64, len: u64) -> vdisk::Result<()> {
     match target {
         Target::File(f, one_at_a_time) => {
-            let _turn = one_at_a_time.lock().unwrap_or_else(|p| p.into_inner());
-            let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
-            // SAFETY: fallocate only reads its arguments; the descriptor is open.
-            let r = unsafe { libc::fallocate(f.as_raw_fd(), mode, at as i64, len as i64) };
-            if r == 0 {
+            let turn = one_at_a_time.lock().unwrap_or_else(|p| p.into_inner());
+            if f.punch_hole(at, len).is_ok() {
                 return Ok(());
             }
-            drop(_turn);
+            drop(turn);
             // A file system that cannot punch holes gets the zeroes written.
             let zeroes = vec![0u8; len.min(CHUNK) as usize];
             let mut done = 0;
