@@ -7,16 +7,31 @@ use std::process::ExitCode;
 use vdisk::formats::qcow2::amend::AmendOptions;
 use vdisk::{open_image, BlockDev, Error, ImageOptions};
 
+use crate::flags::{bad_cache, ImageFormat, ShowProgress};
+use crate::open::image_format;
 use crate::options::{asks_help, check_option_lists, typed_options, Kind, Value};
+use crate::report::{fail, warn_probed_raw};
 use crate::text::Progress;
-use crate::{bad_cache, fail, image_format, warn_probed_raw};
 
-pub struct Args<'a> {
-    pub format: Option<&'a str>,
-    pub options: &'a [String],
-    pub cache: Option<&'a str>,
-    pub progress: bool,
-    pub files: &'a [String],
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    image: ImageFormat,
+    /// Options to change, comma separated (repeatable): compat, lazy_refcounts,
+    /// refcount_bits, size, data_file, data_file_raw (backing_file and backing_fmt only as
+    /// they are: `vdisk rebase` changes them).
+    #[arg(short = 'o', long = "options")]
+    options: Vec<String>,
+    /// Accepted for qemu-img compatibility (every change is synced).
+    #[arg(short = 't', long = "cache")]
+    cache: Option<String>,
+    #[command(flatten)]
+    progress: ShowProgress,
+    /// Accepted for qemu-img compatibility (it only concerns encryption options).
+    #[arg(long)]
+    force: bool,
+    /// The image (exactly one).
+    files: Vec<String>,
 }
 
 /// qcow2's amend options in QEMU's order (`qcow2_amend_opts`, which its checks follow), the
@@ -83,8 +98,9 @@ const CREATE_ONLY: &[(&str, Kind)] = &[
     ("compression_type", Kind::Text),
 ];
 
-pub fn run(args: Args) -> ExitCode {
-    if let Err(msg) = check_option_lists(args.options) {
+pub fn run(args: &Args) -> ExitCode {
+    let format = args.image.format.as_deref();
+    if let Err(msg) = check_option_lists(&args.options) {
         return fail(msg, 1);
     }
     if args.options.is_empty() {
@@ -92,16 +108,16 @@ pub fn run(args: Args) -> ExitCode {
         eprintln!("Try 'vdisk amend --help' for more info");
         return ExitCode::from(1);
     }
-    if let Some(format) = args.format.filter(|_| asks_help(args.options)) {
+    if let Some(format) = format.filter(|_| asks_help(&args.options)) {
         return option_help(format);
     }
-    let [filename] = args.files else {
+    let [filename] = &args.files[..] else {
         return fail("Expecting one image file name", 1);
     };
-    if let Some(code) = bad_cache(args.cache, "") {
+    if let Some(code) = bad_cache(args.cache.as_deref(), "") {
         return code;
     }
-    match amend(filename, &args) {
+    match amend(filename, args) {
         Ok(code) => code,
         Err(e) => fail(e, 1),
     }
@@ -109,14 +125,14 @@ pub fn run(args: Args) -> ExitCode {
 
 fn amend(filename: &str, args: &Args) -> vdisk::Result<ExitCode> {
     let opts = ImageOptions {
-        format: image_format(filename, args.format)?,
+        format: image_format(filename, args.image.format.as_deref())?,
         write: true,
         resize: true,
         ..ImageOptions::default()
     };
     let mut image = open_image(filename, &opts)?;
-    warn_probed_raw(filename, args.format, &image);
-    if asks_help(args.options) {
+    warn_probed_raw(filename, args.image.format.as_deref(), &image);
+    if asks_help(&args.options) {
         return Ok(option_help(image.format().name()));
     }
     let Some(q) = image.qcow2_mut() else {
@@ -124,8 +140,8 @@ fn amend(filename: &str, args: &Args) -> vdisk::Result<ExitCode> {
             "Format driver 'raw' does not support option amendment",
         ));
     };
-    let o = amend_options(args.options)?;
-    let progress = args.progress.then(|| Progress::new(100));
+    let o = amend_options(&args.options)?;
+    let progress = args.progress.shown().then(|| Progress::new(100));
     let old_size = q.size();
     let result = q.amend(&o);
     if let Some(p) = progress {

@@ -24,8 +24,9 @@ use vdisk::bytes::AlignedBuf;
 use vdisk::io::{Backend, Completion, Declined, Dir, IoCounters, IoCountersSnapshot, IoQueue};
 use vdisk::{open_image, BlockDev, CacheMode, Image, ImageOptions, WithCache};
 
-use crate::create::parse_size;
-use crate::{fail, image_format};
+use crate::open::image_format;
+use crate::report::{fail, warn_probed_raw};
+use crate::size::parse_size;
 
 const INT_MAX: u64 = i32::MAX as u64;
 
@@ -177,7 +178,7 @@ pub fn run(a: &Args) -> ExitCode {
         Err(e) => return fail(e, 1),
     };
     if plan.write {
-        crate::warn_probed_raw(&a.filename, a.format.as_deref(), &image);
+        warn_probed_raw(&a.filename, a.format.as_deref(), &image);
     }
     println!(
         "Sending {} {} requests, {} bytes each, {} in parallel (starting at offset {}, step size {})",

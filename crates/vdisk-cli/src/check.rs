@@ -12,20 +12,36 @@ use vdisk::formats::CheckReport;
 use vdisk::storage::{FileStorage, LockRole, LockUse, OpenOptions, Storage};
 use vdisk::{open_image, Error};
 
+use crate::flags::{ForceShare, ImageFormat, Output, Quiet, ReadCache, Report};
+use crate::open::metadata_options;
 use crate::qjson::{self, Dict};
-use crate::{fail, metadata_options, Output};
+use crate::report::{fail, warn_probed_raw};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    image: ImageFormat,
+    #[command(flatten)]
+    report: Report,
+    #[command(flatten)]
+    messages: Quiet,
+    #[command(flatten)]
+    share: ForceShare,
+    /// Repair: `leaks` or `all` (opens the image for writing).
+    #[arg(short = 'r', long = "repair")]
+    repair: Option<String>,
+    #[command(flatten)]
+    cache: ReadCache,
+    filename: String,
+}
 
 /// Exit status when the format has no consistency check (qemu-img's 63).
 const NO_CHECK: u8 = 63;
 
-pub fn run(
-    filename: &str,
-    format: Option<&str>,
-    output: Output,
-    quiet: bool,
-    repair_mode: Option<&str>,
-    force_share: bool,
-) -> ExitCode {
+pub fn run(a: &Args) -> ExitCode {
+    let (filename, format) = (&a.filename, a.image.format.as_deref());
+    let (output, quiet) = (a.report.output, a.messages.quiet);
+    let (repair_mode, force_share) = (a.repair.as_deref(), a.share.force_share);
     let fix = match repair_mode {
         None => None,
         Some("leaks") => Some(Fix {
@@ -56,7 +72,7 @@ pub fn run(
     };
     if image.qcow2().is_none() {
         if fix.is_some() {
-            crate::warn_probed_raw(filename, format, &image);
+            warn_probed_raw(filename, format, &image);
         }
         return fail("This image format does not support checks", NO_CHECK);
     }

@@ -6,25 +6,38 @@ use std::process::ExitCode;
 use vdisk::Preallocation;
 use vdisk::{backing_path, open_image, BlockDev, Image, ImageOptions};
 
+use crate::flags::{bad_cache, ImageFormat, ShowProgress, WriteCache};
+use crate::open::read_options;
+use crate::report::{fail, warn_probed_raw};
 use crate::text::Progress;
-use crate::{fail, read_options};
 
 /// Bytes copied at a time.
 const CHUNK: u64 = 2 << 20;
 
-pub struct Args<'a> {
-    pub format: Option<&'a str>,
-    pub base: Option<&'a str>,
-    pub keep: bool,
-    pub progress: bool,
-    pub quiet: bool,
-    pub filename: &'a str,
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    image: ImageFormat,
+    /// Commit into this image of the backing chain (the overlay is then kept as it is).
+    #[arg(short = 'b', long = "base")]
+    base: Option<String>,
+    /// Do not empty the overlay after the commit.
+    #[arg(short = 'd', long = "drop")]
+    keep: bool,
+    #[command(flatten)]
+    cache: WriteCache,
+    #[command(flatten)]
+    progress: ShowProgress,
+    filename: String,
 }
 
-pub fn run(args: Args) -> ExitCode {
-    match commit(&args) {
+pub fn run(args: &Args) -> ExitCode {
+    if let Some(code) = bad_cache(args.cache.cache.as_deref(), "") {
+        return code;
+    }
+    match commit(args) {
         Ok(()) => {
-            if !args.quiet {
+            if !args.progress.messages.quiet {
                 println!("Image committed.");
             }
             ExitCode::SUCCESS
@@ -37,12 +50,10 @@ fn commit(args: &Args) -> vdisk::Result<()> {
     // Read without locks: the base below is written through a descriptor of its own, which
     // the read lock of this one would refuse. The writer's lock on the base keeps others out of
     // the chain.
-    let top = open_image(
-        args.filename,
-        &read_options(args.filename, args.format, true)?,
-    )?;
+    let format = args.image.format.as_deref();
+    let top = open_image(&args.filename, &read_options(&args.filename, format, true)?)?;
     // QEMU opens the top for writing.
-    crate::warn_probed_raw(args.filename, args.format, &top);
+    warn_probed_raw(&args.filename, format, &top);
     // The chain below the top, with each layer's depth.
     let mut chain: Vec<&Image> = Vec::new();
     let mut layer = top.backing();
@@ -50,7 +61,7 @@ fn commit(args: &Args) -> vdisk::Result<()> {
         chain.push(image);
         layer = image.backing();
     }
-    let (depth, base) = match args.base {
+    let (depth, base) = match args.base.as_deref() {
         None => match chain.first() {
             Some(b) => (1, *b),
             None => return Err(vdisk::Error::invalid("Image does not have a backing file")),
@@ -90,7 +101,7 @@ fn commit(args: &Args) -> vdisk::Result<()> {
                 source: std::io::Error::from_raw_os_error(e.errno()),
             })?;
     }
-    let progress = args.progress.then(|| Progress::new(size));
+    let progress = args.progress.shown().then(|| Progress::new(size));
     let mut buf = vec![0u8; CHUNK as usize];
     let mut pos = 0;
     while pos < size {
@@ -129,7 +140,7 @@ fn commit(args: &Args) -> vdisk::Result<()> {
             ..ImageOptions::default()
         };
         drop(top);
-        let mut top = open_image(args.filename, &opts)?;
+        let mut top = open_image(&args.filename, &opts)?;
         if let Some(q) = top.qcow2_mut() {
             q.make_empty()?;
             q.close()?;

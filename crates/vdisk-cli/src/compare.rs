@@ -5,22 +5,32 @@ use std::process::ExitCode;
 
 use vdisk::{open_image, BlockDev, Image};
 
+use crate::flags::{ForceShare, ReadCache, ShowProgress};
+use crate::open::read_options;
+use crate::report::fail;
 use crate::text::Progress;
-use crate::{fail, read_options};
 
 /// qemu-img's IO_BUF_SIZE: the most one comparison step reads.
 const CHUNK: u64 = 2 << 20;
 const SECTOR: usize = 512;
 
-pub struct Args<'a> {
-    pub image1: &'a str,
-    pub image2: &'a str,
-    pub format1: Option<&'a str>,
-    pub format2: Option<&'a str>,
-    pub quiet: bool,
-    pub strict: bool,
-    pub progress: bool,
-    pub force_share: bool,
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(short = 'f', long = "a-format")]
+    format1: Option<String>,
+    #[arg(short = 'F', long = "b-format")]
+    format2: Option<String>,
+    /// Strict mode: also fail when one image has data allocated where the other has not.
+    #[arg(short = 's', long = "strict")]
+    strict: bool,
+    #[command(flatten)]
+    cache: ReadCache,
+    #[command(flatten)]
+    progress: ShowProgress,
+    #[command(flatten)]
+    share: ForceShare,
+    image1: String,
+    image2: String,
 }
 
 fn open(name: &str, format: Option<&str>, force_share: bool) -> Result<Image, ExitCode> {
@@ -29,16 +39,18 @@ fn open(name: &str, format: Option<&str>, force_share: bool) -> Result<Image, Ex
         .map_err(|e| fail(e, 2))
 }
 
-pub fn run(args: Args) -> ExitCode {
+pub fn run(args: &Args) -> ExitCode {
+    let force_share = args.share.force_share;
+    let (format1, format2) = (args.format1.as_deref(), args.format2.as_deref());
     // The second is not opened when the first fails: one error, as qemu-img prints.
-    let opened = open(args.image1, args.format1, args.force_share)
-        .and_then(|a| Ok((a, open(args.image2, args.format2, args.force_share)?)));
+    let opened = open(&args.image1, format1, force_share)
+        .and_then(|a| Ok((a, open(&args.image2, format2, force_share)?)));
     let (a, b) = match opened {
         Ok(pair) => pair,
         Err(code) => return code,
     };
     let say = |msg: String| {
-        if !args.quiet {
+        if !args.progress.messages.quiet {
             println!("{msg}");
         }
     };
@@ -46,7 +58,7 @@ pub fn run(args: Args) -> ExitCode {
         say("Strict mode: Image size mismatch!".into());
         return ExitCode::from(1);
     }
-    match compare(&a, &b, args.strict, args.progress, &say) {
+    match compare(&a, &b, args.strict, args.progress.shown(), &say) {
         Ok(Verdict::Identical) => {
             say("Images are identical.".into());
             ExitCode::SUCCESS

@@ -7,14 +7,21 @@ use std::process::ExitCode;
 
 use vdisk::{open_image, BlockDev, Error, Format, Image, ImageOptions};
 
+use crate::flags::{ForceShare, ImageFormat};
+use crate::new_image::{create, NewImage};
+use crate::open::read_options;
+use crate::report::fail;
 use crate::size::cvtnum_in;
-use crate::{fail, read_options};
 
-pub struct Args<'a> {
-    pub format: Option<&'a str>,
-    pub output_format: &'a str,
-    pub force_share: bool,
-    pub operands: &'a [String],
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    image: ImageFormat,
+    #[arg(short = 'O', long = "output-format", default_value = "raw")]
+    output_format: String,
+    #[command(flatten)]
+    share: ForceShare,
+    operands: Vec<String>,
 }
 
 /// The operands, parsed.
@@ -49,24 +56,25 @@ fn parse(operands: &[String]) -> Result<Operands, String> {
     Ok(o)
 }
 
-pub fn run(args: Args) -> ExitCode {
-    let o = match parse(args.operands) {
+pub fn run(args: &Args) -> ExitCode {
+    let o = match parse(&args.operands) {
         Ok(o) => o,
         Err(e) => return fail(e, 1),
     };
     let (Some(input), Some(output)) = (&o.input, &o.output) else {
         return fail("Must specify both input and output files", 1);
     };
-    match copy(&args, &o, input, output) {
+    match copy(args, &o, input, output) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(e, 1),
     }
 }
 
 fn copy(args: &Args, o: &Operands, input: &str, output: &str) -> vdisk::Result<()> {
-    let source = open_image(input, &read_options(input, args.format, args.force_share)?)?;
-    let format = match args.output_format {
-        "raw" | "qcow2" => Format::parse(args.output_format)?,
+    let opts = read_options(input, args.image.format.as_deref(), args.share.force_share)?;
+    let source = open_image(input, &opts)?;
+    let format = match args.output_format.as_str() {
+        "raw" | "qcow2" => Format::parse(&args.output_format)?,
         other => {
             return Err(Error::invalid(format!(
                 "output format '{other}' is not supported (raw and qcow2 are)"
@@ -83,8 +91,8 @@ fn copy(args: &Args, o: &Operands, input: &str, output: &str) -> vdisk::Result<(
     let skip = o.skip.map_or(Some(0), |s| s.checked_mul(bs));
     let start = skip.filter(|&s| s <= end);
     let size = start.map_or(0, |s| end - s);
-    crate::create::create(&crate::create::Args {
-        format: args.output_format,
+    create(&NewImage {
+        format: &args.output_format,
         options: &[],
         backing: None,
         backing_format: None,

@@ -7,17 +7,28 @@ use vdisk::formats::qcow2::snapshot::Snapshot;
 use vdisk::formats::qcow2::Qcow2;
 use vdisk::{open_image, BlockDev, Image, ImageOptions};
 
+use crate::flags::{ForceShare, ImageFormat, Output, Report};
+use crate::open::metadata_options;
 use crate::qjson::{self, Dict, Value};
-use crate::text::{local_date, size_to_str};
-use crate::{fail, metadata_options, Output};
+use crate::report::fail;
+use crate::text::{size_to_str, snapshot_list};
 
-pub fn run(
-    filename: &str,
-    format: Option<&str>,
-    output: Output,
-    chain: bool,
-    force_share: bool,
-) -> ExitCode {
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    image: ImageFormat,
+    #[command(flatten)]
+    report: Report,
+    #[arg(short = 'b', long)]
+    backing_chain: bool,
+    #[command(flatten)]
+    share: ForceShare,
+    filename: String,
+}
+
+pub fn run(a: &Args) -> ExitCode {
+    let (filename, format) = (&a.filename, a.image.format.as_deref());
+    let (output, chain, force_share) = (a.report.output, a.backing_chain, a.share.force_share);
     let images = match open_chain(filename, format, chain, force_share) {
         Ok(images) => images,
         Err(e) => return fail(e, 1),
@@ -257,47 +268,6 @@ fn bitmap_json(b: &bitmaps::BitmapInfo) -> Value {
         .put("granularity", b.granularity)
         .put("flags", Value::Array(flags));
     d.build()
-}
-
-/// The "Snapshot list:" table of `qemu-img info` and `qemu-img snapshot -l` (empty without
-/// snapshots).
-pub fn snapshot_list(snapshots: &[Snapshot]) -> String {
-    if snapshots.is_empty() {
-        return String::new();
-    }
-    let mut s = String::from("Snapshot list:\n");
-    s += &format!(
-        "{:<7} {:<16} {:>8} {:>19} {:>15} {:>10}\n",
-        "ID", "TAG", "VM_SIZE", "DATE", "VM_CLOCK", "ICOUNT"
-    );
-    for sn in snapshots {
-        let secs = sn.vm_clock_nsec / 1_000_000_000;
-        let clock = format!(
-            "{:04}:{:02}:{:02}.{:03}",
-            secs / 3600,
-            (secs / 60) % 60,
-            secs % 60,
-            (sn.vm_clock_nsec / 1_000_000) % 1000
-        );
-        let icount = sn
-            .icount
-            .map_or_else(|| "--".to_string(), |i| i.to_string());
-        // QEMU pads with printf, which counts bytes, not characters.
-        let pad = |text: &str, width: usize| {
-            let fill = width.saturating_sub(text.len());
-            format!("{text}{}", " ".repeat(fill))
-        };
-        s += &format!(
-            "{} {} {:>8} {:>19} {:>15} {:>10}\n",
-            pad(&sn.id, 7),
-            pad(&sn.name, 16),
-            size_to_str(sn.vm_state_size),
-            local_date(sn.date_sec),
-            clock,
-            icount
-        );
-    }
-    s
 }
 
 fn snapshot_json(sn: &Snapshot) -> Value {

@@ -4,8 +4,36 @@ use std::process::ExitCode;
 
 use vdisk::{open_image, BlockDev, BlockStatus, Image};
 
+use crate::flags::{ForceShare, ImageFormat, Output, Report};
+use crate::open::metadata_options;
+use crate::report::{fail, QemuMessage};
+use crate::size::cvtnum;
 use crate::text::hex16;
-use crate::{fail, metadata_options, Output};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    image: ImageFormat,
+    #[command(flatten)]
+    report: Report,
+    /// Sizes as everywhere: suffixes k to E, fractions with one, 0x hex. Like getopt, the
+    /// flag takes the next word even if it starts with "-" (which is then out of range).
+    #[arg(long, short = 's', value_parser = start_offset, allow_hyphen_values = true)]
+    start_offset: Option<u64>,
+    #[arg(long, short = 'l', value_parser = max_length, allow_hyphen_values = true)]
+    max_length: Option<u64>,
+    #[command(flatten)]
+    share: ForceShare,
+    filename: String,
+}
+
+fn start_offset(text: &str) -> Result<u64, QemuMessage> {
+    cvtnum("start offset", text).map_err(QemuMessage)
+}
+
+fn max_length(text: &str) -> Result<u64, QemuMessage> {
+    cvtnum("max length", text).map_err(QemuMessage)
+}
 
 /// One printed extent: a block status plus the file its offset refers to.
 #[derive(Debug, Clone)]
@@ -61,13 +89,10 @@ fn entry_at(image: &Image, offset: u64, len: u64) -> vdisk::Result<Entry> {
     })
 }
 
-pub fn run(
-    filename: &str,
-    format: Option<&str>,
-    output: Output,
-    (start, max_length): (Option<u64>, Option<u64>),
-    force_share: bool,
-) -> ExitCode {
+pub fn run(a: &Args) -> ExitCode {
+    let (filename, format) = (&a.filename, a.image.format.as_deref());
+    let (output, start, max_length) = (a.report.output, a.start_offset, a.max_length);
+    let force_share = a.share.force_share;
     let image = match metadata_options(filename, format, force_share)
         .and_then(|o| open_image(filename, &o))
     {

@@ -9,21 +9,32 @@ use vdisk::formats::qcow2::bitmaps;
 use vdisk::Preallocation;
 use vdisk::{open_image, BlockDev, Error, Format, Image};
 
-use crate::convert::snapshot_param;
-use crate::options::{check_option_lists, typed_options, Kind, Value};
+use crate::flags::{ForceShare, ImageFormat, Output, Report};
+use crate::open::read_options;
+use crate::options::{check_option_lists, snapshot_param, typed_options, Kind, Value};
 use crate::qjson::{to_pretty, Dict};
+use crate::report::fail;
 use crate::size::cvtnum;
-use crate::{fail, read_options, Output};
 
-pub struct Args<'a> {
-    pub filename: Option<&'a str>,
-    pub format: Option<&'a str>,
-    pub target_format: &'a str,
-    pub options: &'a [String],
-    pub size: Option<&'a str>,
-    pub snapshot: Option<&'a str>,
-    pub output: Output,
-    pub force_share: bool,
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    image: ImageFormat,
+    #[arg(short = 'O', long = "target-format", default_value = "raw")]
+    target_format: String,
+    /// Options of the new image, as for `create -o` (repeatable).
+    #[arg(short = 'o', long = "options")]
+    options: Vec<String>,
+    #[arg(long, allow_hyphen_values = true)]
+    size: Option<String>,
+    /// Measure this internal snapshot of FILENAME.
+    #[arg(short = 'l', long = "snapshot")]
+    snapshot: Option<String>,
+    #[command(flatten)]
+    report: Report,
+    #[command(flatten)]
+    share: ForceShare,
+    filename: Option<String>,
 }
 
 struct Measure {
@@ -33,29 +44,29 @@ struct Measure {
     bitmaps: Option<u64>,
 }
 
-pub fn run(args: Args) -> ExitCode {
-    if let Err(msg) = check_option_lists(args.options) {
+pub fn run(args: &Args) -> ExitCode {
+    if let Err(msg) = check_option_lists(&args.options) {
         return fail(msg, 1);
     }
-    let size = match args.size.map(|s| cvtnum("image size", s)) {
+    let size = match args.size.as_deref().map(|s| cvtnum("image size", s)) {
         Some(Err(msg)) => return fail(msg, 1),
         Some(Ok(n)) => Some(n),
         None => None,
     };
-    let source = match (args.filename, size) {
+    let source = match (args.filename.as_deref(), size) {
         (Some(_), Some(_)) => return fail("--size N cannot be used together with a filename.", 1),
         (None, None) => return fail("Either --size N or one filename must be specified.", 1),
-        (Some(name), None) => match open(name, &args) {
+        (Some(name), None) => match open(name, args) {
             Ok(image) => Some(image),
             Err(e) => return fail(e, 1),
         },
         (None, Some(_)) => None,
     };
-    let name = args.target_format;
+    let name = args.target_format.as_str();
     let Ok(format) = Format::parse(name) else {
         return fail(format!("Unknown file format '{name}'"), 1);
     };
-    let opts = match read_target_options(format, args.options) {
+    let opts = match read_target_options(format, &args.options) {
         Ok(o) => o,
         Err(msg) => {
             eprintln!("vdisk: {msg}");
@@ -68,7 +79,7 @@ pub fn run(args: Args) -> ExitCode {
     };
     match measured {
         Ok(m) => {
-            print(&m, args.output);
+            print(&m, args.report.output);
             ExitCode::SUCCESS
         }
         Err(e) => fail(e, 1),
@@ -76,8 +87,9 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 fn open(name: &str, args: &Args) -> vdisk::Result<Image> {
-    let mut image = open_image(name, &read_options(name, args.format, args.force_share)?)?;
-    if let Some(param) = args.snapshot {
+    let opts = read_options(name, args.image.format.as_deref(), args.share.force_share)?;
+    let mut image = open_image(name, &opts)?;
+    if let Some(param) = args.snapshot.as_deref() {
         let snapshot = snapshot_param(&image, param)?;
         image.driver_mut().load_snapshot(&snapshot)?;
     }

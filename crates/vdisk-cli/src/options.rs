@@ -1,4 +1,7 @@
-//! The `-o` option lists of qemu-img's commands, read as QEMU's option parser reads them.
+//! The `-o` option lists of qemu-img's commands, read as QEMU's option parser reads them, and
+//! the snapshot parameter of `-l`.
+
+use vdisk::{Error, Image};
 
 use crate::size::{option_size, parse_number};
 
@@ -99,4 +102,27 @@ pub fn typed_options(
         out.push((k, value));
     }
     Ok(out)
+}
+
+/// Parses `-l`: "ID_OR_NAME", "snapshot.id=ID" or "snapshot.name=NAME" (comma separated),
+/// into the id or name to load. Given both, one snapshot must have both, as QEMU asks.
+pub fn snapshot_param(source: &Image, param: &str) -> vdisk::Result<String> {
+    let mut id = None;
+    let mut name = None;
+    for part in param.split(',') {
+        if let Some(v) = part.strip_prefix("snapshot.id=") {
+            id = Some(v);
+        } else if let Some(v) = part.strip_prefix("snapshot.name=") {
+            name = Some(v);
+        }
+    }
+    if let (Some(id), Some(name)) = (id, name) {
+        let snapshots = source.qcow2().map(|q| q.snapshots()).unwrap_or_default();
+        if !snapshots.iter().any(|s| s.id == id && s.name == name) {
+            return Err(Error::invalid(
+                "Failed to load snapshot: Can't find snapshot",
+            ));
+        }
+    }
+    Ok(id.or(name).unwrap_or(param).to_string())
 }

@@ -6,32 +6,60 @@ use std::process::ExitCode;
 
 use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 
+use crate::flags::{bad_cache, ImageFormat, ShowProgress, WriteCache};
+use crate::open::image_format;
+use crate::report::fail;
 use crate::text::Progress;
-use crate::{fail, image_format};
 
-pub struct Args<'a> {
-    pub format: Option<&'a str>,
-    pub backing: &'a str,
-    pub backing_format: Option<&'a str>,
-    pub unsafe_: bool,
-    pub progress: bool,
-    pub filename: &'a str,
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    image: ImageFormat,
+    /// The new backing file; required unless `-u` (which then removes it).
+    #[arg(short = 'b', long = "backing")]
+    backing: Option<String>,
+    #[arg(short = 'F', long = "backing-format")]
+    backing_format: Option<String>,
+    /// Only change the header: the caller vouches that the contents stay the same.
+    #[arg(short = 'u', long = "backing-unsafe")]
+    unsafe_: bool,
+    #[command(flatten)]
+    cache: WriteCache,
+    /// Accepted for qemu-img compatibility.
+    #[arg(short = 'T', long = "backing-cache")]
+    source_cache: Option<String>,
+    #[command(flatten)]
+    progress: ShowProgress,
+    filename: String,
 }
 
-pub fn run(args: Args) -> ExitCode {
-    match rebase(&args) {
+pub fn run(args: &Args) -> ExitCode {
+    if args.backing.is_none() && !args.unsafe_ {
+        eprintln!("vdisk: Must specify backing file (-b) or use unsafe mode (-u)");
+        eprintln!("Try 'vdisk rebase --help' for more info");
+        return ExitCode::from(1);
+    }
+    let refused = bad_cache(args.cache.cache.as_deref(), "")
+        .or_else(|| bad_cache(args.source_cache.as_deref(), "source "));
+    if let Some(code) = refused {
+        return code;
+    }
+    match rebase(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(e, 1),
     }
 }
 
 fn rebase(args: &Args) -> vdisk::Result<()> {
-    let format = image_format(args.filename, args.format)?;
-    let new = (!args.backing.is_empty()).then_some(args.backing);
-    if new.is_some() && args.backing_format.is_none() {
+    let filename = &args.filename;
+    let backing = args.backing.as_deref().unwrap_or("");
+    let backing_format = args.backing_format.as_deref();
+    let format = image_format(filename, args.image.format.as_deref())?;
+    let new = (!backing.is_empty()).then_some(backing);
+    if new.is_some() && backing_format.is_none() {
         return Err(Error::invalid(format!(
             "Could not change the backing file to '{}': backing format must be specified",
-            args.backing
+            backing
         )));
     }
     let opts = ImageOptions {
@@ -40,19 +68,19 @@ fn rebase(args: &Args) -> vdisk::Result<()> {
         no_backing: args.unsafe_,
         ..ImageOptions::default()
     };
-    let mut image = open_image(args.filename, &opts)?;
+    let mut image = open_image(filename, &opts)?;
     if image.qcow2().is_none() {
         return Err(Error::unsupported(format!(
             "Could not change the backing file to '{}': Operation not supported",
-            args.backing
+            backing
         )));
     }
     if !args.unsafe_ {
         let new_backing = match new {
             Some(name) => {
-                let path = vdisk::backing_path(args.filename, name);
+                let path = vdisk::backing_path(filename, name);
                 let opts = ImageOptions {
-                    format: args.backing_format.map(Format::parse).transpose()?,
+                    format: backing_format.map(Format::parse).transpose()?,
                     ..ImageOptions::default()
                 };
                 // QEMU names the file once here, not twice as its open error chain does.
@@ -65,10 +93,10 @@ fn rebase(args: &Args) -> vdisk::Result<()> {
             }
             None => None,
         };
-        keep_contents(&image, new_backing.as_ref(), args.progress)?;
+        keep_contents(&image, new_backing.as_ref(), args.progress.shown())?;
     }
     let q = image.qcow2_mut().expect("checked above");
-    let result = q.set_backing(new, new.and(args.backing_format));
+    let result = q.set_backing(new, new.and(backing_format));
     // Without copying, no guest data changed: persistent bitmaps stay right.
     let closed = match args.unsafe_ {
         true => q.close_keeping_bitmaps(),

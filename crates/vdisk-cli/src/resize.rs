@@ -6,16 +6,26 @@ use std::process::ExitCode;
 use vdisk::Preallocation;
 use vdisk::{open_image, BlockDev, ImageOptions};
 
-use crate::create::parse_size;
-use crate::{fail, image_format, warn_probed_raw};
+use crate::flags::{ImageFormat, Quiet};
+use crate::open::image_format;
+use crate::report::{fail, warn_probed_raw};
+use crate::size::parse_size;
 
-pub struct Args<'a> {
-    pub format: Option<&'a str>,
-    pub shrink: bool,
-    pub preallocation: Option<&'a str>,
-    pub quiet: bool,
-    pub filename: &'a str,
-    pub size: &'a str,
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    image: ImageFormat,
+    /// Allow the image to get smaller (data beyond the new end is lost).
+    #[arg(long)]
+    shrink: bool,
+    /// How to allocate the grown area: off, metadata (qcow2), falloc or full.
+    #[arg(long, value_name = "MODE")]
+    preallocation: Option<String>,
+    #[command(flatten)]
+    messages: Quiet,
+    filename: String,
+    #[arg(allow_hyphen_values = true)]
+    size: String,
 }
 
 const SIZE_HELP: &str = "Parameter 'size' expects a non-negative number below 2^64\n\
@@ -26,25 +36,27 @@ const SHRINK_WARNING: &str = "warning: Shrinking an image will delete all data b
 shrunken image's end. Before performing such an operation, make sure there is no important \
 data there.";
 
-pub fn run(args: Args) -> ExitCode {
-    let prealloc = match args.preallocation.map(Preallocation::parse) {
+pub fn run(args: &Args) -> ExitCode {
+    let (filename, format) = (&args.filename, args.image.format.as_deref());
+    let (preallocation, size) = (args.preallocation.as_deref(), args.size.as_str());
+    let prealloc = match preallocation.map(Preallocation::parse) {
         None => Preallocation::Off,
         Some(Ok(p)) => p,
         Some(Err(_)) => {
-            let mode = args.preallocation.unwrap_or_default();
+            let mode = preallocation.unwrap_or_default();
             return fail(format!("Invalid preallocation mode '{mode}'"), 1);
         }
     };
-    let (sign, number) = match args.size.as_bytes().first() {
-        Some(b'+') => (1, &args.size[1..]),
-        Some(b'-') => (-1, &args.size[1..]),
-        _ => (0, args.size),
+    let (sign, number) = match size.as_bytes().first() {
+        Some(b'+') => (1, &size[1..]),
+        Some(b'-') => (-1, &size[1..]),
+        _ => (0, size),
     };
     let Some(amount) = parse_size(number) else {
         return fail(SIZE_HELP, 1);
     };
     let opts = ImageOptions {
-        format: match image_format(args.filename, args.format) {
+        format: match image_format(filename, format) {
             Ok(f) => f,
             Err(e) => return fail(e, 1),
         },
@@ -52,11 +64,11 @@ pub fn run(args: Args) -> ExitCode {
         resize: true,
         ..ImageOptions::default()
     };
-    let mut image = match open_image(args.filename, &opts) {
+    let mut image = match open_image(filename, &opts) {
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };
-    warn_probed_raw(args.filename, args.format, &image);
+    warn_probed_raw(filename, format, &image);
     let old = image.size();
     let new = match sign {
         1 => old.checked_add(amount),
@@ -80,7 +92,7 @@ pub fn run(args: Args) -> ExitCode {
     if let Err(e) = result {
         return fail(e, 1);
     }
-    if !args.quiet {
+    if !args.messages.quiet {
         println!("Image resized.");
     }
     ExitCode::SUCCESS

@@ -1,8 +1,6 @@
 //! `vdisk serve`: exports images over NBD until SIGINT or SIGTERM, then finishes the requests
-//! in flight, flushes and closes every image clean. `vdisk stats`: prints a server's live
-//! counters.
+//! in flight, flushes and closes every image clean.
 
-use std::io::{Read, Write};
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -11,24 +9,49 @@ use vdisk::export::nbd::{Address, Export, ExportOptions, Limits, Server, ServerO
 use vdisk::io::Backend;
 use vdisk::{BlockDev, CacheMode, Format, Image, ImageOptions};
 
-use crate::fail;
+use crate::flags::parse_cache;
+use crate::report::fail;
 
-pub struct Args<'a> {
-    /// `IMG` or `IMG=NAME`, one per export.
-    pub images: &'a [String],
-    pub format: Option<&'a str>,
-    /// Listen addresses (`unix:PATH`, `tcp:HOST:PORT`).
-    pub nbd: &'a [String],
-    pub export_name: Option<&'a str>,
-    pub description: Option<&'a str>,
-    pub read_only: bool,
-    pub max_connections: usize,
-    pub workers: usize,
-    pub cache: CacheMode,
-    pub aio: Option<&'a str>,
-    pub pid_file: Option<&'a str>,
-    pub stats: Option<&'a str>,
-    pub verbose: bool,
+#[derive(clap::Args)]
+pub struct Args {
+    /// Images to export: IMG, or IMG=NAME for several exports from one process.
+    #[arg(required = true)]
+    images: Vec<String>,
+    #[arg(short = 'f')]
+    format: Option<String>,
+    /// Listen on unix:PATH or tcp:HOST:PORT (repeatable).
+    #[arg(long, required = true)]
+    nbd: Vec<String>,
+    /// Name of the (single) export; default "".
+    #[arg(long, short = 'x')]
+    export_name: Option<String>,
+    #[arg(long, short = 'D')]
+    description: Option<String>,
+    #[arg(long, short = 'r')]
+    read_only: bool,
+    /// Clients served at once (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    max_connections: usize,
+    /// Worker threads per connection.
+    #[arg(long, default_value_t = 16)]
+    workers: usize,
+    /// Cache mode, as qemu-nbd's --cache: none, writeback (default), writethrough,
+    /// directsync, unsafe.
+    #[arg(long, value_parser = parse_cache, default_value = "writeback")]
+    cache: CacheMode,
+    /// How plain reads and writes reach the disk: io_uring (default; reads of up to 64 KiB
+    /// go from each connection's reader through io_uring, the rest to worker threads),
+    /// native (needs --cache none or directsync; reads and writes go through Linux AIO),
+    /// threads (worker threads only). Where the kernel lacks the interface, worker threads.
+    #[arg(long)]
+    aio: Option<String>,
+    #[arg(long)]
+    pid_file: Option<String>,
+    /// Answer unix:PATH or tcp:HOST:PORT with live counters (Prometheus text format).
+    #[arg(long)]
+    stats: Option<String>,
+    #[arg(short = 'v', long)]
+    verbose: bool,
 }
 
 /// Splits `IMG=NAME`; a path that exists as given is an image name even with a `=` in it.
@@ -69,7 +92,7 @@ fn wait_for_signal(set: &libc::sigset_t) -> i32 {
     }
 }
 
-pub fn run(a: Args) -> ExitCode {
+pub fn run(a: &Args) -> ExitCode {
     let signals = block_signals();
     if a.nbd.is_empty() {
         return fail(
@@ -83,13 +106,13 @@ pub fn run(a: Args) -> ExitCode {
             1,
         );
     }
-    match a.aio {
+    match a.aio.as_deref() {
         None | Some("threads" | "io_uring") => {}
         Some("native") if a.cache.direct() => {}
         Some("native") => return fail("aio=native requires --cache none or directsync", 1),
         Some(other) => return fail(format!("invalid aio mode '{other}'"), 1),
     }
-    let format = match a.format.map(Format::parse).transpose() {
+    let format = match a.format.as_deref().map(Format::parse).transpose() {
         Ok(f) => f,
         Err(e) => return fail(e, 1),
     };
@@ -102,16 +125,16 @@ pub fn run(a: Args) -> ExitCode {
         Ok(v) => v,
         Err(e) => return fail(e, 1),
     };
-    let stats = match a.stats.map(Address::parse).transpose() {
+    let stats = match a.stats.as_deref().map(Address::parse).transpose() {
         Ok(v) => v,
         Err(e) => return fail(e, 1),
     };
 
     let mut images = Vec::new();
     let mut exports = Vec::new();
-    for spec in a.images {
+    for spec in &a.images {
         let (path, name) = split_spec(spec);
-        let name = match (name, a.export_name) {
+        let name = match (name, a.export_name.as_deref()) {
             (Some(n), _) | (None, Some(n)) => n.to_string(),
             (None, None) if a.images.len() == 1 => String::new(),
             (None, None) => Path::new(path)
@@ -134,7 +157,7 @@ pub fn run(a: Args) -> ExitCode {
         });
         let eopts = ExportOptions {
             name,
-            description: a.description.map(str::to_string),
+            description: a.description.clone(),
             read_only: a.read_only,
             preferred_block: preferred,
             allocation_depth: image.backing().is_some(),
@@ -157,7 +180,7 @@ pub fn run(a: Args) -> ExitCode {
         max_connections: a.max_connections,
         limits: Limits {
             workers: a.workers.max(1),
-            aio: match a.aio {
+            aio: match a.aio.as_deref() {
                 Some("threads") => None,
                 Some("native") => Some(Backend::LinuxAio),
                 _ => Some(Backend::IoUring),
@@ -187,7 +210,7 @@ pub fn run(a: Args) -> ExitCode {
             return fail(format!("cannot listen on {addr} for stats: {e}"), 1);
         }
     }
-    if let Some(p) = a.pid_file {
+    if let Some(p) = a.pid_file.as_deref() {
         // Written once the sockets listen, so whoever waits for it can connect right away.
         if let Err(e) = std::fs::write(p, format!("{}\n", std::process::id())) {
             server.shutdown();
@@ -208,7 +231,7 @@ pub fn run(a: Args) -> ExitCode {
             status = ExitCode::from(1);
         }
     }
-    if let Some(p) = a.pid_file {
+    if let Some(p) = a.pid_file.as_deref() {
         let _ = std::fs::remove_file(p);
     }
     status
@@ -225,32 +248,4 @@ fn close(image: &Image, read_only: bool) -> vdisk::Result<()> {
         q.close()?;
     }
     Ok(())
-}
-
-/// `vdisk stats ADDR`: prints the metrics of the server whose stats endpoint is `ADDR`.
-pub fn stats(addr: &str) -> ExitCode {
-    let addr = match Address::parse(addr) {
-        Ok(a) => a,
-        Err(e) => return fail(e, 1),
-    };
-    let mut s = match addr.connect() {
-        Ok(s) => s,
-        Err(e) => return fail(format!("cannot connect to {addr}: {e}"), 1),
-    };
-    let mut text = Vec::new();
-    let r = s
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: vdisk\r\n\r\n")
-        .and_then(|()| s.read_to_end(&mut text));
-    if let Err(e) = r {
-        return fail(format!("reading the stats from {addr}: {e}"), 1);
-    }
-    let body = match text.windows(4).position(|w| w == b"\r\n\r\n") {
-        Some(at) if text.starts_with(b"HTTP/") => &text[at + 4..],
-        _ => &text[..],
-    };
-    let mut out = std::io::stdout().lock();
-    if out.write_all(body).and_then(|()| out.flush()).is_err() {
-        return ExitCode::from(1);
-    }
-    ExitCode::SUCCESS
 }

@@ -5,16 +5,62 @@ use std::process::ExitCode;
 
 use vdisk::{open_image, Error, ImageOptions};
 
-use crate::{fail, image_format, info, metadata_options, warn_probed_raw};
+use crate::flags::{ForceShare, ImageFormat, Quiet};
+use crate::open::{image_format, metadata_options};
+use crate::report::{fail, warn_probed_raw};
+use crate::text::snapshot_list;
 
-pub enum Action<'a> {
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    image: ImageFormat,
+    /// List the snapshots.
+    #[arg(short = 'l', long = "list")]
+    list: bool,
+    #[arg(short = 'c', long = "create", value_name = "SNAPSHOT")]
+    create: Option<String>,
+    #[arg(short = 'a', long = "apply", value_name = "SNAPSHOT")]
+    apply: Option<String>,
+    #[arg(short = 'd', long = "delete", value_name = "SNAPSHOT")]
+    delete: Option<String>,
+    #[command(flatten)]
+    messages: Quiet,
+    #[command(flatten)]
+    share: ForceShare,
+    filename: String,
+}
+
+enum Action<'a> {
     List,
     Create(&'a str),
     Apply(&'a str),
     Delete(&'a str),
 }
 
-pub fn run(filename: &str, format: Option<&str>, action: Action, force_share: bool) -> ExitCode {
+/// One of `-l`, `-c`, `-a`, `-d` (listing when none is given), as qemu-img takes them.
+pub fn run(a: &Args) -> ExitCode {
+    let actions = [
+        a.create.is_some(),
+        a.apply.is_some(),
+        a.delete.is_some(),
+        a.list,
+    ];
+    if actions.iter().filter(|&&a| a).count() > 1 {
+        eprintln!("vdisk: Cannot mix '-l', '-a', '-c', '-d'");
+        eprintln!("Try 'vdisk snapshot --help' for more info");
+        return ExitCode::from(1);
+    }
+    let action = match (&a.create, &a.apply, &a.delete) {
+        (Some(n), _, _) => Action::Create(n),
+        (_, Some(n), _) => Action::Apply(n),
+        (_, _, Some(n)) => Action::Delete(n),
+        _ => Action::List,
+    };
+    let format = a.image.format.as_deref();
+    act(&a.filename, format, action, a.share.force_share)
+}
+
+fn act(filename: &str, format: Option<&str>, action: Action, force_share: bool) -> ExitCode {
     let (name, verb) = match action {
         Action::List => return list(filename, format, force_share),
         Action::Create(n) => (n, "create"),
@@ -65,6 +111,6 @@ fn list(filename: &str, format: Option<&str>, force_share: bool) -> ExitCode {
         Err(e) => return fail(e, 1),
     };
     let snapshots = image.qcow2().map(|q| q.snapshots()).unwrap_or_default();
-    print!("{}", info::snapshot_list(snapshots));
+    print!("{}", snapshot_list(snapshots));
     ExitCode::SUCCESS
 }

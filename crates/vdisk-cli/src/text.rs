@@ -1,5 +1,7 @@
 //! Text formats shared by the subcommands, spelled as qemu-img spells them.
 
+use vdisk::formats::qcow2::snapshot::Snapshot;
+
 /// C's `printf("%0.3g", v)` for the non-negative values sizes produce.
 fn g3(v: f64) -> String {
     let sci = format!("{v:.2e}");
@@ -104,6 +106,47 @@ impl Progress {
         self.show(self.total);
         println!();
     }
+}
+
+/// The "Snapshot list:" table of `qemu-img info` and `qemu-img snapshot -l` (empty without
+/// snapshots).
+pub fn snapshot_list(snapshots: &[Snapshot]) -> String {
+    if snapshots.is_empty() {
+        return String::new();
+    }
+    let mut s = String::from("Snapshot list:\n");
+    s += &format!(
+        "{:<7} {:<16} {:>8} {:>19} {:>15} {:>10}\n",
+        "ID", "TAG", "VM_SIZE", "DATE", "VM_CLOCK", "ICOUNT"
+    );
+    for sn in snapshots {
+        let secs = sn.vm_clock_nsec / 1_000_000_000;
+        let clock = format!(
+            "{:04}:{:02}:{:02}.{:03}",
+            secs / 3600,
+            (secs / 60) % 60,
+            secs % 60,
+            (sn.vm_clock_nsec / 1_000_000) % 1000
+        );
+        let icount = sn
+            .icount
+            .map_or_else(|| "--".to_string(), |i| i.to_string());
+        // QEMU pads with printf, which counts bytes, not characters.
+        let pad = |text: &str, width: usize| {
+            let fill = width.saturating_sub(text.len());
+            format!("{text}{}", " ".repeat(fill))
+        };
+        s += &format!(
+            "{} {} {:>8} {:>19} {:>15} {:>10}\n",
+            pad(&sn.id, 7),
+            pad(&sn.name, 16),
+            size_to_str(sn.vm_state_size),
+            local_date(sn.date_sec),
+            clock,
+            icount
+        );
+    }
+    s
 }
 
 #[cfg(test)]

@@ -30,7 +30,12 @@ pub struct Raw {
 /// are written (with zeroes) whatever the preallocation, so the file is never wholly a hole.
 pub fn create(storage: &dyn Storage, size: u64, prealloc: Preallocation) -> Result<()> {
     let what = || "creating the raw image".to_string();
-    storage.set_len(0).context(what)?;
+    // Only storage that holds something is cut: ext4 starts writing back all the data of a
+    // file truncated to length zero (even one that was empty) when it is closed
+    // (auto_da_alloc), so the writer of a new image would spend its close waiting for the disk.
+    if !storage.is_empty().context(what)? {
+        storage.set_len(0).context(what)?;
+    }
     preallocate(storage, 0, size, prealloc)?;
     let first = size.min(4096) as usize;
     storage.write_at(0, &vec![0u8; first]).context(what)?;

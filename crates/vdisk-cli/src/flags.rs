@@ -1,0 +1,93 @@
+//! Flags several subcommands share, each written once here and flattened into the subcommands'
+//! `Args` (`#[command(flatten)]`), so that a flag is spelled, parsed and explained the same
+//! wherever qemu-img gives it the same meaning.
+
+use std::process::ExitCode;
+
+use clap::ValueEnum;
+use vdisk::CacheMode;
+
+use crate::report::fail;
+
+/// `-f`: the format of the image named on the command line; probed from its contents when
+/// absent.
+#[derive(clap::Args)]
+pub struct ImageFormat {
+    #[arg(short = 'f', long = "format")]
+    pub format: Option<String>,
+}
+
+/// `-U`.
+#[derive(clap::Args)]
+pub struct ForceShare {
+    /// Take no locks: read an image another process is writing.
+    #[arg(short = 'U', long = "force-share")]
+    pub force_share: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Human,
+    Json,
+}
+
+/// `--output`: a report for people or qemu-img's JSON.
+#[derive(clap::Args)]
+pub struct Report {
+    #[arg(long, value_enum, default_value = "human")]
+    pub output: Output,
+}
+
+/// `-q`.
+#[derive(clap::Args)]
+pub struct Quiet {
+    #[arg(short = 'q', long = "quiet")]
+    pub quiet: bool,
+}
+
+/// `-p` and `-q`: as in qemu-img, `-q` hides the progress `-p` asks for.
+#[derive(clap::Args)]
+pub struct ShowProgress {
+    /// Show progress.
+    #[arg(short = 'p', long = "progress")]
+    progress: bool,
+    #[command(flatten)]
+    pub messages: Quiet,
+}
+
+impl ShowProgress {
+    /// Whether to show the progress line.
+    pub fn shown(&self) -> bool {
+        self.progress && !self.messages.quiet
+    }
+}
+
+/// `-t` of the commands that write an image with syncs of their own: the mode must be one
+/// qemu-img knows, and is not used.
+#[derive(clap::Args)]
+pub struct WriteCache {
+    /// Accepted for qemu-img compatibility.
+    #[arg(short = 't', long = "cache")]
+    pub cache: Option<String>,
+}
+
+/// `-T` of the commands that only read: accepted as qemu-img takes it, not checked.
+#[derive(clap::Args)]
+pub struct ReadCache {
+    /// Accepted for qemu-img compatibility.
+    #[arg(short = 'T', long = "cache")]
+    pub cache: Option<String>,
+}
+
+/// Parses a cache mode (`-t`) by qemu-img's names.
+pub fn parse_cache(name: &str) -> Result<CacheMode, String> {
+    CacheMode::parse(name).map_err(|e| e.to_string())
+}
+
+/// Refuses a cache mode (`-t`, `-T`) qemu-img does not know, before anything is opened.
+pub fn bad_cache(mode: Option<&str>, which: &str) -> Option<ExitCode> {
+    let mode = mode?;
+    CacheMode::parse(mode)
+        .is_err()
+        .then(|| fail(format!("Invalid {which}cache option: {mode}"), 1))
+}

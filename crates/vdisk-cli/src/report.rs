@@ -1,0 +1,54 @@
+//! How failures and warnings reach the user: in qemu-img's words, on stderr, with its exit
+//! statuses.
+
+use std::io::Write as _;
+use std::process::ExitCode;
+
+use clap::error::ErrorKind;
+use vdisk::{Format, Image};
+
+/// Prints an error the way qemu-img does and returns the exit status.
+pub fn fail(msg: impl std::fmt::Display, status: u8) -> ExitCode {
+    // Not eprintln!, which panics when stderr cannot be written (a file on a full disk).
+    let _ = writeln!(std::io::stderr(), "vdisk: {msg}");
+    ExitCode::from(status)
+}
+
+/// qemu-img's warning when an image it opens for writing was probed as raw.
+pub fn warn_probed_raw(filename: &str, format: Option<&str>, image: &Image) {
+    if format.is_none() && image.format() == Format::RAW {
+        eprintln!(
+            "WARNING: Image format was not specified for '{filename}' and probing guessed raw.\n         \
+             Automatically detecting the format is dangerous for raw images, write operations \
+             on block 0 will be restricted.\n         Specify the 'raw' format explicitly to \
+             remove the restrictions."
+        );
+    }
+}
+
+/// A value refused in qemu-img's words, which it prints alone (not in clap's usage report).
+#[derive(Debug)]
+pub struct QemuMessage(pub String);
+
+impl std::fmt::Display for QemuMessage {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for QemuMessage {}
+
+/// Reports a command line clap refused. qemu-img exits 1 where clap would exit 2, which matters
+/// most to `compare`, whose 2 means "could not open"; help and version still go to stdout
+/// with 0. A value refused with a [`QemuMessage`] gets that message alone.
+pub fn usage_error(e: clap::Error) -> ExitCode {
+    let source = std::error::Error::source(&e);
+    if let Some(QemuMessage(msg)) = source.and_then(|s| s.downcast_ref()) {
+        return fail(msg, 1);
+    }
+    let _ = e.print();
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => ExitCode::SUCCESS,
+        _ => ExitCode::from(1),
+    }
+}
