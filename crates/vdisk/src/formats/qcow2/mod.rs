@@ -16,6 +16,7 @@ pub mod create;
 mod downgrade;
 pub mod header;
 pub mod l2;
+mod overlap;
 mod packed;
 pub mod refcount;
 mod refcount_width;
@@ -181,7 +182,16 @@ impl Qcow2 {
             write::check_writable(&*file, &header)?;
             bitmaps_in_use = bitmaps::mark_in_use(&*file, &header)?;
             l1.resize(header.l1_size as usize, 0);
-            Some(alloc::Refcounts::load(&*file, &header)?)
+            let mut refs = alloc::Refcounts::load(&*file, &header)?;
+            let layout = overlap::Layout::build(
+                &header,
+                &l1,
+                refs.table(),
+                &snapshots,
+                snapshot_table_bytes,
+            );
+            refs.guard(&*file, &header, overlap::Guard::new(layout));
+            Some(refs)
         } else {
             None
         };
