@@ -27,8 +27,6 @@ mod snapshot_ops;
 mod update;
 mod write;
 
-use std::sync::atomic::AtomicBool;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use self::cache::Meta;
@@ -59,9 +57,10 @@ pub struct Qcow2 {
     /// each lookup and held across an allocating write (see `write.rs`).
     meta: Mutex<Meta>,
     writable: bool,
-    /// A corruption event marked the image corrupt while it was open: like QEMU, which then
-    /// makes the image unusable, nothing more is written (reads still work).
-    marked_corrupt: AtomicBool,
+    /// The corruption event that marked the image corrupt while it was open: like QEMU, which
+    /// then makes the image unusable, nothing more is written (reads still work), and each
+    /// refusal names the event (the request that met it may not be the one a caller reports).
+    corruption: OnceLock<String>,
     /// Passed by every write for as long as it is in flight, closed by a flush (see
     /// `write.rs`).
     gate: Gate,
@@ -219,7 +218,7 @@ impl Qcow2 {
             backing,
             last_compressed: Mutex::new(None),
             data_holes: OnceLock::new(),
-            marked_corrupt: AtomicBool::new(false),
+            corruption: OnceLock::new(),
             header,
         })
     }
@@ -385,7 +384,7 @@ impl Qcow2 {
         if !self.writable {
             return Error::corrupt(repair::image_is_corrupt(&what));
         }
-        if !self.marked_corrupt.swap(true, Relaxed) && self.header.version >= 3 {
+        if self.corruption.set(what.clone()).is_ok() && self.header.version >= 3 {
             let bits = self.header.incompatible | header::INCOMPAT_CORRUPT;
             // If this fails the request is refused all the same.
             let _ = repair::write_incompatible(&*self.file, bits);

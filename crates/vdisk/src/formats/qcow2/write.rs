@@ -12,7 +12,6 @@
 //!
 //! [`BlockDev::start_write`]: crate::BlockDev::start_write
 
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use super::cache::{Dirty, Meta};
@@ -44,7 +43,8 @@ pub(super) enum Zeroing {
 pub(super) fn check_writable(file: &dyn Storage, h: &Header) -> Result<()> {
     if h.is_corrupt() {
         return Err(Error::unsupported(
-            "image is marked corrupt and can only be opened read-only",
+            "image is marked corrupt and can only be opened read-only; repair it with \
+             'vdisk check -r all' or 'qemu-img check -r all'",
         ));
     }
     if h.is_dirty() {
@@ -79,10 +79,11 @@ impl Qcow2 {
         if !self.writable {
             return Err(Error::ReadOnly(what.into()));
         }
-        if self.marked_corrupt.load(Relaxed) {
-            return Err(Error::corrupt(
-                "the image was marked corrupt; repair it with 'qemu-img check -r all'",
-            ));
+        if let Some(event) = self.corruption.get() {
+            return Err(Error::corrupt(format!(
+                "the image was marked corrupt: {event}; repair it with 'vdisk check -r all' or \
+                 'qemu-img check -r all'"
+            )));
         }
         Ok(())
     }
