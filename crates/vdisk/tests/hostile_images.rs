@@ -16,7 +16,8 @@
 //! writes, zeroes, discards, flushes, reads and snapshots on a copy opened for writing, a close,
 //! a second writable open, a repair and reads again, under the same deadline and a larger heap
 //! budget. On undamaged images the disk must then hold exactly what a flat model of it says,
-//! and check clean after the close.
+//! and check clean after the close. On images whose refcounts call their own metadata free
+//! (`hostile_images/refcounts.rs`), no write may cost guest data it did not touch.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -32,6 +33,8 @@ use vdisk::formats::qcow2::check::check;
 use vdisk::storage::{MemStorage, Storage};
 use vdisk::{open_storage, BlockDev, Format};
 
+#[path = "hostile_images/refcounts.rs"]
+mod refcounts;
 #[path = "hostile_images/writes.rs"]
 mod writes;
 use writes::{

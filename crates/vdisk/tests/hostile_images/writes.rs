@@ -207,7 +207,7 @@ impl Extent {
 impl WriteOp {
     /// The guest byte range the operation covers on a disk of `size` bytes with clusters of
     /// `cs` (none for a flush).
-    fn range(&self, size: u64, cs: u64) -> Option<(u64, u64)> {
+    pub(super) fn range(&self, size: u64, cs: u64) -> Option<(u64, u64)> {
         let (at, len, max) = match *self {
             WriteOp::Write { at, len, .. } | WriteOp::Read { at, len } => (at, len, MAX_WRITE),
             WriteOp::Zeroes { at, len, .. } | WriteOp::Discard { at, len } => {

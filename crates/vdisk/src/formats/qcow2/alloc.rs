@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::cache::Dirty;
 use super::header::Header;
+use super::overlap::Guard;
 use super::{read_table, refcount};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::Storage;
@@ -83,6 +84,8 @@ pub(super) struct Refcounts {
     /// first cluster of its range when a run holds it.
     claimed: Vec<std::ops::Range<u64>>,
     opened_len: u64,
+    /// The metadata found at the open, which no allocation may hand out (see `overlap.rs`).
+    guard: Guard,
 }
 
 /// Refuses a refcount table in which two entries name the same refcount block. That block
@@ -139,7 +142,65 @@ impl Refcounts {
             pool: 0..0,
             claimed: Vec::new(),
             pool_refill: MIN_POOL,
+            guard: Guard::default(),
         })
+    }
+
+    /// Guards the allocator with `guard` and looks at the refcounts of the metadata it holds:
+    /// refcounts that call any of it free are corrupt (QEMU's check: "refcount=0
+    /// reference=1"), and the allocator would hand it out; every allocation is then refused
+    /// in its name, the first one being what QEMU would refuse to write (the header, when a
+    /// refcount block is lost). QEMU opens such an image too and refuses only those writes.
+    /// The header cluster and the L1 and refcount tables are always looked at; the rest where
+    /// no read is needed (its refcount lies in a block read already, or in none): reading
+    /// every block of a large image at each open would cost more than it saves, and the
+    /// allocation check covers it all. A block that cannot be read tells nothing here.
+    pub fn guard(&mut self, file: &dyn Storage, h: &Header, guard: Guard) {
+        self.guard = guard;
+        let cb = self.cluster_bits;
+        let tables = [
+            (0, 1),
+            (h.l1_table_offset, h.l1_bytes()),
+            (h.refcount_table_offset, h.refcount_table_bytes()),
+        ];
+        let mut clusters: Vec<u64> = (tables.iter())
+            .filter(|&&(_, bytes)| bytes > 0)
+            .flat_map(|&(at, bytes)| at >> cb..at.saturating_add(bytes).div_ceil(self.cs()))
+            .collect();
+        clusters.sort_unstable();
+        for c in clusters {
+            if matches!(self.get(file, c), Ok(0)) {
+                self.guard.found_free(c);
+                return;
+            }
+        }
+        for piece in self.guard.pieces() {
+            // A block's range at a time: a range whose block was not read is passed whole.
+            let mut from = piece.start;
+            while from < piece.end {
+                let b = from / self.per_block;
+                let to = ((b + 1) * self.per_block).min(piece.end);
+                let read = self.blocks.contains_key(&b)
+                    || (self.table.get(b as usize)).is_none_or(|&e| e & !0x1ff == 0);
+                for c in (from..to).filter(|_| read) {
+                    if matches!(self.get(file, c), Ok(0)) {
+                        self.guard.found_free(c);
+                        return;
+                    }
+                }
+                from = to;
+            }
+        }
+    }
+
+    /// Takes over the guard of `old`, whose refcount structure this one replaces.
+    pub fn adopt_guard(&mut self, old: &mut Refcounts) {
+        self.guard = std::mem::take(&mut old.guard);
+    }
+
+    /// The metadata the last allocation refused, if that refusal was not signalled yet.
+    pub fn take_refusal(&mut self) -> Option<&'static str> {
+        self.guard.take_refusal()
     }
 
     /// The refcount table's entries: where each refcount block is (0 for none).
@@ -222,6 +283,9 @@ impl Refcounts {
             .or_default()
             .add(byte, byte + width);
         if value == 0 {
+            if old > 0 {
+                self.guard.freed(cluster);
+            }
             self.free_hint = self.free_hint.min(cluster);
             if cluster >= self.zero_from {
                 self.recycled.insert(cluster);
@@ -251,12 +315,17 @@ impl Refcounts {
             }
         }
         let mut at = b * self.per_block;
-        if self.claimed.iter().any(|run| run.contains(&at)) {
+        let moved = self.claimed.iter().any(|run| run.contains(&at));
+        if moved {
             at = self.end;
             // Nor on the place of another block still to be created.
             while self.is_block_slot(at) {
                 at += 1;
             }
+        }
+        // In a range without a block every refcount reads as zero, metadata's too.
+        self.guard.vet(at..at + 1)?;
+        if moved {
             self.reserve(file, at + 1)?;
         }
         self.end = self.end.max(at + 1);
@@ -290,8 +359,6 @@ impl Refcounts {
                 "the refcount table cannot grow any further",
             ));
         }
-        self.table
-            .resize((clusters * entries_per_cluster) as usize, 0);
         let old = (self.table_offset >> self.cluster_bits, self.table_clusters);
         // Past everything allocated or promised: this may run in the middle of an allocation
         // whose clusters do not have their refcounts yet.
@@ -305,6 +372,10 @@ impl Refcounts {
                 first = slot + 1;
             }
         }
+        self.guard.vet(first..first + clusters)?;
+        // Longer only now: slots past the old end read as slots either way.
+        self.table
+            .resize((clusters * entries_per_cluster) as usize, 0);
         self.end = first + clusters;
         self.claimed.push(first..first + clusters);
         let set = (first..first + clusters).try_for_each(|c| self.set(file, c, 1));
@@ -414,6 +485,7 @@ impl Refcounts {
     /// Allocates `n` contiguous clusters (refcount 1) and returns the first: from the pool when
     /// it holds enough, else from a new pool run that starts with them.
     pub fn alloc(&mut self, file: &dyn Storage, n: u64) -> Result<u64> {
+        self.guard.vet(0..0)?;
         if self.pool.end - self.pool.start >= n {
             let first = self.pool.start;
             self.pool.start += n;
@@ -452,6 +524,8 @@ impl Refcounts {
     /// clear of the slots where new refcount blocks describe themselves, unless they are too
     /// long to fit between two slots; then the blocks they need go after them.
     fn alloc_run(&mut self, file: &dyn Storage, n: u64) -> Result<u64> {
+        // Once metadata was found free, nothing more is handed out.
+        self.guard.vet(0..0)?;
         let mut start = self.free_hint;
         let mut run = 0;
         let mut c = start;
@@ -465,6 +539,7 @@ impl Refcounts {
             }
             c += 1;
         }
+        self.guard.vet(start..start + n)?;
         self.reserve(file, start + n)?;
         self.unpunch(file, start, start + n)?;
         // Promise the run first: setting these refcounts may create a refcount block or grow
@@ -485,6 +560,14 @@ impl Refcounts {
 
     /// Drops a reference to `cluster` once the metadata that dropped it is durable.
     pub fn free_later(&mut self, cluster: u64) {
+        self.pending_frees.push(cluster);
+    }
+
+    /// [`Refcounts::free_later`] for a cluster an L2 entry named as data: should it be
+    /// metadata, it stays that once the reference is gone (QEMU's overlap check would refuse
+    /// it, whatever its refcount).
+    pub fn free_data_later(&mut self, cluster: u64) {
+        self.guard.dropped_as_data(cluster);
         self.pending_frees.push(cluster);
     }
 

@@ -246,10 +246,7 @@ impl Qcow2 {
     /// marked corrupt while open is left as it is: nothing more goes onto its damaged metadata
     /// (QEMU's driver is gone by then).
     pub fn close(&self) -> Result<()> {
-        if self
-            .marked_corrupt
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
+        if self.corruption.get().is_some() {
             return Ok(());
         }
         self.flush_impl()?;

@@ -109,7 +109,7 @@ impl Qcow2 {
                         // it all the same, and that snapshot loses its data. This table gets
                         // a cluster of its own and lets go of the shared one once durable.
                         for _ in 0..sharers {
-                            refs.free_later(host >> cb);
+                            refs.free_data_later(host >> cb);
                         }
                         self.zeroed_cluster(&mut meta, sharers)?
                     } else {

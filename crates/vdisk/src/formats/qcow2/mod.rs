@@ -17,6 +17,7 @@ mod downgrade;
 mod driver;
 pub mod header;
 pub mod l2;
+mod overlap;
 mod packed;
 pub mod refcount;
 mod refcount_width;
@@ -27,8 +28,6 @@ mod snapshot_ops;
 mod update;
 mod write;
 
-use std::sync::atomic::AtomicBool;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use self::cache::Meta;
@@ -91,9 +90,10 @@ pub struct Qcow2 {
     /// each lookup and held across an allocating write (see `write.rs`).
     meta: Mutex<Meta>,
     writable: bool,
-    /// A corruption event marked the image corrupt while it was open: like QEMU, which then
-    /// makes the image unusable, nothing more is written (reads still work).
-    marked_corrupt: AtomicBool,
+    /// The corruption event that marked the image corrupt while it was open: like QEMU, which
+    /// then makes the image unusable, nothing more is written (reads still work), and each
+    /// refusal names the event (the request that met it may not be the one a caller reports).
+    corruption: OnceLock<String>,
     /// Passed by every write for as long as it is in flight, closed by a flush (see
     /// `write.rs`).
     gate: Gate,
@@ -214,7 +214,16 @@ impl Qcow2 {
             write::check_writable(&*file, &header)?;
             bitmaps_in_use = bitmaps::mark_in_use(&*file, &header)?;
             l1.resize(header.l1_size as usize, 0);
-            Some(alloc::Refcounts::load(&*file, &header)?)
+            let mut refs = alloc::Refcounts::load(&*file, &header)?;
+            let layout = overlap::Layout::build(
+                &header,
+                &l1,
+                refs.table(),
+                &snapshots,
+                snapshot_table_bytes,
+            );
+            refs.guard(&*file, &header, overlap::Guard::new(layout));
+            Some(refs)
         } else {
             None
         };
@@ -242,7 +251,7 @@ impl Qcow2 {
             backing,
             last_compressed: Mutex::new(None),
             data_holes: OnceLock::new(),
-            marked_corrupt: AtomicBool::new(false),
+            corruption: OnceLock::new(),
             header,
         })
     }
@@ -404,7 +413,7 @@ impl Qcow2 {
         if !self.writable {
             return Error::corrupt(repair::image_is_corrupt(&what));
         }
-        if !self.marked_corrupt.swap(true, Relaxed) && self.header.version >= 3 {
+        if self.corruption.set(what.clone()).is_ok() && self.header.version >= 3 {
             let bits = self.header.incompatible | header::INCOMPAT_CORRUPT;
             // If this fails the request is refused all the same.
             let _ = repair::write_incompatible(&*self.file, bits);

@@ -151,7 +151,10 @@ impl Qcow2 {
                 .set_len(trim)
                 .context(|| "giving back reserved space".into())?;
         }
-        let new = Refcounts::load(&*self.file, h)?;
+        let mut new = Refcounts::load(&*self.file, h)?;
+        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        // The old blocks and table leave the guard's list as they are freed.
+        new.adopt_guard(refs);
         let old = (meta.refs.replace(new)).expect("writable images have refcounts");
         // Refcount blocks moved: the overlap check must look them up again.
         meta.tables_found = None;
@@ -159,7 +162,12 @@ impl Qcow2 {
         match self.write_header(h) {
             Ok(()) => Ok(old),
             Err(e) => {
-                self.lock().refs = Some(old);
+                let mut old = old;
+                let mut meta = self.lock();
+                if let Some(new) = meta.refs.as_mut() {
+                    old.adopt_guard(new);
+                }
+                meta.refs = Some(old);
                 Err(e)
             }
         }

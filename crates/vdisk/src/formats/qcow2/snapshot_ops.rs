@@ -200,7 +200,10 @@ impl Qcow2 {
             }
         }
         for (c, v) in new {
-            refs.set(&*self.file, c, v)?;
+            // A range without a refcount block gets one, which may be refused.
+            if let Err(e) = refs.set(&*self.file, c, v) {
+                return Err(self.allocation_refused(refs, e));
+            }
         }
         Ok(())
     }

@@ -12,7 +12,6 @@
 //!
 //! [`BlockDev::start_write`]: crate::BlockDev::start_write
 
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use super::cache::{Dirty, Meta};
@@ -21,7 +20,7 @@ use super::header::Header;
 use super::l2::OFLAG_ZERO;
 use super::l2::{L2Entry, L2Table, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
 use super::repair::hx;
-use super::{compress, repair, Qcow2};
+use super::{compress, overlap, repair, Qcow2};
 use crate::blockdev::{StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
 use crate::formats::read_backing;
@@ -44,7 +43,8 @@ pub(super) enum Zeroing {
 pub(super) fn check_writable(file: &dyn Storage, h: &Header) -> Result<()> {
     if h.is_corrupt() {
         return Err(Error::unsupported(
-            "image is marked corrupt and can only be opened read-only",
+            "image is marked corrupt and can only be opened read-only; repair it with \
+             'vdisk check -r all' or 'qemu-img check -r all'",
         ));
     }
     if h.is_dirty() {
@@ -79,10 +79,11 @@ impl Qcow2 {
         if !self.writable {
             return Err(Error::ReadOnly(what.into()));
         }
-        if self.marked_corrupt.load(Relaxed) {
-            return Err(Error::corrupt(
-                "the image was marked corrupt; repair it with 'qemu-img check -r all'",
-            ));
+        if let Some(event) = self.corruption.get() {
+            return Err(Error::corrupt(format!(
+                "the image was marked corrupt: {event}; repair it with 'vdisk check -r all' or \
+                 'qemu-img check -r all'"
+            )));
         }
         Ok(())
     }
@@ -196,9 +197,7 @@ impl Qcow2 {
             .map(|t| t.1);
         let what = table.or_else(|| repair::metadata_overlap(self, &[], &[], 0, host, cs));
         match what {
-            Some(what) => Err(self.signal_corruption(format!(
-                "Preventing invalid write on metadata (overlaps with {what})"
-            ))),
+            Some(what) => Err(self.signal_corruption(overlap::overlap_message(what))),
             None => Ok(()),
         }
     }
@@ -380,7 +379,10 @@ impl Qcow2 {
     /// Allocates `n` contiguous clusters and counts it.
     pub(super) fn alloc_clusters(&self, meta: &mut Meta, n: u64) -> Result<u64> {
         let refs = meta.refs.as_mut().expect("writable images have refcounts");
-        let first = refs.alloc(&*self.file, n)?;
+        let first = match refs.alloc(&*self.file, n) {
+            Ok(first) => first,
+            Err(e) => return Err(self.allocation_refused(refs, e)),
+        };
         self.counters.allocated(n);
         Ok(first)
     }
@@ -456,10 +458,10 @@ impl Qcow2 {
         if e.word & OFLAG_COMPRESSED != 0 {
             let (host, csize) = self.format.compressed_extent(e);
             for c in host >> cb..=(host + csize - 1) >> cb {
-                refs.free_later(c);
+                refs.free_data_later(c);
             }
         } else if e.word & OFFSET_MASK != 0 {
-            refs.free_later((e.word & OFFSET_MASK) >> cb);
+            refs.free_data_later((e.word & OFFSET_MASK) >> cb);
         }
     }
 
