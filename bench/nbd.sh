@@ -4,6 +4,7 @@
 #
 #   bench/nbd.sh [--quick] [--runtime S] [--size-mib N] [--only REGEX] [--rounds N]
 #                [--wait-idle S] [--no-build] [--no-drop-caches] [--no-prefault] [--workers N]
+#                [--baseline BINARY [--baseline-rev REV]] [--out FILE]
 #
 #   --quick         256 MiB image, 2 s per run (< 3 minutes in all); default: 2 GiB, 10 s
 #   --runtime S     seconds per run (time_based fio jobs)
@@ -18,6 +19,15 @@
 #   --no-prefault   skip touching memory before each run (see bench/convert.sh: on VMs that
 #                   hand free memory back to the host, first-touch faults skew page-cache users)
 #   --workers N     `vdisk serve --workers N` (worker threads per connection; default 16)
+#   --baseline BINARY  also run both vdisk servers with this vdisk binary (built from another
+#                   commit; bench/compare-builds.sh builds one), each baseline run right
+#                   before or after its counterpart in the same alternating schedule, and
+#                   report this build's IOPS over the baseline's per row; rows where a ratio
+#                   is below 0.95 are listed. The qemu-nbd columns and ratios do not change
+#   --baseline-rev REV  the commit the baseline was built from, for the report (`vdisk
+#                   --version` does not name it)
+#   --out FILE      write the report to FILE (default bench/results/nbd-<quick|full>.md; with
+#                   --baseline, nbd-<quick|full>-vs-<REV>.md, REV "baseline" if not given)
 #
 # Servers, each started fresh for every run and stopped (SIGTERM) after it:
 #   qemu-nbd        qemu-nbd -f qcow2 --cache=none --aio=native -t  (one client at a time: its
@@ -51,6 +61,9 @@ build=1
 drop=1
 prefault=1
 workers=16
+baseline=
+baseline_rev=
+out=
 while (($#)); do
     case $1 in
         --quick) quick=1 ;;
@@ -60,6 +73,9 @@ while (($#)); do
         --rounds) rounds=${2:?--rounds needs a number}; shift ;;
         --wait-idle) wait_idle=${2:?--wait-idle needs seconds}; shift ;;
         --workers) workers=${2:?--workers needs a number}; shift ;;
+        --baseline) baseline=${2:?--baseline needs a vdisk binary}; shift ;;
+        --baseline-rev) baseline_rev=${2:?--baseline-rev needs a commit}; shift ;;
+        --out) out=${2:?--out needs a file}; shift ;;
         --no-build) build=0 ;;
         --no-drop-caches) drop=0 ;;
         --no-prefault) prefault=0 ;;
@@ -76,6 +92,13 @@ fi
 [[ $runtime =~ ^[0-9]+$ && $runtime -gt 0 ]] || { echo "nbd.sh: bad --runtime" >&2; exit 2; }
 [[ $rounds =~ ^[0-9]+$ && $rounds -gt 0 ]] || { echo "nbd.sh: bad --rounds" >&2; exit 2; }
 [[ $size_mib =~ ^[0-9]+$ && $size_mib -ge 64 ]] || { echo "nbd.sh: --size-mib must be >= 64" >&2; exit 2; }
+[[ -z $baseline_rev || -n $baseline ]] || { echo "nbd.sh: --baseline-rev needs --baseline" >&2; exit 2; }
+if [[ -n $baseline ]]; then
+    [[ -f $baseline && -x $baseline ]] || { echo "nbd.sh: --baseline $baseline is not an executable file" >&2; exit 2; }
+    baseline_given=$baseline
+    baseline=$(realpath "$baseline")
+fi
+[[ -z $out ]] || out=$(realpath -m "$out")
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -87,6 +110,8 @@ fresh=$work/nbd-fresh.qcow2
 fresh_size=16G
 vdisk=$root/target/release/vdisk
 report=$results/nbd-$mode.md
+[[ -z $baseline ]] || report=$results/nbd-$mode-vs-$(tr -c 'A-Za-z0-9._\n-' _ <<<"${baseline_rev:-baseline}").md
+[[ -z $out ]] || report=$out
 
 log() { printf '%s\n' "$*" >&2; }
 die() { log "nbd.sh: $*"; exit 1; }
@@ -171,14 +196,15 @@ log "$load_before"
 # ---------------------------------------------------------------------------------------------
 # Servers
 sock=$tmp/nbd.sock
-start_server() { # NAME IMAGE
-    local name=$1 image=$2
+start_server() { # NAME IMAGE (NAME@base: the same server with the --baseline binary)
+    local name=$1 image=$2 bin=$vdisk
+    [[ $name != *@base ]] || bin=$baseline
     rm -f "$sock" "$tmp/pid"
-    case $name in
+    case ${name%@base} in
         qemu-nbd) qemu-nbd -f qcow2 --cache=none --aio=native -t -k "$sock" "$image" 2>"$tmp/server.log" & server_pid=$! ;;
         qemu-nbd-e4) qemu-nbd -f qcow2 --cache=none --aio=native --shared=4 -t -k "$sock" "$image" 2>"$tmp/server.log" & server_pid=$! ;;
-        vdisk) "$vdisk" serve "$image" -f qcow2 --workers "$workers" --nbd "unix:$sock" --pid-file "$tmp/pid" 2>"$tmp/server.log" & server_pid=$! ;;
-        vdisk-none) "$vdisk" serve "$image" -f qcow2 --cache none --aio native --workers "$workers" --nbd "unix:$sock" --pid-file "$tmp/pid" 2>"$tmp/server.log" & server_pid=$! ;;
+        vdisk) "$bin" serve "$image" -f qcow2 --workers "$workers" --nbd "unix:$sock" --pid-file "$tmp/pid" 2>"$tmp/server.log" & server_pid=$! ;;
+        vdisk-none) "$bin" serve "$image" -f qcow2 --cache none --aio native --workers "$workers" --nbd "unix:$sock" --pid-file "$tmp/pid" 2>"$tmp/server.log" & server_pid=$! ;;
     esac
     local deadline=$((SECONDS + 30))
     until [[ -S $sock ]] && { [[ $name != vdisk* ]] || [[ -e $tmp/pid ]]; }; do
@@ -261,6 +287,16 @@ for spec in "4k-randread:randread:4k:full" "4k-randwrite:randwrite:4k:full" \
             log "$row"
             servers=(qemu-nbd qemu-nbd-e4 vdisk vdisk-none)
             ((jobs == 1)) || servers=(qemu-nbd-e4 vdisk vdisk-none)
+            if [[ -n $baseline ]]; then
+                # Each vdisk server's baseline run goes right after it (right before it in the
+                # reversed rounds).
+                with_base=()
+                for s in "${servers[@]}"; do
+                    with_base+=("$s")
+                    [[ $s != vdisk* ]] || with_base+=("$s@base")
+                done
+                servers=("${with_base[@]}")
+            fi
             for ((r = 0; r < rounds; r++)); do
                 order=("${servers[@]}")
                 if ((n % 2)); then order=($(printf '%s\n' "${servers[@]}" | tac)); fi
@@ -285,8 +321,30 @@ ratio() { # ROW SERVER -> its IOPS / best qemu-nbd IOPS
     q1=${q1%%|*}
     awk -v v="$v" -v a="${q1:-0}" -v b="$q4" 'BEGIN {q = a > b ? a : b; printf "%.2f", v / q}'
 }
+base_ratio() { # ROW SERVER -> its IOPS / the IOPS of SERVER@base
+    local v=${cell[$1,$2]:-} b=${cell[$1,$2@base]:-}
+    [[ -n $v && -n $b ]] || { echo "—"; return; }
+    awk -v v="${v%%|*}" -v b="${b%%|*}" 'BEGIN {if (b > 0) printf "%.2f", v / b; else print "—"}'
+}
 qemu_version=$(qemu-nbd --version | head -1)
 commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
+if [[ -n $baseline ]]; then
+    base_version=$("$baseline" --version 2>/dev/null | head -1) || true
+    base_mtime=$(date -u -r "$baseline" '+%Y-%m-%d %H:%M UTC')
+    # Rows where either vdisk server of this build is more than 5% below the baseline's.
+    below=
+    for row in "${rows[@]}"; do
+        low=
+        for s in vdisk-none vdisk; do
+            r=$(base_ratio "$row" "$s")
+            if [[ $r != "—" ]] && awk -v r="$r" 'BEGIN {exit !(r < 0.95)}'; then
+                what=writeback; [[ $s == vdisk ]] || what=none
+                low+="${low:+, }$what $r"
+            fi
+        done
+        [[ -z $low ]] || below+="${below:+; }$row ($low)"
+    done
+fi
 {
     echo "# NBD server benchmark ($mode)"
     echo
@@ -326,16 +384,55 @@ commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
         read -r label q j <<<"$row"
         echo "| $label | ${q#qd} | ${j#j} | ${lat[$row,qemu-nbd]:-—} | ${lat[$row,qemu-nbd-e4]:-—} | ${lat[$row,vdisk-none]:-—} | ${lat[$row,vdisk]:-—} | ${cpu[$row,qemu-nbd]:-—} | ${cpu[$row,qemu-nbd-e4]:-—} | ${cpu[$row,vdisk-none]:-—} | ${cpu[$row,vdisk]:-—} |"
     done
+    if [[ -n $baseline ]]; then
+        echo
+        echo "## This build against the baseline"
+        echo
+        echo "- baseline: \`$baseline_given\`, commit ${baseline_rev:-unknown (no --baseline-rev)} (\`--version\`: ${base_version:-none}; file modified $base_mtime)"
+        echo "- both vdisk servers also ran with the baseline binary: the same commands on the same images, each baseline run right before or after its counterpart in the same alternating schedule"
+        if ((rounds == 1)); then
+            echo "- new/baseline: this build's IOPS over the baseline's; below 0.95 is more than 5% slower"
+        else
+            echo "- new/baseline: this build's IOPS over the baseline's, each server's run with the median IOPS of $rounds; below 0.95 is more than 5% slower"
+        fi
+        echo
+        echo "IOPS (MiB/s):"
+        echo
+        echo "| workload | iodepth | jobs | vdisk --cache none | baseline --cache none | none new/baseline | vdisk (writeback) | baseline (writeback) | writeback new/baseline |"
+        echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        for row in "${rows[@]}"; do
+            read -r label q j <<<"$row"
+            echo "| $label | ${q#qd} | ${j#j} | $(fmt "$row" vdisk-none) | $(fmt "$row" vdisk-none@base) | **$(base_ratio "$row" vdisk-none)** | $(fmt "$row" vdisk) | $(fmt "$row" vdisk@base) | **$(base_ratio "$row" vdisk)** |"
+        done
+        echo
+        echo "Mean completion latency (µs) and CPU time the server used during the run (s):"
+        echo
+        echo "| workload | iodepth | jobs | vdisk none µs | baseline none µs | vdisk µs | baseline µs | vdisk none CPU s | baseline none CPU s | vdisk CPU s | baseline CPU s |"
+        echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        for row in "${rows[@]}"; do
+            read -r label q j <<<"$row"
+            echo "| $label | ${q#qd} | ${j#j} | ${lat[$row,vdisk-none]:-—} | ${lat[$row,vdisk-none@base]:-—} | ${lat[$row,vdisk]:-—} | ${lat[$row,vdisk@base]:-—} | ${cpu[$row,vdisk-none]:-—} | ${cpu[$row,vdisk-none@base]:-—} | ${cpu[$row,vdisk]:-—} | ${cpu[$row,vdisk@base]:-—} |"
+        done
+        echo
+        echo "- rows below 0.95 of the baseline: ${below:-none}"
+    fi
     if ((rounds > 1)); then
         echo
         echo "IOPS of every run, in the order they ran:"
         echo
-        echo "| workload | iodepth | jobs | qemu-nbd | qemu-nbd --shared=4 | vdisk --cache none | vdisk (writeback) |"
-        echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+        every=(qemu-nbd qemu-nbd-e4 vdisk-none vdisk)
+        if [[ -z $baseline ]]; then
+            echo "| workload | iodepth | jobs | qemu-nbd | qemu-nbd --shared=4 | vdisk --cache none | vdisk (writeback) |"
+            echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+        else
+            every+=(vdisk-none@base vdisk@base)
+            echo "| workload | iodepth | jobs | qemu-nbd | qemu-nbd --shared=4 | vdisk --cache none | vdisk (writeback) | baseline --cache none | baseline (writeback) |"
+            echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        fi
         for row in "${rows[@]}"; do
             read -r label q j <<<"$row"
             line="| $label | ${q#qd} | ${j#j} |"
-            for s in qemu-nbd qemu-nbd-e4 vdisk-none vdisk; do
+            for s in "${every[@]}"; do
                 v=$(tr ';' '\n' <<<"${runs[$row,$s]:-}" | awk 'NF {printf "%s%s", (n++ ? ", " : ""), $1}')
                 line+=" ${v:-—} |"
             done

@@ -2,6 +2,7 @@
 """qcow2 write benchmark: `qemu-img bench` and `vdisk bench` side by side, same arguments.
 
     bench/qcow2.py [--quick] [--rounds N] [--total-mib N] [--only REGEX] [--aio MODE] [--no-build]
+                   [--baseline BINARY [--baseline-rev REV]] [--out FILE]
 
 Every row writes the same amount of data (sequentially, 16 requests in flight) into a new
 image and is run by:
@@ -29,8 +30,18 @@ no read hides inside io_submit) counts syncs (fdatasync, fsync) and the bytes re
 backing file (copy-on-write reads). vdisk's own counters
 (copy-on-write bytes, commits) are reported beside them.
 
+With --baseline BINARY (a vdisk built from another commit; bench/compare-builds.sh builds
+one) every vdisk configuration (vdisk, raw-vdisk, falloc, written) also runs with that binary,
+on the same kind of image, right before or after its counterpart in the same alternating
+schedule (in a row's first round the baseline goes second on the first row, first on the
+next, and so on), and once more under strace; the report adds a table of this build against the
+baseline (new/baseline per configuration) and lists the rows where a ratio is below 0.95.
+The QEMU columns and ratios are the same as without it.
+
 Results: printed and written to bench/results/qcow2-<quick|full>[-AIO].md (no suffix for the
-default, native).
+default, native); with --baseline, qcow2-<quick|full>[-AIO]-vs-<REV>.md (REV from
+--baseline-rev, else "baseline"), so a comparison does not overwrite the committed results;
+--out FILE writes elsewhere.
 """
 
 import argparse
@@ -53,6 +64,25 @@ MIB = 1 << 20
 AIO = "native"
 CONFIGS = ["qemu", "qemu-best", "vdisk", "raw-qemu", "raw-vdisk", "falloc-vdisk",
            "written-vdisk"]
+# With --baseline: the vdisk configurations run again with the baseline binary, as NAME@base.
+VDISK_CONFIGS = ["vdisk", "raw-vdisk", "falloc-vdisk", "written-vdisk"]
+BASE = "@base"
+BASELINE = None
+# The ratio new/baseline below which a row is listed (issue 23: no row more than 5% below).
+BASE_BAR = 0.95
+
+
+def configs(base_first=False):
+    """The configurations of a row in the order of its even rounds: each baseline
+    configuration right beside its counterpart (after it, or before it with base_first), so
+    reversing the order on odd rounds also alternates which of the two goes first."""
+    if not BASELINE:
+        return CONFIGS
+    out = []
+    for c in CONFIGS:
+        pair = [c, c + BASE] if c in VDISK_CONFIGS else [c]
+        out += pair[::-1] if base_first else pair
+    return out
 
 
 def big_stack():
@@ -125,6 +155,7 @@ def fill(path, size):
 
 def make_image(config, row, path):
     _, cs, _, backing, _, _, size = row
+    config = config.removesuffix(BASE)
     if os.path.exists(path):
         os.unlink(path)
     if config.startswith("raw"):
@@ -149,7 +180,10 @@ def make_image(config, row, path):
 
 def bench_args(config, row, fmt, path, aio):
     _, _, bs, _, flush, cache, size = row
-    tool = [VDISK] if config.endswith("vdisk") else ["qemu-img"]
+    if config.endswith(BASE):
+        tool = [BASELINE]
+    else:
+        tool = [VDISK] if config.endswith("vdisk") else ["qemu-img"]
     args = tool + ["bench", "-f", fmt, "-w", "-d", "16", "-s", str(bs), "-t", cache]
     args += ["-i", aio if cache == "none" else "threads"]
     args += ["-c", str(size // bs)]
@@ -226,9 +260,23 @@ def main():
     p.add_argument("--aio", default="native", choices=["threads", "native", "io_uring"],
                    help="-i for the -t none rows (default native)")
     p.add_argument("--no-build", action="store_true")
+    p.add_argument("--baseline", metavar="BINARY",
+                   help="also run every vdisk configuration with this vdisk binary (built from "
+                   "another commit) and report new/baseline")
+    p.add_argument("--baseline-rev", metavar="REV",
+                   help="the commit the baseline was built from, for the report (vdisk "
+                   "--version does not name it)")
+    p.add_argument("--out", metavar="FILE", help="write the report here instead of "
+                   "bench/results/")
     a = p.parse_args()
-    global AIO
+    global AIO, BASELINE
     AIO = a.aio
+    if a.baseline_rev and not a.baseline:
+        p.error("--baseline-rev needs --baseline")
+    if a.baseline:
+        BASELINE = os.path.abspath(a.baseline)
+        if not (os.path.isfile(BASELINE) and os.access(BASELINE, os.X_OK)):
+            p.error("--baseline %s is not an executable file" % a.baseline)
     rounds = a.rounds or (1 if a.quick else 3)
     total = (a.total_mib or (64 if a.quick else 512)) * MIB
     os.makedirs(WORK, exist_ok=True)
@@ -240,21 +288,28 @@ def main():
     for row in rows(total):
         if a.only and not re.search(a.only, row[0]):
             continue
-        times = {c: [] for c in CONFIGS}
+        # With a baseline, every other row starts with the baseline's run of each pair, so
+        # that with one round (or an odd number) neither build always goes first.
+        schedule = configs(base_first=len(results) % 2 == 1)
+        times = {c: [] for c in schedule}
         for r in range(rounds):
-            order = CONFIGS if r % 2 == 0 else CONFIGS[::-1]
+            order = schedule if r % 2 == 0 else schedule[::-1]
             for c in order:
                 t, _ = timed(c, row)
                 times[c].append(t)
-        trace = {c: traced(c, row) for c in ("qemu", "qemu-best", "vdisk")}
-        mibs = {c: row[6] / MIB / statistics.median(times[c]) for c in CONFIGS}
+        traced_configs = ["qemu", "qemu-best", "vdisk"] + (["vdisk" + BASE] if BASELINE else [])
+        trace = {c: traced(c, row) for c in traced_configs}
+        mibs = {c: row[6] / MIB / statistics.median(times[c]) for c in configs()}
         results.append((row, mibs, trace))
-        print("%-45s " % row[0] + " ".join("%s %.0f" % (c, mibs[c]) for c in CONFIGS),
+        print("%-45s " % row[0] + " ".join("%s %.0f" % (c, mibs[c]) for c in configs()),
               file=sys.stderr)
     report = render(a, rounds, total, started, results)
     name = "qcow2-%s%s.md" % ("quick" if a.quick else "full",
                               "" if AIO == "native" else "-" + AIO)
-    with open(os.path.join(ROOT, "bench", "results", name), "w") as f:
+    if BASELINE:
+        name = name[:-3] + "-vs-%s.md" % re.sub(r"[^\w.-]", "_", a.baseline_rev or "baseline")
+    path = a.out or os.path.join(ROOT, "bench", "results", name)
+    with open(path, "w") as f:
         f.write(report)
     print(report)
 
@@ -296,6 +351,8 @@ def render(a, rounds, total, started, results):
                        m["raw-vdisk"], m["falloc-vdisk"], m["written-vdisk"],
                        m["vdisk"] / m["qemu"], m["vdisk"] / m["qemu-best"], m["vdisk"] / raw,
                        m["vdisk"] / m["falloc-vdisk"], m["vdisk"] / m["written-vdisk"]))
+    if BASELINE:
+        out += render_baseline(a, results)
     out += [
         "",
         "## Syncs and copy-on-write reads (one run each under strace -f)",
@@ -335,6 +392,58 @@ def render(a, rounds, total, started, results):
         "",
     ]
     return "\n".join(out)
+
+
+def render_baseline(a, results):
+    """The section comparing this build with the baseline binary, row by row."""
+    b = BASE
+    binary = shlex.quote(a.baseline)
+    try:
+        version = subprocess.run([BASELINE, "--version"], capture_output=True, text=True,
+                                 check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        version = "no --version"
+    built = datetime.datetime.fromtimestamp(os.path.getmtime(BASELINE), datetime.timezone.utc)
+    out = [
+        "",
+        "## This build against the baseline",
+        "",
+        "- baseline: `%s`, commit %s (`--version`: %s; file modified %s)" % (
+            binary, a.baseline_rev or "unknown (no --baseline-rev)", version,
+            built.strftime("%Y-%m-%d %H:%M UTC")),
+        "- every vdisk configuration above also ran with the baseline binary on the same kind "
+        "of image, in the same alternating schedule: each baseline run right beside its "
+        "counterpart, the one going first alternating from round to round and, in the first "
+        "round, from row to row; the traced vdisk run ran once more with the baseline",
+        "- new/baseline: this build's MiB/s over the baseline's (medians); below %.2f is more "
+        "than %.0f%% slower" % (BASE_BAR, 100 * (1 - BASE_BAR)),
+        "",
+        "| row | vdisk | baseline | **new/baseline** | raw (vdisk) | baseline | new/baseline "
+        "| falloc | baseline | new/baseline | written | baseline | new/baseline | syncs new / "
+        "baseline | backing bytes new / baseline |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: | ---: |",
+    ]
+    below = []
+    for row, m, t in results:
+        cells = []
+        low = []
+        for c in VDISK_CONFIGS:
+            ratio = m[c] / m[c + b]
+            bold = "**" if c == "vdisk" else ""
+            cells.append("%.0f | %.0f | %s%.2f%s" % (m[c], m[c + b], bold, ratio, bold))
+            if ratio < BASE_BAR:
+                low.append("%s %.2f" % (c.removesuffix("-vdisk"), ratio))
+        if low:
+            below.append("%s (%s)" % (row[0], ", ".join(low)))
+        out.append("| %s | %s | %d / %d | %d / %d |" % (
+            row[0], " | ".join(cells), t["vdisk"][0], t["vdisk" + b][0], t["vdisk"][1],
+            t["vdisk" + b][1]))
+    out += [
+        "",
+        "- rows below %.2f of the baseline: %s" % (BASE_BAR, "; ".join(below) or "none"),
+    ]
+    return out
 
 
 if __name__ == "__main__":
