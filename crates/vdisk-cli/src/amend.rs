@@ -4,7 +4,7 @@
 
 use std::process::ExitCode;
 
-use vdisk::formats::qcow2::amend::AmendOptions;
+use vdisk::formats::{AmendOptions, Capability};
 use vdisk::{open_image, BlockDev, Error, ImageOptions};
 
 use crate::flags::{bad_cache, ImageFormat, ShowProgress};
@@ -135,23 +135,24 @@ fn amend(filename: &str, args: &Args) -> vdisk::Result<ExitCode> {
     if asks_help(&args.options) {
         return Ok(option_help(image.format().name()));
     }
-    let Some(q) = image.qcow2_mut() else {
-        return Err(Error::unsupported(
-            "Format driver 'raw' does not support option amendment",
-        ));
-    };
+    if !image.driver().supports(Capability::Amend) {
+        let name = image.format().name();
+        return Err(Error::unsupported(format!(
+            "Format driver '{name}' does not support option amendment"
+        )));
+    }
     let o = amend_options(&args.options)?;
     let progress = args.progress.shown().then(|| Progress::new(100));
-    let old_size = q.size();
-    let result = q.amend(&o);
+    let old_size = image.size();
+    let result = image.driver_mut().amend(&o);
     if let Some(p) = progress {
         p.finish();
     }
-    // Only a new size changes what persistent bitmaps describe (see the qcow2 bitmaps module).
-    let closed = if q.size() == old_size {
-        q.close_keeping_bitmaps()
+    // Only a new size changes what persistent bitmaps describe.
+    let closed = if image.size() == old_size {
+        image.driver().close_unchanged()
     } else {
-        q.close()
+        image.close()
     };
     result.and(closed).map(|()| ExitCode::SUCCESS)
 }

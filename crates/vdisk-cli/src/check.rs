@@ -6,11 +6,9 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use vdisk::formats::qcow2::check::check;
-use vdisk::formats::qcow2::repair::{repair, Fix};
-use vdisk::formats::CheckReport;
-use vdisk::storage::{FileStorage, LockRole, LockUse, OpenOptions, Storage};
-use vdisk::{open_image, Error};
+use vdisk::formats::{Capability, CheckReport, Fix};
+use vdisk::storage::{FileStorage, LockUse, OpenOptions, Storage};
+use vdisk::{open_image, Error, Format};
 
 use crate::flags::{ForceShare, ImageFormat, Output, Quiet, ReadCache, Report};
 use crate::open::metadata_options;
@@ -70,25 +68,23 @@ pub fn run(a: &Args) -> ExitCode {
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };
-    if image.qcow2().is_none() {
+    if !image.driver().supports(Capability::Check) {
         if fix.is_some() {
             warn_probed_raw(filename, format, &image);
         }
         return fail("This image format does not support checks", NO_CHECK);
     }
     let report = match fix {
-        None => {
-            let q = image.qcow2().expect("checked above");
-            match check(q, &mut |m| eprintln!("{m}")) {
-                Ok(r) => r,
-                Err(failed) => return fail(format!("Check failed: {}", failed.error), 1),
-            }
-        }
+        None => match image.driver().check(&mut |m| eprintln!("{m}")) {
+            Ok(r) => r,
+            Err(failed) => return fail(format!("Check failed: {}", failed.error), 1),
+        },
         Some(fix) => {
             // The read-only open above validated the image and gave qemu-img's errors; the
             // repair writes through a writable handle of its own, with nothing else open on it.
+            let format = image.format();
             drop(image);
-            match run_repair(filename, fix, output, quiet) {
+            match run_repair(filename, format, fix, output, quiet) {
                 Ok(r) => r,
                 Err(code) => return code,
             }
@@ -116,6 +112,7 @@ pub fn run(a: &Args) -> ExitCode {
 /// is the second check's, with the first one's fixed counts.
 fn run_repair(
     filename: &str,
+    format: Format,
     fix: Fix,
     output: Output,
     quiet: bool,
@@ -126,7 +123,7 @@ fn run_repair(
     };
     let storage: Arc<dyn Storage> = match FileStorage::open(Path::new(filename), writable) {
         Ok(s) => {
-            if let Err(e) = s.lock(Path::new(filename), LockRole::Qcow2, LockUse::WRITER) {
+            if let Err(e) = s.lock(Path::new(filename), format.lock_role(), LockUse::WRITER) {
                 return Err(fail(format!("Could not open '{filename}': {e}"), 1));
             }
             Arc::new(s)
@@ -139,7 +136,7 @@ fn run_repair(
             ));
         }
     };
-    let repaired = match repair(&storage, fix, &mut |m| eprintln!("{m}")) {
+    let repaired = match format.repair(&storage, fix, &mut |m| eprintln!("{m}")) {
         Ok(r) => r,
         Err(failed) => {
             if let Some(m) = &failed.message {
@@ -165,10 +162,9 @@ fn run_repair(
         // QEMU makes an image unusable once it marked it corrupt: its second check fails.
         return Err(fail("Check failed: No medium found", 1));
     }
-    let opts = metadata_options(filename, Some("qcow2"), false).map_err(|e| fail(e, 1))?;
+    let opts = metadata_options(filename, Some(format.name()), false).map_err(|e| fail(e, 1))?;
     let image = open_image(filename, &opts).map_err(|e| fail(e, 1))?;
-    let q = image.qcow2().expect("opened as qcow2");
-    let mut report = match check(q, &mut |m| eprintln!("{m}")) {
+    let mut report = match image.driver().check(&mut |m| eprintln!("{m}")) {
         Ok(r) => r,
         Err(failed) => return Err(fail(format!("Check failed: {}", failed.error), 1)),
     };

@@ -141,10 +141,8 @@ fn commit(args: &Args) -> vdisk::Result<()> {
         };
         drop(top);
         let mut top = open_image(&args.filename, &opts)?;
-        if let Some(q) = top.qcow2_mut() {
-            q.make_empty()?;
-            q.close()?;
-        }
+        top.driver_mut().make_empty()?;
+        top.close()?;
     }
     Ok(())
 }

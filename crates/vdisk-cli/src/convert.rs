@@ -442,7 +442,7 @@ fn copy_compressed(
     end: u64,
     buf: &mut [u8],
 ) -> vdisk::Result<()> {
-    let cs = target.qcow2().map_or(CHUNK, |q| q.header().cluster_size()) as usize;
+    let cs = target.driver().cluster_size().unwrap_or(CHUNK) as usize;
     let data = &mut buf[..(end - start) as usize];
     source.read(start, data).map_err(reading(start))?;
     for (k, cluster) in data.chunks(cs).enumerate() {
@@ -452,10 +452,7 @@ fn copy_compressed(
         }
         // With `-S 0`, zero clusters are data too, stored compressed like the rest.
         let written = if plan.sparse == 0 || !vdisk::bytes::is_zero(cluster) {
-            match target.qcow2() {
-                Some(q) => q.write_compressed(at, cluster),
-                None => target.write(at, cluster),
-            }
+            target.driver().write_compressed(at, cluster)
         } else if !plan.zero_init {
             target.write_zeroes(at, cluster.len() as u64)
         } else {

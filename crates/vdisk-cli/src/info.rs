@@ -2,9 +2,7 @@
 
 use std::process::ExitCode;
 
-use vdisk::formats::qcow2::bitmaps;
-use vdisk::formats::qcow2::snapshot::Snapshot;
-use vdisk::formats::qcow2::Qcow2;
+use vdisk::formats::{InfoValue, SnapshotInfo};
 use vdisk::{open_image, BlockDev, Image, ImageOptions};
 
 use crate::flags::{ForceShare, ImageFormat, Output, Report};
@@ -74,14 +72,8 @@ fn open_chain(
         };
         let image = open_image(&name, &opts)?;
         if chain {
-            next = image.qcow2().and_then(|q| {
-                let h = q.header();
-                let backing = h.backing_file.as_ref()?;
-                Some((
-                    vdisk::backing_path(&name, backing),
-                    h.backing_format.clone(),
-                ))
-            });
+            let backing = image.driver().info().backing;
+            next = backing.map(|(file, fmt)| (vdisk::backing_path(&name, &file), fmt));
         }
         images.push(image);
     }
@@ -99,7 +91,7 @@ struct Info {
     cluster_size: Option<u64>,
     dirty: bool,
     backing: Option<(String, String, Option<String>)>,
-    snapshots: Vec<Snapshot>,
+    snapshots: Vec<SnapshotInfo>,
     specific: Option<Vec<(String, Value)>>,
 }
 
@@ -120,48 +112,20 @@ impl Info {
             snapshots: Vec::new(),
             specific: None,
         };
-        if let Some(q) = image.qcow2() {
-            info.fill_qcow2(image, q);
-        }
+        let f = image.driver().info();
+        info.cluster_size = f.cluster_size;
+        info.dirty = f.dirty;
+        info.snapshots = image.driver().snapshots();
+        info.backing = f.backing.map(|(name, fmt)| {
+            let full = vdisk::backing_path(&image.filename, &name);
+            (name, full, fmt)
+        });
+        info.specific = f.specific.map(|d| {
+            d.into_iter()
+                .map(|(k, v)| (k.to_string(), json(v)))
+                .collect()
+        });
         info
-    }
-
-    fn fill_qcow2(&mut self, image: &Image, q: &Qcow2) {
-        let h = q.header();
-        self.cluster_size = Some(h.cluster_size());
-        self.dirty = h.is_dirty();
-        self.snapshots = q.snapshots().to_vec();
-        if let Some(name) = &h.backing_file {
-            let full = vdisk::backing_path(&image.filename, name);
-            self.backing = Some((name.clone(), full, h.backing_format.clone()));
-        }
-        let mut d: Vec<(String, Value)> = Vec::new();
-        let mut put = |k: &str, v: Value| d.push((k.to_string(), v));
-        if h.version == 2 {
-            put("compat", "0.10".into());
-            put("compression-type", h.compression.name().into());
-            put("refcount-bits", h.refcount_bits().into());
-        } else {
-            put("compat", "1.1".into());
-            put("compression-type", h.compression.name().into());
-            put("lazy-refcounts", h.lazy_refcounts().into());
-            // A directory that cannot be read is for `check` to report; info goes on.
-            let bitmaps = bitmaps::list(&**q.file(), h).unwrap_or_default();
-            if !bitmaps.is_empty() {
-                put(
-                    "bitmaps",
-                    Value::Array(bitmaps.iter().map(bitmap_json).collect()),
-                );
-            }
-            put("refcount-bits", h.refcount_bits().into());
-            if let Some(df) = &h.data_file {
-                put("data-file", df.as_str().into());
-                put("data-file-raw", h.data_file_raw().into());
-            }
-            put("corrupt", h.is_corrupt().into());
-            put("extended-l2", h.extended_l2().into());
-        }
-        self.specific = Some(d);
     }
 
     fn file_child(&self) -> Value {
@@ -256,21 +220,20 @@ impl Info {
     }
 }
 
-/// A bitmap as QAPI's Qcow2BitmapInfo.
-fn bitmap_json(b: &bitmaps::BitmapInfo) -> Value {
-    let flags = [(b.in_use, "in-use"), (b.auto, "auto")]
-        .into_iter()
-        .filter(|&(set, _)| set)
-        .map(|(_, name)| name.into())
-        .collect();
-    let mut d = Dict::new();
-    d.put("name", b.name.as_str())
-        .put("granularity", b.granularity)
-        .put("flags", Value::Array(flags));
-    d.build()
+/// A value of the format-specific information as JSON.
+fn json(v: InfoValue) -> Value {
+    match v {
+        InfoValue::Bool(b) => b.into(),
+        InfoValue::Number(n) => n.into(),
+        InfoValue::Text(t) => t.into(),
+        InfoValue::List(l) => Value::Array(l.into_iter().map(json).collect()),
+        InfoValue::Dict(d) => {
+            Value::Dict(d.into_iter().map(|(k, v)| (k.into(), json(v))).collect())
+        }
+    }
 }
 
-fn snapshot_json(sn: &Snapshot) -> Value {
+fn snapshot_json(sn: &SnapshotInfo) -> Value {
     let mut d = Dict::new();
     if let Some(icount) = sn.icount {
         d.put("icount", icount);

@@ -5,7 +5,7 @@
 
 use std::process::ExitCode;
 
-use vdisk::formats::qcow2::bitmaps;
+use vdisk::formats::BitmapInfo;
 use vdisk::Preallocation;
 use vdisk::{open_image, BlockDev, Error, Format, Image};
 
@@ -259,11 +259,9 @@ fn measure_qcow2(opts: &Opts, source: Option<&Image>, size: Option<u64>) -> vdis
         required = virtual_size;
     }
     let fully_allocated = prealloc_size(virtual_size, cluster_size, refcount_bits, entry_bytes);
-    let bitmaps = source.and_then(|image| match image.qcow2() {
-        Some(q) if version >= 3 && q.header().version >= 3 => {
-            Some(bitmaps_size(q, image.size(), cluster_size))
-        }
-        _ => None,
+    let bitmaps = source.filter(|_| version >= 3).and_then(|image| {
+        let list = image.driver().bitmaps()?;
+        Some(bitmaps_size(&list, image.size(), cluster_size))
     });
     Ok(Measure {
         // Metadata is counted as for the fully allocated image: an overestimate, as QEMU's.
@@ -333,11 +331,10 @@ fn refcount_metadata_size(clusters: u64, cluster_size: u64, refcount_bits: u64) 
 
 /// QEMU's `qcow2_get_persistent_dirty_bitmap_size`: each bitmap's data and table, assumed
 /// fully allocated, and the directory.
-fn bitmaps_size(q: &vdisk::formats::qcow2::Qcow2, disk_size: u64, cluster_size: u64) -> u64 {
-    let list = bitmaps::list(&**q.file(), q.header()).unwrap_or_default();
+fn bitmaps_size(list: &[BitmapInfo], disk_size: u64, cluster_size: u64) -> u64 {
     let mut total = 0;
     let mut directory = 0;
-    for b in &list {
+    for b in list {
         let bytes = disk_size.div_ceil(b.granularity.max(1)).div_ceil(8);
         let clusters = bytes.div_ceil(cluster_size);
         total += clusters * cluster_size;

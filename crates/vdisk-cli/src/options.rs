@@ -117,7 +117,7 @@ pub fn snapshot_param(source: &Image, param: &str) -> vdisk::Result<String> {
         }
     }
     if let (Some(id), Some(name)) = (id, name) {
-        let snapshots = source.qcow2().map(|q| q.snapshots()).unwrap_or_default();
+        let snapshots = source.driver().snapshots();
         if !snapshots.iter().any(|s| s.id == id && s.name == name) {
             return Err(Error::invalid(
                 "Failed to load snapshot: Can't find snapshot",

@@ -4,6 +4,7 @@
 
 use std::process::ExitCode;
 
+use vdisk::formats::Capability;
 use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 
 use crate::flags::{bad_cache, ImageFormat, ShowProgress, WriteCache};
@@ -69,7 +70,7 @@ fn rebase(args: &Args) -> vdisk::Result<()> {
         ..ImageOptions::default()
     };
     let mut image = open_image(filename, &opts)?;
-    if image.qcow2().is_none() {
+    if !image.driver().supports(Capability::Rebase) {
         return Err(Error::unsupported(format!(
             "Could not change the backing file to '{}': Operation not supported",
             backing
@@ -95,12 +96,12 @@ fn rebase(args: &Args) -> vdisk::Result<()> {
         };
         keep_contents(&image, new_backing.as_ref(), args.progress.shown())?;
     }
-    let q = image.qcow2_mut().expect("checked above");
-    let result = q.set_backing(new, new.and(backing_format));
+    let d = image.driver_mut();
+    let result = d.set_backing(new, new.and(backing_format));
     // Without copying, no guest data changed: persistent bitmaps stay right.
     let closed = match args.unsafe_ {
-        true => q.close_keeping_bitmaps(),
-        false => q.close(),
+        true => d.close_unchanged(),
+        false => d.close(),
     };
     result.and(closed)
 }
@@ -113,7 +114,7 @@ fn keep_contents(
     progress: bool,
 ) -> vdisk::Result<()> {
     let size = image.size();
-    let cs = image.qcow2().map_or(65536, |q| q.header().cluster_size());
+    let cs = image.driver().cluster_size().unwrap_or(65536);
     let progress = progress.then(|| Progress::new(size));
     let mut old = vec![0u8; cs as usize];
     let mut new = vec![0u8; cs as usize];

@@ -3,6 +3,7 @@
 
 use std::process::ExitCode;
 
+use vdisk::formats::Capability;
 use vdisk::{open_image, Error, ImageOptions};
 
 use crate::flags::{ForceShare, ImageFormat, Quiet};
@@ -78,24 +79,25 @@ fn act(filename: &str, format: Option<&str>, action: Action, force_share: bool) 
         Err(e) => return fail(e, 1),
     };
     warn_probed_raw(filename, format, &image);
-    let result = match image.qcow2_mut() {
-        None => Err(Error::unsupported("Operation not supported")),
-        Some(q) => {
-            // Creating or deleting a snapshot changes no guest data, and applying one is
-            // refused before it changes any where there are bitmaps: they stay right.
-            let keep = !matches!(action, Action::Apply(_)) || q.has_bitmaps();
-            let result = match action {
-                Action::Create(n) => q.snapshot_create(n),
-                Action::Apply(n) => q.snapshot_apply(n),
-                Action::Delete(n) => q.snapshot_delete(n),
-                Action::List => unreachable!("handled above"),
-            };
-            let closed = match keep {
-                true => q.close_keeping_bitmaps(),
-                false => q.close(),
-            };
-            result.and(closed)
-        }
+    let result = if image.driver().supports(Capability::Snapshots) {
+        // Creating or deleting a snapshot changes no guest data, and applying one is refused
+        // before it changes any where there are bitmaps: they stay right.
+        let bitmaps = image.driver().bitmaps().is_some_and(|b| !b.is_empty());
+        let keep = !matches!(action, Action::Apply(_)) || bitmaps;
+        let d = image.driver_mut();
+        let result = match action {
+            Action::Create(n) => d.snapshot_create(n),
+            Action::Apply(n) => d.snapshot_apply(n),
+            Action::Delete(n) => d.snapshot_delete(n),
+            Action::List => unreachable!("handled above"),
+        };
+        let closed = match keep {
+            true => d.close_unchanged(),
+            false => d.close(),
+        };
+        result.and(closed)
+    } else {
+        Err(Error::unsupported("Operation not supported"))
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -110,7 +112,6 @@ fn list(filename: &str, format: Option<&str>, force_share: bool) -> ExitCode {
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };
-    let snapshots = image.qcow2().map(|q| q.snapshots()).unwrap_or_default();
-    print!("{}", snapshot_list(snapshots));
+    print!("{}", snapshot_list(&image.driver().snapshots()));
     ExitCode::SUCCESS
 }

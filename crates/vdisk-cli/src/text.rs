@@ -1,6 +1,6 @@
 //! Text formats shared by the subcommands, spelled as qemu-img spells them.
 
-use vdisk::formats::qcow2::snapshot::Snapshot;
+use vdisk::formats::SnapshotInfo;
 
 /// C's `printf("%0.3g", v)` for the non-negative values sizes produce.
 fn g3(v: f64) -> String {
@@ -110,7 +110,7 @@ impl Progress {
 
 /// The "Snapshot list:" table of `qemu-img info` and `qemu-img snapshot -l` (empty without
 /// snapshots).
-pub fn snapshot_list(snapshots: &[Snapshot]) -> String {
+pub fn snapshot_list(snapshots: &[SnapshotInfo]) -> String {
     if snapshots.is_empty() {
         return String::new();
     }

@@ -29,7 +29,6 @@ use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
-use vdisk::formats::qcow2::check::check;
 use vdisk::storage::{MemStorage, Storage};
 use vdisk::{open_storage, BlockDev, Format};
 
@@ -809,8 +808,8 @@ fn examine(storage: Arc<dyn Storage>, keep_contents: bool) -> Outcome {
     };
     out.size = image.size();
     drive(&image, &mut out, keep_contents);
-    let q = image.qcow2().expect("opened as qcow2");
-    out.check = Some(match check(q, &mut |_| {}) {
+    let q = image.driver();
+    out.check = Some(match q.check(&mut |_| {}) {
         Ok(r) => Ok((r.corruptions, r.leaks)),
         Err(f) => Err(f.error.to_string()),
     });

@@ -6,7 +6,6 @@
 
 use std::sync::Arc;
 
-use vdisk::formats::qcow2::check::check;
 use vdisk::formats::qcow2::create::{create, CreateOptions};
 use vdisk::storage::{Fault, FaultStorage, MemStorage, OpKind, Storage, When};
 use vdisk::{open_overlay, open_storage, open_storage_with, BlockDev, Format, Image};
@@ -59,7 +58,7 @@ fn host_file() -> (Arc<dyn Storage>, tempfile::TempDir) {
 
 fn assert_clean(storage: &Arc<dyn Storage>, allow_leaks: bool) {
     let image = open_storage(storage.clone(), Some(Format::QCOW2), "t").unwrap();
-    let report = check(image.qcow2().unwrap(), &mut |_| {}).unwrap();
+    let report = image.driver().check(&mut |_| {}).unwrap();
     assert_eq!(report.corruptions, 0, "corruptions");
     if !allow_leaks {
         assert_eq!(report.leaks, 0, "leaks");
@@ -104,7 +103,7 @@ fn gaps_are_filled_from_the_backing_file_once() {
     want[8192..12288].fill(9);
     want[16384..20480].fill(9);
     assert!(got == want, "cluster content");
-    image.qcow2().unwrap().close().unwrap();
+    image.close().unwrap();
     assert_clean(&storage, false);
 }
 
@@ -137,7 +136,7 @@ fn new_space_beyond_the_file_is_not_zero_filled() {
     assert!(got[..4096].iter().all(|&b| b == 0));
     assert!(got[4096..8192].iter().all(|&b| b == 5));
     assert!(got[8192..].iter().all(|&b| b == 0));
-    image.qcow2().unwrap().close().unwrap();
+    image.close().unwrap();
     assert_clean(&storage, false);
 }
 
@@ -164,7 +163,7 @@ fn concurrent_writes_into_new_clusters_all_land() {
             });
         }
     });
-    image.qcow2().unwrap().close().unwrap();
+    image.close().unwrap();
     drop(image);
     assert_clean(&storage, false);
     let image = open_overlay(storage, backing.clone(), "top.qcow2", false).unwrap();
@@ -207,7 +206,7 @@ fn every_injected_failure_leaves_a_consistent_image() {
             maybe: vec![None; SIZE as usize],
         };
         let image = run_after_create(&faulty, &writes, &mut model).unwrap();
-        image.qcow2().unwrap().close().unwrap();
+        image.close().unwrap();
         faulty
     };
     let mut fired = 0;
@@ -239,7 +238,7 @@ fn every_injected_failure_leaves_a_consistent_image() {
                     image
                         .flush()
                         .unwrap_or_else(|e| panic!("{op:?} call {k}: flush: {e}"));
-                    image.qcow2().unwrap().close().unwrap();
+                    image.close().unwrap();
                 }
                 assert_clean(&inner, true);
                 let image = open_storage(inner, Some(Format::QCOW2), "t").unwrap();
@@ -481,7 +480,7 @@ fn a_failed_started_write_leaves_the_old_content() {
         got == want,
         "a failed write's clusters hold the backing file's data"
     );
-    image.qcow2().unwrap().close().unwrap();
+    image.close().unwrap();
     assert_clean(&storage, true);
 }
 
@@ -531,7 +530,7 @@ fn fast_zeroing_takes_whole_clusters_only() {
     let mut zeroed = vec![1u8; 3 * CLUSTER as usize];
     image.read(CLUSTER, &mut zeroed).unwrap();
     assert!(zeroed.iter().all(|&b| b == 0));
-    image.qcow2().unwrap().close().unwrap();
+    image.close().unwrap();
     assert_clean(&storage, false);
     // A version 2 image has no zero clusters.
     let storage: Arc<dyn Storage> = Arc::new(MemStorage::new());

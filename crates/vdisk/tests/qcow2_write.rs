@@ -13,7 +13,6 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
-use vdisk::formats::qcow2::check::check;
 use vdisk::formats::qcow2::create::{create, CreateOptions};
 use vdisk::storage::{CrashOptions, CrashStorage, MemStorage, Storage};
 use vdisk::{open_overlay, open_storage, open_storage_with, BlockDev, Format, Image};
@@ -189,7 +188,9 @@ fn check_clean(storage: &Arc<dyn Storage>, allow_leaks: bool) -> Result<(), Stri
     let image = open_storage(storage.clone(), Some(Format::QCOW2), "test.qcow2")
         .map_err(|e| format!("reopen: {e}"))?;
     let mut messages = Vec::new();
-    let report = check(image.qcow2().unwrap(), &mut |m| messages.push(m))
+    let report = image
+        .driver()
+        .check(&mut |m| messages.push(m))
         .map_err(|f| format!("check failed: {}", f.error))?;
     if report.corruptions > 0 || (!allow_leaks && report.leaks > 0) {
         return Err(format!(
@@ -222,7 +223,7 @@ proptest! {
                 Op::TakeSnapshot => {
                     taken += 1;
                     let name = format!("s{taken}");
-                    match image.qcow2_mut().unwrap().snapshot_create(&name) {
+                    match image.driver_mut().snapshot_create(&name) {
                         Ok(()) => snapshots.push((name, model.clone())),
                         Err(vdisk::Error::InvalidArgument(_)) => {
                             prop_assert!(contents(&image) == model, "failed snapshot changed data")
@@ -232,7 +233,7 @@ proptest! {
                 }
                 Op::ApplySnapshot(k) if !snapshots.is_empty() => {
                     let (name, content) = &snapshots[k % snapshots.len()];
-                    match image.qcow2_mut().unwrap().snapshot_apply(name) {
+                    match image.driver_mut().snapshot_apply(name) {
                         Ok(()) => model = content.clone(),
                         Err(vdisk::Error::InvalidArgument(_)) => {
                             prop_assert!(contents(&image) == model, "failed apply changed data")
@@ -242,14 +243,14 @@ proptest! {
                 }
                 Op::DeleteSnapshot(k) if !snapshots.is_empty() => {
                     let (name, _) = snapshots.remove(k % snapshots.len());
-                    image.qcow2_mut().unwrap().snapshot_delete(&name).unwrap();
+                    image.driver_mut().snapshot_delete(&name).unwrap();
                 }
                 Op::ApplySnapshot(_) | Op::DeleteSnapshot(_) => {}
                 _ => apply(&image, &mut model, op, &o),
             }
         }
         prop_assert!(contents(&image) == model, "contents differ from the model");
-        image.qcow2().unwrap().close().unwrap();
+        image.close().unwrap();
         drop(image);
         prop_assert_eq!(check_clean(&storage, false), Ok(()));
         let image = disk.open(false);
@@ -383,7 +384,7 @@ fn refcount_table_growth_is_consistent() {
     let got = contents(&image);
     let first = got.iter().zip(&data).position(|(a, b)| a != b);
     assert_eq!(first, None, "first difference at byte {first:?}");
-    image.qcow2().unwrap().close().unwrap();
+    image.close().unwrap();
     drop(image);
     assert_eq!(check_clean(&storage, false), Ok(()));
     let header = storage.to_bytes_for_test();
@@ -431,7 +432,7 @@ fn refcount_table_longer_than_a_refcount_block_range() {
             let at = (i * mib) as usize;
             got[at..at + mib as usize].iter().any(|&b| b != i as u8 + 1)
         });
-        image.qcow2().unwrap().close().unwrap();
+        image.close().unwrap();
         drop(image);
         let header = storage.to_bytes_for_test();
         let reftable_clusters = u32::from_be_bytes(header[56..60].try_into().unwrap());
@@ -467,7 +468,7 @@ fn preallocated_growth_survives_every_crash() {
         let data: Vec<u8> = (0..SIZE).map(|i| (i / 512 % 251) as u8 + 1).collect();
         let image = open_storage_with(base.clone(), Some(Format::QCOW2), "t", true).unwrap();
         image.write(0, &data).unwrap();
-        image.qcow2().unwrap().close().unwrap();
+        image.close().unwrap();
         drop(image);
         let crash = Arc::new(CrashStorage::from_bytes(base.to_bytes()).with_options(
             CrashOptions {
@@ -479,16 +480,15 @@ fn preallocated_growth_survives_every_crash() {
         let storage: Arc<dyn Storage> = crash.clone();
         let mut image = open_storage_with(storage.clone(), Some(Format::QCOW2), "t", true).unwrap();
         image.driver_mut().resize(4 * SIZE, prealloc).unwrap();
-        let grown = image.qcow2().unwrap();
         let mapped = (0..4 * SIZE / cluster_size).all(|c| {
-            grown
+            image
                 .block_status(c * cluster_size, cluster_size)
                 .unwrap()
                 .offset
                 .is_some()
         });
         assert!(mapped, "{prealloc:?}: every cluster is preallocated");
-        grown.close().unwrap();
+        image.close().unwrap();
         drop(image);
         assert_eq!(check_clean(&storage, false), Ok(()), "{prealloc:?}");
         for img in crash.all_crash_images() {
@@ -533,7 +533,7 @@ fn failed_preallocated_growth_keeps_the_image_consistent() {
     create(&*base, None, &o).unwrap();
     let image = open_storage_with(base.clone(), Some(Format::QCOW2), "t", true).unwrap();
     image.write(0, &data).unwrap();
-    image.qcow2().unwrap().close().unwrap();
+    image.close().unwrap();
     drop(image);
     let grow = |faulty: &Arc<FaultStorage>| -> vdisk::Result<()> {
         let s: Arc<dyn Storage> = faulty.clone();

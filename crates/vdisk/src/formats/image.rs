@@ -3,7 +3,6 @@
 use std::sync::Arc;
 
 use super::driver::Driver;
-use super::qcow2::Qcow2;
 use super::registry::Format;
 use crate::blockdev::{BlockDev, BlockStatus, StartedRead, StartedWrite};
 use crate::error::Result;
@@ -13,7 +12,6 @@ use crate::error::Result;
 /// the driver reads as its backing file, if any.
 pub struct Image {
     pub filename: String,
-    format: Format,
     driver: Box<dyn Driver>,
     backing: Option<Arc<Image>>,
 }
@@ -21,20 +19,18 @@ pub struct Image {
 impl Image {
     pub(crate) fn new(
         filename: &str,
-        format: Format,
         driver: Box<dyn Driver>,
         backing: Option<Arc<Image>>,
     ) -> Image {
         Image {
             filename: filename.to_string(),
-            format,
             driver,
             backing,
         }
     }
 
     pub fn format(&self) -> Format {
-        self.format
+        self.driver.format()
     }
 
     /// The image's driver, for what not every format has (see [`Driver`]).
@@ -49,14 +45,6 @@ impl Image {
     /// The image below this one in its backing chain.
     pub fn backing(&self) -> Option<&Arc<Image>> {
         self.backing.as_ref()
-    }
-
-    pub fn qcow2(&self) -> Option<&Qcow2> {
-        self.driver.as_any().downcast_ref()
-    }
-
-    pub fn qcow2_mut(&mut self) -> Option<&mut Qcow2> {
-        self.driver.as_any_mut().downcast_mut()
     }
 
     /// Makes everything written durable and the image consistent on disk.

@@ -26,7 +26,10 @@ use crate::blockdev::{BlockDev, BlockStatus};
 use crate::error::{IoContext, Result};
 use crate::storage::Storage;
 
-pub use driver::{BitmapInfo, CheckFailed, CheckReport, Driver, Messages, SnapshotInfo};
+pub use driver::{
+    AmendOptions, BitmapInfo, Capability, CheckFailed, CheckReport, Driver, Fix, FormatInfo,
+    InfoValue, Messages, RepairFailed, RepairReport, SnapshotInfo,
+};
 pub use image::Image;
 pub use open::{
     backing_path, open_image, open_overlay, open_parts, open_storage, open_storage_with,

@@ -213,7 +213,7 @@ pub fn open_parts(
         backing: None,
     };
     let driver = (format.entry().open)(storage, &mut cx)?;
-    Ok(Image::new(name, format, driver, cx.backing))
+    Ok(Image::new(name, driver, cx.backing))
 }
 
 fn open_file(path: &Path, opts: &ImageOptions) -> Result<FileStorage> {
@@ -301,5 +301,5 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
         backing: None,
     };
     let driver = (format.entry().open)(file, &mut cx)?;
-    Ok(Image::new(filename, format, driver, cx.backing))
+    Ok(Image::new(filename, driver, cx.backing))
 }

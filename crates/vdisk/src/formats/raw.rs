@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::driver::Driver;
 use super::prealloc::{preallocate, Preallocation};
-use super::registry::FormatEntry;
+use super::registry::{Format, FormatEntry};
 use super::{status_mapped, Holes, Layer, Mapping};
 use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
@@ -17,6 +17,7 @@ pub(crate) static FORMAT: FormatEntry = FormatEntry {
     // Raw is what a file is when no other format recognises it.
     probe: |_| false,
     open: |storage, cx| Ok(Box::new(Raw::open(storage, !cx.write())?)),
+    repair: None,
 };
 
 pub struct Raw {
@@ -66,6 +67,10 @@ impl Raw {
 }
 
 impl Driver for Raw {
+    fn format(&self) -> Format {
+        Format::RAW
+    }
+
     fn file(&self) -> &Arc<dyn Storage> {
         &self.storage
     }
@@ -92,14 +97,6 @@ impl Driver for Raw {
         self.storage.set_len(new_size).context(what)?;
         self.size.store(new_size, Relaxed);
         Ok(())
-    }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::driver::Driver;
+use super::driver::{CheckReport, Driver, Fix, Messages, RepairFailed, RepairReport};
 use super::open::OpenContext;
 use super::{qcow2, raw};
 use crate::error::{Error, IoContext, Result};
@@ -27,10 +27,16 @@ pub struct FormatEntry {
     pub probe: fn(&[u8]) -> bool,
     /// Opens the image held in `file`.
     pub open: OpenFn,
+    /// Repairs the image in a writable storage that nothing else has open, where the format can.
+    pub repair: Option<RepairFn>,
 }
 
 /// A format's open function: the image in a storage, with what it names asked of the context.
 pub type OpenFn = fn(Arc<dyn Storage>, &mut OpenContext) -> Result<Box<dyn Driver>>;
+
+/// A format's repair (`vdisk check -r`), telling `say` each problem found and each correction.
+pub type RepairFn =
+    fn(&Arc<dyn Storage>, Fix, Messages) -> std::result::Result<RepairReport, Box<RepairFailed>>;
 
 /// A format vdisk reads and writes: a handle on its registry entry.
 #[derive(Clone, Copy)]
@@ -51,6 +57,28 @@ impl Format {
             .find(|f| f.name == name)
             .map(|&f| Format(f))
             .ok_or_else(|| Error::unsupported(format!("Unknown driver '{name}'")))
+    }
+
+    /// QEMU's image locks for a file of this format.
+    pub fn lock_role(self) -> LockRole {
+        self.0.lock_role
+    }
+
+    /// Repairs the image of this format in `file` (see [`FormatEntry::repair`]).
+    pub fn repair(
+        self,
+        file: &Arc<dyn Storage>,
+        fix: Fix,
+        say: Messages,
+    ) -> std::result::Result<RepairReport, Box<RepairFailed>> {
+        match self.0.repair {
+            Some(repair) => repair(file, fix, say),
+            None => Err(Box::new(RepairFailed {
+                report: CheckReport::default(),
+                error: Error::unsupported("This image format does not support checks"),
+                message: None,
+            })),
+        }
     }
 
     pub(crate) fn entry(self) -> &'static FormatEntry {

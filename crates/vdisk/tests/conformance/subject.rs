@@ -8,9 +8,9 @@
 
 use std::sync::Arc;
 
-use vdisk::formats::qcow2::check::check;
 use vdisk::formats::qcow2::create::{create, CreateOptions};
 use vdisk::formats::raw;
+use vdisk::formats::Capability;
 use vdisk::storage::{DiskStorage, FileStorage, MemStorage, OpenOptions, Storage};
 use vdisk::{
     open_overlay, open_parts, open_storage, open_storage_with, BlockDev, Format, Image,
@@ -58,11 +58,11 @@ impl Disk for Image {
     }
 
     fn check(&self) -> Result<Checked, String> {
-        let Some(q) = self.qcow2() else {
+        if !self.driver().supports(Capability::Check) {
             return Ok(Checked::default());
-        };
+        }
         let mut messages = Vec::new();
-        let report = check(q, &mut |m| messages.push(m))
+        let report = (self.driver().check(&mut |m| messages.push(m)))
             .map_err(|f| format!("check failed: {}", f.error))?;
         Ok(Checked {
             corruptions: report.corruptions,

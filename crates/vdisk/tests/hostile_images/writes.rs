@@ -14,7 +14,8 @@ use std::io;
 use std::sync::{Arc, Mutex};
 
 use proptest::prelude::*;
-use vdisk::formats::qcow2::repair::{repair, Fix};
+use vdisk::formats::qcow2::repair::repair;
+use vdisk::formats::Fix;
 use vdisk::storage::{IoStats, MemStorage, Storage};
 use vdisk::{open_storage_with, BlockDev, Format, Image};
 
@@ -227,8 +228,8 @@ impl WriteOp {
         image: &mut Image,
         taken: &mut Vec<String>,
     ) -> vdisk::Result<Option<Vec<u8>>> {
-        let q = image.qcow2_mut().expect("opened as qcow2");
-        let cs = q.header().cluster_size();
+        let q = image.driver_mut();
+        let cs = q.cluster_size().expect("qcow2 has clusters");
         match self {
             WriteOp::TakeSnapshot => {
                 let name = format!("w{i}");
@@ -364,7 +365,7 @@ pub(super) fn write_phase(original: &dyn Storage, ops: &[WriteOp], keep: bool) -
             if keep {
                 w.written = read_whole(&image);
             }
-            if let Err(e) = image.qcow2().expect("opened as qcow2").close() {
+            if let Err(e) = image.close() {
                 failed("close", e.to_string());
             }
         }
@@ -372,7 +373,7 @@ pub(super) fn write_phase(original: &dyn Storage, ops: &[WriteOp], keep: bool) -
     w.closed = examine(file.clone(), keep);
     match open_storage_with(file.clone(), Some(Format::QCOW2), name, true) {
         Ok(image) => {
-            if let Err(e) = image.qcow2().expect("opened as qcow2").close() {
+            if let Err(e) = image.close() {
                 failed("close after reopening", e.to_string());
             }
         }

@@ -23,24 +23,8 @@ use super::header::{
 use super::snapshot::Snapshot;
 use super::Qcow2;
 use crate::error::{Error, Result};
+use crate::formats::driver::AmendOptions;
 use crate::formats::prealloc::Preallocation;
-
-/// The options `qemu-img amend -o` takes for qcow2; `None` leaves one as it is.
-#[derive(Debug, Clone, Default)]
-pub struct AmendOptions {
-    /// 2 for compat=0.10, 3 for compat=1.1.
-    pub version: Option<u32>,
-    /// The new virtual size; 0 leaves it, as in QEMU.
-    pub size: Option<u64>,
-    pub lazy_refcounts: Option<bool>,
-    pub refcount_bits: Option<u64>,
-    /// QEMU 10 takes these only when they name the backing file and format the image has.
-    pub backing_file: Option<String>,
-    pub backing_format: Option<String>,
-    /// The external data file's new name.
-    pub data_file: Option<String>,
-    pub data_file_raw: Option<bool>,
-}
 
 /// What an amend will do, once every refusal was ruled out.
 struct Plan {
@@ -266,7 +250,6 @@ mod tests {
 
     use super::*;
     use crate::blockdev::BlockDev;
-    use crate::formats::qcow2::check::check;
     use crate::formats::qcow2::create::{create, CreateOptions};
     use crate::formats::qcow2::l2::{OFFSET_MASK, OFLAG_ZERO};
     use crate::formats::qcow2::read_header;
@@ -306,10 +289,10 @@ mod tests {
         img.write(16 * cs, &vec![0xbb; cs as usize]).unwrap();
         img.write_zeroes(32 * cs, 4 * cs).unwrap();
         img.flush().unwrap();
-        img.qcow2_mut().unwrap().snapshot_create("s").unwrap();
+        img.driver_mut().snapshot_create("s").unwrap();
         img.write(48 * cs, &vec![0xcc; cs as usize]).unwrap();
         img.write_zeroes(0, cs).unwrap();
-        img.qcow2().unwrap().close().unwrap();
+        img.close().unwrap();
         drop(img);
         let mut bytes = mem.to_bytes();
         let h = read_header(&MemStorage::from_bytes(bytes.clone())).unwrap();
@@ -352,9 +335,8 @@ mod tests {
             ..CrashOptions::default()
         }));
         let mut img = open(crash.clone(), backing, true);
-        let q = img.qcow2_mut().unwrap();
-        q.amend(o).unwrap();
-        q.close().unwrap();
+        img.driver_mut().amend(o).unwrap();
+        img.close().unwrap();
         drop(img);
         let done = Arc::new(MemStorage::from_bytes(crash.to_bytes()));
         let mut images = 0;
@@ -363,7 +345,7 @@ mod tests {
             let file: Arc<dyn Storage> = Arc::new(MemStorage::from_bytes(image.bytes.clone()));
             let img = open(file.clone(), backing, false);
             let mut said = Vec::new();
-            let report = check(img.qcow2().unwrap(), &mut |m| said.push(m)).unwrap();
+            let report = img.driver().check(&mut |m| said.push(m)).unwrap();
             assert_eq!(
                 (report.corruptions, report.check_errors),
                 (0, 0),
@@ -376,7 +358,7 @@ mod tests {
         }
         assert!(images > 1);
         let img = open(done.clone(), backing, false);
-        let report = check(img.qcow2().unwrap(), &mut |_| {}).unwrap();
+        let report = img.driver().check(&mut |_| {}).unwrap();
         assert_eq!((report.corruptions, report.leaks), (0, 0));
         read_header(&*done).unwrap()
     }
@@ -430,21 +412,21 @@ mod tests {
         let mut img = open(mem.clone(), None, true);
         img.write(1 << 20, &data).unwrap();
         for bits in [64, 1, 16] {
-            let q = img.qcow2_mut().unwrap();
             let o = AmendOptions {
                 refcount_bits: Some(bits),
                 ..AmendOptions::default()
             };
-            q.amend(&o).unwrap();
-            q.close().unwrap();
+            img.driver_mut().amend(&o).unwrap();
+            img.close().unwrap();
             let view = open(
                 Arc::new(MemStorage::from_bytes(mem.to_bytes())),
                 None,
                 false,
             );
-            let report = check(view.qcow2().unwrap(), &mut |_| {}).unwrap();
+            let report = view.driver().check(&mut |_| {}).unwrap();
             assert_eq!((report.corruptions, report.leaks), (0, 0), "{bits} bits");
-            assert_eq!(view.qcow2().unwrap().header().refcount_bits(), bits as u32);
+            let h = read_header(&**view.file()).unwrap();
+            assert_eq!(h.refcount_bits(), bits as u32);
             let mut back = vec![0u8; data.len()];
             view.read(1 << 20, &mut back).unwrap();
             assert!(back == data, "{bits} bits");

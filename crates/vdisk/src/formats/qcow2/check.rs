@@ -15,9 +15,10 @@ use std::rc::Rc;
 
 use super::bitmaps;
 use super::l2::{self, L2Entry, L2Table, OFLAG_COMPRESSED, OFLAG_COPIED, OFLAG_ZERO};
-use super::repair::{self, hx, Fix, Signal};
+use super::repair::{self, hx, Signal};
 use super::{read_table, refcount, Qcow2};
 use crate::error::{Error, IoContext, Result};
+use crate::formats::driver::Fix;
 use crate::formats::driver::{CheckFailed, CheckReport, Messages};
 use crate::storage::Storage;
 

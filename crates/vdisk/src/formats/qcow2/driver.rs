@@ -5,12 +5,19 @@ use std::sync::Arc;
 use super::Qcow2;
 use crate::counters::CountersSnapshot;
 use crate::error::Result;
-use crate::formats::driver::{CheckFailed, CheckReport, Driver, Messages, SnapshotInfo};
+use crate::formats::driver::{
+    AmendOptions, Capability, CheckFailed, CheckReport, Driver, FormatInfo, InfoValue, Messages,
+    SnapshotInfo,
+};
 use crate::formats::prealloc::Preallocation;
-use crate::formats::BitmapInfo;
+use crate::formats::{BitmapInfo, Format};
 use crate::storage::Storage;
 
 impl Driver for Qcow2 {
+    fn format(&self) -> Format {
+        Format::QCOW2
+    }
+
     fn file(&self) -> &Arc<dyn Storage> {
         Qcow2::file(self)
     }
@@ -82,7 +89,7 @@ impl Driver for Qcow2 {
         Qcow2::snapshot_delete(self, name)
     }
 
-    fn can_check(&self) -> bool {
+    fn supports(&self, _: Capability) -> bool {
         true
     }
 
@@ -94,16 +101,61 @@ impl Driver for Qcow2 {
         Qcow2::write_compressed(self, offset, data)
     }
 
-    fn bitmaps(&self) -> Vec<BitmapInfo> {
-        // A directory that cannot be read is for `check` to report.
-        super::bitmaps::list(&**self.file(), self.header()).unwrap_or_default()
+    /// Version 3 images can hold persistent bitmaps; a directory that cannot be read is for
+    /// `check` to report.
+    fn bitmaps(&self) -> Option<Vec<BitmapInfo>> {
+        let h = self.header();
+        (h.version >= 3).then(|| super::bitmaps::list(&**self.file(), h).unwrap_or_default())
     }
 
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
+    fn amend(&mut self, options: &AmendOptions) -> Result<()> {
+        Qcow2::amend(self, options)
     }
 
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self
+    /// As QEMU's `qcow2_get_specific_info`.
+    fn info(&self) -> FormatInfo {
+        let h = self.header();
+        let mut d: Vec<(&'static str, InfoValue)> = Vec::new();
+        let text = |s: &str| InfoValue::Text(s.to_string());
+        let compat = if h.version == 2 { "0.10" } else { "1.1" };
+        d.push(("compat", text(compat)));
+        d.push(("compression-type", text(h.compression.name())));
+        if h.version >= 3 {
+            d.push(("lazy-refcounts", InfoValue::Bool(h.lazy_refcounts())));
+            let bitmaps = self.bitmaps().unwrap_or_default();
+            if !bitmaps.is_empty() {
+                let list = bitmaps.iter().map(bitmap_info).collect();
+                d.push(("bitmaps", InfoValue::List(list)));
+            }
+        }
+        d.push(("refcount-bits", InfoValue::Number(h.refcount_bits().into())));
+        if h.version >= 3 {
+            if let Some(df) = &h.data_file {
+                d.push(("data-file", text(df)));
+                d.push(("data-file-raw", InfoValue::Bool(h.data_file_raw())));
+            }
+            d.push(("corrupt", InfoValue::Bool(h.is_corrupt())));
+            d.push(("extended-l2", InfoValue::Bool(h.extended_l2())));
+        }
+        FormatInfo {
+            cluster_size: Some(h.cluster_size()),
+            dirty: h.is_dirty(),
+            backing: (h.backing_file.clone()).map(|name| (name, h.backing_format.clone())),
+            specific: Some(d),
+        }
     }
+}
+
+/// A bitmap as QAPI's Qcow2BitmapInfo.
+fn bitmap_info(b: &BitmapInfo) -> InfoValue {
+    let flags = [(b.in_use, "in-use"), (b.auto, "auto")]
+        .into_iter()
+        .filter(|&(set, _)| set)
+        .map(|(_, name)| InfoValue::Text(name.into()))
+        .collect();
+    InfoValue::Dict(vec![
+        ("name", InfoValue::Text(b.name.clone())),
+        ("granularity", InfoValue::Number(b.granularity)),
+        ("flags", InfoValue::List(flags)),
+    ])
 }

@@ -55,6 +55,7 @@ pub(crate) static FORMAT: FormatEntry = FormatEntry {
             && head.get(4..8).is_some_and(|v| v >= &2u32.to_be_bytes()[..])
     },
     open: open_driver,
+    repair: Some(repair::repair),
 };
 
 /// Opens the qcow2 image in `file`, with the data file and backing file it names.

@@ -33,42 +33,8 @@ use super::check::{Checker, RefcountReader};
 use super::header::{Header, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE, INCOMPAT_DIRTY};
 use super::{bitmaps, l2, read_header, refcount, Qcow2};
 use crate::error::{Error, IoContext, Result};
-use crate::formats::driver::{CheckReport, Messages};
+use crate::formats::driver::{CheckReport, Fix, Messages, RepairFailed, RepairReport};
 use crate::storage::Storage;
-
-/// What a repair may correct: QEMU's `BDRV_FIX_LEAKS` and `BDRV_FIX_ERRORS` (`-r leaks` is
-/// `leaks`, `-r all` is both).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Fix {
-    pub leaks: bool,
-    pub errors: bool,
-}
-
-impl Fix {
-    pub fn any(self) -> bool {
-        self.leaks || self.errors
-    }
-}
-
-/// What the repairing pass found and fixed (QEMU's first check of `qemu-img check -r`).
-#[derive(Debug, Clone)]
-pub struct RepairReport {
-    /// Counts as after the corrections: what is left, and `*_fixed`.
-    pub report: CheckReport,
-    /// A corruption event marked the image corrupt during the repair. QEMU then makes the image
-    /// unusable, so its double check fails ("No medium found").
-    pub marked_corrupt: bool,
-}
-
-/// Why a repair stopped; the report so far is kept.
-#[derive(Debug)]
-pub struct RepairFailed {
-    pub report: CheckReport,
-    pub error: Error,
-    /// What QEMU reports as an error of its own before "Check failed" (e.g. "ERROR writing
-    /// refblock: Input/output error"), to be printed with the program's prefix.
-    pub message: Option<String>,
-}
 
 type Failure = Box<RepairFailed>;
 
@@ -626,7 +592,6 @@ pub(super) fn pre_write_check(
 mod tests {
     use super::*;
     use crate::blockdev::BlockDev;
-    use crate::formats::qcow2::check::check;
     use crate::formats::qcow2::create::{create, CreateOptions};
     use crate::formats::{open_storage, open_storage_with, Format};
     use crate::storage::{CrashOptions, CrashStorage, MemStorage};
@@ -724,13 +689,13 @@ mod tests {
                 "crash image {img}: second repair failed: {said:?}"
             );
             let q = open_storage(file.clone(), Some(Format::QCOW2), "t.qcow2").unwrap();
-            let report = check(q.qcow2().unwrap(), &mut |m| said.push(m)).unwrap();
+            let report = q.driver().check(&mut |m| said.push(m)).unwrap();
             assert_eq!(
                 (report.corruptions, report.leaks, report.check_errors),
                 (0, 0, 0),
                 "crash image {img}: {said:?}"
             );
-            assert!(!q.qcow2().unwrap().header().is_dirty(), "crash image {img}");
+            assert!(!q.driver().info().dirty, "crash image {img}");
             assert!(
                 contents(file) == want,
                 "crash image {img}: guest contents changed"
