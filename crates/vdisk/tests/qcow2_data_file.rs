@@ -14,10 +14,10 @@ use std::sync::{Arc, Mutex};
 
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
-use vdisk::formats::qcow2::check::check;
 use vdisk::formats::qcow2::create::{create, CreateOptions};
 use vdisk::formats::qcow2::{read_header, Qcow2};
 use vdisk::storage::{CrashOptions, CrashStorage, Epoch, IoStats, MemStorage, Storage};
+use vdisk::Driver;
 use vdisk::{open_storage, BlockDev, Format};
 
 const SIZE: u64 = 1 << 20;
@@ -263,7 +263,8 @@ fn crash_case(case: usize, o: &CreateOptions, ops: &[Op]) {
                 let image: Arc<dyn Storage> = Arc::new(MemStorage::from_bytes(image.clone()));
                 let data: Arc<dyn Storage> = Arc::new(MemStorage::from_bytes(data.clone()));
                 let q = open(image, data, o, false);
-                let report = check(&q, &mut |_| {})
+                let report = q
+                    .check(&mut |_| {})
                     .unwrap_or_else(|f| panic!("{what}: check failed: {}", f.error));
                 assert_eq!(report.corruptions, 0, "{what}: corruptions");
                 let mut got = vec![0u8; SIZE as usize];
@@ -322,7 +323,7 @@ proptest! {
         prop_assert!(got == model, "contents differ from the model");
         q.close().unwrap();
         let q = open(image, data, &o, false);
-        let report = check(&q, &mut |_| {}).map_err(|f| f.error.to_string());
+        let report = q.check(&mut |_| {}).map_err(|f| f.error.to_string());
         prop_assert_eq!(report.map(|r| (r.corruptions, r.leaks)), Ok((0, 0)));
         q.read(0, &mut got).unwrap();
         prop_assert!(got == model, "contents differ after close");

@@ -14,7 +14,7 @@ use std::io;
 use std::sync::{Arc, Mutex};
 
 use proptest::prelude::*;
-use vdisk::formats::qcow2::repair::repair;
+
 use vdisk::formats::Fix;
 use vdisk::storage::{IoStats, MemStorage, Storage};
 use vdisk::{open_storage_with, BlockDev, Format, Image};
@@ -383,7 +383,7 @@ pub(super) fn write_phase(original: &dyn Storage, ops: &[WriteOp], keep: bool) -
         leaks: true,
         errors: true,
     };
-    w.repair = Some(match repair(&file, fix, &mut |_| {}) {
+    w.repair = Some(match Format::QCOW2.repair(&file, fix, &mut |_| {}) {
         Ok(r) => Ok((r.report.corruptions, r.report.leaks)),
         Err(f) => {
             if let Some(m) = &f.message {
@@ -660,7 +660,7 @@ fn repair_of_a_refcount_block_at_the_largest_offset_does_not_wrap() {
         leaks: true,
         errors: true,
     };
-    let report = match repair(&file, fix, &mut |m| said.push(m)) {
+    let report = match Format::QCOW2.repair(&file, fix, &mut |m| said.push(m)) {
         Ok(r) => r.report,
         Err(f) => panic!("repair failed: {} {said:?}", f.error),
     };

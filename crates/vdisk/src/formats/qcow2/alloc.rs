@@ -193,6 +193,11 @@ impl Refcounts {
         }
     }
 
+    /// What metadata found at the open cluster `c` holds, if any.
+    pub fn metadata_at(&self, c: u64) -> Option<&'static str> {
+        self.guard.holds(c)
+    }
+
     /// Takes over the guard of `old`, whose refcount structure this one replaces.
     pub fn adopt_guard(&mut self, old: &mut Refcounts) {
         self.guard = std::mem::take(&mut old.guard);

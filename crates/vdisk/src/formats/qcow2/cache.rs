@@ -68,10 +68,6 @@ pub(super) struct Meta {
     pub packed_tail: u64,
     /// The end of the last byte of compressed data written.
     pub packed_end: u64,
-    /// Where the L2 tables and refcount blocks were when the first write found a cluster mapped
-    /// in the file (sorted; see `Qcow2::refuse_metadata`). Tables created since sit in clusters
-    /// allocated since, which no mapping found in the file can be taken for.
-    pub tables_found: Option<Vec<(u64, &'static str)>>,
 }
 
 impl Meta {
@@ -91,7 +87,6 @@ impl Meta {
             issued: 0,
             packed_tail: 0,
             packed_end: 0,
-            tables_found: None,
         }
     }
 

@@ -94,7 +94,7 @@ impl Driver for Qcow2 {
     }
 
     fn check(&self, say: Messages) -> std::result::Result<CheckReport, Box<CheckFailed>> {
-        super::check::check(self, say)
+        super::offline::check::check(self, say)
     }
 
     fn write_compressed(&self, offset: u64, data: &[u8]) -> Result<()> {

@@ -5,35 +5,29 @@
 //! L2 tables are read on demand and kept in a bounded cache.
 
 mod alloc;
-pub mod amend;
 pub mod bitmaps;
 mod cache;
-pub mod check;
 mod commit;
 mod compress;
+mod corrupt;
 mod cow;
 pub mod create;
-mod downgrade;
 mod driver;
 pub mod header;
 pub mod l2;
+pub mod offline;
 mod overlap;
 mod packed;
 pub mod refcount;
-mod refcount_width;
-pub mod repair;
-mod resize;
 pub mod snapshot;
-mod snapshot_ops;
-mod update;
 mod write;
 
 use std::sync::{Arc, Mutex, OnceLock};
 
 use self::cache::Meta;
+use self::corrupt::hx;
 use self::header::Header;
 use self::l2::{EntryFormat, L2Entry, L2Table, SubclusterType};
-use self::repair::hx;
 use self::snapshot::Snapshot;
 use super::driver::Driver;
 use super::open::OpenContext;
@@ -55,7 +49,7 @@ pub(crate) static FORMAT: FormatEntry = FormatEntry {
             && head.get(4..8).is_some_and(|v| v >= &2u32.to_be_bytes()[..])
     },
     open: open_driver,
-    repair: Some(repair::repair),
+    repair: Some(offline::repair::repair),
 };
 
 /// Opens the qcow2 image in `file`, with the data file and backing file it names.
@@ -204,7 +198,7 @@ impl Qcow2 {
         writable: bool,
     ) -> Result<Qcow2> {
         let header = if writable && header.is_dirty() && !header.is_corrupt() {
-            repair::repair_dirty(&file)?
+            offline::repair::repair_dirty(&file)?
         } else {
             header
         };
@@ -406,22 +400,6 @@ impl Qcow2 {
         Ok(host)
     }
 
-    /// QEMU's `qcow2_signal_corruption` for a fatal event, returned as the request's error. On
-    /// an image open for writing the corrupt bit goes into the header (version 3 only; version
-    /// 2 has no feature bits) and the image takes no more writes, so that nothing else lands
-    /// on its damaged metadata; a read-only image (a backing file too) only reports it.
-    pub(super) fn signal_corruption(&self, what: String) -> Error {
-        if !self.writable {
-            return Error::corrupt(repair::image_is_corrupt(&what));
-        }
-        if self.corruption.set(what.clone()).is_ok() && self.header.version >= 3 {
-            let bits = self.header.incompatible | header::INCOMPAT_CORRUPT;
-            // If this fails the request is refused all the same.
-            let _ = repair::write_incompatible(&*self.file, bits);
-        }
-        Error::corrupt(repair::marking_corrupt(&what))
-    }
-
     /// The subcluster type and host offset (of the byte at `offset`) for one guest offset, plus
     /// the L2 table (its host offset too) and index so callers can scan forward.
     fn lookup(&self, offset: u64) -> Result<Option<(Arc<L2Table>, u64, usize)>> {
@@ -458,7 +436,7 @@ impl Qcow2 {
     /// the file really occupies, data clusters may sit on holes, and block status must ask the
     /// file system which parts read as zero.
     fn detect_metadata_preallocation(&self) -> bool {
-        check::detect_metadata_preallocation(self).unwrap_or(false)
+        offline::check::detect_metadata_preallocation(self).unwrap_or(false)
     }
 }
 

@@ -15,12 +15,12 @@
 use std::sync::Arc;
 
 use super::cache::{Dirty, Meta};
+use super::corrupt::hx;
 use super::cow::{Pending, SECTOR};
 use super::header::Header;
 use super::l2::OFLAG_ZERO;
 use super::l2::{L2Entry, L2Table, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
-use super::repair::hx;
-use super::{compress, overlap, repair, Qcow2};
+use super::{compress, Qcow2};
 use crate::blockdev::{StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
 use crate::formats::read_backing;
@@ -75,19 +75,6 @@ pub(super) fn check_writable(file: &dyn Storage, h: &Header) -> Result<()> {
 }
 
 impl Qcow2 {
-    pub(super) fn writable_or_err(&self, what: &str) -> Result<()> {
-        if !self.writable {
-            return Err(Error::ReadOnly(what.into()));
-        }
-        if let Some(event) = self.corruption.get() {
-            return Err(Error::corrupt(format!(
-                "the image was marked corrupt: {event}; repair it with 'vdisk check -r all' or \
-                 'qemu-img check -r all'"
-            )));
-        }
-        Ok(())
-    }
-
     pub(super) fn write_impl(&self, offset: u64, buf: &[u8]) -> Result<()> {
         let started = self.start_write_impl(self.gate.enter(), offset, buf.len())?;
         let outcome = started.transfers.iter().try_for_each(|t| {
@@ -171,37 +158,6 @@ impl Qcow2 {
         }
     }
 
-    /// QEMU's overlap check before guest data goes to host cluster `host`, found mapped in the
-    /// file (once per cluster): an L2 entry naming a cluster that holds metadata is corrupt, and
-    /// following it would overwrite the image's own tables with guest data. L2 tables and
-    /// refcount blocks are looked up in a sorted list, not by a walk over the L1 and refcount
-    /// tables for every cluster as QEMU does (millions of entries with small clusters).
-    fn refuse_metadata(&self, meta: &mut Meta, host: u64) -> Result<()> {
-        let cs = self.header.cluster_size();
-        let refs = meta.refs.as_ref().expect("writable images have refcounts");
-        let tables = meta.tables_found.get_or_insert_with(|| {
-            let l2 = meta
-                .l1
-                .iter()
-                .map(|&e| (e & OFFSET_MASK, "active L2 table"));
-            let blocks = (refs.table().iter()).map(|&e| (e & !0x1ff, "refcount block"));
-            let mut t: Vec<(u64, &'static str)> = l2.chain(blocks).filter(|t| t.0 != 0).collect();
-            t.sort_unstable();
-            t
-        });
-        // The last table starting at or before `host`, if its cluster holds `host`.
-        let below = tables.partition_point(|t| t.0 <= host);
-        let table = (below > 0)
-            .then(|| tables[below - 1])
-            .filter(|t| host - t.0 < cs)
-            .map(|t| t.1);
-        let what = table.or_else(|| repair::metadata_overlap(self, &[], &[], 0, host, cs));
-        match what {
-            Some(what) => Err(self.signal_corruption(overlap::overlap_message(what))),
-            None => Ok(()),
-        }
-    }
-
     /// Where bytes `[within, within + len)` of the guest cluster at `guest` go: the host
     /// cluster. Allocates the cluster (or makes one of ours writable again) when it is not
     /// plainly ours; the sectors the write newly marks written in a pending cluster go to
@@ -240,9 +196,9 @@ impl Qcow2 {
             let c = host >> self.header.cluster_bits;
             refs.vet_mapped(c)?;
             first = refs.first_overwrite(c);
-        }
-        if first {
-            self.refuse_metadata(meta, host)?;
+            if first {
+                self.refuse_metadata(refs, c)?;
+            }
         }
         let complete = if self.format.extended {
             e.bitmap & ALL_ALLOC == ALL_ALLOC

@@ -16,15 +16,15 @@
 //! Each step is crash safe on its own: a crash leaves the image as before or after the step,
 //! at worst with leaked clusters.
 
-use super::header::{
-    Compression, Header, AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS, INCOMPAT_COMPRESSION,
-    INCOMPAT_DATA_FILE,
-};
-use super::snapshot::Snapshot;
-use super::Qcow2;
 use crate::error::{Error, Result};
 use crate::formats::driver::AmendOptions;
 use crate::formats::prealloc::Preallocation;
+use crate::formats::qcow2::header::{
+    Compression, Header, AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS, INCOMPAT_COMPRESSION,
+    INCOMPAT_DATA_FILE,
+};
+use crate::formats::qcow2::snapshot::Snapshot;
+use crate::formats::qcow2::Qcow2;
 
 /// What an amend will do, once every refusal was ruled out.
 struct Plan {
@@ -445,7 +445,7 @@ mod tests {
         assert_eq!(v3.extra.len(), 24);
         assert_eq!(v3.disk_size, Some(20 << 20));
         let bytes = v3.to_bytes();
-        let (back, _) = super::super::snapshot::parse_table(&bytes, 1)
+        let (back, _) = crate::formats::qcow2::snapshot::parse_table(&bytes, 1)
             .unwrap()
             .unwrap();
         assert_eq!(back[0].vm_state_size, 5);

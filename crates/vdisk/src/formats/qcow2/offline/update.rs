@@ -1,9 +1,9 @@
 //! Changes to the header of an open image: writing it, and pointing it at another backing file
 //! (`vdisk rebase`), plus emptying the active image (`vdisk commit`).
 
-use super::header::Header;
-use super::Qcow2;
 use crate::error::{IoContext, Result};
+use crate::formats::qcow2::header::Header;
+use crate::formats::qcow2::Qcow2;
 
 impl Qcow2 {
     /// Writes header `h` and syncs it, then commits what it freed. The refcount table's place

@@ -15,10 +15,13 @@
 
 use std::collections::HashMap;
 
-use super::cache::Meta;
-use super::l2::{L2Entry, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
-use super::{read_l1, repair, Qcow2};
+use super::signal;
 use crate::error::{Error, IoContext, Result};
+use crate::formats::qcow2::cache::Meta;
+use crate::formats::qcow2::l2::{
+    L2Entry, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED,
+};
+use crate::formats::qcow2::{read_l1, Qcow2};
 use crate::storage::zero_range;
 
 /// Changed L2 tables held in memory before they are committed.
@@ -115,7 +118,7 @@ impl Qcow2 {
                     } else {
                         let refs = meta.refs.as_ref().expect("writable images have refcounts");
                         if let Some(what) =
-                            repair::metadata_overlap(self, &meta.l1, refs.table(), 0, host, cs)
+                            signal::metadata_overlap(self, &meta.l1, refs.table(), 0, host, cs)
                         {
                             return Err(Error::corrupt(format!(
                                 "Preventing invalid write on metadata (overlaps with {what})"

@@ -12,11 +12,11 @@
 
 use std::collections::BTreeMap;
 
-use super::l2::{L2Entry, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
-use super::snapshot::Snapshot;
-use super::{read_l1, Qcow2};
 use crate::error::{Error, IoContext, Result};
 use crate::formats::prealloc::Preallocation;
+use crate::formats::qcow2::l2::{L2Entry, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
+use crate::formats::qcow2::snapshot::Snapshot;
+use crate::formats::qcow2::{read_l1, Qcow2};
 
 impl Qcow2 {
     /// Takes snapshot `name` of the active image.
@@ -141,7 +141,11 @@ impl Qcow2 {
     }
 
     /// Writes `l1` to new clusters and returns their offset.
-    fn write_table_copy(&self, meta: &mut super::cache::Meta, l1: &[u64]) -> Result<u64> {
+    fn write_table_copy(
+        &self,
+        meta: &mut crate::formats::qcow2::cache::Meta,
+        l1: &[u64],
+    ) -> Result<u64> {
         let cs = self.header.cluster_size();
         let bytes: Vec<u8> = l1.iter().flat_map(|e| e.to_be_bytes()).collect();
         let clusters = (bytes.len() as u64).div_ceil(cs).max(1);
@@ -156,7 +160,12 @@ impl Qcow2 {
     /// Adds `addend` to the refcount of every cluster the tables of `l1` reach, the L2 tables
     /// included. All changes are checked first, so that a refcount that would overflow (or go
     /// below zero) fails the operation before anything changed.
-    fn add_references(&self, meta: &mut super::cache::Meta, l1: &[u64], addend: i64) -> Result<()> {
+    fn add_references(
+        &self,
+        meta: &mut crate::formats::qcow2::cache::Meta,
+        l1: &[u64],
+        addend: i64,
+    ) -> Result<()> {
         let cb = self.header.cluster_bits;
         let mut changes: BTreeMap<u64, i64> = BTreeMap::new();
         for (l1_index, &l1e) in l1.iter().enumerate() {
@@ -211,7 +220,7 @@ impl Qcow2 {
     /// Adds `addend` to the refcounts of `n` clusters from `first`.
     fn add_run(
         &self,
-        meta: &mut super::cache::Meta,
+        meta: &mut crate::formats::qcow2::cache::Meta,
         first: u64,
         n: u64,
         addend: i64,
@@ -231,7 +240,7 @@ impl Qcow2 {
 
     /// Sets the COPIED flag on exactly those active L1 and L2 entries whose cluster has
     /// refcount 1 (only then may it be written in place).
-    fn fix_copied_flags(&self, meta: &mut super::cache::Meta) -> Result<()> {
+    fn fix_copied_flags(&self, meta: &mut crate::formats::qcow2::cache::Meta) -> Result<()> {
         let cb = self.header.cluster_bits;
         for l1_index in 0..meta.l1.len() {
             let l1e = meta.l1[l1_index];

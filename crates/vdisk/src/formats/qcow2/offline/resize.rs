@@ -9,12 +9,12 @@
 //! a crash or a full disk in between leaves the old size, with the clusters mapped so far
 //! beyond it (consistent, as QEMU leaves them).
 
-use super::cache::Meta;
-use super::l2::{L2Entry, OFFSET_MASK, OFLAG_COPIED};
-use super::Qcow2;
 use crate::blockdev::BlockDev;
 use crate::error::{Error, IoContext, Result};
 use crate::formats::prealloc::{preallocate, Preallocation};
+use crate::formats::qcow2::cache::Meta;
+use crate::formats::qcow2::l2::{L2Entry, OFFSET_MASK, OFLAG_COPIED};
+use crate::formats::qcow2::Qcow2;
 use crate::storage::zero_range;
 
 impl Qcow2 {
@@ -124,7 +124,7 @@ impl Qcow2 {
         }
         let mut h = self.header.clone();
         h.size = new_size;
-        if h.l1_entries_needed() * 8 > super::header::MAX_L1_BYTES {
+        if h.l1_entries_needed() * 8 > crate::formats::qcow2::header::MAX_L1_BYTES {
             return Err(Error::invalid(
                 "Image size is too large for this cluster size",
             ));
@@ -273,7 +273,7 @@ impl Qcow2 {
     }
 
     /// Moves the L1 table to new clusters with `entries` entries; `h` gets its new place.
-    fn grow_l1(&self, h: &mut super::header::Header, entries: u64) -> Result<()> {
+    fn grow_l1(&self, h: &mut crate::formats::qcow2::header::Header, entries: u64) -> Result<()> {
         let cs = self.header.cluster_size();
         let clusters = (entries * 8).div_ceil(cs);
         let _closed = self.gate.close();

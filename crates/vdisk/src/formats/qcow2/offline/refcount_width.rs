@@ -11,10 +11,10 @@
 //! mapping (dropping leaks) at the image's own width, where this copies the stored refcounts,
 //! as QEMU does, at another width.
 
-use super::alloc::Refcounts;
-use super::header::{Header, MAX_REFTABLE_BYTES};
-use super::{refcount, Qcow2};
 use crate::error::{Error, IoContext, Result};
+use crate::formats::qcow2::alloc::Refcounts;
+use crate::formats::qcow2::header::{Header, MAX_REFTABLE_BYTES};
+use crate::formats::qcow2::{refcount, Qcow2};
 
 /// Placements of the new structure tried before giving up: one is enough unless the old
 /// structure grows more than foreseen while it is allocated (its table moves).
@@ -157,7 +157,6 @@ impl Qcow2 {
         new.adopt_guard(refs);
         let old = (meta.refs.replace(new)).expect("writable images have refcounts");
         // Refcount blocks moved: the overlap check must look them up again.
-        meta.tables_found = None;
         drop(meta);
         match self.write_header(h) {
             Ok(()) => Ok(old),

@@ -1,0 +1,74 @@
+//! Corruption events, in one place: QEMU's `qcow2_signal_corruption` and its messages. The
+//! first fatal event on an image open for writing marks it corrupt in its header (version 3)
+//! and the image takes no more writes or flushes, so nothing else lands on its damaged
+//! metadata; a read-only image (a backing file too) only reports it.
+
+use super::header::INCOMPAT_CORRUPT;
+use super::Qcow2;
+use crate::error::{Error, IoContext, Result};
+use crate::storage::Storage;
+
+/// Writes the incompatible feature bits of a version 3 header, synced.
+pub(crate) fn write_incompatible(file: &dyn Storage, bits: u64) -> Result<()> {
+    file.write_at(72, &bits.to_be_bytes())
+        .context(|| "writing the header".into())?;
+    file.sync().context(|| "syncing the image".into())
+}
+
+/// A number as C's `%#x` prints it: `0` for zero (no prefix), else `0x...`, as in QEMU's
+/// messages.
+pub(crate) fn hx(v: u64) -> String {
+    if v == 0 {
+        "0".into()
+    } else {
+        format!("{v:#x}")
+    }
+}
+
+/// QEMU's message for a fatal corruption event.
+pub(crate) fn marking_corrupt(what: &str) -> String {
+    format!("qcow2: Marking image as corrupt: {what}; further corruption events will be suppressed")
+}
+
+/// QEMU's message for a corruption event on an image it may not mark (open read-only).
+pub(crate) fn image_is_corrupt(what: &str) -> String {
+    format!(
+        "qcow2: Image is corrupt: {what}; further non-fatal corruption events will be suppressed"
+    )
+}
+
+/// QEMU's words for a write refused by the overlap check.
+pub(crate) fn overlap_message(what: &str) -> String {
+    format!("Preventing invalid write on metadata (overlaps with {what})")
+}
+
+impl Qcow2 {
+    /// QEMU's `qcow2_signal_corruption` for a fatal event, returned as the request's error. On
+    /// an image open for writing the corrupt bit goes into the header (version 3 only; version
+    /// 2 has no feature bits) and the image takes no more writes, so that nothing else lands
+    /// on its damaged metadata; a read-only image (a backing file too) only reports it.
+    pub(super) fn signal_corruption(&self, what: String) -> Error {
+        if !self.writable {
+            return Error::corrupt(image_is_corrupt(&what));
+        }
+        if self.corruption.set(what.clone()).is_ok() && self.header.version >= 3 {
+            let bits = self.header.incompatible | INCOMPAT_CORRUPT;
+            // If this fails the request is refused all the same.
+            let _ = write_incompatible(&*self.file, bits);
+        }
+        Error::corrupt(marking_corrupt(&what))
+    }
+
+    pub(super) fn writable_or_err(&self, what: &str) -> Result<()> {
+        if !self.writable {
+            return Err(Error::ReadOnly(what.into()));
+        }
+        if let Some(event) = self.corruption.get() {
+            return Err(Error::corrupt(format!(
+                "the image was marked corrupt: {event}; repair it with 'vdisk check -r all' or \
+                 'qemu-img check -r all'"
+            )));
+        }
+        Ok(())
+    }
+}
