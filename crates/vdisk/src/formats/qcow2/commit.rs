@@ -7,6 +7,10 @@
 //!    and changed refcount blocks are written (if a refcount block is new: a sync, then the
 //!    refcount table that names it), then one sync. Everything the mapping of step 3 will point
 //!    to, and every refcount increment it needs, is then durable.
+//!
+//!    Writers wait at the commit gate from here to the end of step 3, so the metadata does not
+//!    change: what steps 1 to 3 write is captured under the metadata lock at once, and written
+//!    without it, with the copy-on-write fills before it. Readers go on meanwhile.
 //! 2. Only if the refcount table moved: the header, then a sync.
 //! 3. The changed parts of L2 tables and of the L1 table, then a sync. The flush is complete.
 //!    This last sync runs after the commit gate is released: requests go on meanwhile, and a
@@ -26,8 +30,22 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Condvar, Mutex};
 
+use super::tables::TableWrite;
 use super::Qcow2;
 use crate::error::{Error, IoContext, Result};
+
+/// The commit in progress: what it must do, and how far commits went.
+#[derive(Debug, Default)]
+pub(super) struct Txn {
+    /// Guest data was written since the last commit.
+    pub data_written: bool,
+    /// Some mapping change of this commit points at data or a table that must be durable
+    /// before it: a new cluster whose unwritten parts would not read as its old content, or a
+    /// new L2 table in a cluster that does not read as zeroes (see the module docs).
+    pub ordered: bool,
+    /// Commits whose writes were issued (numbered from 1).
+    pub issued: u64,
+}
 
 /// State of group commit: concurrent callers that need their writes durable share flushes.
 #[derive(Debug, Default)]
@@ -57,13 +75,14 @@ impl Qcow2 {
         }
         self.writable_or_err("flush")?;
         // No request is between placing its data and writing it while the metadata naming that
-        // data is committed.
+        // data is committed. Until the gate opens again no writer changes the metadata, so what
+        // is captured below stays what is in memory, and readers go on under the lock alone.
         let gate = self.gate.close();
+        self.fill_all()?;
         let mut meta = self.lock();
-        self.fill_all(&mut meta)?;
-        let refs_dirty = meta.refs.as_ref().is_some_and(|r| r.is_dirty());
-        let mapping_dirty = meta.l1_dirty.is_some() || !meta.dirty.is_empty();
-        let data_written = meta.data_written;
+        let refs_dirty = meta.refs().is_dirty();
+        let mapping_dirty = meta.tables.mapping_dirty();
+        let data_written = meta.txn.data_written;
         let sync = |what: &'static str| self.file.sync().context(|| format!("syncing {what}"));
         // Guest data in an external data file is durable only once that file is synced: at
         // the barrier (before the mapping is written) or, without one, with the last sync.
@@ -77,7 +96,7 @@ impl Qcow2 {
         if !refs_dirty && !mapping_dirty && !data_written {
             // What this caller needs durable may be in the final sync of a commit still
             // running; a sync of our own, started after its writes, covers it.
-            let in_flight = meta.issued > self.group.durable.load(Relaxed);
+            let in_flight = meta.txn.issued > self.group.durable.load(Relaxed);
             drop(meta);
             drop(gate);
             return if in_flight {
@@ -86,94 +105,61 @@ impl Qcow2 {
                 Ok(())
             };
         }
-        let mut metadata_bytes = 0;
-        let increased = meta.refs.as_ref().is_some_and(|r| r.increased());
-        let ordered = meta.ordered || increased;
+        let ordered = meta.txn.ordered || meta.refs().increased();
+        let fresh = meta.tables.fresh_writes();
+        let refcounts = meta.refs().pending_writes();
+        let mapping = meta.tables.mapping_writes(self.header.l1_table_offset);
+        drop(meta);
+        let written = |writes: &[TableWrite], what: &str| {
+            for (at, bytes) in writes {
+                self.file
+                    .write_at(*at, bytes)
+                    .context(|| format!("writing the {what} at {at:#x}"))?;
+            }
+            Ok::<u64, Error>(writes.iter().map(|w| w.1.len() as u64).sum())
+        };
         // Step 1: what the mapping will point to.
-        let fresh: Vec<u64> = meta.fresh.iter().copied().collect();
-        for &off in &fresh {
-            let bytes = meta.get(off).expect("dirty tables stay cached").to_bytes();
-            self.file
-                .write_at(off, &bytes)
-                .context(|| format!("writing the new L2 table at {off:#x}"))?;
-            metadata_bytes += bytes.len() as u64;
-        }
-        for off in &fresh {
-            meta.dirty.remove(off);
-        }
-        meta.fresh.clear();
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
-        metadata_bytes += refs.write_out(&*self.file)?;
+        let mut metadata_bytes = written(&fresh, "new L2 table")?;
+        refcounts.write(&*self.file)?;
+        metadata_bytes += refcounts.bytes();
         // The barrier between what the mapping points to and the mapping. It is not needed
         // when no refcount went up (new clusters came from the pool, whose refcounts are
         // durable already) and every newly mapped cluster or table reads as its old content
-        // even if its data never lands (see `Meta::ordered`): then one sync, after the
-        // mapping, makes the whole commit durable.
+        // even if its data never lands (see `Txn::ordered`): then one sync, after the mapping,
+        // makes the whole commit durable.
         let barrier = ordered && mapping_dirty;
         if barrier {
             sync_data()?;
             sync("data and refcounts")?;
         }
         // Step 2: a moved refcount table.
-        if refs.table_moved {
+        if let Some((offset, clusters)) = refcounts.moved {
             let mut h = self.header.clone();
-            let (offset, clusters) = refs.table_location();
             h.refcount_table_offset = offset;
             h.refcount_table_clusters = clusters as u32;
-            let bytes = h.to_bytes()?;
-            self.file
-                .write_at(0, &bytes)
-                .context(|| "writing the header".into())?;
-            metadata_bytes += bytes.len() as u64;
+            metadata_bytes += written(&[(0, h.to_bytes()?)], "header")?;
             sync("the header")?;
-            refs.table_moved = false;
         }
         // Step 3: the mapping.
-        let mut mapped = false;
-        let dirty: Vec<_> = meta.dirty.iter().map(|(&o, &d)| (o, d)).collect();
-        for (off, d) in dirty {
-            let table = meta.get(off).expect("dirty tables stay cached");
-            let (from, to) = d.sectors(table.len() * table.entry_bytes());
-            let at = off + from as u64;
-            self.file
-                .write_at(at, &table.bytes(from, to))
-                .context(|| format!("writing the L2 table at {off:#x}"))?;
-            metadata_bytes += (to - from) as u64;
-            meta.dirty.remove(&off);
-            mapped = true;
-        }
-        if let Some(d) = meta.l1_dirty {
-            // Whole sectors, the last one padded with zeroes (the table's clusters hold nothing
-            // else): part of a sector would be a read-modify-write with `--cache none`.
-            let (from, to) = d.sectors((meta.l1.len() * 8).next_multiple_of(512));
-            let mut bytes: Vec<u8> = meta.l1[from / 8..(to / 8).min(meta.l1.len())]
-                .iter()
-                .flat_map(|e| e.to_be_bytes())
-                .collect();
-            bytes.resize(to - from, 0);
-            let at = self.header.l1_table_offset + from as u64;
-            self.file
-                .write_at(at, &bytes)
-                .context(|| format!("writing the L1 table at {at:#x}"))?;
-            metadata_bytes += (to - from) as u64;
-            meta.l1_dirty = None;
-            mapped = true;
-        }
+        metadata_bytes += written(&mapping, "mapping table")?;
         // Step 4: the final sync, outside the gate and the lock, so that requests go on while
         // it runs: what they change in memory belongs to the next commit, and what they write
         // is either not mapped by anything durable or an overwrite of mapped data. Only the
         // references this commit dropped may be released once it is durable.
-        meta.issued += 1;
-        let commit = meta.issued;
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
-        let frees = refs.take_frees();
+        let mut meta = self.lock();
+        meta.tables.fresh_written();
+        meta.tables.mapping_written();
+        meta.refs().written(&refcounts);
+        meta.txn.issued += 1;
+        let commit = meta.txn.issued;
+        let frees = meta.refs().take_frees();
         // Compressed data must not be packed into a cluster that the frees may release.
-        meta.packed_tail = 0;
-        meta.data_written = false;
-        meta.ordered = false;
+        meta.packed.tail = 0;
+        meta.txn.data_written = false;
+        meta.txn.ordered = false;
         drop(meta);
         drop(gate);
-        if mapped || !barrier {
+        if !mapping.is_empty() || !barrier {
             // With a barrier, the data file was synced there.
             let synced = if barrier {
                 sync("the mapping")
@@ -183,18 +169,16 @@ impl Qcow2 {
             if let Err(e) = synced {
                 // Not durable: the next flush must sync again and the frees wait for it.
                 let mut meta = self.lock();
-                meta.data_written = true;
-                let refs = meta.refs.as_mut().expect("writable images have refcounts");
-                refs.defer_frees(frees);
+                meta.txn.data_written = true;
+                meta.refs().defer_frees(frees);
                 return Err(e);
             }
         }
         self.group.durable.fetch_max(commit, Relaxed);
         // Step 5: references dropped by what is now durable.
         let mut meta = self.lock();
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
-        refs.apply_frees(&*self.file, frees)?;
-        meta.packed_tail = 0;
+        meta.refs().apply_frees(&*self.file, frees)?;
+        meta.packed.tail = 0;
         self.counters.metadata_written(metadata_bytes);
         self.counters.committed();
         Ok(())
@@ -250,21 +234,23 @@ impl Qcow2 {
             return Ok(());
         }
         self.flush_impl()?;
-        if let Some(refs) = self.lock().refs.as_mut() {
-            refs.release_pool(&*self.file)?;
+        if !self.writable {
+            return Ok(());
         }
-        let pending = self.lock().refs.as_ref().is_some_and(|r| r.is_dirty());
-        if pending {
+        self.lock().refs().release_pool(&*self.file)?;
+        if self.lock().refs().is_dirty() {
             self.flush_impl()?;
         }
-        let meta = self.lock();
-        if let Some(refs) = meta.refs.as_ref() {
+        let mut meta = self.lock();
+        let packed_end = meta.packed.end;
+        {
+            let refs = meta.refs();
             // Compressed data may end inside the last cluster: the file ends with it, at a
             // sector boundary, as QEMU leaves it.
             let mut trim = refs.trim_len();
             let cs = self.header.cluster_size();
-            if meta.packed_end + cs > trim && meta.packed_end < trim {
-                trim = meta.packed_end.next_multiple_of(512).max(refs.opened_len());
+            if packed_end + cs > trim && packed_end < trim {
+                trim = packed_end.next_multiple_of(512).max(refs.opened_len());
             }
             if self
                 .file

@@ -16,8 +16,8 @@
 
 use std::collections::BTreeMap;
 
-use super::cache::Meta;
 use super::l2::{L2Entry, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED};
+use super::meta::Meta;
 use super::Qcow2;
 use crate::bytes::{is_zero, AlignedBuf};
 use crate::error::{IoContext, Result};
@@ -134,17 +134,19 @@ impl Qcow2 {
             return Ok(());
         };
         // Forgotten only once filled: after a failure the next flush tries again.
-        self.fill_gaps(meta, guest, &p)?;
+        self.fill_gaps(self.cached_entry(meta, guest), guest, &p)?;
         meta.pending.remove(&guest);
         Ok(())
     }
 
-    fn fill_gaps(&self, meta: &Meta, guest: u64, p: &Pending) -> Result<()> {
+    /// Fills the gaps of pending cluster `p` (at guest offset `guest`), whose L2 entry is now
+    /// `now` (the cluster was given up if it names another).
+    fn fill_gaps(&self, now: Option<L2Entry>, guest: u64, p: &Pending) -> Result<()> {
         let gaps = p.gaps();
         if gaps.is_empty() {
             return Ok(());
         }
-        let Some(now) = self.cached_entry(meta, guest) else {
+        let Some(now) = now else {
             return Ok(());
         };
         if now.word & OFFSET_MASK != p.host {
@@ -223,12 +225,22 @@ impl Qcow2 {
         Ok(())
     }
 
-    /// Fills every pending cluster (before a commit).
-    pub(super) fn fill_all(&self, meta: &mut Meta) -> Result<()> {
-        while let Some((&guest, _)) = meta.pending.first_key_value() {
-            self.fill(meta, guest)?;
+    /// Fills every pending cluster, before a commit, while the commit gate is closed: no
+    /// writer changes a pending cluster or its entry, so the data is copied without the
+    /// metadata lock. A reader meanwhile fills what it reads itself, under the lock, with the
+    /// same bytes.
+    pub(super) fn fill_all(&self) -> Result<()> {
+        loop {
+            let (guest, p, now) = {
+                let meta = self.lock();
+                let Some((&guest, p)) = meta.pending.first_key_value() else {
+                    return Ok(());
+                };
+                (guest, p.clone(), self.cached_entry(&meta, guest))
+            };
+            self.fill_gaps(now, guest, &p)?;
+            self.lock().pending.remove(&guest);
         }
-        Ok(())
     }
 
     /// Keeps the pending set bounded: drops records of complete clusters and fills the oldest.

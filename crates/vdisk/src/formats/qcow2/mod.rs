@@ -6,7 +6,6 @@
 
 mod alloc;
 pub mod bitmaps;
-mod cache;
 mod commit;
 mod compress;
 mod corrupt;
@@ -15,20 +14,23 @@ pub mod create;
 mod driver;
 pub mod header;
 pub mod l2;
+mod meta;
 pub mod offline;
 mod overlap;
 mod packed;
 pub mod refcount;
 pub mod snapshot;
+mod tables;
 mod write;
 
 use std::sync::{Arc, Mutex, OnceLock};
 
-use self::cache::Meta;
 use self::corrupt::hx;
 use self::header::Header;
 use self::l2::{EntryFormat, L2Entry, L2Table, SubclusterType};
+use self::meta::Meta;
 use self::snapshot::Snapshot;
+use self::tables::Tables;
 use super::driver::Driver;
 use super::open::OpenContext;
 use super::registry::FormatEntry;
@@ -235,7 +237,7 @@ impl Qcow2 {
             file,
             format,
             size,
-            meta: Mutex::new(Meta::new(l1, tables, refs)),
+            meta: Mutex::new(Meta::new(Tables::new(l1, tables), refs)),
             writable,
             gate: Gate::default(),
             group: commit::Group::default(),
@@ -263,8 +265,8 @@ impl Qcow2 {
         }
         let l1 = read_l1(&*self.file, &self.header, s.l1_table_offset, s.l1_size)?;
         let meta = self.meta.get_mut().unwrap_or_else(|e| e.into_inner());
-        meta.l1 = l1;
-        meta.clear();
+        meta.tables.replace_l1(l1, false);
+        meta.tables.clear();
         *self
             .last_compressed
             .get_mut()
@@ -290,7 +292,7 @@ impl Qcow2 {
 
     /// The L1 table in use (the active image's, or the snapshot's with `-l`).
     pub fn l1_table(&self) -> Vec<u64> {
-        self.lock().l1.clone()
+        self.lock().tables.l1().to_vec()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Meta> {
@@ -335,7 +337,7 @@ impl Qcow2 {
         offset: u64,
         l1_index: usize,
     ) -> Result<Option<Arc<L2Table>>> {
-        if let Some(t) = meta.get(offset) {
+        if let Some(t) = meta.tables.get(offset) {
             return Ok(Some(t));
         }
         let cs = self.header.cluster_size();
@@ -360,7 +362,7 @@ impl Qcow2 {
             .read_at(offset, &mut bytes)
             .context(|| format!("reading the L2 table at {offset:#x}"))?;
         let table = Arc::new(L2Table::parse(&bytes, self.format.extended));
-        meta.insert(offset, table.clone());
+        meta.tables.insert(offset, table.clone());
         Ok(Some(table))
     }
 
@@ -407,7 +409,7 @@ impl Qcow2 {
         let l2_bits = self.header.l2_entries().trailing_zeros();
         let l1_index = (offset >> (cb + l2_bits)) as usize;
         let mut meta = self.lock();
-        let l1e = meta.l1.get(l1_index).copied().unwrap_or(0);
+        let l1e = meta.tables.l1_entry(l1_index);
         let l2_offset = l1e & l2::OFFSET_MASK;
         if l2_offset == 0 {
             return Ok(None);

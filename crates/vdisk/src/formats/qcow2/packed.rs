@@ -2,12 +2,23 @@
 //! byte by byte after the previous one, several to a host cluster, as QEMU does. A host cluster
 //! holding parts of k compressed clusters has refcount k.
 
-use super::cache::Meta;
 use super::compress::compress;
 use super::l2::{L2Entry, OFLAG_COMPRESSED};
+use super::meta::Meta;
 use super::Qcow2;
 use crate::blockdev::{check_range, BlockDev};
 use crate::error::{Error, IoContext, Result};
+
+/// Where compressed clusters go: several are packed into one host cluster, as QEMU packs
+/// them.
+#[derive(Debug, Default)]
+pub(super) struct Packed {
+    /// The first free byte in the host cluster compressed data went to last (0 for none):
+    /// where the next compressed cluster can be packed.
+    pub tail: u64,
+    /// The end of the last byte of compressed data written.
+    pub end: u64,
+}
 
 impl Qcow2 {
     /// Writes one whole guest cluster at `offset` compressed; data that does not compress is
@@ -52,8 +63,8 @@ impl Qcow2 {
             let sectors = ((host + packed.len() as u64 - 1) >> 9) - (host >> 9);
             let word = OFLAG_COMPRESSED | sectors << shift | host;
             self.set_entry(&mut meta, table, index, L2Entry { word, bitmap: 0 });
-            meta.data_written = true;
-            meta.ordered = true;
+            meta.txn.data_written = true;
+            meta.txn.ordered = true;
             host
         };
         self.data
@@ -68,7 +79,7 @@ impl Qcow2 {
     fn pack(&self, meta: &mut Meta, len: u64) -> Result<u64> {
         let cs = self.header.cluster_size();
         let cb = self.header.cluster_bits;
-        let tail = meta.packed_tail;
+        let tail = meta.packed.tail;
         let host = if tail % cs != 0 {
             if tail % cs + len > cs {
                 let next = self.alloc_clusters(meta, 1)?;
@@ -76,7 +87,7 @@ impl Qcow2 {
                     return Ok(self.packed_at(meta, next << cb, len));
                 }
             }
-            let refs = meta.refs.as_mut().expect("writable images have refcounts");
+            let refs = meta.refs();
             let r = refs.get(&*self.file, tail >> cb)?;
             refs.set(&*self.file, tail >> cb, r + 1)?;
             tail
@@ -87,8 +98,8 @@ impl Qcow2 {
     }
 
     fn packed_at(&self, meta: &mut Meta, host: u64, len: u64) -> u64 {
-        meta.packed_tail = host + len;
-        meta.packed_end = meta.packed_end.max(host + len);
+        meta.packed.tail = host + len;
+        meta.packed.end = meta.packed.end.max(host + len);
         host
     }
 }

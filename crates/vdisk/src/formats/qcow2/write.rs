@@ -12,14 +12,12 @@
 //!
 //! [`BlockDev::start_write`]: crate::BlockDev::start_write
 
-use std::sync::Arc;
-
-use super::cache::{Dirty, Meta};
 use super::corrupt::hx;
 use super::cow::{Pending, SECTOR};
 use super::header::Header;
 use super::l2::OFLAG_ZERO;
 use super::l2::{L2Entry, L2Table, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
+use super::meta::Meta;
 use super::{compress, Qcow2};
 use crate::blockdev::{StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
@@ -117,7 +115,7 @@ impl Qcow2 {
                 }
                 done += n;
             }
-            meta.data_written = true;
+            meta.txn.data_written = true;
             self.limit_pending(meta)
         };
         if let Err(e) = place_all(&mut meta) {
@@ -192,7 +190,7 @@ impl Qcow2 {
         // A cluster found mapped in the file is vetted before the first write into it.
         let mut first = false;
         if ours && !self.format.external_data {
-            let refs = meta.refs.as_mut().expect("writable images have refcounts");
+            let refs = meta.refs();
             let c = host >> self.header.cluster_bits;
             refs.vet_mapped(c)?;
             first = refs.first_overwrite(c);
@@ -230,14 +228,14 @@ impl Qcow2 {
             Pending::new(guest, e, zero, cs)
         } else {
             let cluster = self.alloc_clusters(meta, 1)?;
-            let refs = meta.refs.as_ref().expect("writable images have refcounts");
+            let refs = meta.refs();
             let zero = refs.is_known_zero(cluster);
             self.free_entry_later(meta, e);
             Pending::new(cluster << self.header.cluster_bits, e, zero, cs)
         };
         // Unless the cluster reads as its old content before its data lands, the data must be
         // durable before the entry that maps it.
-        meta.ordered |= !(pending.host_zero && self.reads_zero(e)?);
+        meta.txn.ordered |= !(pending.host_zero && self.reads_zero(e)?);
         let host = pending.host;
         let bitmap = if self.format.extended {
             self.new_bitmap(e, touched)?
@@ -334,7 +332,7 @@ impl Qcow2 {
 
     /// Allocates `n` contiguous clusters and counts it.
     pub(super) fn alloc_clusters(&self, meta: &mut Meta, n: u64) -> Result<u64> {
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        let refs = meta.refs();
         let first = match refs.alloc(&*self.file, n) {
             Ok(first) => first,
             Err(e) => return Err(self.allocation_refused(refs, e)),
@@ -409,7 +407,7 @@ impl Qcow2 {
         if self.format.external_data {
             return;
         }
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        let refs = meta.refs();
         let cb = self.header.cluster_bits;
         if e.word & OFLAG_COMPRESSED != 0 {
             let (host, csize) = self.format.compressed_extent(e);
@@ -422,13 +420,7 @@ impl Qcow2 {
     }
 
     pub(super) fn set_entry(&self, meta: &mut Meta, table_off: u64, index: usize, e: L2Entry) {
-        let table = meta.get_mut(table_off).expect("table is cached");
-        table.set(index, e);
-        let size = table.entry_bytes();
-        meta.dirty
-            .entry(table_off)
-            .or_default()
-            .add(index * size, (index + 1) * size);
+        meta.tables.set_entry(table_off, index, e);
     }
 
     /// The current L2 entry of the guest cluster at `guest`, if its table is cached (the
@@ -436,9 +428,9 @@ impl Qcow2 {
     pub(super) fn cached_entry(&self, meta: &Meta, guest: u64) -> Option<L2Entry> {
         let cb = self.header.cluster_bits;
         let l2_bits = self.header.l2_entries().trailing_zeros();
-        let l1e = *meta.l1.get((guest >> (cb + l2_bits)) as usize)?;
+        let l1e = *meta.tables.l1().get((guest >> (cb + l2_bits)) as usize)?;
         let index = ((guest >> cb) & (self.header.l2_entries() - 1)) as usize;
-        Some(meta.get(l1e & OFFSET_MASK)?.get(index))
+        Some(meta.tables.get(l1e & OFFSET_MASK)?.get(index))
     }
 
     /// The L2 table (host offset, index) for guest offset `guest`, made writable, and the entry
@@ -450,7 +442,10 @@ impl Qcow2 {
         guest: u64,
     ) -> Result<(u64, usize, L2Entry)> {
         let (table, index) = self.make_table_writable(meta, guest)?;
-        let cached = meta.get(table).expect("Meta::insert keeps what it inserts");
+        let cached = meta
+            .tables
+            .get(table)
+            .expect("Meta::insert keeps what it inserts");
         let e = cached.get(index);
         let host = self.format.host_offset(e);
         if e.word & OFLAG_COMPRESSED == 0 && host % self.header.cluster_size() != 0 {
@@ -470,7 +465,7 @@ impl Qcow2 {
         let l2_bits = self.header.l2_entries().trailing_zeros();
         let l1_index = (guest >> (cb + l2_bits)) as usize;
         let index = ((guest >> cb) & (self.header.l2_entries() - 1)) as usize;
-        let l1e = *meta.l1.get(l1_index).ok_or_else(|| {
+        let l1e = *meta.tables.l1().get(l1_index).ok_or_else(|| {
             Error::corrupt(format!("L1 table too small for guest offset {guest:#x}"))
         })?;
         let old = l1e & OFFSET_MASK;
@@ -495,19 +490,14 @@ impl Qcow2 {
         let new = self.alloc_clusters(meta, 1)? << cb;
         // A table read from a cluster that is not zero yet, or a copy with entries, must be
         // durable before the L1 entry naming it.
-        let refs = meta.refs.as_ref().expect("writable images have refcounts");
-        meta.ordered |= old != 0 || !refs.is_known_zero(new >> cb);
+        let refs = meta.refs();
+        meta.txn.ordered |= old != 0 || !refs.is_known_zero(new >> cb);
         if old != 0 {
-            let refs = meta.refs.as_mut().expect("writable images have refcounts");
+            let refs = meta.refs();
             refs.free_later(old >> cb);
         }
-        meta.insert(new, Arc::new(table));
-        meta.dirty.insert(new, Dirty::new(0, 1 << cb));
-        meta.fresh.insert(new);
-        meta.l1[l1_index] = new | OFLAG_COPIED;
-        meta.l1_dirty
-            .get_or_insert_default()
-            .add(l1_index * 8, l1_index * 8 + 8);
+        meta.tables.insert_fresh(new, table);
+        meta.tables.set_l1(l1_index, new | OFLAG_COPIED);
         Ok((new, index))
     }
 
@@ -561,7 +551,7 @@ impl Qcow2 {
                 if whole && self.header.data_file_raw() {
                     // A raw data file is the disk itself: every cluster stays mapped where it
                     // is, and the file's own range is zeroed below.
-                    meta.data_written = true;
+                    meta.txn.data_written = true;
                 } else if whole && (v3 || kind == Zeroing::Discard) {
                     let (table_off, index, e) = self.writable_table(&mut meta, guest)?;
                     // A pending cluster's gaps need no filling any more: it is given up.

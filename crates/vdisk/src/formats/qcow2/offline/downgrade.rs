@@ -17,10 +17,10 @@ use std::collections::HashMap;
 
 use super::signal;
 use crate::error::{Error, IoContext, Result};
-use crate::formats::qcow2::cache::Meta;
 use crate::formats::qcow2::l2::{
     L2Entry, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED,
 };
+use crate::formats::qcow2::meta::Meta;
 use crate::formats::qcow2::{read_l1, Qcow2};
 use crate::storage::zero_range;
 
@@ -32,7 +32,7 @@ impl Qcow2 {
     /// image may have thousands of snapshots naming large tables.
     fn l1_table_of(&self, n: usize) -> Result<Vec<u64>> {
         match n.checked_sub(1).map(|i| &self.snapshots[i]) {
-            None => Ok(self.lock().l1.clone()),
+            None => Ok(self.lock().tables.l1().to_vec()),
             Some(s) => read_l1(&*self.file, &self.header, s.l1_table_offset, s.l1_size),
         }
     }
@@ -78,7 +78,7 @@ impl Qcow2 {
         }
         for (table, l1_index) in tables {
             self.expand_table(table, l1_index, sharers[&table], backed)?;
-            let held = self.lock().dirty.len() as u64 * self.header.cluster_size();
+            let held = self.lock().tables.dirty_tables() as u64 * self.header.cluster_size();
             if held >= BATCH_BYTES {
                 self.flush_impl()?;
             }
@@ -105,7 +105,7 @@ impl Qcow2 {
                 SubclusterType::ZeroPlain => self.zeroed_cluster(&mut meta, sharers)?,
                 SubclusterType::ZeroAlloc => {
                     let host = self.data_cluster(e, offset, index)?;
-                    let refs = meta.refs.as_mut().expect("writable images have refcounts");
+                    let refs = meta.refs();
                     refs.vet_mapped(host >> cb)?;
                     if refs.get(&*self.file, host >> cb)? > sharers {
                         // Another table maps it too, maybe as data (a snapshot's): QEMU zeroes
@@ -116,9 +116,12 @@ impl Qcow2 {
                         }
                         self.zeroed_cluster(&mut meta, sharers)?
                     } else {
-                        let refs = meta.refs.as_ref().expect("writable images have refcounts");
+                        let refs = meta
+                            .refs_if_writable()
+                            .expect("writable images have refcounts");
+                        let l1 = meta.tables.l1();
                         if let Some(what) =
-                            signal::metadata_overlap(self, &meta.l1, refs.table(), 0, host, cs)
+                            signal::metadata_overlap(self, l1, refs.table(), 0, host, cs)
                         {
                             return Err(Error::corrupt(format!(
                                 "Preventing invalid write on metadata (overlaps with {what})"
@@ -132,7 +135,7 @@ impl Qcow2 {
                 _ => continue,
             };
             // The zeroes are durable before the entry that makes them visible.
-            meta.ordered = true;
+            meta.txn.ordered = true;
             let word = if sharers == 1 {
                 host | OFLAG_COPIED
             } else {
@@ -147,7 +150,7 @@ impl Qcow2 {
     fn zeroed_cluster(&self, meta: &mut Meta, sharers: u64) -> Result<u64> {
         let cb = self.header.cluster_bits;
         let c = self.alloc_clusters(meta, 1)?;
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        let refs = meta.refs();
         if sharers > 1 {
             refs.set(&*self.file, c, sharers)?;
         }

@@ -28,7 +28,7 @@ impl Qcow2 {
     pub(super) fn check_refcount_width(&self, order: u32) -> Result<()> {
         let max = refcount::max_value(order);
         let mut meta = self.lock();
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        let refs = meta.refs();
         let (end, over) = self.scan_refcounts(refs, max)?;
         if let Some((c, r)) = over {
             return Err(Error::invalid(format!(
@@ -85,7 +85,7 @@ impl Qcow2 {
         frees.extend((old_table >> cb)..(old_table >> cb) + old_clusters);
         {
             let mut meta = self.lock();
-            let refs = meta.refs.as_mut().expect("writable images have refcounts");
+            let refs = meta.refs();
             for c in frees {
                 let r = refs.get(&*self.file, c)?;
                 refs.set(&*self.file, c, r.saturating_sub(1))?;
@@ -105,7 +105,7 @@ impl Qcow2 {
     ) -> Result<()> {
         let (cs, cb) = (self.header.cluster_size(), self.header.cluster_bits);
         let mut meta = self.lock();
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        let refs = meta.refs();
         let mut table = vec![0u8; ((blocks * 8).div_ceil(cs) * cs) as usize];
         let mut block = vec![0u8; cs as usize];
         for b in 0..blocks {
@@ -139,7 +139,7 @@ impl Qcow2 {
     /// refcounts, or puts them back if the header could not be written.
     fn switch_refcounts(&self, h: &mut Header) -> Result<Refcounts> {
         let mut meta = self.lock();
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        let refs = meta.refs();
         // The space reserved ahead goes back now: the new refcounts take the file as it is.
         let trim = refs.trim_len();
         let len = self
@@ -152,10 +152,10 @@ impl Qcow2 {
                 .context(|| "giving back reserved space".into())?;
         }
         let mut new = Refcounts::load(&*self.file, h)?;
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        let refs = meta.refs();
         // The old blocks and table leave the guard's list as they are freed.
         new.adopt_guard(refs);
-        let old = (meta.refs.replace(new)).expect("writable images have refcounts");
+        let old = (meta.replace_refs(new)).expect("writable images have refcounts");
         // Refcount blocks moved: the overlap check must look them up again.
         drop(meta);
         match self.write_header(h) {
@@ -163,10 +163,8 @@ impl Qcow2 {
             Err(e) => {
                 let mut old = old;
                 let mut meta = self.lock();
-                if let Some(new) = meta.refs.as_mut() {
-                    old.adopt_guard(new);
-                }
-                meta.refs = Some(old);
+                old.adopt_guard(meta.refs());
+                meta.replace_refs(old);
                 Err(e)
             }
         }
@@ -175,7 +173,7 @@ impl Qcow2 {
     /// Frees `n` clusters from `first` that nothing names.
     fn free_run(&self, first: u64, n: u64) -> Result<()> {
         let mut meta = self.lock();
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        let refs = meta.refs();
         (first..first + n).try_for_each(|c| refs.set(&*self.file, c, 0))
     }
 
@@ -229,7 +227,7 @@ impl Qcow2 {
     /// The first cluster past every one with a refcount.
     fn used_clusters(&self) -> Result<u64> {
         let mut meta = self.lock();
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        let refs = meta.refs();
         Ok(self.scan_refcounts(refs, u64::MAX)?.0)
     }
 
@@ -239,7 +237,7 @@ impl Qcow2 {
         loop {
             self.flush_impl()?;
             let mut meta = self.lock();
-            let refs = meta.refs.as_mut().expect("writable images have refcounts");
+            let refs = meta.refs();
             refs.release_pool(&*self.file)?;
             if !refs.is_dirty() {
                 return Ok(());

@@ -12,8 +12,8 @@
 use crate::blockdev::BlockDev;
 use crate::error::{Error, IoContext, Result};
 use crate::formats::prealloc::{preallocate, Preallocation};
-use crate::formats::qcow2::cache::Meta;
 use crate::formats::qcow2::l2::{L2Entry, OFFSET_MASK, OFLAG_COPIED};
+use crate::formats::qcow2::meta::Meta;
 use crate::formats::qcow2::Qcow2;
 use crate::storage::zero_range;
 
@@ -85,7 +85,7 @@ impl Qcow2 {
         if new_size < old_size {
             // The header no longer maps what was dropped, and its refcounts are durable.
             let mut meta = self.lock();
-            let refs = meta.refs.as_mut().expect("writable images have refcounts");
+            let refs = meta.refs();
             refs.cut_after_last_used(&*self.file)?;
         }
         Ok(())
@@ -211,19 +211,19 @@ impl Qcow2 {
     fn alloc_new_area(&self, meta: &mut Meta, n: u64, prealloc: Preallocation) -> Result<u64> {
         let cs = self.header.cluster_size();
         let cb = self.header.cluster_bits;
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        let refs = meta.refs();
         refs.sparse = prealloc == Preallocation::Metadata;
         let first = self.alloc_clusters(meta, n);
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        let refs = meta.refs();
         refs.sparse = false;
         let first = first?;
         for c in first..first + n {
-            let refs = meta.refs.as_ref().expect("writable images have refcounts");
+            let refs = meta.refs();
             if !refs.is_known_zero(c) {
                 // A cluster freed earlier: its old data must not show.
                 zero_range(&*self.file, c << cb, cs)
                     .context(|| "zeroing a preallocated cluster".into())?;
-                meta.ordered = true;
+                meta.txn.ordered = true;
             }
         }
         if prealloc != Preallocation::Metadata {
@@ -239,9 +239,9 @@ impl Qcow2 {
         let first = new_size.next_multiple_of(cs);
         let _pass = self.gate.enter();
         let mut meta = self.lock();
-        let l1_len = meta.l1.len();
+        let l1_len = meta.tables.l1().len();
         for l1_index in (first / span) as usize..l1_len {
-            let l1e = meta.l1[l1_index];
+            let l1e = meta.tables.l1_entry(l1_index);
             if l1e & OFFSET_MASK == 0 {
                 continue;
             }
@@ -258,15 +258,10 @@ impl Qcow2 {
             }
             if table_start >= first {
                 // The whole table is past the end: it goes too.
-                let table = meta.l1[l1_index] & OFFSET_MASK;
-                meta.l1[l1_index] = 0;
-                meta.dirty.remove(&table);
-                meta.fresh.remove(&table);
-                let refs = meta.refs.as_mut().expect("writable images have refcounts");
-                refs.free_later(table >> self.header.cluster_bits);
-                meta.l1_dirty
-                    .get_or_insert_default()
-                    .add(l1_index * 8, l1_index * 8 + 8);
+                let table = meta.tables.l1_entry(l1_index) & OFFSET_MASK;
+                meta.tables.set_l1(l1_index, 0);
+                meta.tables.drop_table(table);
+                meta.refs().free_later(table >> self.header.cluster_bits);
             }
         }
         Ok(())
@@ -279,7 +274,7 @@ impl Qcow2 {
         let _closed = self.gate.close();
         let mut meta = self.lock();
         let first = self.alloc_clusters(&mut meta, clusters)?;
-        let mut l1 = meta.l1.clone();
+        let mut l1 = meta.tables.l1().to_vec();
         l1.resize(entries as usize, 0);
         let mut bytes: Vec<u8> = l1.iter().flat_map(|e| e.to_be_bytes()).collect();
         bytes.resize((clusters * cs) as usize, 0);
@@ -288,7 +283,7 @@ impl Qcow2 {
             .write_at(at, &bytes)
             .context(|| format!("writing the new L1 table at {at:#x}"))?;
         // The new table and its refcounts must be durable before the header names it.
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        let refs = meta.refs();
         self.counters
             .metadata_written(bytes.len() as u64 + refs.write_out(&*self.file)?);
         self.file
@@ -300,11 +295,11 @@ impl Qcow2 {
             refs.free_later((old >> self.header.cluster_bits) + c);
         }
         // A moved refcount table is durable now; `write_header` names it, from the refcounts.
-        refs.table_moved = false;
+        refs.table_named();
         h.l1_table_offset = at;
         h.l1_size = entries as u32;
-        meta.l1 = l1;
-        meta.l1_dirty = None;
+        // Written whole where the header will point, with every change made so far.
+        meta.tables.replace_l1(l1, false);
         Ok(())
     }
 }

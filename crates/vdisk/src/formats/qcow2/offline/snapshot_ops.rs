@@ -36,7 +36,7 @@ impl Qcow2 {
             + 1;
         let (l1_offset, l1_size) = {
             let mut meta = self.lock();
-            let l1 = meta.l1.clone();
+            let l1 = meta.tables.l1().to_vec();
             // Checked first: a refcount that would overflow fails before anything changed.
             self.add_references(&mut meta, &l1, 1)?;
             let offset = match self.write_table_copy(&mut meta, &l1) {
@@ -89,13 +89,7 @@ impl Qcow2 {
         l1.resize(self.header.l1_size as usize, 0);
         self.add_references(&mut self.lock(), &l1, 1)?;
         self.flush_impl()?;
-        let old = {
-            let mut meta = self.lock();
-            let old = std::mem::replace(&mut meta.l1, l1);
-            let len = meta.l1.len() * 8;
-            meta.l1_dirty.get_or_insert_default().add(0, len);
-            old
-        };
+        let old = self.lock().tables.replace_l1(l1, true);
         self.flush_impl()?;
         {
             let mut meta = self.lock();
@@ -143,7 +137,7 @@ impl Qcow2 {
     /// Writes `l1` to new clusters and returns their offset.
     fn write_table_copy(
         &self,
-        meta: &mut crate::formats::qcow2::cache::Meta,
+        meta: &mut crate::formats::qcow2::meta::Meta,
         l1: &[u64],
     ) -> Result<u64> {
         let cs = self.header.cluster_size();
@@ -162,7 +156,7 @@ impl Qcow2 {
     /// below zero) fails the operation before anything changed.
     fn add_references(
         &self,
-        meta: &mut crate::formats::qcow2::cache::Meta,
+        meta: &mut crate::formats::qcow2::meta::Meta,
         l1: &[u64],
         addend: i64,
     ) -> Result<()> {
@@ -188,7 +182,7 @@ impl Qcow2 {
             }
             *changes.entry(table_offset >> cb).or_default() += addend;
         }
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        let refs = meta.refs();
         let max = refs.max_value();
         let mut new = Vec::with_capacity(changes.len());
         for (c, delta) in changes {
@@ -220,12 +214,12 @@ impl Qcow2 {
     /// Adds `addend` to the refcounts of `n` clusters from `first`.
     fn add_run(
         &self,
-        meta: &mut crate::formats::qcow2::cache::Meta,
+        meta: &mut crate::formats::qcow2::meta::Meta,
         first: u64,
         n: u64,
         addend: i64,
     ) -> Result<()> {
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
+        let refs = meta.refs();
         for c in first..first + n {
             let r = refs.get(&*self.file, c)?;
             let Some(v) = r.checked_add_signed(addend) else {
@@ -240,10 +234,10 @@ impl Qcow2 {
 
     /// Sets the COPIED flag on exactly those active L1 and L2 entries whose cluster has
     /// refcount 1 (only then may it be written in place).
-    fn fix_copied_flags(&self, meta: &mut crate::formats::qcow2::cache::Meta) -> Result<()> {
+    fn fix_copied_flags(&self, meta: &mut crate::formats::qcow2::meta::Meta) -> Result<()> {
         let cb = self.header.cluster_bits;
-        for l1_index in 0..meta.l1.len() {
-            let l1e = meta.l1[l1_index];
+        for l1_index in 0..meta.tables.l1().len() {
+            let l1e = meta.tables.l1_entry(l1_index);
             let table_offset = l1e & OFFSET_MASK;
             if table_offset == 0 {
                 continue;
@@ -257,19 +251,16 @@ impl Qcow2 {
                 if e.word & OFLAG_COMPRESSED != 0 || host == 0 {
                     continue;
                 }
-                let refs = meta.refs.as_mut().expect("writable images have refcounts");
+                let refs = meta.refs();
                 let word = copied(e.word, refs.get(&*self.file, host >> cb)? == 1);
                 if word != e.word {
                     self.set_entry(meta, table_offset, i, L2Entry { word, ..e });
                 }
             }
-            let refs = meta.refs.as_mut().expect("writable images have refcounts");
+            let refs = meta.refs();
             let word = copied(l1e, refs.get(&*self.file, table_offset >> cb)? == 1);
             if word != l1e {
-                meta.l1[l1_index] = word;
-                meta.l1_dirty
-                    .get_or_insert_default()
-                    .add(l1_index * 8, l1_index * 8 + 8);
+                meta.tables.set_l1(l1_index, word);
             }
         }
         Ok(())

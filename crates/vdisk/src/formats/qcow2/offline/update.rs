@@ -12,18 +12,17 @@ impl Qcow2 {
     pub(super) fn write_header(&self, h: &mut Header) -> Result<()> {
         {
             let mut meta = self.lock();
-            if let Some(refs) = meta.refs.as_mut() {
-                if refs.table_moved {
-                    let bytes = refs.write_out(&*self.file)?;
-                    self.file
-                        .sync()
-                        .context(|| "syncing the new refcount table".into())?;
-                    self.counters.metadata_written(bytes);
-                }
-                let (offset, clusters) = refs.table_location();
-                h.refcount_table_offset = offset;
-                h.refcount_table_clusters = clusters as u32;
+            let refs = meta.refs();
+            if refs.table_moved() {
+                let bytes = refs.write_out(&*self.file)?;
+                self.file
+                    .sync()
+                    .context(|| "syncing the new refcount table".into())?;
+                self.counters.metadata_written(bytes);
             }
+            let (offset, clusters) = refs.table_location();
+            h.refcount_table_offset = offset;
+            h.refcount_table_clusters = clusters as u32;
         }
         // The whole first cluster, as QEMU writes it: no old backing file name is left behind.
         let mut bytes = h.to_bytes()?;
@@ -31,16 +30,15 @@ impl Qcow2 {
         self.file
             .write_at(0, &bytes)
             .context(|| "writing the header".into())?;
-        let frees = self.lock().refs.as_mut().map(|r| r.take_frees());
+        let frees = self.lock().refs().take_frees();
         let synced = self.file.sync().context(|| "syncing the header".into());
         let mut meta = self.lock();
-        let refs = meta.refs.as_mut().expect("writable images have refcounts");
-        let frees = frees.unwrap_or_default();
+        let refs = meta.refs();
         if let Err(e) = synced {
             refs.defer_frees(frees);
             return Err(e);
         }
-        refs.table_moved = false;
+        refs.table_named();
         self.counters.metadata_written(bytes.len() as u64);
         // The old L1 table's clusters are free now that the header points elsewhere.
         refs.apply_frees(&*self.file, frees)

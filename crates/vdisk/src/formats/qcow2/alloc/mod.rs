@@ -8,10 +8,14 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::cache::Dirty;
 use super::header::Header;
 use super::overlap::Guard;
+use super::tables::Dirty;
 use super::{read_table, refcount};
+
+mod space;
+mod writes;
+
 use crate::error::{Error, IoContext, Result};
 use crate::storage::Storage;
 
@@ -31,11 +35,14 @@ pub(super) struct Refcounts {
     table_clusters: u64,
     table_dirty: bool,
     /// The table was moved to a new place: the header must point there.
-    pub table_moved: bool,
+    table_moved: bool,
     /// Refcount blocks read or created, by block index.
     blocks: HashMap<u64, Vec<u8>>,
-    /// Changed refcount blocks, with their changed bytes.
-    dirty_blocks: BTreeMap<u64, Dirty>,
+    /// Changed refcount blocks, with their changed bytes and the version of their last change.
+    dirty_blocks: BTreeMap<u64, (Dirty, u64)>,
+    /// Counts changes to refcount blocks, so that a commit knows which of the blocks it wrote
+    /// changed again meanwhile (see `writes.rs`).
+    version: u64,
     order: u32,
     cluster_bits: u32,
     per_block: u64,
@@ -123,6 +130,7 @@ impl Refcounts {
             table_moved: false,
             blocks: HashMap::new(),
             dirty_blocks: BTreeMap::new(),
+            version: 0,
             order: h.refcount_order,
             cluster_bits: h.cluster_bits,
             per_block: refcount::entries_per_block(h.cluster_bits, h.refcount_order),
@@ -213,6 +221,16 @@ impl Refcounts {
         &self.table
     }
 
+    /// Whether the table moved since the header last named it.
+    pub fn table_moved(&self) -> bool {
+        self.table_moved
+    }
+
+    /// A header naming the table where it is now is durable.
+    pub fn table_named(&mut self) {
+        self.table_moved = false;
+    }
+
     pub fn table_location(&self) -> (u64, u64) {
         (self.table_offset, self.table_clusters)
     }
@@ -283,10 +301,10 @@ impl Refcounts {
         refcount::set(blk, i, order, value);
         let byte = ((i << order) / 8) as usize;
         let width = (1usize << order).div_ceil(8);
-        self.dirty_blocks
-            .entry(b)
-            .or_default()
-            .add(byte, byte + width);
+        self.version += 1;
+        let (dirty, version) = self.dirty_blocks.entry(b).or_default();
+        dirty.add(byte, byte + width);
+        *version = self.version;
         if value == 0 {
             if old > 0 {
                 self.guard.freed(cluster);
@@ -342,7 +360,9 @@ impl Refcounts {
         self.blocks.insert(b, bytes);
         self.increased = true;
         let cs = self.cs() as usize;
-        self.dirty_blocks.insert(b, Dirty::new(0, cs));
+        self.version += 1;
+        self.dirty_blocks
+            .insert(b, (Dirty::new(0, cs), self.version));
         self.high_water = self.high_water.max(at + 1);
         self.table[b as usize] = at << self.cluster_bits;
         self.table_dirty = true;
@@ -432,304 +452,5 @@ impl Refcounts {
 
     pub fn opened_len(&self) -> u64 {
         self.opened_len
-    }
-
-    /// Makes sure the file has space up to cluster `end`, reserving in steps of an eighth of
-    /// the file, at least `step_floor` (1 MiB to 256 MiB), so that the file grows rarely and a
-    /// full disk is reported here, before any metadata changes, rather than by a later data
-    /// write. (What is reserved and not used is given back at close.)
-    ///
-    /// The floor is for ext4. A direct write into reserved (unwritten) space makes it split
-    /// the unwritten extent when the write is submitted and merge the written part back when
-    /// it completes. While a file's extents number about what fits in its inode, the split
-    /// grows the extent tree into a block of its own and the merge folds it back: a block
-    /// allocated and freed, and the journal work twice, for every write (1023 allocations in
-    /// 1024 writes and 13-78% more time for some layouts in bench/results/reserve.md). Which
-    /// layouts do it depends on the file's extents; new images written through this floor
-    /// showed none of it there (18 allocations a run), where the earlier steps (an eighth of
-    /// the file, 1 to 64 MiB) made 1025 with 2 MiB clusters (reserve-b23fea1.md).
-    fn reserve(&mut self, file: &dyn Storage, end: u64) -> Result<()> {
-        let need = end << self.cluster_bits;
-        if need <= self.reserved {
-            return Ok(());
-        }
-        let len = file.len().context(|| "reading the image size".into())?;
-        if self.sparse {
-            if len < need {
-                file.set_len(need)
-                    .context(|| format!("growing the image file to {need} bytes"))?;
-            }
-            self.reserved = need;
-            return Ok(());
-        }
-        let step = (self.reserved / 8)
-            .max(self.step_floor)
-            .clamp(1 << 20, MAX_RESERVE_STEP);
-        let want = need.max(self.reserved + step).next_multiple_of(self.cs());
-        let from = self.reserved;
-        match file.allocate(from, want - from) {
-            Ok(()) => {}
-            // A file system without fallocate: the file grows as it is written.
-            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => self.reserved = want,
-            Err(_) => {
-                // Maybe the step is too much for the space left: try what is needed.
-                if let Err(e) = file.allocate(from, need - from) {
-                    // A failed fallocate may keep what it got (ext4 does, and grows the file):
-                    // the old length gives that back to the full disk.
-                    let _ = file.set_len(len);
-                    return Err(e).context(|| format!("growing the image file to {need} bytes"));
-                }
-                self.reserved = need;
-                return Ok(());
-            }
-        }
-        self.reserved = want;
-        Ok(())
-    }
-
-    /// Allocates `n` contiguous clusters (refcount 1) and returns the first: from the pool when
-    /// it holds enough, else from a new pool run that starts with them.
-    pub fn alloc(&mut self, file: &dyn Storage, n: u64) -> Result<u64> {
-        self.guard.vet(0..0)?;
-        if self.pool.end - self.pool.start >= n {
-            let first = self.pool.start;
-            self.pool.start += n;
-            return Ok(first);
-        }
-        self.release_pool(file)?;
-        // A run with the pool must fit between two refcount block slots, or the search below
-        // would look for it forever in new space.
-        let extra = self.pool_refill.min(self.per_block.saturating_sub(n + 1));
-        let max = (MAX_POOL_BYTES >> self.cluster_bits).max(MIN_POOL);
-        self.pool_refill = (self.pool_refill * 2).min(max);
-        let first = match self.alloc_run(file, n + extra) {
-            Ok(first) => first,
-            // Maybe there is room for the request but not for the pool.
-            Err(_) => return self.alloc_run(file, n),
-        };
-        self.pool = first + n..first + n + extra;
-        Ok(first)
-    }
-
-    /// Gives the unused pool back (before a clean close, or a refill).
-    pub fn release_pool(&mut self, file: &dyn Storage) -> Result<()> {
-        let pool = std::mem::replace(&mut self.pool, 0..0);
-        for c in pool.clone() {
-            self.set(file, c, 0)?;
-            // Never written: still zero.
-            self.recycled.remove(&c);
-        }
-        if pool.end == self.high_water {
-            self.high_water = pool.start;
-        }
-        Ok(())
-    }
-
-    /// Allocates `n` contiguous free clusters (refcount 1) and returns the first. Runs keep
-    /// clear of the slots where new refcount blocks describe themselves, unless they are too
-    /// long to fit between two slots; then the blocks they need go after them.
-    fn alloc_run(&mut self, file: &dyn Storage, n: u64) -> Result<u64> {
-        // Once metadata was found free, nothing more is handed out.
-        self.guard.vet(0..0)?;
-        let mut start = self.free_hint;
-        let mut run = 0;
-        let mut c = start;
-        let avoid_slots = n < self.per_block;
-        while run < n {
-            if !(avoid_slots && self.is_block_slot(c)) && self.get(file, c)? == 0 {
-                run += 1;
-            } else {
-                run = 0;
-                start = c + 1;
-            }
-            c += 1;
-        }
-        self.guard.vet(start..start + n)?;
-        self.reserve(file, start + n)?;
-        self.unpunch(file, start, start + n)?;
-        // Promise the run first: setting these refcounts may create a refcount block or grow
-        // the table, and those must not take clusters from it.
-        self.end = self.end.max(start + n);
-        // The next search starts past this run, as QEMU's does: the free clusters passed over
-        // (gaps too small for this run, slots kept for refcount blocks) are looked at again
-        // once a cluster below is freed. Held at the first of them, the hint made every later
-        // allocation walk all the clusters allocated since: quadratic, minutes for a gigabyte
-        // written into an image of 512-byte clusters.
-        self.free_hint = start + n;
-        self.claimed.push(start..start + n);
-        let set = (start..start + n).try_for_each(|k| self.set(file, k, 1));
-        self.claimed.pop();
-        set?;
-        Ok(start)
-    }
-
-    /// Drops a reference to `cluster` once the metadata that dropped it is durable.
-    pub fn free_later(&mut self, cluster: u64) {
-        self.pending_frees.push(cluster);
-    }
-
-    /// [`Refcounts::free_later`] for a cluster an L2 entry named as data: should it be
-    /// metadata, it stays that once the reference is gone (QEMU's overlap check would refuse
-    /// it, whatever its refcount).
-    pub fn free_data_later(&mut self, cluster: u64) {
-        self.guard.dropped_as_data(cluster);
-        self.pending_frees.push(cluster);
-    }
-
-    /// Takes the deferred decrements: the metadata that dropped those references is about to
-    /// be made durable.
-    pub fn take_frees(&mut self) -> Vec<u64> {
-        std::mem::take(&mut self.pending_frees)
-    }
-
-    /// Gives back decrements taken by [`Refcounts::take_frees`] whose commit failed.
-    pub fn defer_frees(&mut self, frees: Vec<u64>) {
-        self.pending_frees.extend(frees);
-    }
-
-    /// Applies decrements taken by [`Refcounts::take_frees`]: called right after the metadata
-    /// that dropped those references became durable. Clusters left unreferenced give their
-    /// space back to the host (as QEMU passes guest discards down): nothing durable points to
-    /// them any more, and the caller holds the metadata lock, so none is handed out again
-    /// before its hole is punched. A file system that cannot punch keeps the space.
-    pub fn apply_frees(&mut self, file: &dyn Storage, frees: Vec<u64>) -> Result<()> {
-        let mut freed = Vec::new();
-        for c in frees {
-            let r = self.get(file, c)?.saturating_sub(1);
-            self.set(file, c, r)?;
-            if r == 0 {
-                freed.push(c);
-            }
-        }
-        freed.sort_unstable();
-        freed.dedup();
-        let cs = self.cs();
-        let mut at = 0;
-        while at < freed.len() {
-            let mut end = at + 1;
-            while end < freed.len() && freed[end] == freed[end - 1] + 1 {
-                end += 1;
-            }
-            if file
-                .punch_hole(freed[at] * cs, (end - at) as u64 * cs)
-                .is_ok()
-            {
-                self.punched.insert(freed[at], freed[end - 1] + 1);
-            }
-            at = end;
-        }
-        Ok(())
-    }
-
-    /// Refuses to write into, or count a reference to, mapped cluster `c` when it starts past
-    /// the end of the file as opened and of everything allocated since. QEMU's check counts
-    /// such a mapping as a corruption whatever the refcounts say; following it would grow the
-    /// file to wherever the entry points (up to 64 PiB), the next allocation could hand the
-    /// cluster out again, and the close, which gives back the file space past the clusters in
-    /// use, would cut a write there off again.
-    pub fn vet_mapped(&self, c: u64) -> Result<()> {
-        if c < self.end {
-            return Ok(());
-        }
-        Err(Error::corrupt(format!(
-            "cluster at host offset {:#x} is mapped but lies beyond the end of the image file",
-            c << self.cluster_bits
-        )))
-    }
-
-    /// Whether this is the first write into mapped cluster `c` that lay in the file when it was
-    /// opened and was not allocated since: it may be a hole there (clusters allocated since were
-    /// reserved up front), and only the image's tables say it holds data, not metadata.
-    pub fn first_overwrite(&mut self, c: u64) -> bool {
-        if c >= self.zero_from {
-            return false;
-        }
-        let (word, bit) = ((c / 64) as usize, 1u64 << (c % 64));
-        if self.vetted.len() <= word {
-            self.vetted.resize(word + 1, 0);
-        }
-        let first = self.vetted[word] & bit == 0;
-        self.vetted[word] |= bit;
-        first
-    }
-
-    /// Takes back the host space of the punched clusters in `[from, to)`.
-    fn unpunch(&mut self, file: &dyn Storage, from: u64, to: u64) -> Result<()> {
-        let cs = self.cs();
-        // Runs do not overlap, so their ends grow with their starts.
-        let hits: Vec<(u64, u64)> = self
-            .punched
-            .range(..to)
-            .rev()
-            .take_while(|&(_, &end)| end > from)
-            .map(|(&s, &e)| (s, e))
-            .collect();
-        // A sparse allocation leaves them holes.
-        for &(s, e) in hits.iter().filter(|_| !self.sparse) {
-            let (a, b) = (s.max(from), e.min(to));
-            match file.allocate(a * cs, (b - a) * cs) {
-                Ok(()) => {}
-                Err(err) if err.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
-                Err(err) => {
-                    return Err(err).context(|| format!("taking back the space at {:#x}", a * cs))
-                }
-            }
-        }
-        for (s, e) in hits {
-            self.punched.remove(&s);
-            if s < from {
-                self.punched.insert(s, from);
-            }
-            if e > to {
-                self.punched.insert(to, e);
-            }
-        }
-        Ok(())
-    }
-
-    /// Writes the changed parts of the refcount blocks; returns the bytes written.
-    pub fn write_blocks(&mut self, file: &dyn Storage) -> Result<u64> {
-        let mut written = 0;
-        for (&b, dirty) in &self.dirty_blocks {
-            let block = &self.blocks[&b];
-            let (from, to) = dirty.sectors(block.len());
-            let offset = (self.table[b as usize] & !0x1ff) + from as u64;
-            file.write_at(offset, &block[from..to])
-                .context(|| format!("writing the refcount block at {offset:#x}"))?;
-            written += (to - from) as u64;
-        }
-        self.dirty_blocks.clear();
-        self.increased = false;
-        Ok(written)
-    }
-
-    /// Whether a refcount went up since the blocks were last written.
-    pub fn increased(&self) -> bool {
-        self.increased || self.table_dirty
-    }
-
-    /// Whether the table changed (it names a new block, or moved).
-    /// Writes the changed refcount blocks and then, if it changed, the table: a new block must
-    /// be durable before the table entry naming it (the block holds its own refcount, and an
-    /// entry to a lost block reads as refcount 0), so a sync comes between. Returns the bytes
-    /// written; the caller syncs what follows.
-    pub fn write_out(&mut self, file: &dyn Storage) -> Result<u64> {
-        let mut written = self.write_blocks(file)?;
-        if self.table_dirty {
-            file.sync()
-                .context(|| "syncing new refcount blocks".into())?;
-            written += self.write_table(file)?;
-        }
-        Ok(written)
-    }
-
-    /// Writes the refcount table at its current place; returns the bytes written.
-    pub fn write_table(&mut self, file: &dyn Storage) -> Result<u64> {
-        let bytes: Vec<u8> = self.table.iter().flat_map(|e| e.to_be_bytes()).collect();
-        let offset = self.table_offset;
-        file.write_at(offset, &bytes)
-            .context(|| format!("writing the refcount table at {offset:#x}"))?;
-        self.table_dirty = false;
-        Ok(bytes.len() as u64)
     }
 }
