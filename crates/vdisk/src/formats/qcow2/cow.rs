@@ -18,6 +18,7 @@ use std::collections::BTreeMap;
 
 use super::l2::{L2Entry, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED};
 use super::meta::Meta;
+use super::offset::{Guest, Host};
 use super::Qcow2;
 use crate::bytes::{is_zero, AlignedBuf};
 use crate::error::{IoContext, Result};
@@ -31,7 +32,7 @@ const MAX_PENDING: usize = 4096;
 /// A new cluster with gaps that are not filled yet.
 #[derive(Debug, Clone)]
 pub(super) struct Pending {
-    pub host: u64,
+    pub host: Host,
     /// The entry the cluster had before: where the gaps' content comes from.
     pub old: L2Entry,
     /// The host cluster reads as zero wherever nothing was written.
@@ -42,7 +43,7 @@ pub(super) struct Pending {
 }
 
 impl Pending {
-    pub fn new(host: u64, old: L2Entry, host_zero: bool, cluster_size: u64) -> Pending {
+    pub fn new(host: Host, old: L2Entry, host_zero: bool, cluster_size: u64) -> Pending {
         let sectors = cluster_size / SECTOR;
         Pending {
             host,
@@ -113,7 +114,7 @@ impl Pending {
 }
 
 /// Pending clusters by guest cluster offset.
-pub(super) type PendingMap = BTreeMap<u64, Pending>;
+pub(super) type PendingMap = BTreeMap<Guest, Pending>;
 
 /// Joins touching ranges of a sorted list, so that each run is read and written at once.
 fn merge(parts: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
@@ -129,7 +130,7 @@ fn merge(parts: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
 
 impl Qcow2 {
     /// Fills the gaps of the pending cluster at guest offset `guest` and forgets it.
-    pub(super) fn fill(&self, meta: &mut Meta, guest: u64) -> Result<()> {
+    pub(super) fn fill(&self, meta: &mut Meta, guest: Guest) -> Result<()> {
         let Some(p) = meta.pending.get(&guest).cloned() else {
             return Ok(());
         };
@@ -141,7 +142,7 @@ impl Qcow2 {
 
     /// Fills the gaps of pending cluster `p` (at guest offset `guest`), whose L2 entry is now
     /// `now` (the cluster was given up if it names another).
-    fn fill_gaps(&self, now: Option<L2Entry>, guest: u64, p: &Pending) -> Result<()> {
+    fn fill_gaps(&self, now: Option<L2Entry>, guest: Guest, p: &Pending) -> Result<()> {
         let gaps = p.gaps();
         if gaps.is_empty() {
             return Ok(());
@@ -149,7 +150,7 @@ impl Qcow2 {
         let Some(now) = now else {
             return Ok(());
         };
-        if now.word & OFFSET_MASK != p.host {
+        if now.word & OFFSET_MASK != p.host.0 {
             return Ok(());
         }
         let cs = self.header.cluster_size();
@@ -192,7 +193,7 @@ impl Qcow2 {
             if p.host_zero && is_zero(&part) {
                 continue;
             }
-            let at = p.host + from;
+            let at = p.host.0 + from;
             self.data
                 .write_at(at, &part)
                 .context(|| format!("copying on write to host offset {at:#x}"))?;
@@ -212,11 +213,8 @@ impl Qcow2 {
         if meta.pending.is_empty() {
             return Ok(());
         }
-        let cs = self.header.cluster_size();
-        let first = offset & !(cs - 1);
-        let hit: Vec<u64> = meta
-            .pending
-            .range(first..offset + len)
+        let first = Guest(offset).cluster_start(self.header.cluster_bits);
+        let hit: Vec<Guest> = (meta.pending.range(first..Guest(offset + len)))
             .map(|(&g, _)| g)
             .collect();
         for guest in hit {

@@ -12,29 +12,32 @@ mod corrupt;
 mod cow;
 pub mod create;
 mod driver;
+mod entries;
 pub mod header;
 pub mod l2;
 mod meta;
 pub mod offline;
+mod offset;
 mod overlap;
 mod packed;
+mod read;
 pub mod refcount;
 pub mod snapshot;
 mod tables;
 mod write;
+mod zero;
 
 use std::sync::{Arc, Mutex, OnceLock};
 
-use self::corrupt::hx;
 use self::header::Header;
-use self::l2::{EntryFormat, L2Entry, L2Table, SubclusterType};
+use self::l2::EntryFormat;
 use self::meta::Meta;
 use self::snapshot::Snapshot;
 use self::tables::Tables;
 use super::driver::Driver;
 use super::open::OpenContext;
 use super::registry::FormatEntry;
-use super::{read_mapped, read_mapped_with, status_mapped, Holes, Layer, Mapping};
+use super::{read_mapped, read_mapped_with, status_mapped};
 use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
 use crate::counters::Counters;
 use crate::error::{Error, IoContext, Result};
@@ -327,222 +330,6 @@ impl Qcow2 {
     pub fn data_file(&self) -> &Arc<dyn Storage> {
         &self.data
     }
-
-    /// The L2 table at `offset`, from the cache or the file. `None` for a table that lies wholly
-    /// beyond the end of a truncated file: it would read as zeroes (all unallocated, as QEMU
-    /// reads it), and caching such tables would spend memory the file does not justify.
-    fn l2_table(
-        &self,
-        meta: &mut Meta,
-        offset: u64,
-        l1_index: usize,
-    ) -> Result<Option<Arc<L2Table>>> {
-        if let Some(t) = meta.tables.get(offset) {
-            return Ok(Some(t));
-        }
-        let cs = self.header.cluster_size();
-        if offset % cs != 0 {
-            return Err(self.signal_corruption(format!(
-                "L2 table offset {} unaligned (L1 index: {})",
-                hx(offset),
-                hx(l1_index as u64)
-            )));
-        }
-        self.check_not_metadata(offset, "L2 table")?;
-        if offset
-            >= self
-                .file
-                .len()
-                .context(|| "reading the image size".into())?
-        {
-            return Ok(None);
-        }
-        let mut bytes = vec![0u8; cs as usize];
-        self.file
-            .read_at(offset, &mut bytes)
-            .context(|| format!("reading the L2 table at {offset:#x}"))?;
-        let table = Arc::new(L2Table::parse(&bytes, self.format.extended));
-        meta.tables.insert(offset, table.clone());
-        Ok(Some(table))
-    }
-
-    /// Refuses a table offset that points at the header, the L1 table or the refcount table:
-    /// following it would interpret metadata as guest mappings.
-    fn check_not_metadata(&self, offset: u64, what: &str) -> Result<()> {
-        let h = &self.header;
-        let cs = h.cluster_size();
-        let overlaps = |start: u64, bytes: u64| offset < start + bytes && start < offset + cs;
-        if offset < cs
-            || overlaps(h.l1_table_offset, u64::from(h.l1_size) * 8)
-            || overlaps(
-                h.refcount_table_offset,
-                u64::from(h.refcount_table_clusters) * cs,
-            )
-        {
-            return Err(Error::corrupt(format!(
-                "{what} at {offset:#x} overlaps image metadata"
-            )));
-        }
-        Ok(())
-    }
-
-    /// The host cluster that entry `index` (`e`) of the L2 table at `l2` names. It must be
-    /// cluster aligned: an unaligned one would straddle two host clusters, so reads, writes and
-    /// frees refuse it alike, as a corruption event (QEMU's).
-    pub(super) fn data_cluster(&self, e: L2Entry, l2: u64, index: usize) -> Result<u64> {
-        let host = self.format.host_offset(e);
-        if host % self.header.cluster_size() != 0 {
-            return Err(self.signal_corruption(format!(
-                "Cluster allocation offset {} unaligned (L2 offset: {}, L2 index: {})",
-                hx(host),
-                hx(l2),
-                hx(index as u64)
-            )));
-        }
-        Ok(host)
-    }
-
-    /// The subcluster type and host offset (of the byte at `offset`) for one guest offset, plus
-    /// the L2 table (its host offset too) and index so callers can scan forward.
-    fn lookup(&self, offset: u64) -> Result<Option<(Arc<L2Table>, u64, usize)>> {
-        let cb = self.header.cluster_bits;
-        let l2_bits = self.header.l2_entries().trailing_zeros();
-        let l1_index = (offset >> (cb + l2_bits)) as usize;
-        let mut meta = self.lock();
-        let l1e = meta.tables.l1_entry(l1_index);
-        let l2_offset = l1e & l2::OFFSET_MASK;
-        if l2_offset == 0 {
-            return Ok(None);
-        }
-        let Some(table) = self.l2_table(&mut meta, l2_offset, l1_index)? else {
-            return Ok(None);
-        };
-        let index = ((offset >> cb) & (self.header.l2_entries() - 1)) as usize;
-        Ok(Some((table, l2_offset, index)))
-    }
-
-    fn mapping_of(&self, t: SubclusterType, host: Option<u64>) -> Mapping {
-        match t {
-            SubclusterType::UnallocatedPlain => Mapping::Unallocated { offset: None },
-            SubclusterType::UnallocatedAlloc => Mapping::Unallocated { offset: host },
-            SubclusterType::ZeroPlain => Mapping::Zero { offset: None },
-            SubclusterType::ZeroAlloc => Mapping::Zero { offset: host },
-            SubclusterType::Normal => Mapping::Data {
-                offset: host.unwrap_or(0),
-            },
-            SubclusterType::Compressed => Mapping::Compressed,
-        }
-    }
-
-    /// QEMU's `qcow2_detect_metadata_preallocation`: when far more clusters are referenced than
-    /// the file really occupies, data clusters may sit on holes, and block status must ask the
-    /// file system which parts read as zero.
-    fn detect_metadata_preallocation(&self) -> bool {
-        offline::check::detect_metadata_preallocation(self).unwrap_or(false)
-    }
-}
-
-impl Layer for Qcow2 {
-    fn map(&self, offset: u64, len: u64) -> Result<(Mapping, u64)> {
-        let cb = self.header.cluster_bits;
-        let cs = 1u64 << cb;
-        let l2_span = cs * self.header.l2_entries();
-        let to_table_end = l2_span - (offset % l2_span);
-        let Some((table, l2, first)) = self.lookup(offset)? else {
-            return Ok((Mapping::Unallocated { offset: None }, len.min(to_table_end)));
-        };
-        let scb = self.format.subcluster_bits();
-        let scs = 1u64 << scb;
-        let per_cluster = 1u64 << (cb - scb);
-        let entry_type = |index: usize, sc: u64| -> Result<(SubclusterType, Option<u64>)> {
-            let e = table.get(index);
-            let t = self.format.subcluster_type(e, sc)?;
-            if !t.has_host_cluster() {
-                return Ok((t, None));
-            }
-            let host = self.data_cluster(e, l2, index)?;
-            Ok((t, Some(host + (sc << scb))))
-        };
-        let sc0 = (offset >> scb) & (per_cluster - 1);
-        let (t0, host0) = entry_type(first, sc0)?;
-        let within = offset & (scs - 1);
-        let mapping = self.mapping_of(t0, host0.map(|h| h + within));
-        if t0 == SubclusterType::Compressed {
-            return Ok((mapping, len.min(cs - (offset & (cs - 1)))));
-        }
-        // Extend the run over following subclusters of the same type with contiguous host
-        // offsets, up to `len` and the end of this L2 table.
-        let want = len.min(to_table_end);
-        let mut run = scs - within;
-        let mut index = first;
-        let mut sc = sc0;
-        while run < want {
-            sc += 1;
-            if sc == per_cluster {
-                sc = 0;
-                index += 1;
-            }
-            let (t, host) = entry_type(index, sc)?;
-            let contiguous = match (host0, host) {
-                (Some(h0), Some(h)) => h == h0 + run + within,
-                (None, None) => true,
-                _ => false,
-            };
-            if t != t0 || !contiguous {
-                break;
-            }
-            run += scs;
-        }
-        Ok((mapping, run.min(want)))
-    }
-
-    fn data_storage(&self) -> &dyn Storage {
-        &*self.data
-    }
-
-    fn backing(&self) -> Option<&Arc<dyn BlockDev>> {
-        self.backing.as_ref()
-    }
-
-    fn read_compressed(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        let cs = self.header.cluster_size();
-        let Some((table, _, index)) = self.lookup(offset)? else {
-            return Err(Error::corrupt("compressed cluster vanished"));
-        };
-        let entry = table.get(index);
-        let cached = self
-            .last_compressed
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        let cluster = match cached {
-            Some((e, c)) if e == entry.word => c,
-            _ => {
-                let mut out = vec![0u8; cs as usize];
-                self.decompress_entry(entry, offset & !(cs - 1), &mut out)?;
-                let out = Arc::new(out);
-                *self
-                    .last_compressed
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner()) = Some((entry.word, out.clone()));
-                out
-            }
-        };
-        let start = (offset & (cs - 1)) as usize;
-        buf.copy_from_slice(&cluster[start..start + buf.len()]);
-        Ok(())
-    }
-
-    fn holes(&self) -> Holes {
-        if *self
-            .data_holes
-            .get_or_init(|| self.detect_metadata_preallocation())
-        {
-            Holes::ZeroData
-        } else {
-            Holes::Ignored
-        }
-    }
 }
 
 impl BlockDev for Qcow2 {
@@ -602,12 +389,12 @@ impl BlockDev for Qcow2 {
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         check_range(self.size, offset, len)?;
-        self.zero_impl(offset, len, write::Zeroing::Discard)
+        self.zero_impl(offset, len, zero::Zeroing::Discard)
     }
 
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
         check_range(self.size, offset, len)?;
-        self.zero_impl(offset, len, write::Zeroing::Zeroes)
+        self.zero_impl(offset, len, zero::Zeroing::Zeroes)
     }
 
     /// Fast where every cluster of the range is zeroed whole in the L2 table: version 3,
@@ -625,7 +412,7 @@ impl BlockDev for Qcow2 {
                 "zeroing this range would write zeroes: parts of clusters, a version 2 image or a raw data file",
             ));
         }
-        self.zero_impl(offset, len, write::Zeroing::Zeroes)
+        self.zero_impl(offset, len, zero::Zeroing::Zeroes)
     }
 
     fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {

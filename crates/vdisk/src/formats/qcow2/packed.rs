@@ -5,6 +5,7 @@
 use super::compress::compress;
 use super::l2::{L2Entry, OFLAG_COMPRESSED};
 use super::meta::Meta;
+use super::offset::Guest;
 use super::Qcow2;
 use crate::blockdev::{check_range, BlockDev};
 use crate::error::{Error, IoContext, Result};
@@ -54,15 +55,16 @@ impl Qcow2 {
         let _pass = self.gate.enter();
         let host = {
             let mut meta = self.lock();
-            let (table, index, old) = self.writable_table(&mut meta, offset)?;
-            meta.pending.remove(&offset);
+            let (table, index, old) = self.writable_table(&mut meta, Guest(offset))?;
+            meta.pending.remove(&Guest(offset));
             let host = self.pack(&mut meta, packed.len() as u64)?;
             self.free_entry_later(&mut meta, old);
             let cb = self.header.cluster_bits;
             let shift = 62 - (cb - 8);
             let sectors = ((host + packed.len() as u64 - 1) >> 9) - (host >> 9);
             let word = OFLAG_COMPRESSED | sectors << shift | host;
-            self.set_entry(&mut meta, table, index, L2Entry { word, bitmap: 0 });
+            meta.tables
+                .set_entry(table, index, L2Entry { word, bitmap: 0 });
             meta.txn.data_written = true;
             meta.txn.ordered = true;
             host

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
 use super::l2::{L2Entry, L2Table};
+use super::offset::Host;
 
 /// The changed byte range of a metadata table: only that part is written at a commit, widened
 /// to whole 512-byte sectors (the unit a disk writes atomically).
@@ -96,15 +97,16 @@ impl Tables {
     }
 
     /// The cached L2 table at host offset `offset`.
-    pub fn get(&self, offset: u64) -> Option<Arc<L2Table>> {
-        self.cached.get(&offset).cloned()
+    pub fn get(&self, at: Host) -> Option<Arc<L2Table>> {
+        self.cached.get(&at.0).cloned()
     }
 
     /// Caches a table read from disk, evicting the oldest clean tables beyond the capacity.
     /// Dirty tables stay until a commit has written them, and the table being inserted always
     /// stays: its caller is about to use it, maybe to change it, and when every other cached
     /// table is dirty it would otherwise be the one evicted.
-    pub fn insert(&mut self, offset: u64, table: Arc<L2Table>) {
+    pub fn insert(&mut self, at: Host, table: Arc<L2Table>) {
+        let offset = at.0;
         if self.cached.insert(offset, table).is_none() {
             self.order.push_back(offset);
         }
@@ -124,16 +126,17 @@ impl Tables {
 
     /// Caches a table placed in a newly allocated cluster at `offset`: written whole at the
     /// next commit, before the mapping that names it.
-    pub fn insert_fresh(&mut self, offset: u64, table: L2Table) {
-        let len = table.len() * table.entry_bytes();
-        self.insert(offset, Arc::new(table));
+    pub fn insert_fresh(&mut self, at: Host, table: L2Table) {
+        let (offset, len) = (at.0, table.len() * table.entry_bytes());
+        self.insert(at, Arc::new(table));
         self.dirty.insert(offset, Dirty::new(0, len));
         self.fresh.insert(offset);
     }
 
     /// Sets entry `index` of the cached table at `offset`, written at the next commit. A reader
     /// still holding the table keeps its copy.
-    pub fn set_entry(&mut self, offset: u64, index: usize, e: L2Entry) {
+    pub fn set_entry(&mut self, at: Host, index: usize, e: L2Entry) {
+        let offset = at.0;
         let table = Arc::make_mut(self.cached.get_mut(&offset).expect("table is cached"));
         table.set(index, e);
         let size = table.entry_bytes();
@@ -141,9 +144,9 @@ impl Tables {
     }
 
     /// Forgets the changes to the table at `offset`, which nothing names any more.
-    pub fn drop_table(&mut self, offset: u64) {
-        self.dirty.remove(&offset);
-        self.fresh.remove(&offset);
+    pub fn drop_table(&mut self, at: Host) {
+        self.dirty.remove(&at.0);
+        self.fresh.remove(&at.0);
     }
 
     /// Forgets every cached table (after the L1 table was replaced).

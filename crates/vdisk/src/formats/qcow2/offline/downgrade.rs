@@ -21,6 +21,7 @@ use crate::formats::qcow2::l2::{
     L2Entry, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED,
 };
 use crate::formats::qcow2::meta::Meta;
+use crate::formats::qcow2::offset::Host;
 use crate::formats::qcow2::{read_l1, Qcow2};
 use crate::storage::zero_range;
 
@@ -45,7 +46,7 @@ impl Qcow2 {
                     continue;
                 }
                 let mut meta = self.lock();
-                let Some(table) = self.l2_table(&mut meta, e & OFFSET_MASK, i)? else {
+                let Some(table) = self.l2_table(&mut meta, Host(e & OFFSET_MASK), i)? else {
                     continue;
                 };
                 if (0..table.len()).any(|k| table.get(k).word & OFLAG_COMPRESSED != 0) {
@@ -90,6 +91,7 @@ impl Qcow2 {
     /// which `sharers` L1 entries name.
     fn expand_table(&self, offset: u64, l1_index: usize, sharers: u64, backed: bool) -> Result<()> {
         let (cs, cb) = (self.header.cluster_size(), self.header.cluster_bits);
+        let offset = Host(offset);
         let _pass = self.gate.enter();
         let mut meta = self.lock();
         let Some(table) = self.l2_table(&mut meta, offset, l1_index)? else {
@@ -99,12 +101,12 @@ impl Qcow2 {
             let e = table.get(index);
             let host = match self.format.subcluster_type(e, 0)? {
                 SubclusterType::ZeroPlain if !backed => {
-                    self.set_entry(&mut meta, offset, index, L2Entry::default());
+                    meta.tables.set_entry(offset, index, L2Entry::default());
                     continue;
                 }
                 SubclusterType::ZeroPlain => self.zeroed_cluster(&mut meta, sharers)?,
                 SubclusterType::ZeroAlloc => {
-                    let host = self.data_cluster(e, offset, index)?;
+                    let host = self.data_cluster(e, offset, index)?.0;
                     let refs = meta.refs();
                     refs.vet_mapped(host >> cb)?;
                     if refs.get(&*self.file, host >> cb)? > sharers {
@@ -141,7 +143,8 @@ impl Qcow2 {
             } else {
                 host
             };
-            self.set_entry(&mut meta, offset, index, L2Entry { word, bitmap: 0 });
+            meta.tables
+                .set_entry(offset, index, L2Entry { word, bitmap: 0 });
         }
         Ok(())
     }

@@ -14,6 +14,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::formats::prealloc::{preallocate, Preallocation};
 use crate::formats::qcow2::l2::{L2Entry, OFFSET_MASK, OFLAG_COPIED};
 use crate::formats::qcow2::meta::Meta;
+use crate::formats::qcow2::offset::{Guest, Host};
 use crate::formats::qcow2::Qcow2;
 use crate::storage::zero_range;
 
@@ -172,7 +173,7 @@ impl Qcow2 {
                 // data lies in one run after them.
                 let mut count = 0;
                 for g in (guest..end).step_by(cs as usize) {
-                    let (_, _, e) = self.writable_table(&mut meta, g)?;
+                    let (_, _, e) = self.writable_table(&mut meta, Guest(g))?;
                     count += u64::from(e == L2Entry::default());
                 }
                 let first = match count {
@@ -182,7 +183,7 @@ impl Qcow2 {
                 };
                 let mut next = first;
                 for g in (guest..end).step_by(cs as usize) {
-                    let (table, index, e) = self.writable_table(&mut meta, g)?;
+                    let (table, index, e) = self.writable_table(&mut meta, Guest(g))?;
                     if e != L2Entry::default() {
                         continue;
                     }
@@ -196,7 +197,7 @@ impl Qcow2 {
                         word: host | OFLAG_COPIED,
                         bitmap,
                     };
-                    self.set_entry(&mut meta, table, index, entry);
+                    meta.tables.set_entry(table, index, entry);
                 }
                 guest = end;
             }
@@ -248,11 +249,11 @@ impl Qcow2 {
             let table_start = l1_index as u64 * span;
             let mut guest = table_start.max(first);
             while guest < table_start + span {
-                let (table, index, e) = self.writable_table(&mut meta, guest)?;
+                let (table, index, e) = self.writable_table(&mut meta, Guest(guest))?;
                 if e != L2Entry::default() {
-                    meta.pending.remove(&guest);
+                    meta.pending.remove(&Guest(guest));
                     self.free_entry_later(&mut meta, e);
-                    self.set_entry(&mut meta, table, index, L2Entry::default());
+                    meta.tables.set_entry(table, index, L2Entry::default());
                 }
                 guest += cs;
             }
@@ -260,7 +261,7 @@ impl Qcow2 {
                 // The whole table is past the end: it goes too.
                 let table = meta.tables.l1_entry(l1_index) & OFFSET_MASK;
                 meta.tables.set_l1(l1_index, 0);
-                meta.tables.drop_table(table);
+                meta.tables.drop_table(Host(table));
                 meta.refs().free_later(table >> self.header.cluster_bits);
             }
         }

@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 use crate::error::{Error, IoContext, Result};
 use crate::formats::prealloc::Preallocation;
 use crate::formats::qcow2::l2::{L2Entry, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
+use crate::formats::qcow2::offset::Host;
 use crate::formats::qcow2::snapshot::Snapshot;
 use crate::formats::qcow2::{read_l1, Qcow2};
 
@@ -167,7 +168,7 @@ impl Qcow2 {
             if table_offset == 0 {
                 continue;
             }
-            if let Some(table) = self.l2_table(meta, table_offset, l1_index)? {
+            if let Some(table) = self.l2_table(meta, Host(table_offset), l1_index)? {
                 for i in 0..table.len() {
                     let e = table.get(i);
                     if e.word & OFLAG_COMPRESSED != 0 {
@@ -242,7 +243,7 @@ impl Qcow2 {
             if table_offset == 0 {
                 continue;
             }
-            let Some(table) = self.l2_table(meta, table_offset, l1_index)? else {
+            let Some(table) = self.l2_table(meta, Host(table_offset), l1_index)? else {
                 continue;
             };
             for i in 0..table.len() {
@@ -254,7 +255,8 @@ impl Qcow2 {
                 let refs = meta.refs();
                 let word = copied(e.word, refs.get(&*self.file, host >> cb)? == 1);
                 if word != e.word {
-                    self.set_entry(meta, table_offset, i, L2Entry { word, ..e });
+                    meta.tables
+                        .set_entry(Host(table_offset), i, L2Entry { word, ..e });
                 }
             }
             let refs = meta.refs();
