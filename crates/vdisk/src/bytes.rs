@@ -11,7 +11,12 @@ pub fn is_zero(block: &[u8]) -> bool {
 pub static ZEROES: [u8; ZERO_CHUNK] = [0; ZERO_CHUNK];
 pub const ZERO_CHUNK: usize = 1 << 20;
 
-/// A zero-filled heap buffer whose address is aligned to [`crate::storage::DIRECT_ALIGN`], so
+/// An alignment of offsets, lengths and buffer addresses that O_DIRECT transfers accept on
+/// every logical block size Linux supports for regular files' devices: the one buffers are
+/// allocated with, and the one used where the file system does not tell its own.
+pub const DIRECT_ALIGN: usize = 4096;
+
+/// A zero-filled heap buffer whose address is aligned to [`DIRECT_ALIGN`], so
 /// that a storage opened for direct I/O can move it without the page cache.
 pub struct AlignedBuf {
     ptr: std::ptr::NonNull<u8>,
@@ -34,7 +39,7 @@ impl AlignedBuf {
     }
 
     fn layout(len: usize) -> std::alloc::Layout {
-        std::alloc::Layout::from_size_align(len.max(1), crate::storage::DIRECT_ALIGN)
+        std::alloc::Layout::from_size_align(len.max(1), DIRECT_ALIGN)
             .expect("buffer size fits the address space")
     }
 }

@@ -12,6 +12,7 @@ use crate::error::Result;
 /// the driver reads as its backing file, if any.
 pub struct Image {
     pub filename: String,
+    format: Format,
     driver: Box<dyn Driver>,
     backing: Option<Arc<Image>>,
 }
@@ -19,18 +20,20 @@ pub struct Image {
 impl Image {
     pub(crate) fn new(
         filename: &str,
+        format: Format,
         driver: Box<dyn Driver>,
         backing: Option<Arc<Image>>,
     ) -> Image {
         Image {
             filename: filename.to_string(),
+            format,
             driver,
             backing,
         }
     }
 
     pub fn format(&self) -> Format {
-        self.driver.format()
+        self.format
     }
 
     /// The image's driver, for what not every format has (see [`Driver`]).

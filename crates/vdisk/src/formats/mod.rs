@@ -12,7 +12,9 @@
 //! ([`status_mapped`]), so `read` and `block_status` cannot disagree.
 
 pub mod driver;
+pub mod entry;
 mod image;
+pub mod info;
 pub mod open;
 pub mod prealloc;
 pub mod qcow2;
@@ -26,14 +28,15 @@ use crate::blockdev::{BlockDev, BlockStatus};
 use crate::error::{IoContext, Result};
 use crate::storage::Storage;
 
-pub use driver::{
-    AmendOptions, BitmapInfo, Capability, CheckFailed, CheckReport, Driver, Fix, FormatInfo,
-    InfoValue, Messages, RepairFailed, RepairReport, SnapshotInfo,
-};
+pub use driver::{Capability, Driver};
 pub use image::Image;
+pub use info::{
+    AmendOptions, BitmapInfo, CheckFailed, CheckReport, Fix, FormatInfo, InfoValue, Messages,
+    RepairFailed, RepairReport, SnapshotInfo,
+};
 pub use open::{
     backing_path, open_image, open_overlay, open_parts, open_storage, open_storage_with,
-    ImageOptions, OpenContext, FORCE_SHARE_READ_ONLY,
+    ImageOptions, FORCE_SHARE_READ_ONLY,
 };
 pub use prealloc::Preallocation;
 pub use registry::{probe, Format};

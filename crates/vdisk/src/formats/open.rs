@@ -9,6 +9,7 @@ use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use super::entry::Opener;
 use super::image::Image;
 use super::registry::{probe, Format};
 use crate::blockdev::BlockDev;
@@ -63,8 +64,8 @@ enum Source<'a> {
     },
 }
 
-/// What a format's open function may ask of whoever opens the image.
-pub struct OpenContext<'a> {
+/// Where the files an image names come from, as the format's open function asks for them.
+struct OpenContext<'a> {
     filename: &'a str,
     opts: &'a ImageOptions,
     source: Source<'a>,
@@ -72,20 +73,13 @@ pub struct OpenContext<'a> {
     backing: Option<Arc<Image>>,
 }
 
-impl OpenContext<'_> {
-    /// Whether the image is opened for writing.
-    pub fn write(&self) -> bool {
+impl Opener for OpenContext<'_> {
+    fn write(&self) -> bool {
         self.opts.write
     }
 
-    pub fn options(&self) -> &ImageOptions {
-        self.opts
-    }
-
-    /// The image's backing file, which the image names `name` (a path relative to the image),
-    /// of `format` if it names one; `None` where the caller asked for no backing file. It is
-    /// opened read-only with its own chain.
-    pub fn open_backing(
+    /// A path relative to the image, opened read-only with its own chain.
+    fn open_backing(
         &mut self,
         name: &str,
         format: Option<&str>,
@@ -119,9 +113,9 @@ impl OpenContext<'_> {
         Ok(Some(image))
     }
 
-    /// The external data file `name` holding the image's guest data. Like QEMU it is opened by
-    /// its name as stored, relative to the current directory rather than the image's.
-    pub fn open_data_file(&mut self, name: &str) -> Result<Arc<dyn Storage>> {
+    /// Like QEMU it is opened by its name as stored, relative to the current directory rather
+    /// than the image's.
+    fn open_data_file(&mut self, name: &str) -> Result<Arc<dyn Storage>> {
         if let Source::Given { data, .. } = &self.source {
             return data
                 .clone()
@@ -213,7 +207,7 @@ pub fn open_parts(
         backing: None,
     };
     let driver = (format.entry().open)(storage, &mut cx)?;
-    Ok(Image::new(name, driver, cx.backing))
+    Ok(Image::new(name, format, driver, cx.backing))
 }
 
 fn open_file(path: &Path, opts: &ImageOptions) -> Result<FileStorage> {
@@ -301,5 +295,5 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
         backing: None,
     };
     let driver = (format.entry().open)(file, &mut cx)?;
-    Ok(Image::new(filename, driver, cx.backing))
+    Ok(Image::new(filename, format, driver, cx.backing))
 }

@@ -4,8 +4,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use super::driver::Driver;
+use super::entry::FormatEntry;
 use super::prealloc::{preallocate, Preallocation};
-use super::registry::{Format, FormatEntry};
 use super::{status_mapped, Holes, Layer, Mapping};
 use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
@@ -67,10 +67,6 @@ impl Raw {
 }
 
 impl Driver for Raw {
-    fn format(&self) -> Format {
-        Format::RAW
-    }
-
     fn file(&self) -> &Arc<dyn Storage> {
         &self.storage
     }

@@ -1,11 +1,11 @@
 //! The formats vdisk reads and writes, found by name (`-f`) or by probing a file's first bytes
 //! as QEMU does. Adding a format is one line in [`FORMATS`]; each format describes itself in
-//! its own folder with a [`Format`].
+//! its own folder with a [`FormatEntry`].
 
 use std::sync::Arc;
 
-use super::driver::{CheckReport, Driver, Fix, Messages, RepairFailed, RepairReport};
-use super::open::OpenContext;
+use super::entry::FormatEntry;
+use super::info::{CheckReport, Fix, Messages, RepairFailed, RepairReport};
 use super::{qcow2, raw};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{LockRole, Storage};
@@ -15,28 +15,6 @@ static FORMATS: &[&FormatEntry] = &[&qcow2::FORMAT, &raw::FORMAT];
 
 /// Bytes of a file that probing looks at.
 const PROBE_BYTES: usize = 68;
-
-/// A format's entry in the registry: its name, how to recognise it and how to open an image
-/// of it.
-pub struct FormatEntry {
-    /// The name `-f` and image headers use (QEMU's driver name).
-    pub name: &'static str,
-    /// QEMU's image locks for a file of this format (raw files let others write).
-    pub lock_role: LockRole,
-    /// Whether the first bytes of a file (up to 68, fewer for a shorter file) are this format's.
-    pub probe: fn(&[u8]) -> bool,
-    /// Opens the image held in `file`.
-    pub open: OpenFn,
-    /// Repairs the image in a writable storage that nothing else has open, where the format can.
-    pub repair: Option<RepairFn>,
-}
-
-/// A format's open function: the image in a storage, with what it names asked of the context.
-pub type OpenFn = fn(Arc<dyn Storage>, &mut OpenContext) -> Result<Box<dyn Driver>>;
-
-/// A format's repair (`vdisk check -r`), telling `say` each problem found and each correction.
-pub type RepairFn =
-    fn(&Arc<dyn Storage>, Fix, Messages) -> std::result::Result<RepairReport, Box<RepairFailed>>;
 
 /// A format vdisk reads and writes: a handle on its registry entry.
 #[derive(Clone, Copy)]

@@ -8,7 +8,7 @@ use std::sync::{Condvar, Mutex};
 
 use super::lock::{LockRole, LockUse};
 use super::{IoStats, Storage};
-use crate::bytes::AlignedBuf;
+use crate::bytes::{AlignedBuf, DIRECT_ALIGN};
 
 /// How to open a [`FileStorage`].
 #[derive(Debug, Clone, Copy, Default)]
@@ -20,11 +20,6 @@ pub struct OpenOptions {
     /// through the page cache.
     pub direct: bool,
 }
-
-/// An alignment of offsets, lengths and buffer addresses that O_DIRECT transfers accept on
-/// every logical block size Linux supports for regular files' devices: the one buffers are
-/// allocated with, and the one used where the file system does not tell its own.
-pub const DIRECT_ALIGN: usize = 4096;
 
 /// A host file.
 ///

@@ -26,11 +26,12 @@ mod memory;
 mod on_disk;
 mod stats;
 
+pub use crate::bytes::DIRECT_ALIGN;
 pub use crash::{
     CrashImage, CrashImages, CrashOptions, CrashStorage, Epoch, Epochs, Op, Persisted, SECTOR,
 };
 pub use fault::{Fault, FaultStorage, OpKind, When};
-pub use file::{FileStorage, OpenOptions, DIRECT_ALIGN};
+pub use file::{FileStorage, OpenOptions};
 pub use lock::{LockRole, LockUse};
 pub use memory::MemStorage;
 pub use on_disk::DiskStorage;

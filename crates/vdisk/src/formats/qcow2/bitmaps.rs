@@ -18,7 +18,7 @@ const ENTRY_HEADER: usize = 24;
 const FLAG_IN_USE: u32 = 1;
 const FLAG_AUTO: u32 = 2;
 
-pub use crate::formats::driver::BitmapInfo;
+pub use crate::formats::info::BitmapInfo;
 
 /// The directory as the header describes it: how many entries, where, and how many bytes.
 pub struct Location {

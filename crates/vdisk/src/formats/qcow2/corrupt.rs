@@ -3,7 +3,9 @@
 //! and the image takes no more writes or flushes, so nothing else lands on its damaged
 //! metadata; a read-only image (a backing file too) only reports it.
 
+use super::alloc::Refcounts;
 use super::header::INCOMPAT_CORRUPT;
+use super::overlap::overlap_message;
 use super::Qcow2;
 use crate::error::{Error, IoContext, Result};
 use crate::storage::Storage;
@@ -37,11 +39,6 @@ pub(crate) fn image_is_corrupt(what: &str) -> String {
     )
 }
 
-/// QEMU's words for a write refused by the overlap check.
-pub(crate) fn overlap_message(what: &str) -> String {
-    format!("Preventing invalid write on metadata (overlaps with {what})")
-}
-
 impl Qcow2 {
     /// QEMU's `qcow2_signal_corruption` for a fatal event, returned as the request's error. On
     /// an image open for writing the corrupt bit goes into the header (version 3 only; version
@@ -70,5 +67,29 @@ impl Qcow2 {
             )));
         }
         Ok(())
+    }
+}
+
+impl Qcow2 {
+    /// QEMU's overlap check before guest data goes to host cluster `c`, found mapped in the
+    /// file (once per cluster, on the first write into it): an L2 entry naming a cluster that
+    /// holds metadata is corrupt, and following it would overwrite the image's own tables with
+    /// guest data. One look-up in the metadata found at the open, not a walk over the L1 and
+    /// refcount tables for every cluster as QEMU does (millions of entries with small
+    /// clusters).
+    pub(super) fn refuse_metadata(&self, refs: &Refcounts, c: u64) -> Result<()> {
+        match refs.metadata_at(c) {
+            Some(what) => Err(self.signal_corruption(overlap_message(what))),
+            None => Ok(()),
+        }
+    }
+
+    /// The error of an allocation (or a refcount change that needed a refcount block): when
+    /// the allocator refused metadata, QEMU's corruption event, which marks the image corrupt.
+    pub(super) fn allocation_refused(&self, refs: &mut Refcounts, e: Error) -> Error {
+        match refs.take_refusal() {
+            Some(what) => self.signal_corruption(overlap_message(what)),
+            None => e,
+        }
     }
 }

@@ -5,19 +5,15 @@ use std::sync::Arc;
 use super::Qcow2;
 use crate::counters::CountersSnapshot;
 use crate::error::Result;
-use crate::formats::driver::{
-    AmendOptions, Capability, CheckFailed, CheckReport, Driver, FormatInfo, InfoValue, Messages,
+use crate::formats::driver::{Capability, Driver};
+use crate::formats::info::{
+    AmendOptions, BitmapInfo, CheckFailed, CheckReport, FormatInfo, InfoValue, Messages,
     SnapshotInfo,
 };
 use crate::formats::prealloc::Preallocation;
-use crate::formats::{BitmapInfo, Format};
 use crate::storage::Storage;
 
 impl Driver for Qcow2 {
-    fn format(&self) -> Format {
-        Format::QCOW2
-    }
-
     fn file(&self) -> &Arc<dyn Storage> {
         Qcow2::file(self)
     }

@@ -5,14 +5,13 @@
 //! |------------|-------------|---------------------------------------------------------------|
 //! | `tables`   | `tables.rs` | the L1 table, cached L2 tables, what changed in them           |
 //! | `refs`     | `alloc.rs`  | refcounts and the cluster allocator (writable images)          |
-//! | `pending`  | `cow.rs`    | new clusters whose gaps are not filled yet                     |
+//! | `pending`  | `cow.rs`    | new clusters whose gaps are not filled yet (`pending.rs`)      |
 //! | `txn`      | `commit.rs` | what the commit in progress must do and how far commits went   |
 //! | `packed`   | `packed.rs` | where compressed clusters are packed                           |
 
 use super::alloc::Refcounts;
 use super::commit::Txn;
-use super::cow::PendingMap;
-use super::packed::Packed;
+use super::pending::PendingMap;
 use super::tables::Tables;
 
 pub(super) struct Meta {
@@ -49,4 +48,15 @@ impl Meta {
     pub fn replace_refs(&mut self, refs: Refcounts) -> Option<Refcounts> {
         self.refs.replace(refs)
     }
+}
+
+/// Where compressed clusters go: several are packed into one host cluster, as QEMU packs them
+/// (see `packed.rs`).
+#[derive(Debug, Default)]
+pub(super) struct Packed {
+    /// The first free byte in the host cluster compressed data went to last (0 for none):
+    /// where the next compressed cluster can be packed.
+    pub tail: u64,
+    /// The end of the last byte of compressed data written.
+    pub end: u64,
 }

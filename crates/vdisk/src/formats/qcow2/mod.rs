@@ -20,6 +20,7 @@ pub mod offline;
 mod offset;
 mod overlap;
 mod packed;
+mod pending;
 mod read;
 pub mod refcount;
 pub mod snapshot;
@@ -35,8 +36,7 @@ use self::meta::Meta;
 use self::snapshot::Snapshot;
 use self::tables::Tables;
 use super::driver::Driver;
-use super::open::OpenContext;
-use super::registry::FormatEntry;
+use super::entry::{FormatEntry, Opener};
 use super::{read_mapped, read_mapped_with, status_mapped};
 use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
 use crate::counters::Counters;
@@ -58,7 +58,7 @@ pub(crate) static FORMAT: FormatEntry = FormatEntry {
 };
 
 /// Opens the qcow2 image in `file`, with the data file and backing file it names.
-fn open_driver(file: Arc<dyn Storage>, cx: &mut OpenContext) -> Result<Box<dyn Driver>> {
+fn open_driver(file: Arc<dyn Storage>, cx: &mut dyn Opener) -> Result<Box<dyn Driver>> {
     let header = read_header(&*file)?;
     let data = match &header.data_file {
         Some(name) if header.incompatible & header::INCOMPAT_DATA_FILE != 0 => {

@@ -21,12 +21,10 @@
 
 use std::collections::BTreeSet;
 
-use super::alloc::Refcounts;
-use super::corrupt::overlap_message;
+use super::bitmaps;
 use super::header::Header;
 use super::l2::OFFSET_MASK;
 use super::snapshot::Snapshot;
-use super::{bitmaps, Qcow2};
 use crate::error::{Error, Result};
 
 /// What a cluster of metadata is, in the order QEMU checks them (which decides the name of a
@@ -57,6 +55,11 @@ impl Kind {
             Kind::BitmapDirectory => "bitmap directory",
         }
     }
+}
+
+/// QEMU's words for a write refused by the overlap check.
+pub(super) fn overlap_message(what: &str) -> String {
+    format!("Preventing invalid write on metadata (overlaps with {what})")
 }
 
 /// Clusters `[start, end)` hold metadata of one kind.
@@ -258,30 +261,6 @@ impl Guard {
             .then_some(self.found)
             .flatten()
             .map(Kind::name)
-    }
-}
-
-impl Qcow2 {
-    /// QEMU's overlap check before guest data goes to host cluster `c`, found mapped in the
-    /// file (once per cluster, on the first write into it): an L2 entry naming a cluster that
-    /// holds metadata is corrupt, and following it would overwrite the image's own tables with
-    /// guest data. One look-up in the metadata found at the open, not a walk over the L1 and
-    /// refcount tables for every cluster as QEMU does (millions of entries with small
-    /// clusters).
-    pub(super) fn refuse_metadata(&self, refs: &Refcounts, c: u64) -> Result<()> {
-        match refs.metadata_at(c) {
-            Some(what) => Err(self.signal_corruption(overlap_message(what))),
-            None => Ok(()),
-        }
-    }
-
-    /// The error of an allocation (or a refcount change that needed a refcount block): when
-    /// the allocator refused metadata, QEMU's corruption event, which marks the image corrupt.
-    pub(super) fn allocation_refused(&self, refs: &mut Refcounts, e: Error) -> Error {
-        match refs.take_refusal() {
-            Some(what) => self.signal_corruption(overlap_message(what)),
-            None => e,
-        }
     }
 }
 

@@ -10,17 +10,6 @@ use super::Qcow2;
 use crate::blockdev::{check_range, BlockDev};
 use crate::error::{Error, IoContext, Result};
 
-/// Where compressed clusters go: several are packed into one host cluster, as QEMU packs
-/// them.
-#[derive(Debug, Default)]
-pub(super) struct Packed {
-    /// The first free byte in the host cluster compressed data went to last (0 for none):
-    /// where the next compressed cluster can be packed.
-    pub tail: u64,
-    /// The end of the last byte of compressed data written.
-    pub end: u64,
-}
-
 impl Qcow2 {
     /// Writes one whole guest cluster at `offset` compressed; data that does not compress is
     /// written plainly. The last cluster of a disk whose size is not a multiple of the cluster

@@ -12,11 +12,11 @@
 //!
 //! [`BlockDev::start_write`]: crate::BlockDev::start_write
 
-use super::cow::{Pending, SECTOR};
 use super::header::Header;
 use super::l2::{L2Entry, SubclusterType, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED, OFLAG_ZERO};
 use super::meta::Meta;
 use super::offset::{Guest, Host};
+use super::pending::{Pending, SECTOR};
 use super::Qcow2;
 use crate::blockdev::{StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};

@@ -17,7 +17,7 @@
 //! at worst with leaked clusters.
 
 use crate::error::{Error, Result};
-use crate::formats::driver::AmendOptions;
+use crate::formats::info::AmendOptions;
 use crate::formats::prealloc::Preallocation;
 use crate::formats::qcow2::header::{
     Compression, Header, AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS, INCOMPAT_COMPRESSION,

@@ -6,7 +6,7 @@ use std::cell::Cell;
 use std::rc::Rc;
 
 use crate::error::{Error, Result};
-use crate::formats::driver::Messages;
+use crate::formats::info::Messages;
 use crate::formats::qcow2::corrupt::{marking_corrupt, write_incompatible};
 use crate::formats::qcow2::header::{Header, INCOMPAT_CORRUPT};
 use crate::formats::qcow2::{bitmaps, l2, Qcow2};

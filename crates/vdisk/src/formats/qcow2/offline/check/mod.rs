@@ -15,8 +15,7 @@ use std::rc::Rc;
 
 use super::signal::{self, Signal};
 use crate::error::{Error, IoContext, Result};
-use crate::formats::driver::Fix;
-use crate::formats::driver::{CheckFailed, CheckReport, Messages};
+use crate::formats::info::{CheckFailed, CheckReport, Fix, Messages};
 use crate::formats::qcow2::bitmaps;
 use crate::formats::qcow2::corrupt::hx;
 use crate::formats::qcow2::l2::{

@@ -7,7 +7,7 @@ use std::rc::Rc;
 use super::super::signal::{self, Signal};
 use super::{cluster_type, Checker, ClusterType, MAX_GROWN_CLUSTERS, REFT_OFFSET_MASK};
 use crate::error::{Error, IoContext, Result};
-use crate::formats::driver::{Fix, Messages};
+use crate::formats::info::{Fix, Messages};
 use crate::formats::qcow2::corrupt::{hx, image_is_corrupt};
 use crate::formats::qcow2::l2::{self, OFLAG_COPIED};
 use crate::formats::qcow2::{read_table, refcount, Qcow2};

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use super::check::{Checker, RefcountReader};
 use super::signal::{eio, Signal};
 use crate::error::{Error, IoContext, Result};
-use crate::formats::driver::{CheckReport, Fix, Messages, RepairFailed, RepairReport};
+use crate::formats::info::{CheckReport, Fix, Messages, RepairFailed, RepairReport};
 use crate::formats::qcow2::corrupt::write_incompatible;
 use crate::formats::qcow2::header::{Header, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE, INCOMPAT_DIRTY};
 use crate::formats::qcow2::{read_header, Qcow2};
