@@ -10,7 +10,7 @@ use vdisk::formats::{Capability, CheckReport, Fix};
 use vdisk::storage::{FileStorage, LockUse, OpenOptions, Storage};
 use vdisk::{open_image, Error, Format};
 
-use crate::flags::{ForceShare, ImageFormat, Output, Quiet, ReadCache, Report};
+use crate::flags::{Described, ForceShare, Output, Quiet, ReadCache};
 use crate::open::metadata_options;
 use crate::qjson::{self, Dict};
 use crate::report::{fail, warn_probed_raw};
@@ -18,9 +18,7 @@ use crate::report::{fail, warn_probed_raw};
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
-    image: ImageFormat,
-    #[command(flatten)]
-    report: Report,
+    described: Described,
     #[command(flatten)]
     messages: Quiet,
     #[command(flatten)]
@@ -37,8 +35,8 @@ pub struct Args {
 const NO_CHECK: u8 = 63;
 
 pub fn run(a: &Args) -> ExitCode {
-    let (filename, format) = (&a.filename, a.image.format.as_deref());
-    let (output, quiet) = (a.report.output, a.messages.quiet);
+    let (filename, format) = (&a.filename, a.described.image.format.as_deref());
+    let (output, quiet) = (a.described.report.output, a.messages.quiet);
     let (repair_mode, force_share) = (a.repair.as_deref(), a.share.force_share);
     let fix = match repair_mode {
         None => None,

@@ -38,6 +38,15 @@ pub struct Report {
     pub output: Output,
 }
 
+/// `-f` and `--output`, as the commands that describe an image (info, map, check) take them.
+#[derive(clap::Args)]
+pub struct Described {
+    #[command(flatten)]
+    pub image: ImageFormat,
+    #[command(flatten)]
+    pub report: Report,
+}
+
 /// `-q`.
 #[derive(clap::Args)]
 pub struct Quiet {

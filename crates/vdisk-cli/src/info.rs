@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use vdisk::formats::{InfoValue, SnapshotInfo};
 use vdisk::{open_image, BlockDev, Image, ImageOptions};
 
-use crate::flags::{ForceShare, ImageFormat, Output, Report};
+use crate::flags::{Described, ForceShare, Output};
 use crate::open::metadata_options;
 use crate::qjson::{self, Dict, Value};
 use crate::report::fail;
@@ -14,9 +14,7 @@ use crate::text::{size_to_str, snapshot_list};
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
-    image: ImageFormat,
-    #[command(flatten)]
-    report: Report,
+    described: Described,
     #[arg(short = 'b', long)]
     backing_chain: bool,
     #[command(flatten)]
@@ -25,8 +23,12 @@ pub struct Args {
 }
 
 pub fn run(a: &Args) -> ExitCode {
-    let (filename, format) = (&a.filename, a.image.format.as_deref());
-    let (output, chain, force_share) = (a.report.output, a.backing_chain, a.share.force_share);
+    let (filename, format) = (&a.filename, a.described.image.format.as_deref());
+    let (output, chain, force_share) = (
+        a.described.report.output,
+        a.backing_chain,
+        a.share.force_share,
+    );
     let images = match open_chain(filename, format, chain, force_share) {
         Ok(images) => images,
         Err(e) => return fail(e, 1),

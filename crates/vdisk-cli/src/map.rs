@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use vdisk::{open_image, BlockDev, BlockStatus, Image};
 
-use crate::flags::{ForceShare, ImageFormat, Output, Report};
+use crate::flags::{Described, ForceShare, Output};
 use crate::open::metadata_options;
 use crate::report::{fail, QemuMessage};
 use crate::size::cvtnum;
@@ -13,9 +13,7 @@ use crate::text::hex16;
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
-    image: ImageFormat,
-    #[command(flatten)]
-    report: Report,
+    described: Described,
     /// Sizes as everywhere: suffixes k to E, fractions with one, 0x hex. Like getopt, the
     /// flag takes the next word even if it starts with "-" (which is then out of range).
     #[arg(long, short = 's', value_parser = start_offset, allow_hyphen_values = true)]
@@ -90,8 +88,8 @@ fn entry_at(image: &Image, offset: u64, len: u64) -> vdisk::Result<Entry> {
 }
 
 pub fn run(a: &Args) -> ExitCode {
-    let (filename, format) = (&a.filename, a.image.format.as_deref());
-    let (output, start, max_length) = (a.report.output, a.start_offset, a.max_length);
+    let (filename, format) = (&a.filename, a.described.image.format.as_deref());
+    let (output, start, max_length) = (a.described.report.output, a.start_offset, a.max_length);
     let force_share = a.share.force_share;
     let image = match metadata_options(filename, format, force_share)
         .and_then(|o| open_image(filename, &o))

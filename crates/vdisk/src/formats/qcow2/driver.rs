@@ -55,17 +55,8 @@ impl Driver for Qcow2 {
     }
 
     fn snapshots(&self) -> Vec<SnapshotInfo> {
-        Qcow2::snapshots(self)
-            .iter()
-            .map(|s| SnapshotInfo {
-                id: s.id.clone(),
-                name: s.name.clone(),
-                date_sec: s.date_sec,
-                date_nsec: s.date_nsec,
-                vm_clock_nsec: s.vm_clock_nsec,
-                vm_state_size: s.vm_state_size,
-                icount: s.icount,
-            })
+        (Qcow2::snapshots(self).iter())
+            .map(|s| s.info.clone())
             .collect()
     }
 

@@ -260,8 +260,8 @@ impl Qcow2 {
     /// QEMU's temporary snapshot load, only the L1 table becomes the snapshot's: the virtual size
     /// stays the image's.
     pub fn load_snapshot(&mut self, want: &str) -> Result<()> {
-        let s = (self.snapshots.iter().find(|s| s.id == want))
-            .or_else(|| self.snapshots.iter().find(|s| s.name == want))
+        let s = (self.snapshots.iter().find(|s| s.info.id == want))
+            .or_else(|| self.snapshots.iter().find(|s| s.info.name == want))
             .ok_or_else(|| Error::invalid("Failed to load snapshot: Can't find snapshot"))?;
         if self.writable {
             return Err(Error::unsupported("snapshots are loaded read-only"));

@@ -1,6 +1,7 @@
 //! The internal snapshot table (qcow2.txt, "Snapshots").
 
 use crate::error::{Error, Result};
+use crate::formats::info::SnapshotInfo;
 
 /// QEMU refuses snapshot tables larger than this (QCOW_MAX_SNAPSHOTS_SIZE).
 const MAX_TABLE_BYTES: u64 = 64 << 20;
@@ -8,18 +9,12 @@ const MAX_EXTRA_DATA: u32 = 1024;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Snapshot {
+    /// What every format's snapshots have: id, name, dates, VM state size.
+    pub info: SnapshotInfo,
     pub l1_table_offset: u64,
     pub l1_size: u32,
-    pub id: String,
-    pub name: String,
-    pub date_sec: u32,
-    pub date_nsec: u32,
-    pub vm_clock_nsec: u64,
-    pub vm_state_size: u64,
     /// Virtual disk size when the snapshot was taken, if recorded.
     pub disk_size: Option<u64>,
-    /// Instructions executed, if recorded (QEMU's int64; -1 records none).
-    pub icount: Option<i64>,
     /// Bytes of extra data in the entry (v3 requires at least 16).
     pub extra_len: u32,
     /// The extra data as stored, kept so that rewriting the table loses nothing of it.
@@ -44,16 +39,18 @@ impl Snapshot {
         let mut extra = vec![0u8; EXTRA_LEN as usize];
         extra[8..16].copy_from_slice(&disk_size.to_be_bytes());
         Snapshot {
+            info: SnapshotInfo {
+                id,
+                name,
+                date_sec: now.as_secs() as u32,
+                date_nsec: now.subsec_nanos(),
+                vm_clock_nsec: 0,
+                vm_state_size: 0,
+                icount: Some(0),
+            },
             l1_table_offset,
             l1_size,
-            id,
-            name,
-            date_sec: now.as_secs() as u32,
-            date_nsec: now.subsec_nanos(),
-            vm_clock_nsec: 0,
-            vm_state_size: 0,
             disk_size: Some(disk_size),
-            icount: Some(0),
             extra_len: EXTRA_LEN,
             extra,
         }
@@ -61,19 +58,19 @@ impl Snapshot {
 
     /// The entry as stored in the snapshot table, padded to 8 bytes.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(64 + self.extra.len());
+        let (info, mut out) = (&self.info, Vec::with_capacity(64 + self.extra.len()));
         out.extend_from_slice(&self.l1_table_offset.to_be_bytes());
         out.extend_from_slice(&self.l1_size.to_be_bytes());
-        out.extend_from_slice(&(self.id.len() as u16).to_be_bytes());
-        out.extend_from_slice(&(self.name.len() as u16).to_be_bytes());
-        out.extend_from_slice(&self.date_sec.to_be_bytes());
-        out.extend_from_slice(&self.date_nsec.to_be_bytes());
-        out.extend_from_slice(&self.vm_clock_nsec.to_be_bytes());
-        out.extend_from_slice(&(self.vm_state_size.min(u64::from(u32::MAX)) as u32).to_be_bytes());
+        out.extend_from_slice(&(info.id.len() as u16).to_be_bytes());
+        out.extend_from_slice(&(info.name.len() as u16).to_be_bytes());
+        out.extend_from_slice(&info.date_sec.to_be_bytes());
+        out.extend_from_slice(&info.date_nsec.to_be_bytes());
+        out.extend_from_slice(&info.vm_clock_nsec.to_be_bytes());
+        out.extend_from_slice(&(info.vm_state_size.min(u64::from(u32::MAX)) as u32).to_be_bytes());
         out.extend_from_slice(&(self.extra.len() as u32).to_be_bytes());
         out.extend_from_slice(&self.extra);
-        out.extend_from_slice(self.id.as_bytes());
-        out.extend_from_slice(self.name.as_bytes());
+        out.extend_from_slice(self.info.id.as_bytes());
+        out.extend_from_slice(self.info.name.as_bytes());
         out.resize(out.len().next_multiple_of(8), 0);
         out
     }
@@ -116,27 +113,29 @@ pub fn parse_table(table: &[u8], count: u32) -> Result<Option<(Vec<Snapshot>, u6
             return Ok(None);
         };
         let mut snap = Snapshot {
+            info: SnapshotInfo {
+                id: String::from_utf8_lossy(id).into_owned(),
+                name: String::from_utf8_lossy(name).into_owned(),
+                date_sec: be32(fixed, 16),
+                date_nsec: be32(fixed, 20),
+                vm_clock_nsec: be64(fixed, 24),
+                vm_state_size: u64::from(be32(fixed, 32)),
+                icount: None,
+            },
             l1_table_offset: be64(fixed, 0),
             l1_size: be32(fixed, 8),
-            id: String::from_utf8_lossy(id).into_owned(),
-            name: String::from_utf8_lossy(name).into_owned(),
-            date_sec: be32(fixed, 16),
-            date_nsec: be32(fixed, 20),
-            vm_clock_nsec: be64(fixed, 24),
-            vm_state_size: u64::from(be32(fixed, 32)),
             disk_size: None,
-            icount: None,
             extra_len,
             extra: extra.to_vec(),
         };
         if extra.len() >= 8 {
-            snap.vm_state_size = be64(extra, 0);
+            snap.info.vm_state_size = be64(extra, 0);
         }
         if extra.len() >= 16 {
             snap.disk_size = Some(be64(extra, 8));
         }
         if extra.len() >= 24 {
-            snap.icount = Some(be64(extra, 16) as i64).filter(|&i| i != -1);
+            snap.info.icount = Some(be64(extra, 16) as i64).filter(|&i| i != -1);
         }
         at = (id_start + id_len + name_len).next_multiple_of(8);
         if at as u64 > MAX_TABLE_BYTES {

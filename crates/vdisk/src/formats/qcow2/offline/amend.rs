@@ -159,7 +159,7 @@ impl Qcow2 {
         }
         // Other programs reading v2 would not know these sizes matter.
         let differs = |s: &Snapshot| {
-            s.vm_state_size > u64::from(u32::MAX) || s.disk_size.unwrap_or(size) != size
+            s.info.vm_state_size > u64::from(u32::MAX) || s.disk_size.unwrap_or(size) != size
         };
         if self.snapshots.iter().any(differs) {
             return Err(Error::unsupported(
@@ -232,9 +232,9 @@ fn flag(bits: u64, bit: u64, on: bool) -> u64 {
 fn v3_entry(s: &Snapshot, size: u64) -> Snapshot {
     let disk_size = s.disk_size.unwrap_or(size);
     let mut extra = Vec::with_capacity(s.extra.len().max(24));
-    extra.extend_from_slice(&s.vm_state_size.to_be_bytes());
+    extra.extend_from_slice(&s.info.vm_state_size.to_be_bytes());
     extra.extend_from_slice(&disk_size.to_be_bytes());
-    extra.extend_from_slice(&s.icount.unwrap_or(-1).to_be_bytes());
+    extra.extend_from_slice(&s.info.icount.unwrap_or(-1).to_be_bytes());
     extra.extend_from_slice(s.extra.get(24..).unwrap_or_default());
     Snapshot {
         disk_size: Some(disk_size),
@@ -439,8 +439,8 @@ mod tests {
         s.extra.clear();
         s.extra_len = 0;
         s.disk_size = None;
-        s.icount = None;
-        s.vm_state_size = 5;
+        s.info.icount = None;
+        s.info.vm_state_size = 5;
         let v3 = v3_entry(&s, 20 << 20);
         assert_eq!(v3.extra.len(), 24);
         assert_eq!(v3.disk_size, Some(20 << 20));
@@ -448,9 +448,9 @@ mod tests {
         let (back, _) = crate::formats::qcow2::snapshot::parse_table(&bytes, 1)
             .unwrap()
             .unwrap();
-        assert_eq!(back[0].vm_state_size, 5);
+        assert_eq!(back[0].info.vm_state_size, 5);
         assert_eq!(back[0].disk_size, Some(20 << 20));
-        assert_eq!(back[0].icount, None);
+        assert_eq!(back[0].info.icount, None);
         // Extra data past the fields QEMU knows is kept.
         let mut long = s.clone();
         long.extra = (0..32).collect();

@@ -122,8 +122,12 @@ impl Qcow2 {
                             .refs_if_writable()
                             .expect("writable images have refcounts");
                         let l1 = meta.tables.l1();
-                        if let Some(what) =
-                            signal::metadata_overlap(self, l1, refs.table(), 0, host, cs)
+                        if let Some(what) = (signal::Tables {
+                            q: self,
+                            l1,
+                            reftable: refs.table(),
+                        })
+                        .overlap(0, host, cs)
                         {
                             return Err(Error::corrupt(format!(
                                 "Preventing invalid write on metadata (overlaps with {what})"

@@ -66,84 +66,86 @@ const OL_CACHED: u32 = OL_MAIN_HEADER
     | OL_INACTIVE_L1
     | OL_BITMAP_DIRECTORY;
 
-/// QEMU's `qcow2_check_metadata_overlap`: which metadata (by QEMU's name for it) a write to
-/// `[offset, offset + size)` would land on, checked in QEMU's order, `ign` excepted.
-pub(super) fn metadata_overlap(
-    q: &Qcow2,
-    l1: &[u64],
-    reftable: &[u64],
-    ign: u32,
-    offset: u64,
-    size: u64,
-) -> Option<&'static str> {
-    let chk = OL_CACHED & !ign;
-    if size == 0 {
-        return None;
-    }
-    let h = q.header();
-    let cs = h.cluster_size();
-    if chk & OL_MAIN_HEADER != 0 && offset < cs {
-        return Some("qcow2_header");
-    }
-    let start = u128::from(offset - offset % cs);
-    let end = start + (u128::from(offset % cs) + u128::from(size)).next_multiple_of(u128::from(cs));
-    let hits = |at: u64, len: u64| {
-        len != 0 && start < u128::from(at) + u128::from(len) && u128::from(at) < end
-    };
-    if chk & OL_ACTIVE_L1 != 0 && hits(h.l1_table_offset, h.l1_bytes()) {
-        return Some("active L1 table");
-    }
-    if chk & OL_REFCOUNT_TABLE != 0 && hits(h.refcount_table_offset, h.refcount_table_bytes()) {
-        return Some("refcount table");
-    }
-    if chk & OL_SNAPSHOT_TABLE != 0 && hits(h.snapshots_offset, q.snapshot_table_bytes()) {
-        return Some("snapshot table");
-    }
-    if chk & OL_INACTIVE_L1 != 0
-        && (q.snapshots().iter()).any(|s| hits(s.l1_table_offset, u64::from(s.l1_size) * 8))
-    {
-        return Some("inactive L1 table");
-    }
-    if chk & OL_ACTIVE_L2 != 0 && l1.iter().any(|&e| hits(e & l2::OFFSET_MASK, cs)) {
-        return Some("active L2 table");
-    }
-    if chk & OL_REFCOUNT_BLOCK != 0 && reftable.iter().any(|&e| hits(e & !0x1ff, cs)) {
-        return Some("refcount block");
-    }
-    if chk & OL_BITMAP_DIRECTORY != 0
-        && bitmaps::location(h).is_some_and(|d| hits(d.offset, d.bytes))
-    {
-        return Some("bitmap directory");
-    }
-    None
+/// The metadata a write is checked against: the image, and its L1 and refcount tables as they
+/// are at that moment.
+pub(super) struct Tables<'a> {
+    pub q: &'a Qcow2,
+    pub l1: &'a [u64],
+    pub reftable: &'a [u64],
 }
 
-/// QEMU's `qcow2_pre_write_overlap_check`: refuses (EIO) a write that would land on metadata,
-/// signalling the corruption.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn pre_write_check(
-    q: &Qcow2,
-    l1: &[u64],
-    reftable: &[u64],
-    ign: u32,
-    offset: u64,
-    size: u64,
-    signal: Option<&Signal>,
-    say: Messages,
-) -> Result<()> {
-    let Some(what) = metadata_overlap(q, l1, reftable, ign, offset, size) else {
-        return Ok(());
-    };
-    if let Some(signal) = signal {
-        signal.fatal(
-            &**q.file(),
-            &format!("Preventing invalid write on metadata (overlaps with {what})"),
-            say,
-        );
+impl Tables<'_> {
+    /// QEMU's `qcow2_check_metadata_overlap`: which metadata (by QEMU's name for it) a write to
+    /// `[offset, offset + size)` would land on, checked in QEMU's order, `ign` excepted.
+    pub fn overlap(&self, ign: u32, offset: u64, size: u64) -> Option<&'static str> {
+        let Tables { q, l1, reftable } = *self;
+        let chk = OL_CACHED & !ign;
+        if size == 0 {
+            return None;
+        }
+        let h = q.header();
+        let cs = h.cluster_size();
+        if chk & OL_MAIN_HEADER != 0 && offset < cs {
+            return Some("qcow2_header");
+        }
+        let start = u128::from(offset - offset % cs);
+        let end =
+            start + (u128::from(offset % cs) + u128::from(size)).next_multiple_of(u128::from(cs));
+        let hits = |at: u64, len: u64| {
+            len != 0 && start < u128::from(at) + u128::from(len) && u128::from(at) < end
+        };
+        if chk & OL_ACTIVE_L1 != 0 && hits(h.l1_table_offset, h.l1_bytes()) {
+            return Some("active L1 table");
+        }
+        if chk & OL_REFCOUNT_TABLE != 0 && hits(h.refcount_table_offset, h.refcount_table_bytes()) {
+            return Some("refcount table");
+        }
+        if chk & OL_SNAPSHOT_TABLE != 0 && hits(h.snapshots_offset, q.snapshot_table_bytes()) {
+            return Some("snapshot table");
+        }
+        if chk & OL_INACTIVE_L1 != 0
+            && (q.snapshots().iter()).any(|s| hits(s.l1_table_offset, u64::from(s.l1_size) * 8))
+        {
+            return Some("inactive L1 table");
+        }
+        if chk & OL_ACTIVE_L2 != 0 && l1.iter().any(|&e| hits(e & l2::OFFSET_MASK, cs)) {
+            return Some("active L2 table");
+        }
+        if chk & OL_REFCOUNT_BLOCK != 0 && reftable.iter().any(|&e| hits(e & !0x1ff, cs)) {
+            return Some("refcount block");
+        }
+        if chk & OL_BITMAP_DIRECTORY != 0
+            && bitmaps::location(h).is_some_and(|d| hits(d.offset, d.bytes))
+        {
+            return Some("bitmap directory");
+        }
+        None
     }
-    Err(eio(&format!(
-        "a write at {offset:#x} would overwrite the {what}"
-    )))
+
+    /// QEMU's `qcow2_pre_write_overlap_check`: refuses (EIO) a write that would land on metadata,
+    /// signalling the corruption.
+    pub fn pre_write_check(
+        &self,
+        ign: u32,
+        (offset, size): (u64, u64),
+        signal: Option<&Signal>,
+        say: Messages,
+    ) -> Result<()> {
+        let Some(what) = self.overlap(ign, offset, size) else {
+            return Ok(());
+        };
+        let q = self.q;
+        if let Some(signal) = signal {
+            signal.fatal(
+                &**q.file(),
+                &format!("Preventing invalid write on metadata (overlaps with {what})"),
+                say,
+            );
+        }
+        Err(eio(&format!(
+            "a write at {offset:#x} would overwrite the {what}"
+        )))
+    }
 }
 
 /// An EIO with `context`, as QEMU's checks return it.

@@ -31,7 +31,7 @@ impl Qcow2 {
         let id = self
             .snapshots
             .iter()
-            .filter_map(|s| s.id.parse::<u64>().ok())
+            .filter_map(|s| s.info.id.parse::<u64>().ok())
             .max()
             .unwrap_or(0)
             + 1;
@@ -73,8 +73,8 @@ impl Qcow2 {
             // As QEMU: clusters of an external data file have no refcounts to share.
             return Err(Error::unsupported("Operation not supported"));
         }
-        let Some(sn) = (self.snapshots.iter().find(|s| s.id == name))
-            .or_else(|| self.snapshots.iter().find(|s| s.name == name))
+        let Some(sn) = (self.snapshots.iter().find(|s| s.info.id == name))
+            .or_else(|| self.snapshots.iter().find(|s| s.info.name == name))
             .cloned()
         else {
             return Err(Error::invalid(
@@ -111,7 +111,7 @@ impl Qcow2 {
     /// Deletes the snapshot named `name` (by name only, as `qemu-img snapshot -d` does).
     pub fn snapshot_delete(&mut self, name: &str) -> Result<()> {
         self.writable_or_err("snapshot")?;
-        let Some(index) = self.snapshots.iter().position(|s| s.name == name) else {
+        let Some(index) = self.snapshots.iter().position(|s| s.info.name == name) else {
             return Err(Error::invalid("snapshot not found"));
         };
         self.flush_impl()?;

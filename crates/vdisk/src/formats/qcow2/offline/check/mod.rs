@@ -206,8 +206,8 @@ impl<'a, 's> Checker<'a, 's> {
                 self.corruption(format!(
                     "ERROR snapshot {} ({}) l1_offset={}: L1 table is not cluster aligned; \
                      snapshot table entry corrupted",
-                    s.id,
-                    s.name,
+                    s.info.id,
+                    s.info.name,
                     hx(s.l1_table_offset)
                 ));
                 continue;
@@ -216,8 +216,8 @@ impl<'a, 's> Checker<'a, 's> {
                 self.corruption(format!(
                     "ERROR snapshot {} ({}) l1_size={}: L1 table is too large; snapshot \
                      table entry corrupted",
-                    s.id,
-                    s.name,
+                    s.info.id,
+                    s.info.name,
                     hx(u64::from(s.l1_size))
                 ));
                 continue;
@@ -453,16 +453,12 @@ impl<'a, 's> Checker<'a, 's> {
         let reftable = RefcountReader::new(self.q)?.table;
         let l1 = self.q.l1_table();
         let signal = self.signal.clone();
-        signal::pre_write_check(
-            self.q,
-            &l1,
-            &reftable,
-            ign,
-            offset,
-            size,
-            signal.as_deref(),
-            &mut *self.sink,
-        )
+        let tables = signal::Tables {
+            q: self.q,
+            l1: &l1,
+            reftable: &reftable,
+        };
+        tables.pre_write_check(ign, (offset, size), signal.as_deref(), &mut *self.sink)
     }
 
     /// Counts the clusters of persistent dirty bitmaps: the directory, each bitmap's table and

@@ -4,7 +4,7 @@
 use std::rc::Rc;
 
 use super::super::check::Checker;
-use super::super::signal::{eio, pre_write_check, Signal};
+use super::super::signal::{eio, Signal, Tables};
 use super::sync;
 use crate::error::{Error, IoContext, Result};
 use crate::formats::qcow2::refcount;
@@ -188,15 +188,11 @@ impl Rebuild<'_, '_, '_> {
         let l1 = q.l1_table();
         let signal = self.signal.clone();
         let mut say = |m: String| self.c.say(m);
-        pre_write_check(
+        let tables = Tables {
             q,
-            &l1,
-            self.old_table,
-            0,
-            offset,
-            size,
-            Some(&signal),
-            &mut say,
-        )
+            l1: &l1,
+            reftable: self.old_table,
+        };
+        tables.pre_write_check(0, (offset, size), Some(&signal), &mut say)
     }
 }
