@@ -53,11 +53,26 @@ pub trait Storage: Send + Sync {
     fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()>;
 
     /// Reads into several buffers from consecutive positions starting at `offset`, as one
-    /// operation.
-    fn read_vectored_at(&self, offset: u64, bufs: &mut [&mut [u8]]) -> io::Result<()>;
+    /// operation where the storage can (else one at a time).
+    fn read_vectored_at(&self, offset: u64, bufs: &mut [&mut [u8]]) -> io::Result<()> {
+        let mut at = offset;
+        for b in bufs.iter_mut() {
+            self.read_at(at, b)?;
+            at += b.len() as u64;
+        }
+        Ok(())
+    }
 
-    /// Writes several buffers to consecutive positions starting at `offset`, as one operation.
-    fn write_vectored_at(&self, offset: u64, bufs: &[&[u8]]) -> io::Result<()>;
+    /// Writes several buffers to consecutive positions starting at `offset`, as one operation
+    /// where the storage can (else one at a time).
+    fn write_vectored_at(&self, offset: u64, bufs: &[&[u8]]) -> io::Result<()> {
+        let mut at = offset;
+        for b in bufs {
+            self.write_at(at, b)?;
+            at += b.len() as u64;
+        }
+        Ok(())
+    }
 
     /// Makes every completed write durable.
     fn sync(&self) -> io::Result<()>;

@@ -65,24 +65,6 @@ impl Storage for DiskStorage {
         Ok(())
     }
 
-    fn read_vectored_at(&self, offset: u64, bufs: &mut [&mut [u8]]) -> io::Result<()> {
-        let mut at = offset;
-        for b in bufs.iter_mut() {
-            self.read_at(at, b)?;
-            at += b.len() as u64;
-        }
-        Ok(())
-    }
-
-    fn write_vectored_at(&self, offset: u64, bufs: &[&[u8]]) -> io::Result<()> {
-        let mut at = offset;
-        for b in bufs {
-            self.write_at(at, b)?;
-            at += b.len() as u64;
-        }
-        Ok(())
-    }
-
     fn sync(&self) -> io::Result<()> {
         self.stats.record_sync();
         self.disk.flush().map_err(to_io)
