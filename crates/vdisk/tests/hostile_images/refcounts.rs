@@ -11,8 +11,9 @@
 
 use proptest::prelude::*;
 
-use super::writes::{write_op_strategy, WriteOp, SAMPLE_WRITES};
-use super::{config, exercise_guarded, has, plain_spec, put64, spec_strategy, Built, Spec};
+use crate::builder::{plain_spec, put64, spec_strategy, Built, Spec};
+use crate::drive::{config, exercise_guarded, has};
+use crate::writes::{write_op_strategy, WriteOp, SAMPLE_WRITES};
 
 /// A cluster of metadata, by role.
 #[derive(Debug, Clone, Copy)]
