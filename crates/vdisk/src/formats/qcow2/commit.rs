@@ -25,6 +25,11 @@
 //! allocated clusters or allocated from the pool clusters that read as zero until written; two
 //! when a refcount went up (the pool was refilled) or new clusters must hold their data before
 //! they are mapped (copy-on-write from a backing file); three when the refcount table grew.
+//! The pool is sized at each commit to what the requests since the previous one allocated (a
+//! few clusters at most, see `alloc/space.rs`): a crash leaks what it holds, so the leaks of a
+//! crash stay near the allocations of the commit in flight. A commit that overlaps an earlier
+//! one's final sync orders its writes too: it may map clusters whose refcounts that commit
+//! wrote.
 //! If a step fails, what was not written stays dirty in memory and the next flush retries it.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -105,7 +110,11 @@ impl Qcow2 {
                 Ok(())
             };
         }
-        let ordered = meta.txn.ordered || meta.refs().increased();
+        // The mapping may rely on refcounts an earlier commit wrote (its pool) whose final sync
+        // has not returned yet: ordered behind a sync of this commit's own.
+        let earlier_in_flight = meta.txn.issued > self.group.durable.load(Relaxed);
+        let ordered = meta.txn.ordered || meta.refs().increased() || earlier_in_flight;
+        meta.refs().prepare_pool(&*self.file)?;
         let fresh = meta.tables.fresh_writes();
         let refcounts = meta.refs().pending_writes();
         let mapping = meta.tables.mapping_writes(self.header.l1_table_offset);

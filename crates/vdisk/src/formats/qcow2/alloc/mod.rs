@@ -22,6 +22,10 @@ use crate::storage::Storage;
 /// Pool refills start at this many clusters and double up to `MAX_POOL_BYTES`.
 const MIN_POOL: u64 = 16;
 const MAX_POOL_BYTES: u64 = 32 << 20;
+/// The pool keeps at most this many clusters across a commit, and this many bytes (see
+/// [`Refcounts::prepare_pool`]).
+const POOL_KEEP: u64 = 16;
+const POOL_KEEP_BYTES: u64 = 8 << 20;
 
 /// The file grows by reservations of at least 1 MiB and at most this.
 const MAX_RESERVE_STEP: u64 = 256 << 20;
@@ -82,10 +86,13 @@ pub(super) struct Refcounts {
     /// Clusters allocated ahead and not handed out yet (refcount 1 in memory, and on disk once
     /// a commit wrote it). Handing one out changes no refcount, so a commit that only uses
     /// pooled clusters needs no sync between refcounts and mapping. A crash leaks what was
-    /// unused (a leak, never a corruption); a clean close gives it back.
+    /// unused (a leak, never a corruption), so each commit sizes it to about one commit's
+    /// allocations; a clean close gives it back.
     pool: std::ops::Range<u64>,
     /// Clusters the next refill of the pool takes.
     pool_refill: u64,
+    /// Clusters handed out since the last commit: about what the next one will ask for.
+    handed_out: u64,
     /// The runs whose refcounts are being set (an allocation's, and the refcount table's when
     /// that allocation makes it grow): a refcount block created meanwhile must not take the
     /// first cluster of its range when a run holds it.
@@ -150,6 +157,7 @@ impl Refcounts {
             pool: 0..0,
             claimed: Vec::new(),
             pool_refill: MIN_POOL,
+            handed_out: 0,
             guard: Guard::default(),
         })
     }

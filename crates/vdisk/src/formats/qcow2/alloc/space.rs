@@ -2,7 +2,7 @@
 //! reservations of file space in large steps, and frees once the metadata that dropped a
 //! reference is durable.
 
-use super::{Refcounts, MAX_POOL_BYTES, MAX_RESERVE_STEP, MIN_POOL};
+use super::{Refcounts, MAX_POOL_BYTES, MAX_RESERVE_STEP, MIN_POOL, POOL_KEEP, POOL_KEEP_BYTES};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::Storage;
 
@@ -64,6 +64,7 @@ impl Refcounts {
     /// it holds enough, else from a new pool run that starts with them.
     pub fn alloc(&mut self, file: &dyn Storage, n: u64) -> Result<u64> {
         self.guard.vet(0..0)?;
+        self.handed_out += n;
         if self.pool.end - self.pool.start >= n {
             let first = self.pool.start;
             self.pool.start += n;
@@ -87,13 +88,48 @@ impl Refcounts {
     /// Gives the unused pool back (before a clean close, or a refill).
     pub fn release_pool(&mut self, file: &dyn Storage) -> Result<()> {
         let pool = std::mem::replace(&mut self.pool, 0..0);
-        for c in pool.clone() {
-            self.set(file, c, 0)?;
-            // Never written: still zero.
-            self.recycled.remove(&c);
+        self.give_back(file, pool)
+    }
+
+    /// Before a commit writes the refcounts: sizes the pool to what the requests since the last
+    /// commit took, at most [`POOL_KEEP`] clusters. Their refcounts become durable with the
+    /// commit, so the next commit can hand them out without ordering its writes, and a crash
+    /// leaks whatever the pool then holds: it stays about one commit's worth of allocations,
+    /// and empty while nothing allocates. (Heavier allocation refills it, which orders that
+    /// commit's writes.) The caller decided this commit's order before: nothing it maps relies
+    /// on the clusters taken here.
+    pub fn prepare_pool(&mut self, file: &dyn Storage) -> Result<()> {
+        let most = POOL_KEEP.min((POOL_KEEP_BYTES >> self.cluster_bits).max(1));
+        let keep = std::mem::take(&mut self.handed_out).min(most);
+        let have = self.pool.end - self.pool.start;
+        if have > keep {
+            let tail = self.pool.start + keep..self.pool.end;
+            self.pool.end = tail.start;
+            return self.give_back(file, tail);
         }
-        if pool.end == self.high_water {
-            self.high_water = pool.start;
+        if have < keep {
+            self.release_pool(file)?;
+            // Only a help for the next commit: without room, it allocates when it must.
+            if let Ok(first) = self.alloc_run(file, keep) {
+                self.pool = first..first + keep;
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees clusters of the pool, which nothing ever referenced.
+    fn give_back(&mut self, file: &dyn Storage, clusters: std::ops::Range<u64>) -> Result<()> {
+        for c in clusters.clone() {
+            // Never written while pooled: it reads as it did when the pool took it (zero, unless
+            // it held data freed before).
+            let held_data = self.recycled.contains(&c);
+            self.set(file, c, 0)?;
+            if !held_data {
+                self.recycled.remove(&c);
+            }
+        }
+        if clusters.end == self.high_water {
+            self.high_water = clusters.start;
         }
         Ok(())
     }
