@@ -367,6 +367,8 @@ enum Command {
         stats: Option<String>,
         #[arg(short = 'v', long)]
         verbose: bool,
+        #[command(flatten)]
+        server: serve::ServerArgs,
     },
     /// Print the live counters of a `vdisk serve --stats ADDR` (Prometheus text format).
     Stats { address: String },
@@ -735,6 +737,7 @@ fn main() -> ExitCode {
             pid_file,
             stats,
             verbose,
+            server,
         } => serve::run(serve::Args {
             images: &images,
             format: format.as_deref(),
@@ -749,6 +752,7 @@ fn main() -> ExitCode {
             pid_file: pid_file.as_deref(),
             stats: stats.as_deref(),
             verbose,
+            server: &server,
         }),
         Command::Stats { address } => serve::stats(&address),
         Command::Compare {

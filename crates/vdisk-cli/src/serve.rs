@@ -7,7 +7,9 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use vdisk::export::nbd::{Address, Export, ExportOptions, Limits, Server, ServerOptions};
+use vdisk::export::nbd::{
+    stderr_sink, Address, Export, ExportOptions, Level, Limits, Logger, Server, ServerOptions,
+};
 use vdisk::io::Backend;
 use vdisk::{BlockDev, CacheMode, Format, Image, ImageOptions};
 
@@ -29,6 +31,32 @@ pub struct Args<'a> {
     pub pid_file: Option<&'a str>,
     pub stats: Option<&'a str>,
     pub verbose: bool,
+    pub server: &'a ServerArgs,
+}
+
+// ---------------------------------------------------------------------------------------------
+// The NBD server's own flags (issue 28): kept apart from the image and export flags above, and
+// flattened into the subcommand's arguments as one group.
+
+/// How the server treats connections, and what it logs.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServerArgs {
+    /// What to log on stderr: error, warn (the default: failures and protocol violations, as
+    /// qemu-nbd reports them), info (also every connection; what -v gives), debug. Without
+    /// this flag or -v, the VDISK_LOG environment variable sets it.
+    #[arg(long, value_name = "LEVEL", value_parser = Level::parse)]
+    pub log_level: Option<Level>,
+}
+
+impl ServerArgs {
+    /// The log level: `--log-level`, else `-v` (info), else `VDISK_LOG`, else warn.
+    fn level(&self, verbose: bool) -> Result<Level, String> {
+        match (self.log_level, verbose) {
+            (Some(l), _) => Ok(l),
+            (None, true) => Ok(Level::Info),
+            (None, false) => Level::from_env().unwrap_or(Ok(Level::Warn)),
+        }
+    }
 }
 
 /// Splits `IMG=NAME`; a path that exists as given is an image name even with a `=` in it.
@@ -71,6 +99,11 @@ fn wait_for_signal(set: &libc::sigset_t) -> i32 {
 
 pub fn run(a: Args) -> ExitCode {
     let signals = block_signals();
+    let level = match a.server.level(a.verbose) {
+        Ok(l) => l,
+        Err(e) => return fail(e, 1),
+    };
+    let verbose = level >= Level::Info;
     if a.nbd.is_empty() {
         return fail(
             "serve needs at least one --nbd unix:PATH or tcp:HOST:PORT",
@@ -139,9 +172,9 @@ pub fn run(a: Args) -> ExitCode {
             preferred_block: preferred,
             allocation_depth: image.backing().is_some(),
         };
-        if a.verbose {
+        if verbose {
             eprintln!(
-                "vdisk: exporting '{}' ({}, {} bytes) as '{}'{}",
+                "vdisk: info: exporting '{}' ({}, {} bytes) as '{}'{}",
                 path,
                 image.format().name(),
                 image.size(),
@@ -164,8 +197,7 @@ pub fn run(a: Args) -> ExitCode {
             },
             ..Limits::default()
         },
-        verbose: a.verbose,
-        ..ServerOptions::default()
+        log: Logger::new(level, stderr_sink()),
     };
     let server = match Server::new(exports, server_opts) {
         Ok(s) => s,
@@ -173,7 +205,7 @@ pub fn run(a: Args) -> ExitCode {
     };
     for addr in &addresses {
         match server.listen(addr) {
-            Ok(bound) if a.verbose => eprintln!("vdisk: listening on {bound}"),
+            Ok(bound) if verbose => eprintln!("vdisk: info: listening on {bound}"),
             Ok(_) => {}
             Err(e) => {
                 server.shutdown();
@@ -196,8 +228,8 @@ pub fn run(a: Args) -> ExitCode {
     }
 
     let sig = wait_for_signal(&signals);
-    if a.verbose {
-        eprintln!("vdisk: signal {sig}: stopping");
+    if verbose {
+        eprintln!("vdisk: info: signal {sig}: stopping");
     }
     server.shutdown();
     drop(server);

@@ -17,6 +17,7 @@
 mod commands;
 mod export;
 mod handshake;
+mod log;
 mod metrics;
 pub mod proto;
 mod queued;
@@ -25,15 +26,12 @@ mod stream;
 mod transmission;
 
 use std::io::{self, Read};
-use std::sync::Arc;
 
 pub use export::{Export, ExportOptions};
+pub use log::{stderr_sink, Level, Log, Logger, LEVEL_VAR};
 pub use server::{Server, ServerOptions};
 pub use stream::{Address, Listener, Stream};
 pub use transmission::Limits;
-
-/// Where the server's log lines go.
-pub type Log = Arc<dyn Fn(&str) + Send + Sync>;
 
 /// Why a connection ended early.
 #[derive(Debug)]

@@ -13,33 +13,21 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::export::{Export, Exports};
+use super::log::{log, Level, Logger};
 use super::metrics::{self, ConnectionStats};
 use super::stream::{shutdown_listener, Address, Listener, Stream};
 use super::transmission::{self, Limits};
-use super::{handshake, ConnError, Log};
+use super::{handshake, ConnError};
 
 /// How a server runs.
-#[derive(Clone)]
+#[derive(Clone, Default)]
 pub struct ServerOptions {
     /// Connections served at once; further clients wait to be accepted (0: no limit).
     pub max_connections: usize,
     /// Per-connection bounds (workers, requests and bytes in flight).
     pub limits: Limits,
-    /// Where log lines go (protocol errors always; connections coming and going when
-    /// `verbose`).
-    pub log: Log,
-    pub verbose: bool,
-}
-
-impl Default for ServerOptions {
-    fn default() -> ServerOptions {
-        ServerOptions {
-            max_connections: 0,
-            limits: Limits::default(),
-            log: Arc::new(|line: &str| eprintln!("vdisk: {line}")),
-            verbose: false,
-        }
-    }
+    /// Where log lines go, and how many.
+    pub log: Logger,
 }
 
 /// An NBD server for a set of exports. Cloning gives another handle to the same server.
@@ -197,10 +185,6 @@ impl Drop for Registration {
 }
 
 impl Inner {
-    fn log(&self, line: &str) {
-        (self.opts.log)(line);
-    }
-
     fn accept_loop(self: Arc<Self>, listener: Listener) {
         let max = self.opts.max_connections;
         loop {
@@ -219,7 +203,11 @@ impl Inner {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
                     // Out of descriptors or memory: wait for connections to close.
-                    self.log(&format!("nbd: accepting a connection failed: {e}"));
+                    log!(
+                        self.opts.log,
+                        Level::Error,
+                        "nbd: accepting a connection failed: {e}"
+                    );
                     std::thread::sleep(Duration::from_millis(100));
                 }
             }
@@ -233,7 +221,11 @@ impl Inner {
                 return;
             }
             let Ok(clone) = stream.try_clone() else {
-                self.log("nbd: cannot duplicate a connection's socket; closing it");
+                log!(
+                    self.opts.log,
+                    Level::Error,
+                    "nbd: cannot duplicate a connection's socket; closing it"
+                );
                 return;
             };
             st.next_id += 1;
@@ -247,45 +239,49 @@ impl Inner {
             inner: self.clone(),
             id,
         };
+        let log = self.opts.log.clone();
         let spawned = std::thread::Builder::new()
             .name("nbd-conn".into())
             .spawn(move || {
                 let _reg = reg;
-                self.connection(stream);
+                self.connection(stream, id);
             });
         if let Err(e) = spawned {
             // The closure (and the registration in it) was dropped: the socket closes.
-            eprintln!("vdisk: nbd: cannot start a connection thread: {e}");
+            log!(
+                log,
+                Level::Error,
+                "nbd: cannot start a connection thread: {e}"
+            );
         }
     }
 
-    fn connection(&self, stream: Stream) {
-        let peer = stream.peer();
-        let verbose = self.opts.verbose;
-        if verbose {
-            self.log(&format!("nbd: {peer}: connected"));
-        }
+    fn connection(&self, stream: Stream, id: u64) {
+        let peer = format!("#{id} {}", stream.peer());
+        let log = &self.opts.log;
+        log!(log, Level::Info, "nbd: {peer}: connected");
         let result = self.negotiate_and_serve(stream, &peer);
         match result {
-            Ok(()) => {
-                if verbose {
-                    self.log(&format!("nbd: {peer}: disconnected"));
-                }
-            }
+            Ok(()) => log!(log, Level::Info, "nbd: {peer}: disconnected"),
             Err(ConnError::Protocol(msg)) => {
                 self.conns.protocol_errors.fetch_add(1, Relaxed);
-                self.log(&format!("nbd: closing the connection of {peer}: {msg}"));
+                log!(
+                    log,
+                    Level::Warn,
+                    "nbd: closing the connection of {peer}: {msg}"
+                );
             }
             Err(ConnError::Io(e)) => {
-                let quiet = matches!(
+                // A client that hangs up without NBD_CMD_DISC (killed, or a tool that just
+                // exits) is common and harmless; anything else is worth a warning.
+                let hung_up = matches!(
                     e.kind(),
                     io::ErrorKind::UnexpectedEof
                         | io::ErrorKind::ConnectionReset
                         | io::ErrorKind::BrokenPipe
                 );
-                if verbose || !quiet {
-                    self.log(&format!("nbd: {peer}: connection ended: {e}"));
-                }
+                let level = if hung_up { Level::Info } else { Level::Warn };
+                log!(log, level, "nbd: {peer}: connection ended: {e}");
             }
         }
     }
@@ -294,28 +290,35 @@ impl Inner {
         let mut writer = stream.try_clone()?;
         let closer = stream.try_clone()?;
         let mut reader = BufReader::with_capacity(256 << 10, stream);
-        let result = match handshake::negotiate(&mut reader, &mut writer, &self.exports) {
-            Ok(Some(session)) => {
-                if self.opts.verbose {
-                    let e = &session.export;
-                    self.log(&format!(
+        let result =
+            match handshake::negotiate(&mut reader, &mut writer, &self.exports) {
+                Ok(Some(session)) => {
+                    log!(
+                        self.opts.log,
+                        Level::Info,
                         "nbd: {peer}: export '{}', structured replies {}",
-                        e.name(),
+                        session.export.name(),
                         if session.structured { "on" } else { "off" }
-                    ));
+                    );
+                    log!(
+                    self.opts.log,
+                    Level::Debug,
+                    "nbd: {peer}: metadata contexts: base:allocation {}, qemu:allocation-depth {}",
+                    if session.base_allocation { "on" } else { "off" },
+                    if session.allocation_depth { "on" } else { "off" }
+                );
+                    transmission::serve(
+                        session,
+                        &mut reader,
+                        writer,
+                        self.opts.limits,
+                        peer.to_string(),
+                        self.opts.log.clone(),
+                    )
                 }
-                transmission::serve(
-                    session,
-                    &mut reader,
-                    writer,
-                    self.opts.limits,
-                    peer.to_string(),
-                    self.opts.log.clone(),
-                )
-            }
-            Ok(None) => Ok(()),
-            Err(e) => Err(e),
-        };
+                Ok(None) => Ok(()),
+                Err(e) => Err(e),
+            };
         let _ = closer.shutdown(Shutdown::Both);
         result
     }
@@ -332,7 +335,11 @@ impl Inner {
                 Err(_) if lock(&self.state).stopping => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
-                    self.log(&format!("nbd: accepting a metrics connection failed: {e}"));
+                    log!(
+                        self.opts.log,
+                        Level::Error,
+                        "nbd: accepting a metrics connection failed: {e}"
+                    );
                     std::thread::sleep(Duration::from_millis(100));
                 }
             }

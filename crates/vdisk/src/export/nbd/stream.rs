@@ -96,13 +96,24 @@ impl Stream {
         }
     }
 
-    /// Who is on the other end, for log lines.
+    /// Who is on the other end, for log lines: the address of a TCP client, the process id of
+    /// a unix socket client (as the kernel recorded it when the client connected).
     pub fn peer(&self) -> String {
         match self {
-            Stream::Unix(_) => "unix socket client".to_string(),
+            Stream::Unix(s) => match peer_pid(s.as_raw_fd()) {
+                Some(pid) => format!("unix socket client (pid {pid})"),
+                None => "unix socket client".to_string(),
+            },
             Stream::Tcp(s) => s
                 .peer_addr()
                 .map_or_else(|_| "tcp client".to_string(), |a| a.to_string()),
+        }
+    }
+
+    pub(crate) fn raw_fd(&self) -> RawFd {
+        match self {
+            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tcp(s) => s.as_raw_fd(),
         }
     }
 
@@ -197,6 +208,29 @@ impl Listener {
             Listener::Tcp(l) => l.as_raw_fd(),
         }
     }
+}
+
+/// The process that connected a unix socket (SO_PEERCRED); `None` for a socket pair made in
+/// this process or where the kernel does not say.
+fn peer_pid(fd: RawFd) -> Option<i32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED fills a ucred of `len` bytes, which `cred` is; `fd` is an open socket
+    // its caller owns.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (r == 0 && cred.pid > 0 && cred.pid as u32 != std::process::id()).then_some(cred.pid)
 }
 
 /// Wakes a thread blocked in `accept` on `fd` (Linux fails the call with EINVAL once the

@@ -21,17 +21,17 @@
 use std::collections::VecDeque;
 use std::io::{self, BufReader, IoSlice, Read};
 use std::net::Shutdown;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::Scope;
 
 use super::commands;
 use super::handshake::Session;
+use super::log::{log, Level, Logger};
 use super::proto::*;
 use super::queued::Queued;
 use super::stream::Stream;
-use super::{ConnError, Log};
+use super::ConnError;
 use crate::bytes::AlignedBuf;
 use crate::io::{Backend, IoBuf};
 
@@ -174,8 +174,8 @@ pub(crate) struct Conn {
     done: Condvar,
     pool: Pool,
     limits: Limits,
-    peer: String,
-    pub log: Log,
+    pub peer: String,
+    pub log: Logger,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -206,11 +206,17 @@ impl Conn {
         let mut w = lock(&self.writer);
         if let Err(e) = w.write_all_vectored(bufs) {
             if !self.broken.swap(true, Ordering::Relaxed) {
-                if e.kind() != io::ErrorKind::BrokenPipe
-                    && e.kind() != io::ErrorKind::ConnectionReset
-                {
-                    (self.log)(&format!("nbd: {}: sending a reply failed: {e}", self.peer));
-                }
+                let hung_up = matches!(
+                    e.kind(),
+                    io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+                );
+                let level = if hung_up { Level::Info } else { Level::Warn };
+                log!(
+                    self.log,
+                    level,
+                    "nbd: {}: sending a reply failed: {e}",
+                    self.peer
+                );
                 let _ = w.shutdown(Shutdown::Both);
             }
         }
@@ -301,7 +307,7 @@ pub(crate) fn serve(
     writer: Stream,
     limits: Limits,
     peer: String,
-    log: Log,
+    log: Logger,
 ) -> Result<(), ConnError> {
     let conn = Conn {
         session,
@@ -437,10 +443,7 @@ fn read_requests<'s, 'e: 's, 'c: 'e>(
 }
 
 fn socket_fd(reader: &BufReader<Stream>) -> libc::c_int {
-    match reader.get_ref() {
-        Stream::Unix(s) => s.as_raw_fd(),
-        Stream::Tcp(s) => s.as_raw_fd(),
-    }
+    reader.get_ref().raw_fd()
 }
 
 /// Whether a reply of `bytes` goes into the socket without waiting, next to what is queued
