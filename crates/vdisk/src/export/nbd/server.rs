@@ -3,7 +3,7 @@
 //! answered; then every connection closes).
 
 use std::collections::HashMap;
-use std::io::{self, BufReader, Read, Write};
+use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::Shutdown;
 use std::os::fd::RawFd;
 use std::path::PathBuf;
@@ -13,11 +13,12 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::export::{Export, Exports};
+use super::handshake::{Handshake, Outcome, Session};
 use super::log::{log, Level, Logger};
 use super::metrics::{self, ConnectionStats};
 use super::stream::{shutdown_listener, Address, Listener, Stream};
 use super::transmission::{self, Limits};
-use super::{handshake, ConnError};
+use super::ConnError;
 
 /// How a server runs.
 #[derive(Clone, Default)]
@@ -291,7 +292,7 @@ impl Inner {
         let closer = stream.try_clone()?;
         let mut reader = BufReader::with_capacity(256 << 10, stream);
         let result =
-            match handshake::negotiate(&mut reader, &mut writer, &self.exports) {
+            match negotiate(&mut reader, &mut writer, &self.exports) {
                 Ok(Some(session)) => {
                     log!(
                         self.opts.log,
@@ -378,5 +379,45 @@ impl Inner {
         out.extend_from_slice(body.as_bytes());
         let _ = stream.write_all(&out);
         let _ = stream.shutdown(Shutdown::Both);
+    }
+}
+
+/// Runs the handshake with blocking calls. `Ok(None)`: the client aborted (NBD_OPT_ABORT) or
+/// hung up cleanly.
+fn negotiate(
+    r: &mut BufReader<Stream>,
+    w: &mut Stream,
+    exports: &Exports,
+) -> Result<Option<Session>, ConnError> {
+    let mut hs = Handshake::new();
+    loop {
+        w.write_all(hs.output())?;
+        hs.written(hs.output().len());
+        let avail = match r.fill_buf() {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e.into()),
+        };
+        if avail.is_empty() {
+            if hs.at_boundary() {
+                return Ok(None);
+            }
+            return Err(ConnError::Io(io::ErrorKind::UnexpectedEof.into()));
+        }
+        let n = avail.len().min(hs.wants());
+        let step = hs.feed(exports, &avail[..n]);
+        r.consume(n);
+        match step? {
+            None => {}
+            Some(Outcome::Go(session)) => {
+                w.write_all(&hs.take_output())?;
+                return Ok(Some(session));
+            }
+            Some(Outcome::Abort) => {
+                // The client may hang up without reading the reply: ignore failures.
+                let _ = w.write_all(&hs.take_output());
+                return Ok(None);
+            }
+        }
     }
 }
