@@ -6,6 +6,7 @@ use std::io::{Read, Write};
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use vdisk::export::nbd::{
     stderr_sink, Address, Export, ExportOptions, Level, Limits, Logger, Server, ServerOptions,
@@ -46,6 +47,26 @@ pub struct ServerArgs {
     /// this flag or -v, the VDISK_LOG environment variable sets it.
     #[arg(long, value_name = "LEVEL", value_parser = Level::parse)]
     pub log_level: Option<Level>,
+    /// Disconnect a client that has not finished its handshake SECONDS after connecting (0:
+    /// never), as qemu-nbd's --handshake-limit. Handshakes count against --max-connections,
+    /// so this is how long sockets that connect and send nothing can keep clients waiting.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10)]
+    pub handshake_limit: u32,
+}
+
+/// Raises the soft limit on open descriptors to the hard one: each client is a descriptor, and
+/// the usual soft limit (1024) would refuse clients long before the server runs short of
+/// anything else.
+fn raise_fd_limit() {
+    // SAFETY: getrlimit and setrlimit read and write the rlimit struct given, which lives on
+    // this stack frame.
+    unsafe {
+        let mut l: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 && l.rlim_cur < l.rlim_max {
+            l.rlim_cur = l.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &l);
+        }
+    }
 }
 
 impl ServerArgs {
@@ -104,6 +125,7 @@ pub fn run(a: Args) -> ExitCode {
         Err(e) => return fail(e, 1),
     };
     let verbose = level >= Level::Info;
+    raise_fd_limit();
     if a.nbd.is_empty() {
         return fail(
             "serve needs at least one --nbd unix:PATH or tcp:HOST:PORT",
@@ -198,6 +220,10 @@ pub fn run(a: Args) -> ExitCode {
             ..Limits::default()
         },
         log: Logger::new(level, stderr_sink()),
+        handshake_limit: match a.server.handshake_limit {
+            0 => None,
+            s => Some(Duration::from_secs(s.into())),
+        },
     };
     let server = match Server::new(exports, server_opts) {
         Ok(s) => s,

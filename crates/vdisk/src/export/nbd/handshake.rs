@@ -158,6 +158,11 @@ impl Handshake {
         }
     }
 
+    /// Options received so far.
+    pub fn options(&self) -> u64 {
+        self.options
+    }
+
     /// Takes the output (to be written once the negotiation has finished).
     pub fn take_output(&mut self) -> Vec<u8> {
         std::mem::take(&mut self.out)

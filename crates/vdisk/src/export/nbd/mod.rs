@@ -3,8 +3,10 @@
 //! and every command of the base protocol, answered in parallel and out of order.
 //!
 //! ```text
-//!   Server ── listeners (unix, tcp) ── one thread per connection
-//!                                         │ handshake.rs: options until NBD_OPT_GO
+//!   Server ── listeners (unix, tcp) ─► poller.rs: one thread, epoll, non-blocking sockets
+//!                                         │ handshake.rs: options until NBD_OPT_GO (time-limited)
+//!                                         ▼
+//!                                      one thread per connection in transmission
 //!                                         │ transmission.rs: reader ─► workers ─► writer
 //!                                         │ commands.rs: one request ─► BlockDev calls ─► reply
 //!   Export (name, flags, sizes, counters) ─ Arc<dyn BlockDev>
@@ -12,13 +14,16 @@
 //!
 //! Nothing a client sends can crash the server: lengths are checked before anything is
 //! allocated, payloads of refused writes are read and dropped so the stream stays in step, and
-//! a client that breaks the framing (bad magic) has its connection closed with a log line.
+//! a client that breaks the framing (bad magic) has its connection closed with a log line. A
+//! client that sends nothing costs no thread, and is dropped at the handshake time limit.
 
 mod commands;
+mod epoll;
 mod export;
 mod handshake;
 mod log;
 mod metrics;
+mod poller;
 pub mod proto;
 mod queued;
 mod server;
@@ -29,7 +34,7 @@ use std::io::{self, Read};
 
 pub use export::{Export, ExportOptions};
 pub use log::{stderr_sink, Level, Log, Logger, LEVEL_VAR};
-pub use server::{Server, ServerOptions};
+pub use server::{Server, ServerOptions, DEFAULT_HANDSHAKE_LIMIT};
 pub use stream::{Address, Listener, Stream};
 pub use transmission::Limits;
 

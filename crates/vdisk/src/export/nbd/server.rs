@@ -1,11 +1,24 @@
-//! The server: listeners, one thread per connection, the connection limit, the metrics
-//! endpoint and a clean stop (no new connections; requests already read finish and are
-//! answered; then every connection closes).
+//! The server: its exports, the poller that accepts and negotiates, a thread per connection in
+//! transmission, the connection limit, the metrics endpoint and a clean stop (no new
+//! connections; requests already read finish and are answered; then every connection closes).
+//!
+//! ```text
+//!   listeners ─► poller thread (epoll, poller.rs) ── handshakes: non-blocking, time-limited
+//!                    │  NBD_OPT_GO ▲
+//!                    ▼             │ idle (nothing in flight, nothing sent)
+//!            connection thread: transmission.rs (reader ─► I/O queue, workers)
+//! ```
+//!
+//! A connection that is not moving data costs no thread: handshakes run on the poller, and a
+//! connection in transmission that goes idle is handed back to it until the client sends
+//! again. The connection limit counts every connection from accept to close, handshakes
+//! included, as qemu-nbd's `--shared` does; past it, clients wait in the listen backlog, and
+//! the handshake time limit (qemu-nbd's `--handshake-limit`, 10 s by default) frees the places
+//! of sockets that connect and send nothing.
 
 use std::collections::HashMap;
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::io::{self, BufReader, Read, Write};
 use std::net::Shutdown;
-use std::os::fd::RawFd;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -13,22 +26,41 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::export::{Export, Exports};
-use super::handshake::{Handshake, Outcome, Session};
+use super::handshake::Session;
 use super::log::{log, Level, Logger};
 use super::metrics::{self, ConnectionStats};
-use super::stream::{shutdown_listener, Address, Listener, Stream};
+use super::poller::{self, Command, Poller, Role};
+use super::stream::{Address, Listener, Stream};
 use super::transmission::{self, Limits};
 use super::ConnError;
 
 /// How a server runs.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct ServerOptions {
-    /// Connections served at once; further clients wait to be accepted (0: no limit).
+    /// Connections open at once, handshakes included; further clients wait to be accepted
+    /// (0: no limit).
     pub max_connections: usize,
+    /// Time a client has from connecting to finishing its handshake (NBD_OPT_GO or
+    /// NBD_OPT_EXPORT_NAME) before it is disconnected; `None`: no limit.
+    pub handshake_limit: Option<Duration>,
     /// Per-connection bounds (workers, requests and bytes in flight).
     pub limits: Limits,
     /// Where log lines go, and how many.
     pub log: Logger,
+}
+
+/// qemu-nbd's default handshake limit.
+pub const DEFAULT_HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+
+impl Default for ServerOptions {
+    fn default() -> ServerOptions {
+        ServerOptions {
+            max_connections: 0,
+            handshake_limit: Some(DEFAULT_HANDSHAKE_LIMIT),
+            limits: Limits::default(),
+            log: Logger::default(),
+        }
+    }
 }
 
 /// An NBD server for a set of exports. Cloning gives another handle to the same server.
@@ -37,10 +69,11 @@ pub struct Server {
     inner: Arc<Inner>,
 }
 
-struct Inner {
-    exports: Exports,
-    opts: ServerOptions,
-    conns: ConnectionStats,
+pub(crate) struct Inner {
+    pub exports: Exports,
+    pub opts: ServerOptions,
+    pub conns: ConnectionStats,
+    pub poller: Poller,
     state: Mutex<State>,
     changed: Condvar,
 }
@@ -48,11 +81,14 @@ struct Inner {
 #[derive(Default)]
 struct State {
     next_id: u64,
-    /// Clones of the live connections' sockets, to shut them down on stop.
+    /// Connections open, in every phase: what `max_connections` counts.
+    open: usize,
+    /// Clones of the sockets of connections in transmission on a thread, to shut them down on
+    /// stop.
     live: HashMap<u64, Stream>,
-    /// Listening sockets (descriptor, unix socket file) and their accept threads.
-    listeners: Vec<(RawFd, Option<PathBuf>)>,
-    threads: Vec<JoinHandle<()>>,
+    /// Unix socket files of the listeners, removed when the server stops.
+    socket_files: Vec<PathBuf>,
+    poller: Option<JoinHandle<()>>,
     stopping: bool,
 }
 
@@ -66,11 +102,13 @@ impl Server {
         if exports.is_empty() {
             return Err("no exports".into());
         }
+        let poller = Poller::new().map_err(|e| format!("cannot create the poller: {e}"))?;
         Ok(Server {
             inner: Arc::new(Inner {
                 exports: Exports::new(exports)?,
                 opts,
                 conns: ConnectionStats::default(),
+                poller,
                 state: Mutex::new(State::default()),
                 changed: Condvar::new(),
             }),
@@ -84,45 +122,34 @@ impl Server {
     /// Listens on `addr` and serves every client that connects. Returns the address bound
     /// (with the port chosen for `tcp:HOST:0`).
     pub fn listen(&self, addr: &Address) -> io::Result<Address> {
-        let listener = addr.bind()?;
-        let bound = listener.address()?;
-        let inner = self.inner.clone();
-        self.add_listener(listener, move |l| inner.accept_loop(l))?;
-        Ok(bound)
+        self.add_listener(addr, Role::Nbd)
     }
 
     /// Answers every connection to `addr` with the metrics in Prometheus' text format (over
     /// HTTP when the client sends a GET, as Prometheus and curl do; bare otherwise).
     pub fn serve_metrics(&self, addr: &Address) -> io::Result<Address> {
-        let listener = addr.bind()?;
-        let bound = listener.address()?;
-        let inner = self.inner.clone();
-        self.add_listener(listener, move |l| inner.metrics_loop(l))?;
-        Ok(bound)
+        self.add_listener(addr, Role::Metrics)
     }
 
-    fn add_listener(
-        &self,
-        listener: Listener,
-        run: impl FnOnce(Listener) + Send + 'static,
-    ) -> io::Result<()> {
-        let mut st = lock(&self.inner.state);
-        if st.stopping {
-            return Err(io::Error::other("the server is stopping"));
-        }
+    fn add_listener(&self, addr: &Address, role: Role) -> io::Result<Address> {
+        let listener = addr.bind()?;
+        let bound = listener.address()?;
+        listener.set_nonblocking(true)?;
         let path = match &listener {
             Listener::Unix(_, p) => Some(p.clone()),
             Listener::Tcp(_) => None,
         };
-        st.listeners.push((listener.raw_fd(), path));
-        st.threads.push(std::thread::spawn(move || run(listener)));
-        Ok(())
+        self.inner.send(Command::Listen(listener, role))?;
+        if let Some(p) = path {
+            lock(&self.inner.state).socket_files.push(p);
+        }
+        Ok(bound)
     }
 
-    /// Serves one already connected client (a socket pair, an inherited socket) on a thread of
-    /// its own.
+    /// Serves one already connected client (a socket pair, an inherited socket).
     pub fn serve_stream(&self, stream: Stream) {
-        self.inner.clone().spawn_connection(stream);
+        let slot = Slot::new(&self.inner);
+        let _ = self.inner.send(Command::Serve(slot, stream));
     }
 
     /// The metrics of the server and its exports, in Prometheus' text format.
@@ -130,125 +157,125 @@ impl Server {
         metrics::render(self.inner.exports.list(), &self.inner.conns)
     }
 
-    /// Connections open now.
+    /// Connections open now, in every phase.
     pub fn connections(&self) -> usize {
-        lock(&self.inner.state).live.len()
+        lock(&self.inner.state).open
     }
 
-    /// Stops: no new connections; each open one stops reading requests, finishes and answers
-    /// the ones it has, and closes. Returns when all are closed. The exports are left open
-    /// for the caller to flush and close.
+    /// Stops: no new connections; handshakes and idle connections close; each busy one stops
+    /// reading requests, finishes and answers the ones it has, and closes. Returns when all
+    /// are closed. The exports are left open for the caller to flush and close.
     pub fn shutdown(&self) {
-        let threads = {
+        let poller = {
             let mut st = lock(&self.inner.state);
             st.stopping = true;
-            for (fd, _) in &st.listeners {
-                shutdown_listener(*fd);
-            }
             for s in st.live.values() {
                 let _ = s.shutdown(Shutdown::Read);
             }
             self.inner.changed.notify_all();
-            std::mem::take(&mut st.threads)
+            st.poller.take()
         };
-        for t in threads {
+        self.inner.poller.send(Command::Stop);
+        if let Some(t) = poller {
             let _ = t.join();
         }
         let mut st = lock(&self.inner.state);
-        while !st.live.is_empty() {
+        while st.open > 0 {
             st = self
                 .inner
                 .changed
                 .wait(st)
                 .unwrap_or_else(|e| e.into_inner());
         }
-        for (_, path) in st.listeners.drain(..) {
-            if let Some(p) = path {
-                let _ = std::fs::remove_file(p);
-            }
+        for p in st.socket_files.drain(..) {
+            let _ = std::fs::remove_file(p);
         }
     }
 }
 
-/// Takes a connection off the registry when its thread ends, however it ends.
-struct Registration {
+/// A connection's place under the connection limit, from accept until it closes, whatever
+/// phase it is in. Dropping it, however the connection ends, frees the place and wakes the
+/// poller, which may be waiting for one to accept again.
+pub(crate) struct Slot {
     inner: Arc<Inner>,
-    id: u64,
+    pub id: u64,
 }
 
-impl Drop for Registration {
-    fn drop(&mut self) {
-        let mut st = lock(&self.inner.state);
-        st.live.remove(&self.id);
-        self.inner.conns.active.fetch_sub(1, Relaxed);
-        self.inner.changed.notify_all();
+impl Slot {
+    pub fn new(inner: &Arc<Inner>) -> Slot {
+        let id = {
+            let mut st = lock(&inner.state);
+            st.next_id += 1;
+            st.open += 1;
+            st.next_id
+        };
+        inner.conns.accepted.fetch_add(1, Relaxed);
+        inner.conns.active.fetch_add(1, Relaxed);
+        Slot {
+            inner: inner.clone(),
+            id,
+        }
     }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        {
+            let mut st = lock(&self.inner.state);
+            st.open -= 1;
+            self.inner.conns.active.fetch_sub(1, Relaxed);
+            self.inner.changed.notify_all();
+        }
+        self.inner.poller.wake();
+    }
+}
+
+/// A connection that finished its handshake (or was idle and sent again), with what it needs
+/// to serve requests.
+pub(crate) struct Ready {
+    pub slot: Slot,
+    pub stream: Stream,
+    pub peer: String,
+    pub session: Session,
+    /// Handshake replies not written yet.
+    pub pending: Vec<u8>,
 }
 
 impl Inner {
-    fn accept_loop(self: Arc<Self>, listener: Listener) {
-        let max = self.opts.max_connections;
-        loop {
-            {
-                let mut st = lock(&self.state);
-                while max > 0 && st.live.len() >= max && !st.stopping {
-                    st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
-                }
-                if st.stopping {
-                    return;
-                }
-            }
-            match listener.accept() {
-                Ok(stream) => self.clone().spawn_connection(stream),
-                Err(_) if lock(&self.state).stopping => return,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    // Out of descriptors or memory: wait for connections to close.
-                    log!(
-                        self.opts.log,
-                        Level::Error,
-                        "nbd: accepting a connection failed: {e}"
-                    );
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-            }
+    /// Hands a command to the poller, starting its thread on first use.
+    fn send(self: &Arc<Self>, c: Command) -> io::Result<()> {
+        let mut st = lock(&self.state);
+        if st.stopping {
+            return Err(io::Error::other("the server is stopping"));
         }
+        if st.poller.is_none() {
+            let inner = self.clone();
+            let t = std::thread::Builder::new()
+                .name("nbd-poller".into())
+                .spawn(move || poller::run(&inner))?;
+            st.poller = Some(t);
+        }
+        // Under the state lock, so that nothing is queued after the poller's stop command.
+        self.poller.send(c);
+        Ok(())
     }
 
-    fn spawn_connection(self: Arc<Self>, stream: Stream) {
-        let id = {
-            let mut st = lock(&self.state);
-            if st.stopping {
-                return;
-            }
-            let Ok(clone) = stream.try_clone() else {
-                log!(
-                    self.opts.log,
-                    Level::Error,
-                    "nbd: cannot duplicate a connection's socket; closing it"
-                );
-                return;
-            };
-            st.next_id += 1;
-            let id = st.next_id;
-            st.live.insert(id, clone);
-            id
-        };
-        self.conns.accepted.fetch_add(1, Relaxed);
-        self.conns.active.fetch_add(1, Relaxed);
-        let reg = Registration {
-            inner: self.clone(),
-            id,
-        };
+    /// Whether the poller may accept another connection now.
+    pub fn can_accept(&self) -> bool {
+        let st = lock(&self.state);
+        let max = self.opts.max_connections;
+        !st.stopping && (max == 0 || st.open < max)
+    }
+
+    /// Serves a connection in transmission on a thread of its own.
+    pub fn start_transmission(self: &Arc<Self>, c: Ready) {
+        let inner = self.clone();
         let log = self.opts.log.clone();
         let spawned = std::thread::Builder::new()
             .name("nbd-conn".into())
-            .spawn(move || {
-                let _reg = reg;
-                self.connection(stream, id);
-            });
+            .spawn(move || inner.transmit(c));
         if let Err(e) = spawned {
-            // The closure (and the registration in it) was dropped: the socket closes.
+            // The closure (and the connection in it) was dropped: the socket closes.
             log!(
                 log,
                 Level::Error,
@@ -257,14 +284,26 @@ impl Inner {
         }
     }
 
-    fn connection(&self, stream: Stream, id: u64) {
-        let peer = format!("#{id} {}", stream.peer());
+    fn transmit(&self, c: Ready) {
+        let Ready {
+            slot,
+            stream,
+            peer,
+            session,
+            pending,
+        } = c;
         let log = &self.opts.log;
-        log!(log, Level::Info, "nbd: {peer}: connected");
-        let result = self.negotiate_and_serve(stream, &peer);
-        match result {
+        match self.serve_requests(slot.id, stream, &peer, session, &pending) {
             Ok(()) => log!(log, Level::Info, "nbd: {peer}: disconnected"),
-            Err(ConnError::Protocol(msg)) => {
+            Err(e) => self.log_end(&peer, e),
+        }
+    }
+
+    /// Logs how a connection ended with an error.
+    pub fn log_end(&self, peer: &str, e: ConnError) {
+        let log = &self.opts.log;
+        match e {
+            ConnError::Protocol(msg) => {
                 self.conns.protocol_errors.fetch_add(1, Relaxed);
                 log!(
                     log,
@@ -272,7 +311,7 @@ impl Inner {
                     "nbd: closing the connection of {peer}: {msg}"
                 );
             }
-            Err(ConnError::Io(e)) => {
+            ConnError::Io(e) => {
                 // A client that hangs up without NBD_CMD_DISC (killed, or a tool that just
                 // exits) is common and harmless; anything else is worth a warning.
                 let hung_up = matches!(
@@ -287,73 +326,62 @@ impl Inner {
         }
     }
 
-    fn negotiate_and_serve(&self, stream: Stream, peer: &str) -> Result<(), ConnError> {
+    fn serve_requests(
+        &self,
+        id: u64,
+        stream: Stream,
+        peer: &str,
+        session: Session,
+        pending: &[u8],
+    ) -> Result<(), ConnError> {
+        stream.set_nonblocking(false)?;
         let mut writer = stream.try_clone()?;
-        let closer = stream.try_clone()?;
+        {
+            let mut st = lock(&self.state);
+            if st.stopping {
+                return Ok(());
+            }
+            st.live.insert(id, stream.try_clone()?);
+        }
         let mut reader = BufReader::with_capacity(256 << 10, stream);
-        let result =
-            match negotiate(&mut reader, &mut writer, &self.exports) {
-                Ok(Some(session)) => {
-                    log!(
-                        self.opts.log,
-                        Level::Info,
-                        "nbd: {peer}: export '{}', structured replies {}",
-                        session.export.name(),
-                        if session.structured { "on" } else { "off" }
-                    );
-                    log!(
-                    self.opts.log,
-                    Level::Debug,
-                    "nbd: {peer}: metadata contexts: base:allocation {}, qemu:allocation-depth {}",
-                    if session.base_allocation { "on" } else { "off" },
-                    if session.allocation_depth { "on" } else { "off" }
-                );
-                    transmission::serve(
-                        session,
-                        &mut reader,
-                        writer,
-                        self.opts.limits,
-                        peer.to_string(),
-                        self.opts.log.clone(),
-                    )
-                }
-                Ok(None) => Ok(()),
-                Err(e) => Err(e),
-            };
-        let _ = closer.shutdown(Shutdown::Both);
+        let result = writer
+            .write_all(pending)
+            .map_err(ConnError::from)
+            .and_then(|()| {
+                transmission::serve(
+                    session,
+                    &mut reader,
+                    writer,
+                    self.opts.limits,
+                    peer.to_string(),
+                    self.opts.log.clone(),
+                )
+            });
+        if let Some(s) = lock(&self.state).live.remove(&id) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
         result
     }
 
-    fn metrics_loop(self: Arc<Self>, listener: Listener) {
-        loop {
-            match listener.accept() {
-                Ok(stream) => {
-                    let inner = self.clone();
-                    let _ = std::thread::Builder::new()
-                        .name("nbd-metrics".into())
-                        .spawn(move || inner.answer_metrics(stream));
-                }
-                Err(_) if lock(&self.state).stopping => return,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    log!(
-                        self.opts.log,
-                        Level::Error,
-                        "nbd: accepting a metrics connection failed: {e}"
-                    );
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-            }
+    /// Answers one connection to the metrics endpoint, on a thread of its own.
+    pub fn answer_metrics(self: &Arc<Self>, stream: Stream) {
+        let inner = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("nbd-metrics".into())
+            .spawn(move || inner.metrics_reply(stream));
+        if let Err(e) = spawned {
+            log!(
+                self.opts.log,
+                Level::Error,
+                "nbd: cannot start a metrics thread: {e}"
+            );
         }
     }
 
-    fn answer_metrics(&self, mut stream: Stream) {
+    fn metrics_reply(&self, mut stream: Stream) {
         // Read what the client sends (an HTTP request, or nothing) for a moment.
-        let timeout = Some(Duration::from_millis(500));
-        let _ = match &stream {
-            Stream::Unix(s) => s.set_read_timeout(timeout),
-            Stream::Tcp(s) => s.set_read_timeout(timeout),
-        };
+        let _ = stream.set_nonblocking(false);
+        let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
         let mut request = Vec::new();
         let mut buf = [0u8; 1024];
         while request.len() < 8192 && !request.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -379,45 +407,5 @@ impl Inner {
         out.extend_from_slice(body.as_bytes());
         let _ = stream.write_all(&out);
         let _ = stream.shutdown(Shutdown::Both);
-    }
-}
-
-/// Runs the handshake with blocking calls. `Ok(None)`: the client aborted (NBD_OPT_ABORT) or
-/// hung up cleanly.
-fn negotiate(
-    r: &mut BufReader<Stream>,
-    w: &mut Stream,
-    exports: &Exports,
-) -> Result<Option<Session>, ConnError> {
-    let mut hs = Handshake::new();
-    loop {
-        w.write_all(hs.output())?;
-        hs.written(hs.output().len());
-        let avail = match r.fill_buf() {
-            Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e.into()),
-        };
-        if avail.is_empty() {
-            if hs.at_boundary() {
-                return Ok(None);
-            }
-            return Err(ConnError::Io(io::ErrorKind::UnexpectedEof.into()));
-        }
-        let n = avail.len().min(hs.wants());
-        let step = hs.feed(exports, &avail[..n]);
-        r.consume(n);
-        match step? {
-            None => {}
-            Some(Outcome::Go(session)) => {
-                w.write_all(&hs.take_output())?;
-                return Ok(Some(session));
-            }
-            Some(Outcome::Abort) => {
-                // The client may hang up without reading the reply: ignore failures.
-                let _ = w.write_all(&hs.take_output());
-                return Ok(None);
-            }
-        }
     }
 }

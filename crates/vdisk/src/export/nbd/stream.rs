@@ -7,6 +7,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// Where a server listens (or a client connects).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -117,6 +118,28 @@ impl Stream {
         }
     }
 
+    pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_nonblocking(on),
+            Stream::Tcp(s) => s.set_nonblocking(on),
+        }
+    }
+
+    /// The pending socket error (SO_ERROR), cleared.
+    pub fn take_error(&self) -> io::Result<Option<io::Error>> {
+        match self {
+            Stream::Unix(s) => s.take_error(),
+            Stream::Tcp(s) => s.take_error(),
+        }
+    }
+
+    pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_read_timeout(t),
+            Stream::Tcp(s) => s.set_read_timeout(t),
+        }
+    }
+
     /// Writes every byte of `bufs`, with as few syscalls as the socket allows.
     pub fn write_all_vectored(&mut self, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
         IoSlice::advance_slices(&mut bufs, 0);
@@ -208,6 +231,13 @@ impl Listener {
             Listener::Tcp(l) => l.as_raw_fd(),
         }
     }
+
+    pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        match self {
+            Listener::Unix(l, _) => l.set_nonblocking(on),
+            Listener::Tcp(l) => l.set_nonblocking(on),
+        }
+    }
 }
 
 /// The process that connected a unix socket (SO_PEERCRED); `None` for a socket pair made in
@@ -231,16 +261,6 @@ fn peer_pid(fd: RawFd) -> Option<i32> {
         )
     };
     (r == 0 && cred.pid > 0 && cred.pid as u32 != std::process::id()).then_some(cred.pid)
-}
-
-/// Wakes a thread blocked in `accept` on `fd` (Linux fails the call with EINVAL once the
-/// listening socket is shut down), so a server can stop without a connection to itself.
-pub(crate) fn shutdown_listener(fd: RawFd) {
-    // SAFETY: shutdown(2) on a descriptor the caller's listener still owns; it changes the socket
-    // state only and touches no memory.
-    unsafe {
-        libc::shutdown(fd, libc::SHUT_RDWR);
-    }
 }
 
 #[cfg(test)]
