@@ -3,6 +3,7 @@
 
 mod idle;
 mod logging;
+mod options;
 
 use std::path::Path;
 

@@ -33,8 +33,6 @@ pub(crate) const MAX_OPTION_DATA: u32 = 64 << 10;
 pub(crate) const MAX_PENDING_OUTPUT: usize = 64 << 10;
 /// Skipped option data is taken in pieces of at most this size.
 const SKIP_PIECE: u32 = 64 << 10;
-/// Options one client may send before it is considered abusive and disconnected.
-const MAX_OPTIONS: u64 = 4096;
 
 /// What the negotiation settled for the transmission phase.
 pub(crate) struct Session {
@@ -236,11 +234,6 @@ impl Handshake {
         let opt = be32(&h[8..12]);
         let len = be32(&h[12..16]);
         self.options += 1;
-        if self.options > MAX_OPTIONS {
-            return Err(ConnError::protocol(format!(
-                "more than {MAX_OPTIONS} options without entering transmission"
-            )));
-        }
         if magic != IHAVEOPT {
             return Err(ConnError::protocol(format!(
                 "bad option magic {magic:#018x}"
