@@ -224,6 +224,7 @@ pub fn run(a: Args) -> ExitCode {
             0 => None,
             s => Some(Duration::from_secs(s.into())),
         },
+        ..ServerOptions::default()
     };
     let server = match Server::new(exports, server_opts) {
         Ok(s) => s,

@@ -14,7 +14,7 @@ use crate::nbd_common::*;
 use vdisk::export::nbd::{Export, ExportOptions, Level, Logger, Server, ServerOptions};
 
 /// Threads and resident memory (KiB) of a process, from /proc/PID/status.
-fn usage(pid: i32) -> (u64, u64) {
+pub(super) fn usage(pid: i32) -> (u64, u64) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let field = |name: &str| -> u64 {
         let line = status
@@ -38,7 +38,7 @@ fn descriptors(pid: i32) -> usize {
 }
 
 /// Lets this process (and the servers it starts) open as many descriptors as allowed.
-fn raise_fd_limit() {
+pub(super) fn raise_fd_limit() {
     // SAFETY: getrlimit and setrlimit read and write the rlimit on this stack frame.
     unsafe {
         let mut l: libc::rlimit = std::mem::zeroed();
@@ -50,7 +50,7 @@ fn raise_fd_limit() {
 }
 
 /// The value of an unlabelled metric of a `vdisk serve`.
-fn metric(serve: &Serve, name: &str) -> u64 {
+pub(super) fn metric(serve: &Serve, name: &str) -> u64 {
     let text = run(
         &vdisk_bin(),
         &["stats", &format!("unix:{}", serve.stats.display())],
@@ -60,7 +60,7 @@ fn metric(serve: &Serve, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
 }
 
-fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+pub(super) fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !done() {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");

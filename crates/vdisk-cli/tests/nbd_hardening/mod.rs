@@ -4,6 +4,7 @@
 mod idle;
 mod logging;
 mod options;
+mod parked;
 
 use std::path::Path;
 

@@ -30,11 +30,11 @@ mod server;
 mod stream;
 mod transmission;
 
-use std::io::{self, Read};
+use std::io;
 
 pub use export::{Export, ExportOptions};
 pub use log::{stderr_sink, Level, Log, Logger, LEVEL_VAR};
-pub use server::{Server, ServerOptions, DEFAULT_HANDSHAKE_LIMIT};
+pub use server::{Server, ServerOptions, DEFAULT_HANDSHAKE_LIMIT, DEFAULT_IDLE_AFTER};
 pub use stream::{Address, Listener, Stream};
 pub use transmission::Limits;
 
@@ -57,19 +57,4 @@ impl From<io::Error> for ConnError {
     fn from(e: io::Error) -> ConnError {
         ConnError::Io(e)
     }
-}
-
-/// Fills `buf`; `Ok(false)` when the peer closed before sending anything of it.
-fn read_or_eof<R: Read>(r: &mut R, buf: &mut [u8]) -> io::Result<bool> {
-    let mut got = 0;
-    while got < buf.len() {
-        match r.read(&mut buf[got..]) {
-            Ok(0) if got == 0 => return Ok(false),
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(true)
 }

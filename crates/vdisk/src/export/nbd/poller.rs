@@ -1,13 +1,15 @@
 //! The poller: one thread that watches every socket not moving data (listening sockets,
-//! connections in their handshake) over epoll, with non-blocking sockets. A client that connects
-//! and sends nothing costs its socket and a few hundred bytes here, and no thread.
+//! connections in their handshake, connections in transmission gone idle) over epoll, with
+//! non-blocking sockets. A client that connects and sends nothing, or that stops sending, costs
+//! its socket and a few hundred bytes here, and no thread.
 //!
 //! ```text
 //!   commands (listen, serve, stop) ─► eventfd ─┐
 //!   listeners ─ accept while under the limit ──┼─► epoll_wait ─► handshake.rs, fed what arrived
-//!   handshakes ─ readable / writable ──────────┘        │ NBD_OPT_GO
-//!   deadlines (handshake limit) ─► epoll timeout        ▼
-//!                                           Inner::start_transmission (a thread)
+//!   handshakes ─ readable / writable ──────────┤        │ NBD_OPT_GO
+//!   idle connections ─ readable ───────────────┘        ▼
+//!   deadlines (handshake limit) ─► epoll timeout   Inner::start_transmission (a thread)
+//!                                                       │ idle: Command::Park
 //! ```
 //!
 //! Readiness is level-triggered, so a handler may stop early (after a bounded amount of work,
@@ -47,6 +49,8 @@ pub(crate) enum Command {
     Listen(Listener, Role),
     /// Negotiate with a connected client.
     Serve(Slot, Stream),
+    /// Watch an idle connection in transmission until the client sends again.
+    Park(Ready),
     /// Close everything and end.
     Stop,
 }
@@ -95,6 +99,9 @@ struct Negotiating {
 enum Entry {
     Listener(Listener, Role),
     Negotiating(Box<Negotiating>),
+    /// An idle connection in transmission (its socket is blocking: the poller never reads it,
+    /// it only hands it back to a thread when there is something to read).
+    Parked(Box<Ready>),
 }
 
 impl Entry {
@@ -102,6 +109,7 @@ impl Entry {
         match self {
             Entry::Listener(l, _) => l.raw_fd(),
             Entry::Negotiating(n) => n.stream.raw_fd(),
+            Entry::Parked(p) => p.stream.raw_fd(),
         }
     }
 }
@@ -214,6 +222,20 @@ impl Loop<'_> {
                     }
                     self.negotiate(slot, stream);
                 }
+                Command::Park(idle) => {
+                    let token = self.token();
+                    let fd = idle.stream.raw_fd();
+                    // Readable also when the client hangs up: the thread then sees the end.
+                    if let Err(e) = poller.epoll.add(fd, epoll::IN | epoll::RDHUP, token) {
+                        self.log(
+                            Level::Error,
+                            format_args!("nbd: {}: cannot watch the socket: {e}", idle.peer),
+                        );
+                        continue;
+                    }
+                    self.inner.conns.parked.fetch_add(1, Relaxed);
+                    self.entries.insert(token, Entry::Parked(Box::new(idle)));
+                }
                 Command::Stop => {
                     for token in self.entries.keys().copied().collect::<Vec<_>>() {
                         self.remove(token);
@@ -230,6 +252,16 @@ impl Loop<'_> {
         match self.entries.get(&ev.token) {
             Some(Entry::Listener(..)) => self.accept(ev.token),
             Some(Entry::Negotiating(_)) => self.handshake(ev.token, ev.events),
+            Some(Entry::Parked(_)) => {
+                let Some(Entry::Parked(idle)) = self.remove(ev.token) else {
+                    unreachable!("the entry was just found");
+                };
+                self.log(
+                    Level::Debug,
+                    format_args!("nbd: {}: active again", idle.peer),
+                );
+                self.inner.start_transmission(*idle);
+            }
             None => {}
         }
     }
@@ -440,9 +472,11 @@ impl Loop<'_> {
         // Before the socket is handed to a thread, which duplicates the descriptor: the
         // registration belongs to the file, not the descriptor, and would outlive this one.
         let _ = self.inner.poller.epoll.delete(e.fd());
-        if matches!(e, Entry::Negotiating(_)) {
-            self.inner.conns.negotiating.fetch_sub(1, Relaxed);
-        }
+        match e {
+            Entry::Negotiating(_) => self.inner.conns.negotiating.fetch_sub(1, Relaxed),
+            Entry::Parked(_) => self.inner.conns.parked.fetch_sub(1, Relaxed),
+            Entry::Listener(..) => 0,
+        };
         Some(e)
     }
 }

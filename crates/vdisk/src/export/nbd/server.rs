@@ -31,7 +31,7 @@ use super::log::{log, Level, Logger};
 use super::metrics::{self, ConnectionStats};
 use super::poller::{self, Command, Poller, Role};
 use super::stream::{Address, Listener, Stream};
-use super::transmission::{self, Limits};
+use super::transmission::{self, Ended, Limits};
 use super::ConnError;
 
 /// How a server runs.
@@ -43,6 +43,9 @@ pub struct ServerOptions {
     /// Time a client has from connecting to finishing its handshake (NBD_OPT_GO or
     /// NBD_OPT_EXPORT_NAME) before it is disconnected; `None`: no limit.
     pub handshake_limit: Option<Duration>,
+    /// A connection in transmission with nothing in flight that has sent nothing for this
+    /// long gives its threads back until it sends again; `None`: it keeps them.
+    pub idle_after: Option<Duration>,
     /// Per-connection bounds (workers, requests and bytes in flight).
     pub limits: Limits,
     /// Where log lines go, and how many.
@@ -51,12 +54,18 @@ pub struct ServerOptions {
 
 /// qemu-nbd's default handshake limit.
 pub const DEFAULT_HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+/// How long a connection stays quiet before it gives its threads back, by default: long
+/// enough that a client with any steady traffic keeps them, short enough that a guest that
+/// does nothing costs nothing. Coming back costs a thread start and an I/O queue, tens of
+/// microseconds, once per quiet spell.
+pub const DEFAULT_IDLE_AFTER: Duration = Duration::from_secs(2);
 
 impl Default for ServerOptions {
     fn default() -> ServerOptions {
         ServerOptions {
             max_connections: 0,
             handshake_limit: Some(DEFAULT_HANDSHAKE_LIMIT),
+            idle_after: Some(DEFAULT_IDLE_AFTER),
             limits: Limits::default(),
             log: Logger::default(),
         }
@@ -231,7 +240,7 @@ impl Drop for Slot {
 }
 
 /// A connection that finished its handshake (or was idle and sent again), with what it needs
-/// to serve requests.
+/// to serve requests. Also what the poller holds of an idle connection (`pending` empty).
 pub(crate) struct Ready {
     pub slot: Slot,
     pub stream: Stream,
@@ -294,9 +303,31 @@ impl Inner {
         } = c;
         let log = &self.opts.log;
         match self.serve_requests(slot.id, stream, &peer, session, &pending) {
-            Ok(()) => log!(log, Level::Info, "nbd: {peer}: disconnected"),
+            Ok(None) => log!(log, Level::Info, "nbd: {peer}: disconnected"),
+            Ok(Some((stream, session))) => {
+                log!(log, Level::Debug, "nbd: {peer}: idle, parked");
+                let idle = Ready {
+                    slot,
+                    stream,
+                    peer,
+                    session,
+                    pending: Vec::new(),
+                };
+                // Refused only when the server is stopping: the connection then closes.
+                let _ = self.send_parked(idle);
+            }
             Err(e) => self.log_end(&peer, e),
         }
+    }
+
+    fn send_parked(&self, idle: Ready) -> io::Result<()> {
+        let st = lock(&self.state);
+        if st.stopping {
+            return Err(io::Error::other("the server is stopping"));
+        }
+        // Under the state lock, so that nothing is queued after the poller's stop command.
+        self.poller.send(Command::Park(idle));
+        Ok(())
     }
 
     /// Logs how a connection ended with an error.
@@ -326,6 +357,8 @@ impl Inner {
         }
     }
 
+    /// Serves requests until the connection closes (`None`) or goes idle (its socket and
+    /// session, to be parked).
     fn serve_requests(
         &self,
         id: u64,
@@ -333,13 +366,15 @@ impl Inner {
         peer: &str,
         session: Session,
         pending: &[u8],
-    ) -> Result<(), ConnError> {
+    ) -> Result<Option<(Stream, Session)>, ConnError> {
         stream.set_nonblocking(false)?;
+        // The reader's reads time out when the client is quiet (see transmission.rs).
+        stream.set_read_timeout(self.opts.idle_after)?;
         let mut writer = stream.try_clone()?;
         {
             let mut st = lock(&self.state);
             if st.stopping {
-                return Ok(());
+                return Ok(None);
             }
             st.live.insert(id, stream.try_clone()?);
         }
@@ -357,10 +392,16 @@ impl Inner {
                     self.opts.log.clone(),
                 )
             });
-        if let Some(s) = lock(&self.state).live.remove(&id) {
-            let _ = s.shutdown(Shutdown::Both);
+        let live = lock(&self.state).live.remove(&id);
+        match result {
+            Ok(Ended::Idle(session)) => Ok(Some((reader.into_inner(), session))),
+            other => {
+                if let Some(s) = live {
+                    let _ = s.shutdown(Shutdown::Both);
+                }
+                other.map(|_| None)
+            }
         }
-        result
     }
 
     /// Answers one connection to the metrics endpoint, on a thread of its own.
