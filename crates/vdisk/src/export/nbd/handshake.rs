@@ -189,9 +189,17 @@ impl Handshake {
             if !done {
                 return Ok(None);
             }
-            if let Some(outcome) = self.step(exports)? {
-                self.stage = Stage::Finished;
-                return Ok(Some(outcome));
+            match self.step(exports) {
+                Ok(None) => {}
+                Ok(Some(outcome)) => {
+                    self.stage = Stage::Finished;
+                    return Ok(Some(outcome));
+                }
+                Err(e) => {
+                    // The connection is to be closed: take nothing more.
+                    self.stage = Stage::Finished;
+                    return Err(e);
+                }
             }
         }
     }

@@ -20,6 +20,8 @@
 mod commands;
 mod epoll;
 mod export;
+#[doc(hidden)]
+pub mod fuzz;
 mod handshake;
 mod log;
 mod metrics;
