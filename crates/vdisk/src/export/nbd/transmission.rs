@@ -22,8 +22,9 @@
 //! reader that sees nothing arrive for that long at a request boundary, with nothing in
 //! flight, ends the phase ([`Ended::Idle`]); workers, the completion thread, the I/O queue
 //! and the buffers go, and the server's poller watches the socket until the client sends
-//! again. Timeouts cost nothing while requests flow (the kernel only arms them when a read
-//! waits), and inside a request or with requests in flight the reader just waits on.
+//! again. While requests flow the timeout costs next to nothing (the kernel arms a timer only
+//! when a read has to wait), and inside a request or with requests in flight the reader just
+//! waits on.
 
 use std::collections::VecDeque;
 use std::io::{self, BufRead, BufReader, IoSlice, Read};
