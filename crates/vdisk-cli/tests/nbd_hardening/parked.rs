@@ -124,10 +124,15 @@ fn idle_connections_in_transmission_cost_no_thread() {
     wait_for("500 connections to park", || {
         metric(&serve, "vdisk_nbd_connections_parked") == 500
     });
+    let parked_after = t.elapsed();
+    // A connection is handed to the poller just before its thread ends; the threads io_uring
+    // started for it (iou-wrk) go with its ring, a moment later.
+    wait_for("the connection threads to end", || usage(pid).0 < 16);
     let (threads, rss) = usage(pid);
     eprintln!(
-        "500 idle connections in transmission: parked after {:.1} s, {threads} threads, VmRSS \
-         {rss} KiB",
+        "500 idle connections in transmission: parked after {:.1} s, threads gone after {:.1} \
+         s: {threads} threads, VmRSS {rss} KiB",
+        parked_after.as_secs_f64(),
         t.elapsed().as_secs_f64()
     );
     assert!(threads < 16, "{threads} threads");
