@@ -4,7 +4,7 @@
 # compressed clusters (zlib and zstd), extended L2 entries, snapshots, bitmaps, backing names,
 # and a few truncated or hand-damaged variants. Binaries are generated, never committed.
 #
-#   fuzz/seed.sh            # writes fuzz/corpus/qcow2_open/
+#   fuzz/seed.sh            # writes fuzz/corpus/qcow2_open/ (and nbd_handshake/, nbd_transmission/)
 #   cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run qcow2_open -- -max_total_time=120
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -91,3 +91,9 @@ printf '\x03' | dd of="$work/dirty.qcow2" bs=1 seek=79 conv=notrunc status=none
 add "$work/dirty.qcow2" dirty-corrupt
 
 echo "seed.sh: $n seeds in fuzz/$out"
+
+# The NBD targets' seeds come from the library (vdisk::export::nbd::fuzz), written by the test
+# that replays them.
+NBD_FUZZ_WRITE_SEEDS="$PWD/corpus" NBD_FUZZ_ITERS=0 \
+    cargo test -q --release --manifest-path ../Cargo.toml -p vdisk --test nbd_fuzz >/dev/null
+echo "seed.sh: NBD seeds in fuzz/corpus/nbd_handshake and fuzz/corpus/nbd_transmission"

@@ -4,8 +4,11 @@
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
-use vdisk::export::nbd::{Address, Export, ExportOptions, Limits, Server, ServerOptions};
+use vdisk::export::nbd::{
+    stderr_sink, Address, Export, ExportOptions, Level, Limits, Logger, Server, ServerOptions,
+};
 use vdisk::io::Backend;
 use vdisk::{BlockDev, CacheMode, Format, Image, ImageOptions};
 
@@ -52,6 +55,53 @@ pub struct Args {
     stats: Option<String>,
     #[arg(short = 'v', long)]
     verbose: bool,
+    #[command(flatten)]
+    server: ServerArgs,
+}
+
+// ---------------------------------------------------------------------------------------------
+// The NBD server's own flags (issue 28): kept apart from the image and export flags above, and
+// flattened into the subcommand's arguments as one group.
+
+/// How the server treats connections, and what it logs.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServerArgs {
+    /// What to log on stderr: error, warn (the default: failures and protocol violations, as
+    /// qemu-nbd reports them), info (also every connection; what -v gives), debug. Without
+    /// this flag or -v, the VDISK_LOG environment variable sets it.
+    #[arg(long, value_name = "LEVEL", value_parser = Level::parse)]
+    pub log_level: Option<Level>,
+    /// Disconnect a client that has not finished its handshake SECONDS after connecting (0:
+    /// never), as qemu-nbd's --handshake-limit. Handshakes count against --max-connections,
+    /// so this is how long sockets that connect and send nothing can keep clients waiting.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10)]
+    pub handshake_limit: u32,
+}
+
+/// Raises the soft limit on open descriptors to the hard one: each client is a descriptor, and
+/// the usual soft limit (1024) would refuse clients long before the server runs short of
+/// anything else.
+fn raise_fd_limit() {
+    // SAFETY: getrlimit and setrlimit read and write the rlimit struct given, which lives on
+    // this stack frame.
+    unsafe {
+        let mut l: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 && l.rlim_cur < l.rlim_max {
+            l.rlim_cur = l.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &l);
+        }
+    }
+}
+
+impl ServerArgs {
+    /// The log level: `--log-level`, else `-v` (info), else `VDISK_LOG`, else warn.
+    fn level(&self, verbose: bool) -> Result<Level, String> {
+        match (self.log_level, verbose) {
+            (Some(l), _) => Ok(l),
+            (None, true) => Ok(Level::Info),
+            (None, false) => Level::from_env().unwrap_or(Ok(Level::Warn)),
+        }
+    }
 }
 
 /// Splits `IMG=NAME`; a path that exists as given is an image name even with a `=` in it.
@@ -94,6 +144,12 @@ fn wait_for_signal(set: &libc::sigset_t) -> i32 {
 
 pub fn run(a: &Args) -> ExitCode {
     let signals = block_signals();
+    let level = match a.server.level(a.verbose) {
+        Ok(l) => l,
+        Err(e) => return fail(e, 1),
+    };
+    let verbose = level >= Level::Info;
+    raise_fd_limit();
     if a.nbd.is_empty() {
         return fail(
             "serve needs at least one --nbd unix:PATH or tcp:HOST:PORT",
@@ -161,9 +217,9 @@ pub fn run(a: &Args) -> ExitCode {
             preferred_block: preferred,
             allocation_depth: image.backing().is_some(),
         };
-        if a.verbose {
+        if verbose {
             eprintln!(
-                "vdisk: exporting '{}' ({}, {} bytes) as '{}'{}",
+                "vdisk: info: exporting '{}' ({}, {} bytes) as '{}'{}",
                 path,
                 image.format().name(),
                 image.size(),
@@ -186,7 +242,11 @@ pub fn run(a: &Args) -> ExitCode {
             },
             ..Limits::default()
         },
-        verbose: a.verbose,
+        log: Logger::new(level, stderr_sink()),
+        handshake_limit: match a.server.handshake_limit {
+            0 => None,
+            s => Some(Duration::from_secs(s.into())),
+        },
         ..ServerOptions::default()
     };
     let server = match Server::new(exports, server_opts) {
@@ -195,7 +255,7 @@ pub fn run(a: &Args) -> ExitCode {
     };
     for addr in &addresses {
         match server.listen(addr) {
-            Ok(bound) if a.verbose => eprintln!("vdisk: listening on {bound}"),
+            Ok(bound) if verbose => eprintln!("vdisk: info: listening on {bound}"),
             Ok(_) => {}
             Err(e) => {
                 server.shutdown();
@@ -218,8 +278,8 @@ pub fn run(a: &Args) -> ExitCode {
     }
 
     let sig = wait_for_signal(&signals);
-    if a.verbose {
-        eprintln!("vdisk: signal {sig}: stopping");
+    if verbose {
+        eprintln!("vdisk: info: signal {sig}: stopping");
     }
     server.shutdown();
     drop(server);

@@ -2,8 +2,11 @@
 //! by the tests; the protocol itself through a small client of our own (options, errors,
 //! structured replies, block status, pipelining); and a fuzz test that throws random and
 //! mutated byte streams at an in-process server while a well-behaved client keeps working.
+//! `nbd_hardening/` holds the tests of what outside probes do (issue 28): idle sockets,
+//! connection limits, long negotiations, and what the server logs.
 
 mod nbd_common;
+mod nbd_hardening;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};

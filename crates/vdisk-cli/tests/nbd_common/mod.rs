@@ -15,7 +15,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vdisk::export::nbd::{Export, ExportOptions, Server, ServerOptions};
+use vdisk::export::nbd::{Export, ExportOptions, Level, Logger, Server, ServerOptions};
 use vdisk::storage::{MemStorage, Storage};
 use vdisk::BlockDev;
 
@@ -131,6 +131,11 @@ impl Serve {
     /// Starts `vdisk serve ARGS --nbd unix:DIR/nbd.sock --pid-file DIR/serve.pid --stats
     /// unix:DIR/stats.sock` and waits until it listens.
     pub fn start(dir: &Path, args: &[&str]) -> Serve {
+        Serve::start_env(dir, args, &[])
+    }
+
+    /// [`Serve::start`] with environment variables set for the server.
+    pub fn start_env(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Serve {
         let socket = dir.join("nbd.sock");
         let pid_file = dir.join("serve.pid");
         let stats = dir.join("stats.sock");
@@ -145,6 +150,7 @@ impl Serve {
             .arg(&pid_file)
             .arg("--stats")
             .arg(format!("unix:{}", stats.display()))
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(fs::File::create(&log).expect("log file"));
@@ -298,7 +304,10 @@ pub fn server(exports: Vec<(Arc<vdisk::Image>, ExportOptions)>) -> (Server, Line
     let lines = Lines::default();
     let sink = lines.clone();
     let opts = ServerOptions {
-        log: Arc::new(move |l: &str| sink.0.lock().unwrap().push(l.to_string())),
+        log: Logger::new(
+            Level::Debug,
+            Arc::new(move |_, l: &str| sink.0.lock().unwrap().push(l.to_string())),
+        ),
         ..ServerOptions::default()
     };
     let exports = exports

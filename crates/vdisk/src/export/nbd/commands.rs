@@ -3,6 +3,7 @@
 
 use std::io::IoSlice;
 
+use super::log::{log, Level};
 use super::proto::*;
 use super::transmission::{Conn, Job, Payload};
 use crate::blockdev::BlockDev;
@@ -24,18 +25,24 @@ const MAX_MESSAGE: usize = 1024;
 struct Failure {
     error: u32,
     msg: String,
+    /// The disk failed (rather than the request being refused): worth a line in the log.
+    disk: bool,
 }
 
 fn fail(error: u32, msg: impl Into<String>) -> Failure {
     Failure {
         error,
         msg: msg.into(),
+        disk: false,
     }
 }
 
 impl From<crate::Error> for Failure {
     fn from(e: crate::Error) -> Failure {
-        fail(nbd_error(e.errno()), e.to_string())
+        Failure {
+            disk: true,
+            ..fail(nbd_error(e.errno()), e.to_string())
+        }
     }
 }
 
@@ -144,6 +151,7 @@ impl<'a> Replies<'a> {
 
     fn error(&mut self, conn: &Conn, req: &Request, f: Failure) {
         let error = if f.error == 0 { EINVAL } else { f.error };
+        log_failure(conn, req, &f);
         if !conn.session.structured {
             self.head(&simple_reply(error, req.cookie));
             return;
@@ -379,6 +387,35 @@ fn send_ok(conn: &Conn, req: &Request) {
     let mut out = Replies::default();
     out.ok(req);
     out.send(conn);
+}
+
+/// Disk failures are warnings (at most one line a second per export: a failing disk fails
+/// every request); refusals of a client's request are for debugging.
+fn log_failure(conn: &Conn, req: &Request, f: &Failure) {
+    let what = format_args!(
+        "{} {} at offset {:#x}, length {}",
+        conn.peer,
+        command_name(req.kind),
+        req.offset,
+        req.len
+    );
+    if !f.disk {
+        log!(conn.log, Level::Debug, "nbd: {what}: refused: {}", f.msg);
+    } else if conn.log.enabled(Level::Warn) {
+        if let Some(held) = conn.session.export.failures.admit() {
+            let more = if held > 0 {
+                format!(" ({held} more failures since the last line)")
+            } else {
+                String::new()
+            };
+            log!(
+                conn.log,
+                Level::Warn,
+                "nbd: {what}: failed: {}{more}",
+                f.msg
+            );
+        }
+    }
 }
 
 fn send_error(conn: &Conn, req: &Request, f: Failure) {

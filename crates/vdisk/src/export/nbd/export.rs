@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use super::log::Throttle;
 use super::metrics::RequestStats;
 use super::proto::*;
 use crate::blockdev::BlockDev;
@@ -47,6 +48,8 @@ pub struct Export {
     pub(crate) stats: RequestStats,
     /// What the connections' I/O queues did for this export.
     pub(crate) io: Arc<IoCounters>,
+    /// Paces the log lines of failed requests.
+    pub(crate) failures: Throttle,
 }
 
 impl Export {
@@ -63,6 +66,7 @@ impl Export {
             image: None,
             stats: RequestStats::default(),
             io: Arc::default(),
+            failures: Throttle::default(),
         }
     }
 

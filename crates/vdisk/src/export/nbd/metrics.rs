@@ -80,6 +80,11 @@ impl RequestStats {
 pub struct ConnectionStats {
     pub accepted: AtomicU64,
     pub active: AtomicU64,
+    /// Connections in their handshake now.
+    pub negotiating: AtomicU64,
+    /// Connections in transmission with no thread now: idle, watched by the poller.
+    pub parked: AtomicU64,
+    pub handshake_timeouts: AtomicU64,
     pub protocol_errors: AtomicU64,
 }
 
@@ -130,6 +135,36 @@ pub fn render(exports: &[Arc<Export>], conns: &ConnectionStats) -> String {
     );
     f.head("vdisk_nbd_connections", "gauge", "Connections open now.");
     f.sample("vdisk_nbd_connections", &[], conns.active.load(Relaxed));
+    f.head(
+        "vdisk_nbd_connections_negotiating",
+        "gauge",
+        "Connections in their handshake now.",
+    );
+    f.sample(
+        "vdisk_nbd_connections_negotiating",
+        &[],
+        conns.negotiating.load(Relaxed),
+    );
+    f.head(
+        "vdisk_nbd_connections_parked",
+        "gauge",
+        "Connections in transmission, idle, with no thread now.",
+    );
+    f.sample(
+        "vdisk_nbd_connections_parked",
+        &[],
+        conns.parked.load(Relaxed),
+    );
+    f.head(
+        "vdisk_nbd_handshake_timeouts_total",
+        "counter",
+        "Connections closed for not finishing the handshake in time.",
+    );
+    f.sample(
+        "vdisk_nbd_handshake_timeouts_total",
+        &[],
+        conns.handshake_timeouts.load(Relaxed),
+    );
     f.head(
         "vdisk_nbd_protocol_errors_total",
         "counter",

@@ -3,8 +3,10 @@
 //! and every command of the base protocol, answered in parallel and out of order.
 //!
 //! ```text
-//!   Server ── listeners (unix, tcp) ── one thread per connection
-//!                                         │ handshake.rs: options until NBD_OPT_GO
+//!   Server ── listeners (unix, tcp) ─► poller.rs: one thread, epoll, non-blocking sockets
+//!                                         │ handshake.rs: options until NBD_OPT_GO (time-limited)
+//!                                         ▼
+//!                                      one thread per connection in transmission
 //!                                         │ transmission.rs: reader ─► workers ─► writer
 //!                                         │ commands.rs: one request ─► BlockDev calls ─► reply
 //!   Export (name, flags, sizes, counters) ─ Arc<dyn BlockDev>
@@ -12,28 +14,31 @@
 //!
 //! Nothing a client sends can crash the server: lengths are checked before anything is
 //! allocated, payloads of refused writes are read and dropped so the stream stays in step, and
-//! a client that breaks the framing (bad magic) has its connection closed with a log line.
+//! a client that breaks the framing (bad magic) has its connection closed with a log line. A
+//! client that sends nothing costs no thread, and is dropped at the handshake time limit.
 
 mod commands;
+mod epoll;
 mod export;
+#[doc(hidden)]
+pub mod fuzz;
 mod handshake;
+mod log;
 mod metrics;
+mod poller;
 pub mod proto;
 mod queued;
 mod server;
 mod stream;
 mod transmission;
 
-use std::io::{self, Read};
-use std::sync::Arc;
+use std::io;
 
 pub use export::{Export, ExportOptions};
-pub use server::{Server, ServerOptions};
+pub use log::{stderr_sink, Level, Log, Logger, LEVEL_VAR};
+pub use server::{Server, ServerOptions, DEFAULT_HANDSHAKE_LIMIT, DEFAULT_IDLE_AFTER};
 pub use stream::{Address, Listener, Stream};
 pub use transmission::Limits;
-
-/// Where the server's log lines go.
-pub type Log = Arc<dyn Fn(&str) + Send + Sync>;
 
 /// Why a connection ended early.
 #[derive(Debug)]
@@ -54,19 +59,4 @@ impl From<io::Error> for ConnError {
     fn from(e: io::Error) -> ConnError {
         ConnError::Io(e)
     }
-}
-
-/// Fills `buf`; `Ok(false)` when the peer closed before sending anything of it.
-fn read_or_eof<R: Read>(r: &mut R, buf: &mut [u8]) -> io::Result<bool> {
-    let mut got = 0;
-    while got < buf.len() {
-        match r.read(&mut buf[got..]) {
-            Ok(0) if got == 0 => return Ok(false),
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(true)
 }

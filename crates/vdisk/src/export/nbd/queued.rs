@@ -17,6 +17,7 @@
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
 use super::commands::{self, Replies};
+use super::log::{log, Level};
 use super::proto::{Request, CMD_FLAG_FUA, CMD_READ, CMD_WRITE};
 use super::transmission::{Buf, Conn, Job, Payload};
 use crate::io::{Backend, Completion, Declined, Dir, IoQueue};
@@ -108,7 +109,12 @@ impl<'c> Queued<'c> {
         let mut done = Vec::new();
         loop {
             if let Err(e) = self.queue.wait(&mut done) {
-                (conn.log)(&format!("nbd: waiting for transfers failed: {e}"));
+                log!(
+                    conn.log,
+                    Level::Error,
+                    "nbd: {}: waiting for transfers failed: {e}",
+                    conn.peer
+                );
                 return;
             }
             answer(conn, &mut done);

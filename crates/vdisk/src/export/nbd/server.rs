@@ -1,11 +1,24 @@
-//! The server: listeners, one thread per connection, the connection limit, the metrics
-//! endpoint and a clean stop (no new connections; requests already read finish and are
-//! answered; then every connection closes).
+//! The server: its exports, the poller that accepts and negotiates, a thread per connection in
+//! transmission, the connection limit, the metrics endpoint and a clean stop (no new
+//! connections; requests already read finish and are answered; then every connection closes).
+//!
+//! ```text
+//!   listeners ─► poller thread (epoll, poller.rs) ── handshakes: non-blocking, time-limited
+//!                    │  NBD_OPT_GO ▲
+//!                    ▼             │ idle (nothing in flight, nothing sent)
+//!            connection thread: transmission.rs (reader ─► I/O queue, workers)
+//! ```
+//!
+//! A connection that is not moving data costs no thread: handshakes run on the poller, and a
+//! connection in transmission that goes idle is handed back to it until the client sends
+//! again. The connection limit counts every connection from accept to close, handshakes
+//! included, as qemu-nbd's `--shared` does; past it, clients wait in the listen backlog, and
+//! the handshake time limit (qemu-nbd's `--handshake-limit`, 10 s by default) frees the places
+//! of sockets that connect and send nothing.
 
 use std::collections::HashMap;
 use std::io::{self, BufReader, Read, Write};
 use std::net::Shutdown;
-use std::os::fd::RawFd;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -13,31 +26,48 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::export::{Export, Exports};
+use super::handshake::Session;
+use super::log::{log, Level, Logger};
 use super::metrics::{self, ConnectionStats};
-use super::stream::{shutdown_listener, Address, Listener, Stream};
-use super::transmission::{self, Limits};
-use super::{handshake, ConnError, Log};
+use super::poller::{self, Command, Poller, Role};
+use super::stream::{Address, Listener, Stream};
+use super::transmission::{self, Ended, Limits};
+use super::ConnError;
 
 /// How a server runs.
 #[derive(Clone)]
 pub struct ServerOptions {
-    /// Connections served at once; further clients wait to be accepted (0: no limit).
+    /// Connections open at once, handshakes included; further clients wait to be accepted
+    /// (0: no limit).
     pub max_connections: usize,
+    /// Time a client has from connecting to finishing its handshake (NBD_OPT_GO or
+    /// NBD_OPT_EXPORT_NAME) before it is disconnected; `None`: no limit.
+    pub handshake_limit: Option<Duration>,
+    /// A connection in transmission with nothing in flight that has sent nothing for this
+    /// long gives its threads back until it sends again; `None`: it keeps them.
+    pub idle_after: Option<Duration>,
     /// Per-connection bounds (workers, requests and bytes in flight).
     pub limits: Limits,
-    /// Where log lines go (protocol errors always; connections coming and going when
-    /// `verbose`).
-    pub log: Log,
-    pub verbose: bool,
+    /// Where log lines go, and how many.
+    pub log: Logger,
 }
+
+/// qemu-nbd's default handshake limit.
+pub const DEFAULT_HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+/// How long a connection stays quiet before it gives its threads back, by default: long
+/// enough that a client with any steady traffic keeps them, short enough that a guest that
+/// does nothing costs nothing. Coming back costs a thread start and an I/O queue, tens of
+/// microseconds, once per quiet spell.
+pub const DEFAULT_IDLE_AFTER: Duration = Duration::from_secs(2);
 
 impl Default for ServerOptions {
     fn default() -> ServerOptions {
         ServerOptions {
             max_connections: 0,
+            handshake_limit: Some(DEFAULT_HANDSHAKE_LIMIT),
+            idle_after: Some(DEFAULT_IDLE_AFTER),
             limits: Limits::default(),
-            log: Arc::new(|line: &str| eprintln!("vdisk: {line}")),
-            verbose: false,
+            log: Logger::default(),
         }
     }
 }
@@ -48,10 +78,11 @@ pub struct Server {
     inner: Arc<Inner>,
 }
 
-struct Inner {
-    exports: Exports,
-    opts: ServerOptions,
-    conns: ConnectionStats,
+pub(crate) struct Inner {
+    pub exports: Exports,
+    pub opts: ServerOptions,
+    pub conns: ConnectionStats,
+    pub poller: Poller,
     state: Mutex<State>,
     changed: Condvar,
 }
@@ -59,11 +90,14 @@ struct Inner {
 #[derive(Default)]
 struct State {
     next_id: u64,
-    /// Clones of the live connections' sockets, to shut them down on stop.
+    /// Connections open, in every phase: what `max_connections` counts.
+    open: usize,
+    /// Clones of the sockets of connections in transmission on a thread, to shut them down on
+    /// stop.
     live: HashMap<u64, Stream>,
-    /// Listening sockets (descriptor, unix socket file) and their accept threads.
-    listeners: Vec<(RawFd, Option<PathBuf>)>,
-    threads: Vec<JoinHandle<()>>,
+    /// Unix socket files of the listeners, removed when the server stops.
+    socket_files: Vec<PathBuf>,
+    poller: Option<JoinHandle<()>>,
     stopping: bool,
 }
 
@@ -77,11 +111,13 @@ impl Server {
         if exports.is_empty() {
             return Err("no exports".into());
         }
+        let poller = Poller::new().map_err(|e| format!("cannot create the poller: {e}"))?;
         Ok(Server {
             inner: Arc::new(Inner {
                 exports: Exports::new(exports)?,
                 opts,
                 conns: ConnectionStats::default(),
+                poller,
                 state: Mutex::new(State::default()),
                 changed: Condvar::new(),
             }),
@@ -95,45 +131,34 @@ impl Server {
     /// Listens on `addr` and serves every client that connects. Returns the address bound
     /// (with the port chosen for `tcp:HOST:0`).
     pub fn listen(&self, addr: &Address) -> io::Result<Address> {
-        let listener = addr.bind()?;
-        let bound = listener.address()?;
-        let inner = self.inner.clone();
-        self.add_listener(listener, move |l| inner.accept_loop(l))?;
-        Ok(bound)
+        self.add_listener(addr, Role::Nbd)
     }
 
     /// Answers every connection to `addr` with the metrics in Prometheus' text format (over
     /// HTTP when the client sends a GET, as Prometheus and curl do; bare otherwise).
     pub fn serve_metrics(&self, addr: &Address) -> io::Result<Address> {
-        let listener = addr.bind()?;
-        let bound = listener.address()?;
-        let inner = self.inner.clone();
-        self.add_listener(listener, move |l| inner.metrics_loop(l))?;
-        Ok(bound)
+        self.add_listener(addr, Role::Metrics)
     }
 
-    fn add_listener(
-        &self,
-        listener: Listener,
-        run: impl FnOnce(Listener) + Send + 'static,
-    ) -> io::Result<()> {
-        let mut st = lock(&self.inner.state);
-        if st.stopping {
-            return Err(io::Error::other("the server is stopping"));
-        }
+    fn add_listener(&self, addr: &Address, role: Role) -> io::Result<Address> {
+        let listener = addr.bind()?;
+        let bound = listener.address()?;
+        listener.set_nonblocking(true)?;
         let path = match &listener {
             Listener::Unix(_, p) => Some(p.clone()),
             Listener::Tcp(_) => None,
         };
-        st.listeners.push((listener.raw_fd(), path));
-        st.threads.push(std::thread::spawn(move || run(listener)));
-        Ok(())
+        self.inner.send(Command::Listen(listener, role))?;
+        if let Some(p) = path {
+            lock(&self.inner.state).socket_files.push(p);
+        }
+        Ok(bound)
     }
 
-    /// Serves one already connected client (a socket pair, an inherited socket) on a thread of
-    /// its own.
+    /// Serves one already connected client (a socket pair, an inherited socket).
     pub fn serve_stream(&self, stream: Stream) {
-        self.inner.clone().spawn_connection(stream);
+        let slot = Slot::new(&self.inner);
+        let _ = self.inner.send(Command::Serve(slot, stream));
     }
 
     /// The metrics of the server and its exports, in Prometheus' text format.
@@ -141,169 +166,223 @@ impl Server {
         metrics::render(self.inner.exports.list(), &self.inner.conns)
     }
 
-    /// Connections open now.
+    /// Connections open now, in every phase.
     pub fn connections(&self) -> usize {
-        lock(&self.inner.state).live.len()
+        lock(&self.inner.state).open
     }
 
-    /// Stops: no new connections; each open one stops reading requests, finishes and answers
-    /// the ones it has, and closes. Returns when all are closed. The exports are left open
-    /// for the caller to flush and close.
+    /// Stops: no new connections; handshakes and idle connections close; each busy one stops
+    /// reading requests, finishes and answers the ones it has, and closes. Returns when all
+    /// are closed. The exports are left open for the caller to flush and close.
     pub fn shutdown(&self) {
-        let threads = {
+        let poller = {
             let mut st = lock(&self.inner.state);
             st.stopping = true;
-            for (fd, _) in &st.listeners {
-                shutdown_listener(*fd);
-            }
             for s in st.live.values() {
                 let _ = s.shutdown(Shutdown::Read);
             }
             self.inner.changed.notify_all();
-            std::mem::take(&mut st.threads)
+            st.poller.take()
         };
-        for t in threads {
+        self.inner.poller.send(Command::Stop);
+        if let Some(t) = poller {
             let _ = t.join();
         }
         let mut st = lock(&self.inner.state);
-        while !st.live.is_empty() {
+        while st.open > 0 {
             st = self
                 .inner
                 .changed
                 .wait(st)
                 .unwrap_or_else(|e| e.into_inner());
         }
-        for (_, path) in st.listeners.drain(..) {
-            if let Some(p) = path {
-                let _ = std::fs::remove_file(p);
-            }
+        for p in st.socket_files.drain(..) {
+            let _ = std::fs::remove_file(p);
         }
     }
 }
 
-/// Takes a connection off the registry when its thread ends, however it ends.
-struct Registration {
+/// A connection's place under the connection limit, from accept until it closes, whatever
+/// phase it is in. Dropping it, however the connection ends, frees the place and wakes the
+/// poller, which may be waiting for one to accept again.
+pub(crate) struct Slot {
     inner: Arc<Inner>,
-    id: u64,
+    pub id: u64,
 }
 
-impl Drop for Registration {
-    fn drop(&mut self) {
-        let mut st = lock(&self.inner.state);
-        st.live.remove(&self.id);
-        self.inner.conns.active.fetch_sub(1, Relaxed);
-        self.inner.changed.notify_all();
+impl Slot {
+    pub fn new(inner: &Arc<Inner>) -> Slot {
+        let id = {
+            let mut st = lock(&inner.state);
+            st.next_id += 1;
+            st.open += 1;
+            st.next_id
+        };
+        inner.conns.accepted.fetch_add(1, Relaxed);
+        inner.conns.active.fetch_add(1, Relaxed);
+        Slot {
+            inner: inner.clone(),
+            id,
+        }
     }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        {
+            let mut st = lock(&self.inner.state);
+            st.open -= 1;
+            self.inner.conns.active.fetch_sub(1, Relaxed);
+            self.inner.changed.notify_all();
+        }
+        self.inner.poller.wake();
+    }
+}
+
+/// A connection that finished its handshake (or was idle and sent again), with what it needs
+/// to serve requests. Also what the poller holds of an idle connection (`pending` empty).
+pub(crate) struct Ready {
+    pub slot: Slot,
+    pub stream: Stream,
+    pub peer: String,
+    pub session: Session,
+    /// Handshake replies not written yet.
+    pub pending: Vec<u8>,
 }
 
 impl Inner {
-    fn log(&self, line: &str) {
-        (self.opts.log)(line);
-    }
-
-    fn accept_loop(self: Arc<Self>, listener: Listener) {
-        let max = self.opts.max_connections;
-        loop {
-            {
-                let mut st = lock(&self.state);
-                while max > 0 && st.live.len() >= max && !st.stopping {
-                    st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
-                }
-                if st.stopping {
-                    return;
-                }
-            }
-            match listener.accept() {
-                Ok(stream) => self.clone().spawn_connection(stream),
-                Err(_) if lock(&self.state).stopping => return,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    // Out of descriptors or memory: wait for connections to close.
-                    self.log(&format!("nbd: accepting a connection failed: {e}"));
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-            }
+    /// Hands a command to the poller, starting its thread on first use.
+    fn send(self: &Arc<Self>, c: Command) -> io::Result<()> {
+        let mut st = lock(&self.state);
+        if st.stopping {
+            return Err(io::Error::other("the server is stopping"));
         }
+        if st.poller.is_none() {
+            let inner = self.clone();
+            let t = std::thread::Builder::new()
+                .name("nbd-poller".into())
+                .spawn(move || poller::run(&inner))?;
+            st.poller = Some(t);
+        }
+        // Under the state lock, so that nothing is queued after the poller's stop command.
+        self.poller.send(c);
+        Ok(())
     }
 
-    fn spawn_connection(self: Arc<Self>, stream: Stream) {
-        let id = {
-            let mut st = lock(&self.state);
-            if st.stopping {
-                return;
-            }
-            let Ok(clone) = stream.try_clone() else {
-                self.log("nbd: cannot duplicate a connection's socket; closing it");
-                return;
-            };
-            st.next_id += 1;
-            let id = st.next_id;
-            st.live.insert(id, clone);
-            id
-        };
-        self.conns.accepted.fetch_add(1, Relaxed);
-        self.conns.active.fetch_add(1, Relaxed);
-        let reg = Registration {
-            inner: self.clone(),
-            id,
-        };
+    /// Whether the poller may accept another connection now.
+    pub fn can_accept(&self) -> bool {
+        let st = lock(&self.state);
+        let max = self.opts.max_connections;
+        !st.stopping && (max == 0 || st.open < max)
+    }
+
+    /// Serves a connection in transmission on a thread of its own.
+    pub fn start_transmission(self: &Arc<Self>, c: Ready) {
+        let inner = self.clone();
+        let log = self.opts.log.clone();
         let spawned = std::thread::Builder::new()
             .name("nbd-conn".into())
-            .spawn(move || {
-                let _reg = reg;
-                self.connection(stream);
-            });
+            .spawn(move || inner.transmit(c));
         if let Err(e) = spawned {
-            // The closure (and the registration in it) was dropped: the socket closes.
-            eprintln!("vdisk: nbd: cannot start a connection thread: {e}");
+            // The closure (and the connection in it) was dropped: the socket closes.
+            log!(
+                log,
+                Level::Error,
+                "nbd: cannot start a connection thread: {e}"
+            );
         }
     }
 
-    fn connection(&self, stream: Stream) {
-        let peer = stream.peer();
-        let verbose = self.opts.verbose;
-        if verbose {
-            self.log(&format!("nbd: {peer}: connected"));
+    fn transmit(&self, c: Ready) {
+        let Ready {
+            slot,
+            stream,
+            peer,
+            session,
+            pending,
+        } = c;
+        let log = &self.opts.log;
+        match self.serve_requests(slot.id, stream, &peer, session, &pending) {
+            Ok(None) => log!(log, Level::Info, "nbd: {peer}: disconnected"),
+            Ok(Some((stream, session))) => {
+                log!(log, Level::Debug, "nbd: {peer}: idle, parked");
+                let idle = Ready {
+                    slot,
+                    stream,
+                    peer,
+                    session,
+                    pending: Vec::new(),
+                };
+                // Refused only when the server is stopping: the connection then closes.
+                let _ = self.send_parked(idle);
+            }
+            Err(e) => self.log_end(&peer, e),
         }
-        let result = self.negotiate_and_serve(stream, &peer);
-        match result {
-            Ok(()) => {
-                if verbose {
-                    self.log(&format!("nbd: {peer}: disconnected"));
-                }
-            }
-            Err(ConnError::Protocol(msg)) => {
+    }
+
+    fn send_parked(&self, idle: Ready) -> io::Result<()> {
+        let st = lock(&self.state);
+        if st.stopping {
+            return Err(io::Error::other("the server is stopping"));
+        }
+        // Under the state lock, so that nothing is queued after the poller's stop command.
+        self.poller.send(Command::Park(idle));
+        Ok(())
+    }
+
+    /// Logs how a connection ended with an error.
+    pub fn log_end(&self, peer: &str, e: ConnError) {
+        let log = &self.opts.log;
+        match e {
+            ConnError::Protocol(msg) => {
                 self.conns.protocol_errors.fetch_add(1, Relaxed);
-                self.log(&format!("nbd: closing the connection of {peer}: {msg}"));
+                log!(
+                    log,
+                    Level::Warn,
+                    "nbd: closing the connection of {peer}: {msg}"
+                );
             }
-            Err(ConnError::Io(e)) => {
-                let quiet = matches!(
+            ConnError::Io(e) => {
+                // A client that hangs up without NBD_CMD_DISC (killed, or a tool that just
+                // exits) is common and harmless; anything else is worth a warning.
+                let hung_up = matches!(
                     e.kind(),
                     io::ErrorKind::UnexpectedEof
                         | io::ErrorKind::ConnectionReset
                         | io::ErrorKind::BrokenPipe
                 );
-                if verbose || !quiet {
-                    self.log(&format!("nbd: {peer}: connection ended: {e}"));
-                }
+                let level = if hung_up { Level::Info } else { Level::Warn };
+                log!(log, level, "nbd: {peer}: connection ended: {e}");
             }
         }
     }
 
-    fn negotiate_and_serve(&self, stream: Stream, peer: &str) -> Result<(), ConnError> {
+    /// Serves requests until the connection closes (`None`) or goes idle (its socket and
+    /// session, to be parked).
+    fn serve_requests(
+        &self,
+        id: u64,
+        stream: Stream,
+        peer: &str,
+        session: Session,
+        pending: &[u8],
+    ) -> Result<Option<(Stream, Session)>, ConnError> {
+        stream.set_nonblocking(false)?;
+        // The reader's reads time out when the client is quiet (see transmission.rs).
+        stream.set_read_timeout(self.opts.idle_after)?;
         let mut writer = stream.try_clone()?;
-        let closer = stream.try_clone()?;
+        {
+            let mut st = lock(&self.state);
+            if st.stopping {
+                return Ok(None);
+            }
+            st.live.insert(id, stream.try_clone()?);
+        }
         let mut reader = BufReader::with_capacity(256 << 10, stream);
-        let result = match handshake::negotiate(&mut reader, &mut writer, &self.exports) {
-            Ok(Some(session)) => {
-                if self.opts.verbose {
-                    let e = &session.export;
-                    self.log(&format!(
-                        "nbd: {peer}: export '{}', structured replies {}",
-                        e.name(),
-                        if session.structured { "on" } else { "off" }
-                    ));
-                }
+        let result = writer
+            .write_all(pending)
+            .map_err(ConnError::from)
+            .and_then(|()| {
                 transmission::serve(
                     session,
                     &mut reader,
@@ -312,40 +391,38 @@ impl Inner {
                     peer.to_string(),
                     self.opts.log.clone(),
                 )
-            }
-            Ok(None) => Ok(()),
-            Err(e) => Err(e),
-        };
-        let _ = closer.shutdown(Shutdown::Both);
-        result
-    }
-
-    fn metrics_loop(self: Arc<Self>, listener: Listener) {
-        loop {
-            match listener.accept() {
-                Ok(stream) => {
-                    let inner = self.clone();
-                    let _ = std::thread::Builder::new()
-                        .name("nbd-metrics".into())
-                        .spawn(move || inner.answer_metrics(stream));
+            });
+        let live = lock(&self.state).live.remove(&id);
+        match result {
+            Ok(Ended::Idle(session)) => Ok(Some((reader.into_inner(), session))),
+            other => {
+                if let Some(s) = live {
+                    let _ = s.shutdown(Shutdown::Both);
                 }
-                Err(_) if lock(&self.state).stopping => return,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    self.log(&format!("nbd: accepting a metrics connection failed: {e}"));
-                    std::thread::sleep(Duration::from_millis(100));
-                }
+                other.map(|_| None)
             }
         }
     }
 
-    fn answer_metrics(&self, mut stream: Stream) {
+    /// Answers one connection to the metrics endpoint, on a thread of its own.
+    pub fn answer_metrics(self: &Arc<Self>, stream: Stream) {
+        let inner = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("nbd-metrics".into())
+            .spawn(move || inner.metrics_reply(stream));
+        if let Err(e) = spawned {
+            log!(
+                self.opts.log,
+                Level::Error,
+                "nbd: cannot start a metrics thread: {e}"
+            );
+        }
+    }
+
+    fn metrics_reply(&self, mut stream: Stream) {
         // Read what the client sends (an HTTP request, or nothing) for a moment.
-        let timeout = Some(Duration::from_millis(500));
-        let _ = match &stream {
-            Stream::Unix(s) => s.set_read_timeout(timeout),
-            Stream::Tcp(s) => s.set_read_timeout(timeout),
-        };
+        let _ = stream.set_nonblocking(false);
+        let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
         let mut request = Vec::new();
         let mut buf = [0u8; 1024];
         while request.len() < 8192 && !request.windows(4).any(|w| w == b"\r\n\r\n") {

@@ -7,6 +7,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// Where a server listens (or a client connects).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,13 +97,46 @@ impl Stream {
         }
     }
 
-    /// Who is on the other end, for log lines.
+    /// Who is on the other end, for log lines: the address of a TCP client, the process id of
+    /// a unix socket client (as the kernel recorded it when the client connected).
     pub fn peer(&self) -> String {
         match self {
-            Stream::Unix(_) => "unix socket client".to_string(),
+            Stream::Unix(s) => match peer_pid(s.as_raw_fd()) {
+                Some(pid) => format!("unix socket client (pid {pid})"),
+                None => "unix socket client".to_string(),
+            },
             Stream::Tcp(s) => s
                 .peer_addr()
                 .map_or_else(|_| "tcp client".to_string(), |a| a.to_string()),
+        }
+    }
+
+    pub(crate) fn raw_fd(&self) -> RawFd {
+        match self {
+            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tcp(s) => s.as_raw_fd(),
+        }
+    }
+
+    pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_nonblocking(on),
+            Stream::Tcp(s) => s.set_nonblocking(on),
+        }
+    }
+
+    /// The pending socket error (SO_ERROR), cleared.
+    pub fn take_error(&self) -> io::Result<Option<io::Error>> {
+        match self {
+            Stream::Unix(s) => s.take_error(),
+            Stream::Tcp(s) => s.take_error(),
+        }
+    }
+
+    pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_read_timeout(t),
+            Stream::Tcp(s) => s.set_read_timeout(t),
         }
     }
 
@@ -197,16 +231,36 @@ impl Listener {
             Listener::Tcp(l) => l.as_raw_fd(),
         }
     }
+
+    pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        match self {
+            Listener::Unix(l, _) => l.set_nonblocking(on),
+            Listener::Tcp(l) => l.set_nonblocking(on),
+        }
+    }
 }
 
-/// Wakes a thread blocked in `accept` on `fd` (Linux fails the call with EINVAL once the
-/// listening socket is shut down), so a server can stop without a connection to itself.
-pub(crate) fn shutdown_listener(fd: RawFd) {
-    // SAFETY: shutdown(2) on a descriptor the caller's listener still owns; it changes the socket
-    // state only and touches no memory.
-    unsafe {
-        libc::shutdown(fd, libc::SHUT_RDWR);
-    }
+/// The process that connected a unix socket (SO_PEERCRED); `None` for a socket pair made in
+/// this process or where the kernel does not say.
+fn peer_pid(fd: RawFd) -> Option<i32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED fills a ucred of `len` bytes, which `cred` is; `fd` is an open socket
+    // its caller owns.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (r == 0 && cred.pid > 0 && cred.pid as u32 != std::process::id()).then_some(cred.pid)
 }
 
 #[cfg(test)]

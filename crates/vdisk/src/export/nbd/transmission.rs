@@ -17,21 +17,29 @@
 //! Memory per connection is bounded: the reader waits before taking a request that would put
 //! more than [`Limits::max_bytes`] of payload buffers, or more than [`Limits::max_requests`]
 //! requests, in flight.
+//!
+//! A connection that goes quiet gives its threads back: with a read timeout on the socket, a
+//! reader that sees nothing arrive for that long at a request boundary, with nothing in
+//! flight, ends the phase ([`Ended::Idle`]); workers, the completion thread, the I/O queue
+//! and the buffers go, and the server's poller watches the socket until the client sends
+//! again. While requests flow the timeout costs next to nothing (the kernel arms a timer only
+//! when a read has to wait), and inside a request or with requests in flight the reader just
+//! waits on.
 
 use std::collections::VecDeque;
-use std::io::{self, BufReader, IoSlice, Read};
+use std::io::{self, BufRead, BufReader, IoSlice, Read};
 use std::net::Shutdown;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::Scope;
 
 use super::commands;
 use super::handshake::Session;
+use super::log::{log, Level, Logger};
 use super::proto::*;
 use super::queued::Queued;
 use super::stream::Stream;
-use super::{ConnError, Log};
+use super::ConnError;
 use crate::bytes::AlignedBuf;
 use crate::io::{Backend, IoBuf};
 
@@ -174,8 +182,8 @@ pub(crate) struct Conn {
     done: Condvar,
     pool: Pool,
     limits: Limits,
-    peer: String,
-    pub log: Log,
+    pub peer: String,
+    pub log: Logger,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -206,11 +214,17 @@ impl Conn {
         let mut w = lock(&self.writer);
         if let Err(e) = w.write_all_vectored(bufs) {
             if !self.broken.swap(true, Ordering::Relaxed) {
-                if e.kind() != io::ErrorKind::BrokenPipe
-                    && e.kind() != io::ErrorKind::ConnectionReset
-                {
-                    (self.log)(&format!("nbd: {}: sending a reply failed: {e}", self.peer));
-                }
+                let hung_up = matches!(
+                    e.kind(),
+                    io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+                );
+                let level = if hung_up { Level::Info } else { Level::Warn };
+                log!(
+                    self.log,
+                    level,
+                    "nbd: {}: sending a reply failed: {e}",
+                    self.peer
+                );
                 let _ = w.shutdown(Shutdown::Both);
             }
         }
@@ -293,16 +307,26 @@ impl Conn {
     }
 }
 
+/// How a connection's transmission phase ended without an error.
+pub(crate) enum Ended {
+    /// The client disconnected (or the socket was shut down).
+    Closed,
+    /// Nothing in flight and nothing sent by the client for the socket's read timeout: the
+    /// connection can wait without a thread (the socket is left open, nothing buffered).
+    Idle(Session),
+}
+
 /// Serves requests until the client disconnects, breaks the protocol or the socket is shut
-/// down; requests already read are finished and answered before this returns.
+/// down, or (when the socket has a read timeout) the connection goes idle; requests already
+/// read are finished and answered before this returns.
 pub(crate) fn serve(
     session: Session,
     reader: &mut BufReader<Stream>,
     writer: Stream,
     limits: Limits,
     peer: String,
-    log: Log,
-) -> Result<(), ConnError> {
+    log: Logger,
+) -> Result<Ended, ConnError> {
     let conn = Conn {
         session,
         writer: Mutex::new(writer),
@@ -318,11 +342,15 @@ pub(crate) fn serve(
         log,
     };
     let result = serve_conn(&conn, reader);
-    let _ = lock(&conn.writer).shutdown(Shutdown::Both);
-    result
+    if !matches!(result, Ok(true)) || conn.broken.load(Ordering::Relaxed) {
+        let _ = lock(&conn.writer).shutdown(Shutdown::Both);
+        return result.map(|_| Ended::Closed);
+    }
+    Ok(Ended::Idle(conn.session))
 }
 
-fn serve_conn(conn: &Conn, reader: &mut BufReader<Stream>) -> Result<(), ConnError> {
+/// `Ok(true)`: the connection went idle.
+fn serve_conn(conn: &Conn, reader: &mut BufReader<Stream>) -> Result<bool, ConnError> {
     // Where the kernel lacks the interface, everything takes the worker path.
     let queued = (conn.limits.aio).and_then(|backend| Queued::new(conn, backend).ok());
     std::thread::scope(|scope| {
@@ -340,13 +368,13 @@ fn serve_conn(conn: &Conn, reader: &mut BufReader<Stream>) -> Result<(), ConnErr
 
 /// The reader's loop. Requests started on the I/O queue go to the kernel together whenever
 /// the reader could block: before it reads the socket again, and before it waits for room
-/// (and, by the caller, when the loop ends).
+/// (and, by the caller, when the loop ends). `Ok(true)` when the connection went idle.
 fn read_requests<'s, 'e: 's, 'c: 'e>(
     conn: &'c Conn,
     queued: Option<&'e Queued<'c>>,
     reader: &mut BufReader<Stream>,
     scope: &'s Scope<'s, 'e>,
-) -> Result<(), ConnError> {
+) -> Result<bool, ConnError> {
     let submit = || {
         if let Some(q) = queued {
             q.submit();
@@ -354,19 +382,21 @@ fn read_requests<'s, 'e: 's, 'c: 'e>(
     };
     loop {
         if conn.broken.load(Ordering::Relaxed) {
-            return Ok(());
+            return Ok(false);
         }
         if reader.buffer().len() < REQUEST_SIZE {
             submit();
         }
         let mut head = [0u8; REQUEST_SIZE];
-        if !super::read_or_eof(reader, &mut head)? {
-            return Ok(());
+        match read_header(conn, reader, &mut head)? {
+            Next::Request => {}
+            Next::End => return Ok(false),
+            Next::Idle => return Ok(true),
         }
         let req = Request::parse(&head)
             .map_err(|magic| ConnError::protocol(format!("bad request magic {magic:#010x}")))?;
         if req.kind == CMD_DISC {
-            return Ok(());
+            return Ok(false);
         }
         let fits = req.len <= MAX_PAYLOAD;
         let budget = match req.kind {
@@ -382,7 +412,7 @@ fn read_requests<'s, 'e: 's, 'c: 'e>(
                 // The payload's read may block.
                 submit();
             }
-            if let Err(e) = reader.read_exact(&mut buf) {
+            if let Err(e) = read_full(reader, &mut buf) {
                 conn.release(budget);
                 return Err(e.into());
             }
@@ -390,14 +420,9 @@ fn read_requests<'s, 'e: 's, 'c: 'e>(
         } else {
             // Too large to hold: consume it so the stream stays in step, then refuse it.
             submit();
-            let len = u64::from(req.len);
-            let skipped = io::copy(&mut reader.by_ref().take(len), &mut io::sink());
-            if !matches!(skipped, Ok(n) if n == len) {
+            if let Err(e) = skip(reader, req.len) {
                 conn.release(budget);
-                return Err(skipped
-                    .err()
-                    .unwrap_or_else(|| io::ErrorKind::UnexpectedEof.into())
-                    .into());
+                return Err(e.into());
             }
             Payload::Dropped
         };
@@ -436,11 +461,82 @@ fn read_requests<'s, 'e: 's, 'c: 'e>(
     }
 }
 
-fn socket_fd(reader: &BufReader<Stream>) -> libc::c_int {
-    match reader.get_ref() {
-        Stream::Unix(s) => s.as_raw_fd(),
-        Stream::Tcp(s) => s.as_raw_fd(),
+/// What the reader found at a request boundary.
+enum Next {
+    Request,
+    /// The client hung up (or the socket was shut down).
+    End,
+    /// Nothing arrived for the socket's read timeout and nothing is in flight.
+    Idle,
+}
+
+/// A read that ran into the socket's read timeout (SO_RCVTIMEO): not an error, the client is
+/// just quiet.
+fn timed_out(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+/// Reads a request header. A timeout before its first byte, with nothing in flight, makes the
+/// connection idle; any other timeout (inside the header, or while requests are served) just
+/// waits on.
+fn read_header(
+    conn: &Conn,
+    r: &mut BufReader<Stream>,
+    head: &mut [u8; REQUEST_SIZE],
+) -> io::Result<Next> {
+    let mut got = 0;
+    while got < head.len() {
+        match r.read(&mut head[got..]) {
+            Ok(0) if got == 0 => return Ok(Next::End),
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if timed_out(&e) => {
+                if got == 0 && lock(&conn.queue).in_flight == 0 {
+                    return Ok(Next::Idle);
+                }
+            }
+            Err(e) => return Err(e),
+        }
     }
+    Ok(Next::Request)
+}
+
+/// Fills `buf`, waiting through read timeouts.
+fn read_full(r: &mut BufReader<Stream>, buf: &mut [u8]) -> io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted || timed_out(&e) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads and drops `len` bytes, waiting through read timeouts.
+fn skip(r: &mut BufReader<Stream>, len: u32) -> io::Result<()> {
+    let mut left = len as usize;
+    while left > 0 {
+        let avail = match r.fill_buf() {
+            Ok([]) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(b) => b.len().min(left),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted || timed_out(&e) => continue,
+            Err(e) => return Err(e),
+        };
+        r.consume(avail);
+        left -= avail;
+    }
+    Ok(())
+}
+
+fn socket_fd(reader: &BufReader<Stream>) -> libc::c_int {
+    reader.get_ref().raw_fd()
 }
 
 /// Whether a reply of `bytes` goes into the socket without waiting, next to what is queued
