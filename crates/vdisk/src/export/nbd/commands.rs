@@ -1,11 +1,11 @@
 //! Running one request against the disk and answering it: checks (flags, bounds, read-only),
-//! the command itself, and its reply (simple, or structured chunks when negotiated).
+//! the command itself, and its reply (put together in `replies.rs`).
 
 use std::io::IoSlice;
 
-use super::log::{log, Level};
+use super::conn::{Conn, Job, Payload};
 use super::proto::*;
-use super::transmission::{Conn, Job, Payload};
+use super::replies::{fail, send_error, send_ok, Failure, Piece, Replies};
 use crate::blockdev::BlockDev;
 use crate::bytes::{is_zero, ZEROES, ZERO_CHUNK};
 
@@ -18,33 +18,6 @@ const HOLE_GRAIN: u64 = 4096;
 const MAX_READ_CHUNKS: usize = 64;
 /// Extents per block status chunk at most (1 MiB of descriptors, as qemu-nbd).
 const MAX_EXTENTS: usize = (1 << 20) / 8;
-/// Error messages sent to clients are cut to this many bytes (the spec allows 4096).
-const MAX_MESSAGE: usize = 1024;
-
-/// Why a request failed: the NBD error and a message for the client.
-struct Failure {
-    error: u32,
-    msg: String,
-    /// The disk failed (rather than the request being refused): worth a line in the log.
-    disk: bool,
-}
-
-fn fail(error: u32, msg: impl Into<String>) -> Failure {
-    Failure {
-        error,
-        msg: msg.into(),
-        disk: false,
-    }
-}
-
-impl From<crate::Error> for Failure {
-    fn from(e: crate::Error) -> Failure {
-        Failure {
-            disk: true,
-            ..fail(nbd_error(e.errno()), e.to_string())
-        }
-    }
-}
 
 /// Runs a request and sends its reply; counts it in the export's statistics.
 pub(crate) fn execute(conn: &Conn, job: Job) {
@@ -116,99 +89,6 @@ pub(crate) fn read_done<'a>(
         zero_pieces(req.offset, buf, 0, &mut pieces);
     }
     out.pieces(req, buf, &pieces);
-}
-
-/// Replies put together to go out with one write on the socket: their header bytes are kept
-/// here, read data is borrowed from the request buffers.
-#[derive(Default)]
-pub(crate) struct Replies<'a> {
-    heads: Vec<u8>,
-    parts: Vec<Part<'a>>,
-}
-
-enum Part<'a> {
-    Head(std::ops::Range<usize>),
-    Data(&'a [u8]),
-}
-
-impl<'a> Replies<'a> {
-    fn head(&mut self, bytes: &[u8]) {
-        let at = self.heads.len();
-        self.heads.extend_from_slice(bytes);
-        match self.parts.last_mut() {
-            Some(Part::Head(r)) if r.end == at => r.end += bytes.len(),
-            _ => self.parts.push(Part::Head(at..at + bytes.len())),
-        }
-    }
-
-    fn data(&mut self, data: &'a [u8]) {
-        self.parts.push(Part::Data(data));
-    }
-
-    fn ok(&mut self, req: &Request) {
-        self.head(&simple_reply(0, req.cookie));
-    }
-
-    fn error(&mut self, conn: &Conn, req: &Request, f: Failure) {
-        let error = if f.error == 0 { EINVAL } else { f.error };
-        log_failure(conn, req, &f);
-        if !conn.session.structured {
-            self.head(&simple_reply(error, req.cookie));
-            return;
-        }
-        let mut end = f.msg.len().min(MAX_MESSAGE);
-        while !f.msg.is_char_boundary(end) {
-            end -= 1;
-        }
-        let msg = &f.msg.as_bytes()[..end];
-        let len = 6 + msg.len() as u32;
-        self.head(&chunk_header(
-            REPLY_FLAG_DONE,
-            REPLY_TYPE_ERROR,
-            req.cookie,
-            len,
-        ));
-        self.head(&error.to_be_bytes());
-        self.head(&(msg.len() as u16).to_be_bytes());
-        self.head(msg);
-    }
-
-    /// A structured read reply: the pieces of `buf` as data and hole chunks.
-    fn pieces(&mut self, req: &Request, buf: &'a [u8], pieces: &[Piece]) {
-        for (i, p) in pieces.iter().enumerate() {
-            let flags = if i + 1 == pieces.len() {
-                REPLY_FLAG_DONE
-            } else {
-                0
-            };
-            let offset = req.offset + p.start as u64;
-            if p.hole {
-                self.head(&chunk_header(flags, REPLY_TYPE_OFFSET_HOLE, req.cookie, 12));
-                self.head(&offset.to_be_bytes());
-                self.head(&(p.len as u32).to_be_bytes());
-            } else {
-                let n = 8 + p.len as u32;
-                self.head(&chunk_header(flags, REPLY_TYPE_OFFSET_DATA, req.cookie, n));
-                self.head(&offset.to_be_bytes());
-                self.data(&buf[p.start..p.start + p.len]);
-            }
-        }
-    }
-
-    /// Sends everything gathered as one write.
-    pub fn send(self, conn: &Conn) {
-        let mut iov: Vec<IoSlice<'_>> = self
-            .parts
-            .iter()
-            .map(|p| match p {
-                Part::Head(r) => IoSlice::new(&self.heads[r.clone()]),
-                Part::Data(d) => IoSlice::new(d),
-            })
-            .collect();
-        if !iov.is_empty() {
-            conn.send(&mut iov);
-        }
-    }
 }
 
 /// What the spec and qemu-nbd refuse before touching the disk.
@@ -381,55 +261,6 @@ fn cache(conn: &Conn, dev: &dyn BlockDev, req: &Request) -> Result<(), Failure> 
     }
     conn.put_buf(buf);
     Ok(result?)
-}
-
-fn send_ok(conn: &Conn, req: &Request) {
-    let mut out = Replies::default();
-    out.ok(req);
-    out.send(conn);
-}
-
-/// Disk failures are warnings (at most one line a second per export: a failing disk fails
-/// every request); refusals of a client's request are for debugging.
-fn log_failure(conn: &Conn, req: &Request, f: &Failure) {
-    let what = format_args!(
-        "{} {} at offset {:#x}, length {}",
-        conn.peer,
-        command_name(req.kind),
-        req.offset,
-        req.len
-    );
-    if !f.disk {
-        log!(conn.log, Level::Debug, "nbd: {what}: refused: {}", f.msg);
-    } else if conn.log.enabled(Level::Warn) {
-        if let Some(held) = conn.session.export.failures.admit() {
-            let more = if held > 0 {
-                format!(" ({held} more failures since the last line)")
-            } else {
-                String::new()
-            };
-            log!(
-                conn.log,
-                Level::Warn,
-                "nbd: {what}: failed: {}{more}",
-                f.msg
-            );
-        }
-    }
-}
-
-fn send_error(conn: &Conn, req: &Request, f: Failure) {
-    let mut out = Replies::default();
-    out.error(conn, req, f);
-    out.send(conn);
-}
-
-/// A content chunk of a read reply: `len` bytes at `start` of the request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Piece {
-    start: usize,
-    len: usize,
-    hole: bool,
 }
 
 /// Appends a piece, merging it with the previous one when they are alike; past the chunk limit

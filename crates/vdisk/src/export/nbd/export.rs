@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use super::log::Throttle;
-use super::metrics::RequestStats;
 use super::proto::*;
+use super::stats::RequestStats;
 use crate::blockdev::BlockDev;
 use crate::cache::{CacheMode, WithCache};
 use crate::formats::Image;

@@ -3,8 +3,8 @@
 //! and every command of the base protocol, answered in parallel and out of order.
 //!
 //! ```text
-//!   Server ── listeners (unix, tcp) ─► poller.rs: one thread, epoll, non-blocking sockets
-//!                                         │ handshake.rs: options until NBD_OPT_GO (time-limited)
+//!   Server ── listeners (unix, tcp) ─► server/poller.rs: one thread, epoll, non-blocking sockets
+//!                                         │ handshake/: options until NBD_OPT_GO (time-limited)
 //!                                         ▼
 //!                                      one thread per connection in transmission
 //!                                         │ transmission.rs: reader ─► workers ─► writer
@@ -18,27 +18,28 @@
 //! client that sends nothing costs no thread, and is dropped at the handshake time limit.
 
 mod commands;
-mod epoll;
+mod conn;
 mod export;
 #[doc(hidden)]
 pub mod fuzz;
 mod handshake;
 mod log;
 mod metrics;
-mod poller;
 pub mod proto;
 mod queued;
+mod replies;
 mod server;
+mod stats;
 mod stream;
 mod transmission;
 
 use std::io;
 
+pub use conn::Limits;
 pub use export::{Export, ExportOptions};
 pub use log::{stderr_sink, Level, Log, Logger, LEVEL_VAR};
 pub use server::{Server, ServerOptions, DEFAULT_HANDSHAKE_LIMIT, DEFAULT_IDLE_AFTER};
 pub use stream::{Address, Listener, Stream};
-pub use transmission::Limits;
 
 /// Why a connection ended early.
 #[derive(Debug)]

@@ -16,10 +16,11 @@
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
-use super::commands::{self, Replies};
+use super::commands;
+use super::conn::{Buf, Conn, Job, Payload};
 use super::log::{log, Level};
 use super::proto::{Request, CMD_FLAG_FUA, CMD_READ, CMD_WRITE};
-use super::transmission::{Buf, Conn, Job, Payload};
+use super::replies::Replies;
 use crate::io::{Backend, Completion, Declined, Dir, IoQueue};
 
 /// Reads up to this size go through io_uring; larger ones to the workers. Through the page

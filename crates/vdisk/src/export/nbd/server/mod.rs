@@ -25,14 +25,19 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use super::conn::Limits;
 use super::export::{Export, Exports};
 use super::handshake::Session;
 use super::log::{log, Level, Logger};
-use super::metrics::{self, ConnectionStats};
-use super::poller::{self, Command, Poller, Role};
+use super::metrics;
+use super::stats::ConnectionStats;
 use super::stream::{Address, Listener, Stream};
-use super::transmission::{self, Ended, Limits};
+use super::transmission::{self, Ended};
 use super::ConnError;
+use poller::{Command, Poller, Role};
+
+mod epoll;
+mod poller;
 
 /// How a server runs.
 #[derive(Clone)]

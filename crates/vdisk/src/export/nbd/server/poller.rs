@@ -23,11 +23,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::epoll::{self, Epoll, Event, EventFd};
-use super::handshake::{Handshake, Outcome};
-use super::log::{log, Level};
-use super::server::{Inner, Ready, Slot};
-use super::stream::{Listener, Stream};
-use super::ConnError;
+use super::{Inner, Ready, Slot};
+use crate::export::nbd::handshake::{Handshake, Outcome};
+use crate::export::nbd::log::{log, Level};
+use crate::export::nbd::stream::{Listener, Stream};
+use crate::export::nbd::ConnError;
 
 /// Reads (and accepts) per readiness report of one socket before others get their turn.
 const BATCH: usize = 64;
@@ -118,7 +118,7 @@ impl Entry {
 enum Step {
     /// Waiting for the client.
     Wait,
-    Go(super::handshake::Session),
+    Go(crate::export::nbd::handshake::Session),
     /// The client aborted or hung up cleanly; the reason, for the log.
     Closed(&'static str),
     Failed(ConnError),
@@ -483,7 +483,11 @@ impl Loop<'_> {
 
 /// Writes what the handshake has to say and reads what it can take, until the socket would
 /// block, the negotiation ends, or a batch is done.
-fn work(n: &mut Negotiating, exports: &super::export::Exports, scratch: &mut [u8]) -> Step {
+fn work(
+    n: &mut Negotiating,
+    exports: &crate::export::nbd::export::Exports,
+    scratch: &mut [u8],
+) -> Step {
     for _ in 0..BATCH {
         if let Err(e) = flush(n) {
             return Step::Failed(e.into());
