@@ -6,11 +6,13 @@
 //! caller can wait for either with one `read` (or an epoll loop).
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Mutex;
 
 use io_uring::{opcode, types, IoUring};
+
+use super::eventfd::EventFd;
 
 /// Which kernel interface carries the transfers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,51 +104,6 @@ impl Iocb {
                 .build(),
         };
         sqe.user_data(self.data)
-    }
-}
-
-/// A counter the kernel (or the queue itself) increments and a waiter reads, from Linux's
-/// `eventfd(2)`.
-#[derive(Debug)]
-pub(crate) struct EventFd(OwnedFd);
-
-impl EventFd {
-    fn new() -> io::Result<EventFd> {
-        // SAFETY: eventfd takes no pointers; a valid result is a new descriptor we own.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` was just returned by eventfd and nothing else owns it.
-        Ok(EventFd(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-
-    pub fn fd(&self) -> RawFd {
-        self.0.as_raw_fd()
-    }
-
-    /// Adds one, waking a waiter.
-    pub fn signal(&self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live array to our descriptor. It can only fail when
-        // the counter would overflow, and then a waiter is due to wake anyway.
-        unsafe { libc::write(self.fd(), one.as_ptr().cast(), 8) };
-    }
-
-    /// Waits until the counter is above zero, then resets it.
-    pub fn wait(&self) -> io::Result<()> {
-        let mut count = [0u8; 8];
-        loop {
-            // SAFETY: reads at most 8 bytes into a live array of 8.
-            let r = unsafe { libc::read(self.fd(), count.as_mut_ptr().cast(), 8) };
-            if r == 8 {
-                return Ok(());
-            }
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EINTR) {
-                return Err(e);
-            }
-        }
     }
 }
 

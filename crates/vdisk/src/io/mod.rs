@@ -18,6 +18,7 @@
 //! at submission (a full queue), a merged request that came back short or failed (each of its
 //! transfers then learns its own outcome). Each request is reported once, with its outcome.
 
+mod eventfd;
 mod kernel;
 mod table;
 
@@ -26,6 +27,7 @@ use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+pub(crate) use eventfd::EventFd;
 pub use kernel::Backend;
 
 use self::kernel::{IoEvent, Kernel};

@@ -1,5 +1,5 @@
-//! Safe wrappers over Linux's epoll(7) and a non-blocking eventfd(2), for the server's poller.
-//! The only unsafe code of the poller is here.
+//! Safe wrappers over Linux's epoll(7), for the server's poller. The only unsafe code of the
+//! poller is here.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -86,45 +86,16 @@ impl Epoll {
     }
 }
 
-/// A non-blocking eventfd: any thread signals it to wake the poller.
-pub(crate) struct EventFd(OwnedFd);
-
-impl EventFd {
-    pub fn new() -> io::Result<EventFd> {
-        // SAFETY: takes no pointers; a valid result is a new descriptor nothing else owns.
-        let fd = check(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })?;
-        // SAFETY: `fd` was just created and is owned by nothing else.
-        Ok(EventFd(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-
-    pub fn fd(&self) -> RawFd {
-        self.0.as_raw_fd()
-    }
-
-    pub fn signal(&self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live array. It fails only when the counter would
-        // overflow, and then the poller is due to wake anyway.
-        unsafe { libc::write(self.fd(), one.as_ptr().cast(), 8) };
-    }
-
-    /// Resets the counter (nothing to do when it is already zero).
-    pub fn drain(&self) {
-        let mut count = [0u8; 8];
-        // SAFETY: reads at most 8 bytes into a live array of 8; non-blocking.
-        unsafe { libc::read(self.fd(), count.as_mut_ptr().cast(), 8) };
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::io::EventFd;
     use std::io::Write;
 
     #[test]
     fn readiness_is_reported_with_its_token() {
         let ep = Epoll::new().unwrap();
-        let wake = EventFd::new().unwrap();
+        let wake = EventFd::nonblocking().unwrap();
         ep.add(wake.fd(), IN, 7).unwrap();
         let (mut a, b) = std::os::unix::net::UnixStream::pair().unwrap();
         ep.add(b.as_raw_fd(), IN | RDHUP, 9).unwrap();

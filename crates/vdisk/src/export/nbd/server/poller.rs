@@ -22,12 +22,13 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::epoll::{self, Epoll, Event, EventFd};
+use super::epoll::{self, Epoll, Event};
 use super::{Inner, Ready, Slot};
 use crate::export::nbd::handshake::{Handshake, Outcome};
 use crate::export::nbd::log::{log, Level};
 use crate::export::nbd::stream::{Listener, Stream};
 use crate::export::nbd::ConnError;
+use crate::io::EventFd;
 
 /// Reads (and accepts) per readiness report of one socket before others get their turn.
 const BATCH: usize = 64;
@@ -66,7 +67,7 @@ pub(crate) struct Poller {
 impl Poller {
     pub fn new() -> io::Result<Poller> {
         let epoll = Epoll::new()?;
-        let wake = EventFd::new()?;
+        let wake = EventFd::nonblocking()?;
         epoll.add(wake.fd(), epoll::IN, WAKE)?;
         Ok(Poller {
             epoll,
