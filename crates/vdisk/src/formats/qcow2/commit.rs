@@ -11,7 +11,9 @@
 //!    Writers wait at the commit gate from here to the end of step 3, so the metadata does not
 //!    change: what steps 1 to 3 write is captured under the metadata lock at once, and written
 //!    without it, with the copy-on-write fills before it. Readers go on meanwhile.
-//! 2. Only if the refcount table moved: the header, then a sync.
+//! 2. Only if the refcount table moved (by a writer's allocation, or by the pool's refill,
+//!    which runs under the lock just before the capture): the header, then a sync. The sync
+//!    ending step 1 is never skipped then, so the table is durable before the header names it.
 //! 3. The changed parts of L2 tables and of the L1 table, then a sync. The flush is complete.
 //!    This last sync runs after the commit gate is released: requests go on meanwhile, and a
 //!    flush that finds nothing left to write while it runs syncs itself rather than return
@@ -135,8 +137,9 @@ impl Qcow2 {
         // when no refcount went up (new clusters came from the pool, whose refcounts are
         // durable already) and every newly mapped cluster or table reads as its old content
         // even if its data never lands (see `Txn::ordered`): then one sync, after the mapping,
-        // makes the whole commit durable.
-        let barrier = ordered && mapping_dirty;
+        // makes the whole commit durable. A refcount table moved (by the pool's refill, too)
+        // must be durable before the header names it.
+        let barrier = (ordered && mapping_dirty) || refcounts.moved.is_some();
         if barrier {
             sync_data()?;
             sync("data and refcounts")?;
