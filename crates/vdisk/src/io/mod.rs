@@ -14,9 +14,10 @@
 //! benchmark). A caller that waits in an event loop of its own polls [`IoQueue::eventfd`].
 //!
 //! A transfer the kernel does not take runs with a blocking call of its storage instead: one
-//! without a descriptor (an unaligned direct transfer, storage that is not a file), one refused
-//! at submission (a full queue), a merged request that came back short or failed (each of its
-//! transfers then learns its own outcome). Each request is reported once, with its outcome.
+//! without a descriptor (an unaligned direct transfer, storage that is not a file), a merged
+//! request that came back short or failed (each of its transfers then learns its own outcome).
+//! One refused at submission (a full queue) waits for the next completions, and runs blocking
+//! only when nothing is left in the kernel. Each request is reported once, with its outcome.
 
 mod eventfd;
 mod kernel;
@@ -413,6 +414,11 @@ impl<B: IoBuf, T: Send> Drop for IoQueue<'_, B, T> {
         let mut out = Vec::new();
         while self.in_flight() > 0 {
             if self.wait(&mut out).is_err() {
+                // Requests may still be in the kernel (closing an io_uring does not wait for
+                // them): their buffers and vectors are leaked, not freed under it.
+                let t = self.table.get_mut().unwrap_or_else(|e| e.into_inner());
+                std::mem::forget(std::mem::take(&mut t.requests));
+                std::mem::forget(std::mem::take(&mut t.ops));
                 break;
             }
             out.clear();

@@ -110,8 +110,8 @@ pub trait Storage: Send + Sync {
     }
 
     /// The descriptor to which an asynchronous write of `buf` at `offset` (on the I/O queue)
-    /// may go, counted here as a write; `None` where this storage writes only through
-    /// `write_at`.
+    /// may go, counted here as a write (and again by `write_at` if the transfer is retried
+    /// with a blocking call); `None` where this storage writes only through `write_at`.
     fn async_write_fd(&self, offset: u64, buf: &[u8]) -> Option<RawFd> {
         let _ = (offset, buf);
         None

@@ -4,7 +4,7 @@
 //! | part       | module      | holds                                                         |
 //! |------------|-------------|---------------------------------------------------------------|
 //! | `tables`   | `tables.rs` | the L1 table, cached L2 tables, what changed in them           |
-//! | `refs`     | `alloc.rs`  | refcounts and the cluster allocator (writable images)          |
+//! | `refs`     | `alloc/`    | refcounts and the cluster allocator (writable images)          |
 //! | `pending`  | `cow.rs`    | new clusters whose gaps are not filled yet (`pending.rs`)      |
 //! | `txn`      | `commit.rs` | what the commit in progress must do and how far commits went   |
 //! | `packed`   | `packed.rs` | where compressed clusters are packed                           |

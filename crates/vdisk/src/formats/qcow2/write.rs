@@ -1,4 +1,5 @@
-//! The qcow2 write path: where guest writes go, cluster allocation, zeroes and discards.
+//! The qcow2 write path: where guest writes go (allocating entries: `entries.rs`; zeroes and
+//! discards: `zero.rs`).
 //!
 //! A write takes the metadata lock only to decide where each piece goes (allocating clusters
 //! and updating L2 entries in memory); the data itself is written after the lock is released,

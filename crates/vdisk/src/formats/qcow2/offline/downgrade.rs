@@ -22,6 +22,7 @@ use crate::formats::qcow2::l2::{
 };
 use crate::formats::qcow2::meta::Meta;
 use crate::formats::qcow2::offset::Host;
+use crate::formats::qcow2::overlap::overlap_message;
 use crate::formats::qcow2::{read_l1, Qcow2};
 use crate::storage::zero_range;
 
@@ -129,9 +130,7 @@ impl Qcow2 {
                         })
                         .overlap(0, host, cs)
                         {
-                            return Err(Error::corrupt(format!(
-                                "Preventing invalid write on metadata (overlaps with {what})"
-                            )));
+                            return Err(Error::corrupt(overlap_message(what)));
                         }
                         zero_range(&*self.file, host, cs)
                             .context(|| format!("zeroing the cluster at {host:#x}"))?;

@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::formats::info::Messages;
 use crate::formats::qcow2::corrupt::{marking_corrupt, write_incompatible};
 use crate::formats::qcow2::header::{Header, INCOMPAT_CORRUPT};
+use crate::formats::qcow2::overlap::overlap_message;
 use crate::formats::qcow2::{bitmaps, l2, Qcow2};
 use crate::storage::Storage;
 
@@ -136,11 +137,7 @@ impl Tables<'_> {
         };
         let q = self.q;
         if let Some(signal) = signal {
-            signal.fatal(
-                &**q.file(),
-                &format!("Preventing invalid write on metadata (overlaps with {what})"),
-                say,
-            );
+            signal.fatal(&**q.file(), &overlap_message(what), say);
         }
         Err(eio(&format!(
             "a write at {offset:#x} would overwrite the {what}"
