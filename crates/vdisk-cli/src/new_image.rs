@@ -1,8 +1,6 @@
 //! New images, made as `qemu-img create` makes them: `create` makes the one its command line
 //! describes, `convert` and `dd` their targets.
 
-use std::sync::Arc;
-
 use vdisk::formats::qcow2::create::{create as create_qcow2, CreateOptions};
 use vdisk::formats::qcow2::header::Compression;
 use vdisk::formats::raw;
@@ -106,33 +104,81 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
     if !args.quiet {
         println!("{}", formatting_line(args.filename, format, &o, &shown));
     }
-    // Disks are whole sectors (the line above shows the size as asked, like qemu-img).
-    o.size = o.size.next_multiple_of(512);
-    // As qemu-img: refused after the line above, before any file is made.
-    if format == Format::QCOW2 {
-        o.validate()?;
+    // Disks are whole sectors (the line above shows the size as asked, like qemu-img); a size
+    // rounded past 2^64 is past every limit below as well.
+    o.size = o.size.checked_next_multiple_of(512).unwrap_or(u64::MAX);
+    // Everything that can refuse the image is checked before any file is made or cut, so a
+    // refused create leaves an existing file as it was (qemu-img cuts it first, and deletes a
+    // qcow2 image it could not make).
+    let image_len = match format.name() {
+        // QEMU takes the length as an off_t, which such a size does not fit.
+        "raw" if o.size > i64::MAX as u64 => {
+            return Err(Error::invalid("Could not resize file: Invalid argument"))
+        }
+        "raw" => o.size,
+        // Refuses, after the line above, the options and sizes QEMU refuses.
+        "qcow2" => o.file_len()?,
+        name => {
+            return Err(Error::unsupported(format!(
+                "Format driver '{name}' does not support image creation"
+            )))
+        }
+    };
+    let file = NewFile::open(args.filename, image_len, format, false)?;
+    let data = match &o.data_file {
+        // qcow2's create cuts the data file whatever it holds: probing it costs nothing more.
+        Some(name) => {
+            Some(NewFile::open(name, o.size, format, true).inspect_err(|_| file.remove_if_made())?)
+        }
+        None => None,
+    };
+    // Metadata preallocation is qcow2's. qemu-img refuses it for raw once the file is made
+    // (empty), as here, but also cuts an existing file.
+    if format == Format::RAW && o.preallocation == Preallocation::Metadata {
+        return Err(Error::unsupported(
+            "Unsupported preallocation mode: metadata",
+        ));
     }
-    let file = new_file(args.filename)?;
-    match format.name() {
-        "raw" => {
-            // Metadata preallocation is qcow2's; qemu refuses it after creating the file.
-            if o.preallocation == Preallocation::Metadata {
-                return Err(Error::unsupported(
-                    "Unsupported preallocation mode: metadata",
-                ));
+    // Only now, with both files known to take their lengths, is anything in them given up
+    // (qcow2's create cuts the data file).
+    file.cut()?;
+    let made = match format.name() {
+        "raw" => raw::create(&file.storage, o.size, o.preallocation),
+        _ => create_qcow2(
+            &file.storage,
+            data.as_ref().map(|d| &d.storage as &dyn Storage),
+            &o,
+        ),
+    };
+    made.map_err(|e| {
+        // As qemu-img, which deletes a qcow2 image (and data file) it failed to make; vdisk
+        // deletes only the files it made itself.
+        if format == Format::QCOW2 {
+            file.remove_if_made();
+            if let Some(d) = &data {
+                d.remove_if_made();
             }
-            raw::create(&*file, o.size, o.preallocation)
         }
-        "qcow2" => {
-            let data = match &o.data_file {
-                Some(name) => Some(new_file(name)?),
-                None => None,
+        too_large(e, format)
+    })
+}
+
+/// A file system's refusal of a file's length (EFBIG), in qemu-img's words.
+fn too_large(e: Error, format: Format) -> Error {
+    match &e {
+        Error::Io { source, .. } if source.raw_os_error() == Some(libc::EFBIG) => {
+            // qemu-img hints at the cluster size when the format has that option.
+            let hint = if format == Format::QCOW2 {
+                " (try using a larger cluster size)"
+            } else {
+                ""
             };
-            create_qcow2(&*file, data.as_deref(), &o)
+            Error::invalid(format!(
+                "The image size is too large for file format '{}'{hint}",
+                format.name()
+            ))
         }
-        name => Err(Error::unsupported(format!(
-            "Format driver '{name}' does not support image creation"
-        ))),
+        _ => e,
     }
 }
 
@@ -152,21 +198,83 @@ fn refuse_backing(args: &NewImage) -> vdisk::Result<()> {
     Ok(())
 }
 
-fn new_file(name: &str) -> vdisk::Result<Arc<dyn Storage>> {
-    let opts = OpenOptions {
-        write: true,
-        create: true,
-        direct: false,
-    };
-    let create_error = |source| Error::Io {
+/// A file opened (made if missing) and locked for a new image, not yet cut.
+struct NewFile {
+    name: String,
+    storage: FileStorage,
+    /// Whether this create made the file, which it may then delete on failure.
+    made: bool,
+}
+
+impl NewFile {
+    /// Opens `name` and checks that the file system takes `len` bytes in it, leaving what the
+    /// file holds untouched; an empty file only if `even_empty`.
+    fn open(name: &str, len: u64, format: Format, even_empty: bool) -> vdisk::Result<NewFile> {
+        let opts = OpenOptions {
+            write: true,
+            create: true,
+            direct: false,
+        };
+        let made = std::fs::symlink_metadata(name).is_err();
+        let file = FileStorage::open(name.as_ref(), opts).map_err(|e| create_error(name, e))?;
+        let new = NewFile {
+            name: name.to_string(),
+            storage: file,
+            made,
+        };
+        new.probe(len, format, even_empty)
+            .inspect_err(|_| new.remove_if_made())?;
+        Ok(new)
+    }
+
+    fn probe(&self, len: u64, format: Format, even_empty: bool) -> vdisk::Result<()> {
+        // Before anything changes: never over an image another process uses.
+        self.storage
+            .lock(self.name.as_ref(), LockRole::Qcow2, LockUse::WRITER)?;
+        let io = |e| create_error(&self.name, e);
+        let old = self.storage.len().map_err(io)?;
+        // A length the file system cannot hold (EFBIG) is found by growing a file that holds
+        // something, which then keeps its bytes: the image is refused with nothing lost. An
+        // empty file has nothing to lose, and growing and cutting it would cost a writeback at
+        // close on ext4 (see `cut`); it learns its limit when the image is made.
+        if (old > 0 || even_empty) && len > old {
+            self.storage
+                .set_len(len)
+                .map_err(|e| too_large(io(e), format))?;
+            self.storage.set_len(old).map_err(io)?;
+        }
+        Ok(())
+    }
+
+    /// Empties the file for the new image.
+    fn cut(&self) -> vdisk::Result<()> {
+        // Only a file that holds something is cut: ext4 starts writing back all the data of a
+        // file truncated to length zero (even one that was empty) when it is closed
+        // (auto_da_alloc), so the writer of a new image would spend its close waiting for it.
+        if !self
+            .storage
+            .is_empty()
+            .map_err(|e| create_error(&self.name, e))?
+        {
+            self.storage
+                .set_len(0)
+                .map_err(|e| create_error(&self.name, e))?;
+        }
+        Ok(())
+    }
+
+    fn remove_if_made(&self) {
+        if self.made {
+            let _ = std::fs::remove_file(&self.name);
+        }
+    }
+}
+
+fn create_error(name: &str, source: std::io::Error) -> Error {
+    Error::Io {
         context: format!("Could not create '{name}'"),
         source,
-    };
-    let file = FileStorage::open(name.as_ref(), opts).map_err(create_error)?;
-    // Before the file is cut: never over an image another process uses.
-    file.lock(name.as_ref(), LockRole::Qcow2, LockUse::WRITER)?;
-    file.set_len(0).map_err(create_error)?;
-    Ok(Arc::new(file))
+    }
 }
 
 /// Opens the backing file named for a new image (relative to the new image, as it will be

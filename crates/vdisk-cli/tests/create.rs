@@ -201,3 +201,66 @@ fn create_matches_qemu_img() {
     }
     f.finish();
 }
+
+/// (format, options, size) that no file can hold: qemu-img refuses each after cutting an
+/// existing file (and deleting a qcow2 image); vdisk refuses it with the same words and leaves
+/// the file as it was (issue 28 item 4).
+const IMPOSSIBLE: &[(&str, &str, &str)] = &[
+    ("qcow2", "", "-1"),
+    ("qcow2", "", "9223372036854775807"),
+    ("qcow2", "", "2E"),
+    ("qcow2", "cluster_size=512", "1E"),
+    ("qcow2", "cluster_size=1k,extended_l2=off", "100T"),
+    ("qcow2", "cluster_size=4M", "1G"),
+    ("qcow2", "cluster_size=1000", "1G"),
+    ("qcow2", "refcount_bits=3", "1G"),
+    ("qcow2", "extended_l2=on,cluster_size=4k", "1G"),
+    ("qcow2", "preallocation=full", "4E"),
+    ("raw", "", "-1"),
+    ("raw", "", "9223372036854775807"),
+    ("raw", "preallocation=metadata", "1M"),
+    // Beyond what some file systems hold (ext4: 16 TiB): compared only where qemu-img fails.
+    ("raw", "", "100T"),
+    ("raw", "preallocation=falloc", "100T"),
+    ("qcow2", "data_file=data", "100T"),
+];
+
+#[test]
+fn refused_create_leaves_an_existing_file_alone() {
+    let Some(tools) = tools() else { return };
+    let (qd, vd) = (
+        Workdir::new(&tools, "create-refused-qemu"),
+        Workdir::new(&tools, "create-refused-vdisk"),
+    );
+    let mut f = Failures::new("create-refused", &vd);
+    let before = common::random_bytes(100_000, 28);
+    for (format, opts, size) in IMPOSSIBLE {
+        let name = format!("{format} [{opts} {size}]");
+        let mut args = vec!["create", "-f", format];
+        if !opts.is_empty() {
+            args.extend(["-o", opts]);
+        }
+        args.extend(["--", "img", size]);
+        for wd in [&qd, &vd] {
+            wd.write_file("img", &before);
+            let _ = std::fs::remove_file(wd.abs("data"));
+        }
+        let q = qd.qemu_img(&args);
+        if q.success() {
+            // This file system holds the size; nothing to compare.
+            continue;
+        }
+        let v = vd.vdisk(&args);
+        f.same_outcome(&name, "refused create", &q, &v);
+        if !f.count(vd.read_file("img") == before) {
+            f.add(&name, "existing file", "changed by vdisk");
+        }
+        f.same_text(
+            &name,
+            "data file made",
+            "false",
+            &vd.abs("data").exists().to_string(),
+        );
+    }
+    f.finish();
+}

@@ -125,6 +125,28 @@ impl CreateOptions {
     }
 }
 
+impl CreateOptions {
+    /// The length of the image file these options make (its metadata and the data clusters it
+    /// preallocates, rounded up to whole clusters), or QEMU's refusal of a size the format
+    /// cannot hold. It needs no file, so callers learn before cutting an existing one whether
+    /// [`create`] can succeed. It refuses the options [`CreateOptions::validate`] refuses.
+    pub fn file_len(&self) -> Result<u64> {
+        self.validate()?;
+        // QEMU takes the size as an int64_t; a size rounded up past it is negative there.
+        if self.size > i64::MAX as u64 {
+            return Err(Error::invalid(
+                "Could not resize image: Image size cannot be negative",
+            ));
+        }
+        let per_block = refcount::entries_per_block(
+            self.cluster_size.trailing_zeros(),
+            self.refcount_bits.trailing_zeros(),
+        );
+        let l = layout(self, per_block)?;
+        Ok(l.total * self.cluster_size)
+    }
+}
+
 /// Where everything of a new image goes, in clusters.
 struct Layout {
     refcount_table: u64,
@@ -145,8 +167,10 @@ fn layout(o: &CreateOptions, per_block: u64) -> Result<Layout> {
     let l2_entries = cs / if o.extended_l2 { 16 } else { 8 };
     let l1_entries = o.size.div_ceil(cs * l2_entries);
     if l1_entries * 8 > MAX_L1_BYTES {
+        // qemu-img's words for a size no L1 table can map (it says the same of EFBIG).
         return Err(Error::invalid(
-            "Image size is too large for this cluster size",
+            "The image size is too large for file format 'qcow2' (try using a larger cluster \
+             size)",
         ));
     }
     let l1_clusters = (l1_entries * 8).div_ceil(cs);
