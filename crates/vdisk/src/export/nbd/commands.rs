@@ -1,11 +1,11 @@
-//! Running one request against the disk and answering it: checks (flags, bounds, read-only),
-//! the command itself, and its reply (put together in `replies.rs`).
-
-use std::io::IoSlice;
+//! Running one request against the disk and answering it: checks (flags, bounds, read-only,
+//! payloads), the command itself, and its reply (put together in `replies.rs`; block status in
+//! `status.rs`).
 
 use super::conn::{Conn, Job, Payload};
 use super::proto::*;
 use super::replies::{fail, send_error, send_ok, Failure, Piece, Replies};
+use super::status::block_status;
 use crate::blockdev::BlockDev;
 use crate::bytes::{is_zero, ZEROES, ZERO_CHUNK};
 
@@ -16,8 +16,6 @@ const STATUS_READ_MIN: usize = 256 << 10;
 const HOLE_GRAIN: u64 = 4096;
 /// Content chunks per read reply at most; the rest of the read goes out as data.
 const MAX_READ_CHUNKS: usize = 64;
-/// Extents per block status chunk at most (1 MiB of descriptors, as qemu-nbd).
-const MAX_EXTENTS: usize = (1 << 20) / 8;
 
 /// Runs a request and sends its reply; counts it in the export's statistics.
 pub(crate) fn execute(conn: &Conn, job: Job) {
@@ -34,21 +32,21 @@ pub(crate) fn execute(conn: &Conn, job: Job) {
 }
 
 /// Whether a request without a payload problem passes the checks of [`check`].
-pub(crate) fn passes_checks(conn: &Conn, req: &Request) -> bool {
+pub(crate) fn passes_checks(conn: &Conn, req: &ExtendedRequest) -> bool {
     check(conn, req, &Payload::None).is_ok()
 }
 
 /// Answers a write whose data went out on the AIO path (into `out`), and counts it.
 pub(crate) fn write_done(
     conn: &Conn,
-    req: &Request,
+    req: &ExtendedRequest,
     result: crate::Result<()>,
     out: &mut Replies<'_>,
 ) {
     let stats = &conn.session.export.stats;
     match result {
         Ok(()) => {
-            stats.record(req.kind, true, u64::from(req.len));
+            stats.record(req.kind, true, req.len);
             out.ok(req);
         }
         Err(e) => {
@@ -61,7 +59,7 @@ pub(crate) fn write_done(
 /// Answers a read whose data came through the AIO path (into `out`), and counts it.
 pub(crate) fn read_done<'a>(
     conn: &Conn,
-    req: &Request,
+    req: &ExtendedRequest,
     buf: &'a [u8],
     result: crate::Result<()>,
     out: &mut Replies<'a>,
@@ -72,9 +70,9 @@ pub(crate) fn read_done<'a>(
         out.error(conn, req, e.into());
         return;
     }
-    stats.record(req.kind, true, u64::from(req.len));
+    stats.record(req.kind, true, req.len);
     if !conn.session.structured {
-        out.head(&simple_reply(0, req.cookie));
+        out.simple_read(req);
         out.data(buf);
         return;
     }
@@ -92,26 +90,28 @@ pub(crate) fn read_done<'a>(
 }
 
 /// What the spec and qemu-nbd refuse before touching the disk.
-fn check(conn: &Conn, req: &Request, payload: &Payload) -> Result<(), Failure> {
+fn check(conn: &Conn, req: &ExtendedRequest, payload: &Payload) -> Result<(), Failure> {
     let s = &conn.session;
     let name = command_name(req.kind);
     if req.kind > CMD_BLOCK_STATUS || req.kind == CMD_DISC {
         return Err(fail(EINVAL, format!("invalid request type ({})", req.kind)));
     }
     if matches!(payload, Payload::Dropped) {
-        return Err(fail(
-            EINVAL,
+        let msg = if req.kind == CMD_WRITE {
             format!(
                 "write of {} bytes is larger than the maximum of {MAX_PAYLOAD}",
                 req.len
-            ),
-        ));
+            )
+        } else {
+            format!("{name} takes no payload (sent {} bytes)", req.len)
+        };
+        return Err(fail(EINVAL, msg));
     }
     let writes = matches!(req.kind, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
     if writes && s.export.options().read_only {
         return Err(fail(EPERM, "export is read-only"));
     }
-    if matches!(req.kind, CMD_READ | CMD_CACHE) && req.len > MAX_PAYLOAD {
+    if matches!(req.kind, CMD_READ | CMD_CACHE) && req.len > u64::from(MAX_PAYLOAD) {
         return Err(fail(
             EOVERFLOW,
             format!(
@@ -121,7 +121,8 @@ fn check(conn: &Conn, req: &Request, payload: &Payload) -> Result<(), Failure> {
         ));
     }
     let size = s.export.size();
-    if req.kind != CMD_FLUSH && (req.offset > size || u64::from(req.len) > size - req.offset) {
+    // Effect lengths of extended requests reach 2^64 - 1: compared without adding them.
+    if req.kind != CMD_FLUSH && (req.offset > size || req.len > size - req.offset) {
         let error = if matches!(req.kind, CMD_WRITE | CMD_WRITE_ZEROES) {
             ENOSPC
         } else {
@@ -138,6 +139,7 @@ fn check(conn: &Conn, req: &Request, payload: &Payload) -> Result<(), Failure> {
     let allowed = CMD_FLAG_FUA
         | match req.kind {
             CMD_READ if s.structured => CMD_FLAG_DF,
+            CMD_WRITE if s.extended => CMD_FLAG_PAYLOAD_LEN,
             CMD_WRITE_ZEROES => CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
             CMD_BLOCK_STATUS => CMD_FLAG_REQ_ONE,
             _ => 0,
@@ -166,10 +168,10 @@ fn check(conn: &Conn, req: &Request, payload: &Payload) -> Result<(), Failure> {
 }
 
 /// Runs a checked request; on success its reply has been sent. Returns the bytes it moved.
-fn run(conn: &Conn, req: &Request, payload: Payload) -> Result<u64, Failure> {
+fn run(conn: &Conn, req: &ExtendedRequest, payload: Payload) -> Result<u64, Failure> {
     let dev = conn.session.export.dev();
     let fua = req.flags & CMD_FLAG_FUA != 0;
-    let len = u64::from(req.len);
+    let len = req.len;
     match req.kind {
         CMD_READ => {
             if fua {
@@ -221,7 +223,7 @@ fn run(conn: &Conn, req: &Request, payload: Payload) -> Result<u64, Failure> {
     Ok(len)
 }
 
-fn write_zeroes(dev: &dyn BlockDev, req: &Request) -> Result<(), Failure> {
+fn write_zeroes(dev: &dyn BlockDev, req: &ExtendedRequest) -> Result<(), Failure> {
     let no_hole = req.flags & CMD_FLAG_NO_HOLE != 0;
     let fast = req.flags & CMD_FLAG_FAST_ZERO != 0;
     if no_hole && fast {
@@ -233,13 +235,13 @@ fn write_zeroes(dev: &dyn BlockDev, req: &Request) -> Result<(), Failure> {
     }
     if !no_hole {
         if req.len > 0 && fast {
-            dev.write_zeroes_fast(req.offset, u64::from(req.len))?;
+            dev.write_zeroes_fast(req.offset, req.len)?;
         } else if req.len > 0 {
-            dev.write_zeroes(req.offset, u64::from(req.len))?;
+            dev.write_zeroes(req.offset, req.len)?;
         }
         return Ok(());
     }
-    let (mut pos, end) = (req.offset, req.offset + u64::from(req.len));
+    let (mut pos, end) = (req.offset, req.offset + req.len);
     while pos < end {
         let n = (end - pos).min(ZERO_CHUNK as u64) as usize;
         dev.write(pos, &ZEROES[..n])?;
@@ -250,8 +252,8 @@ fn write_zeroes(dev: &dyn BlockDev, req: &Request) -> Result<(), Failure> {
 
 /// NBD_CMD_CACHE: reads the range (and throws it away) so the engine's caches hold its
 /// mappings and the host's page cache its data.
-fn cache(conn: &Conn, dev: &dyn BlockDev, req: &Request) -> Result<(), Failure> {
-    let (mut pos, end) = (req.offset, req.offset + u64::from(req.len));
+fn cache(conn: &Conn, dev: &dyn BlockDev, req: &ExtendedRequest) -> Result<(), Failure> {
+    let (mut pos, end) = (req.offset, req.offset + req.len);
     let mut buf = conn.take_buf(ZERO_CHUNK.min(req.len as usize));
     let mut result = Ok(());
     while pos < end && result.is_ok() {
@@ -288,14 +290,16 @@ fn zero_pieces(offset: u64, buf: &[u8], base: usize, out: &mut Vec<Piece>) {
     }
 }
 
-fn read(conn: &Conn, req: &Request) -> Result<(), Failure> {
+fn read(conn: &Conn, req: &ExtendedRequest) -> Result<(), Failure> {
     let dev = conn.session.export.dev();
     let len = req.len as usize;
     let mut buf = conn.take_buf(len);
     let result = if !conn.session.structured {
         dev.read(req.offset, &mut buf).map(|()| {
-            let head = simple_reply(0, req.cookie);
-            conn.send(&mut [IoSlice::new(&head), IoSlice::new(&buf)]);
+            let mut out = Replies::new(conn);
+            out.simple_read(req);
+            out.data(&buf);
+            out.send(conn);
         })
     } else {
         read_structured(conn, dev, req, &mut buf)
@@ -307,14 +311,15 @@ fn read(conn: &Conn, req: &Request) -> Result<(), Failure> {
 fn read_structured(
     conn: &Conn,
     dev: &dyn BlockDev,
-    req: &Request,
+    req: &ExtendedRequest,
     buf: &mut [u8],
 ) -> crate::Result<()> {
     let len = buf.len();
     let mut pieces = Vec::new();
     if len == 0 {
-        let head = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, req.cookie, 0);
-        conn.send(&mut [IoSlice::new(&head)]);
+        let mut out = Replies::new(conn);
+        out.chunk(REPLY_FLAG_DONE, REPLY_TYPE_NONE, req, 0);
+        out.send(conn);
         return Ok(());
     }
     if req.flags & CMD_FLAG_DF != 0 {
@@ -357,86 +362,9 @@ fn read_structured(
         dev.read(req.offset, buf)?;
         zero_pieces(req.offset, buf, 0, &mut pieces);
     }
-    let mut out = Replies::default();
+    let mut out = Replies::new(conn);
     out.pieces(req, buf, &pieces);
     out.send(conn);
-    Ok(())
-}
-
-/// Extents of one metadata context: (length, flags), merged when alike.
-#[derive(Default)]
-struct Extents(Vec<(u32, u32)>);
-
-impl Extents {
-    fn add(&mut self, len: u32, flags: u32) {
-        match self.0.last_mut() {
-            Some(last) if last.1 == flags => last.0 += len,
-            _ => self.0.push((len, flags)),
-        }
-    }
-
-    /// Whether more statuses cannot change what will be sent: `limit` extents are closed.
-    fn full(&self, limit: usize) -> bool {
-        self.0.len() > limit
-    }
-}
-
-fn block_status(conn: &Conn, dev: &dyn BlockDev, req: &Request) -> Result<(), Failure> {
-    let s = &conn.session;
-    let limit = if req.flags & CMD_FLAG_REQ_ONE != 0 {
-        1
-    } else {
-        MAX_EXTENTS
-    };
-    let (mut base, mut depth) = (Extents::default(), Extents::default());
-    let end = req.offset + u64::from(req.len);
-    let mut pos = req.offset;
-    while pos < end {
-        let st = dev.block_status(pos, end - pos)?;
-        // The request is at most 4 GiB - 1, so every run fits the 32-bit length.
-        let n = st.len.min(end - pos);
-        if n == 0 {
-            return Err(fail(
-                EIO,
-                format!("block status at {pos:#x} reported an empty run"),
-            ));
-        }
-        let alloc = if st.data { 0 } else { STATE_HOLE } | if st.zero { STATE_ZERO } else { 0 };
-        base.add(n as u32, alloc);
-        depth.add(n as u32, if st.present { st.depth + 1 } else { 0 });
-        pos += n;
-        let done_base = !s.base_allocation || base.full(limit);
-        let done_depth = !s.allocation_depth || depth.full(limit);
-        if done_base && done_depth {
-            break;
-        }
-    }
-    let mut contexts = Vec::new();
-    if s.base_allocation {
-        contexts.push((CONTEXT_ID_BASE_ALLOCATION, base));
-    }
-    if s.allocation_depth {
-        contexts.push((CONTEXT_ID_ALLOCATION_DEPTH, depth));
-    }
-    let mut out = Vec::new();
-    let count = contexts.len();
-    for (i, (id, mut ext)) in contexts.into_iter().enumerate() {
-        ext.0.truncate(limit);
-        let flags = if i + 1 == count { REPLY_FLAG_DONE } else { 0 };
-        let len = 4 + 8 * ext.0.len() as u32;
-        out.extend_from_slice(&chunk_header(
-            flags,
-            REPLY_TYPE_BLOCK_STATUS,
-            req.cookie,
-            len,
-        ));
-        out.extend_from_slice(&id.to_be_bytes());
-        for (l, f) in ext.0 {
-            out.extend_from_slice(&l.to_be_bytes());
-            out.extend_from_slice(&f.to_be_bytes());
-        }
-    }
-    conn.send(&mut [IoSlice::new(&out)]);
     Ok(())
 }
 
@@ -488,16 +416,5 @@ mod tests {
         assert_eq!(p.len(), MAX_READ_CHUNKS);
         assert!(!p.last().unwrap().hole);
         assert_eq!(p.iter().map(|p| p.len).sum::<usize>(), buf.len());
-    }
-
-    #[test]
-    fn extents_merge_and_close() {
-        let mut e = Extents::default();
-        e.add(512, 3);
-        e.add(512, 3);
-        assert!(!e.full(1));
-        e.add(4096, 0);
-        assert!(e.full(1));
-        assert_eq!(e.0, vec![(1024, 3), (4096, 0)]);
     }
 }

@@ -11,7 +11,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 
 use super::handshake::Session;
 use super::log::{log, Level, Logger};
-use super::proto::{Request, MAX_PAYLOAD};
+use super::proto::{ExtendedRequest, MAX_PAYLOAD};
 use super::stream::Stream;
 use crate::bytes::AlignedBuf;
 use crate::io::{Backend, IoBuf};
@@ -49,7 +49,7 @@ impl Default for Limits {
 
 /// A request taken off the socket, with its payload.
 pub(crate) struct Job {
-    pub req: Request,
+    pub req: ExtendedRequest,
     pub payload: Payload,
     /// Payload bytes reserved for it in the connection's budget.
     pub budget: usize,
@@ -58,7 +58,8 @@ pub(crate) struct Job {
 pub(crate) enum Payload {
     None,
     Data(Buf),
-    /// A write payload too large to hold, read and thrown away.
+    /// A payload read and thrown away: a compact write's too large to hold, or one sent (with
+    /// NBD_CMD_FLAG_PAYLOAD_LEN) with a command that takes none.
     Dropped,
 }
 

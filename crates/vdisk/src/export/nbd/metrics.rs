@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use super::export::Export;
 use super::proto::command_name;
-use super::stats::{ConnectionStats, COMMANDS};
+use super::stats::{ConnectionStats, COMMANDS, REPLY_FORMS};
 use crate::io::IoCountersSnapshot;
 use crate::storage::IoStatsSnapshot;
 use crate::CountersSnapshot;
@@ -104,6 +104,19 @@ pub fn render(exports: &[Arc<Export>], conns: &ConnectionStats) -> String {
         &[],
         conns.protocol_errors.load(Relaxed),
     );
+    f.head(
+        "vdisk_nbd_sessions_total",
+        "counter",
+        "Handshakes that reached transmission, by the replies negotiated (extended: \
+         NBD_OPT_EXTENDED_HEADERS).",
+    );
+    for (form, n) in REPLY_FORMS.iter().zip(&conns.sessions) {
+        f.sample(
+            "vdisk_nbd_sessions_total",
+            &[("replies", form)],
+            n.load(Relaxed),
+        );
+    }
 
     f.head(
         "vdisk_nbd_requests_total",

@@ -1,6 +1,8 @@
 //! An NBD server (the NBD project's doc/proto.md): fixed newstyle negotiation without TLS,
-//! structured replies with holes, `base:allocation` and `qemu:allocation-depth` block status,
-//! and every command of the base protocol, answered in parallel and out of order.
+//! structured replies with holes, extended headers (64-bit lengths, the extension-ext-header
+//! branch of the spec, as QEMU 10 speaks them), `base:allocation` and `qemu:allocation-depth`
+//! block status, and every command of the base protocol, answered in parallel and out of
+//! order.
 //!
 //! ```text
 //!   Server ── listeners (unix, tcp) ─► server/poller.rs: one thread, epoll, non-blocking sockets
@@ -30,6 +32,7 @@ mod queued;
 mod replies;
 mod server;
 mod stats;
+mod status;
 mod stream;
 mod transmission;
 

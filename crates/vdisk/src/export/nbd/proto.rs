@@ -1,5 +1,7 @@
 //! The NBD wire protocol (the NBD project's doc/proto.md): magic numbers, option, command and
-//! reply codes, and the fixed-size headers. Everything on the wire is big-endian.
+//! reply codes, and the fixed-size headers: compact ones, and the extended ones of
+//! NBD_OPT_EXTENDED_HEADERS (the spec's extension-ext-header branch). Everything on the wire is
+//! big-endian.
 
 /// "NBDMAGIC": the first eight bytes a server sends.
 pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
@@ -24,6 +26,7 @@ pub const OPT_GO: u32 = 7;
 pub const OPT_STRUCTURED_REPLY: u32 = 8;
 pub const OPT_LIST_META_CONTEXT: u32 = 9;
 pub const OPT_SET_META_CONTEXT: u32 = 10;
+pub const OPT_EXTENDED_HEADERS: u32 = 11;
 
 // Option replies.
 pub const REP_ACK: u32 = 1;
@@ -36,6 +39,7 @@ pub const REP_ERR_INVALID: u32 = (1 << 31) + 3;
 pub const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
 pub const REP_ERR_SHUTDOWN: u32 = (1 << 31) + 7;
 pub const REP_ERR_TOO_BIG: u32 = (1 << 31) + 9;
+pub const REP_ERR_EXT_HEADER_REQD: u32 = (1 << 31) + 10;
 
 // Information types of NBD_OPT_INFO and NBD_OPT_GO.
 pub const INFO_EXPORT: u16 = 0;
@@ -59,9 +63,16 @@ pub const FLAG_SEND_FAST_ZERO: u16 = 1 << 11;
 pub const REQUEST_MAGIC: u32 = 0x2560_9513;
 pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
 pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+/// Extended headers (NBD_OPT_EXTENDED_HEADERS): every request and every reply.
+pub const EXTENDED_REQUEST_MAGIC: u32 = 0x21e4_1c71;
+pub const EXTENDED_REPLY_MAGIC: u32 = 0x6e8a_278c;
 
-/// A request header: magic, flags, type, cookie, offset, length.
+/// A compact request header: magic, flags, type, cookie, offset, 32-bit length.
 pub const REQUEST_SIZE: usize = 28;
+/// An extended request header: magic, flags, type, cookie, offset, 64-bit length.
+pub const EXTENDED_REQUEST_SIZE: usize = 32;
+/// An extended reply header: magic, flags, type, cookie, offset, 64-bit length.
+pub const EXTENDED_REPLY_SIZE: usize = 32;
 
 // Commands.
 pub const CMD_READ: u16 = 0;
@@ -79,6 +90,9 @@ pub const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
 pub const CMD_FLAG_DF: u16 = 1 << 2;
 pub const CMD_FLAG_REQ_ONE: u16 = 1 << 3;
 pub const CMD_FLAG_FAST_ZERO: u16 = 1 << 4;
+/// With extended headers: the length is that of a payload following the header (else an
+/// effect length, with no payload).
+pub const CMD_FLAG_PAYLOAD_LEN: u16 = 1 << 5;
 
 // Structured replies.
 pub const REPLY_FLAG_DONE: u16 = 1 << 0;
@@ -86,6 +100,7 @@ pub const REPLY_TYPE_NONE: u16 = 0;
 pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
 pub const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
 pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
+pub const REPLY_TYPE_BLOCK_STATUS_EXT: u16 = 6;
 pub const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
 
 // Error values (the spec's restricted set; see [`nbd_error`]).
@@ -168,6 +183,61 @@ impl Request {
     }
 }
 
+/// A request as the server handles it: an extended header as sent, or a compact one with its
+/// length widened (the wider form holds both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExtendedRequest {
+    pub flags: u16,
+    pub kind: u16,
+    pub cookie: u64,
+    pub offset: u64,
+    /// A payload length with [`CMD_FLAG_PAYLOAD_LEN`] (or a compact write), else an effect
+    /// length.
+    pub len: u64,
+}
+
+impl ExtendedRequest {
+    /// Parses an extended header; `Err` carries the magic when it is not
+    /// [`EXTENDED_REQUEST_MAGIC`].
+    pub fn parse(b: &[u8; EXTENDED_REQUEST_SIZE]) -> Result<ExtendedRequest, u32> {
+        let magic = be32(&b[0..4]);
+        if magic != EXTENDED_REQUEST_MAGIC {
+            return Err(magic);
+        }
+        Ok(ExtendedRequest {
+            flags: be16(&b[4..6]),
+            kind: be16(&b[6..8]),
+            cookie: be64(&b[8..16]),
+            offset: be64(&b[16..24]),
+            len: be64(&b[24..32]),
+        })
+    }
+
+    /// The extended header bytes (for clients: tests and tools).
+    pub fn encode(&self) -> [u8; EXTENDED_REQUEST_SIZE] {
+        let mut b = [0u8; EXTENDED_REQUEST_SIZE];
+        b[0..4].copy_from_slice(&EXTENDED_REQUEST_MAGIC.to_be_bytes());
+        b[4..6].copy_from_slice(&self.flags.to_be_bytes());
+        b[6..8].copy_from_slice(&self.kind.to_be_bytes());
+        b[8..16].copy_from_slice(&self.cookie.to_be_bytes());
+        b[16..24].copy_from_slice(&self.offset.to_be_bytes());
+        b[24..32].copy_from_slice(&self.len.to_be_bytes());
+        b
+    }
+}
+
+impl From<Request> for ExtendedRequest {
+    fn from(r: Request) -> ExtendedRequest {
+        ExtendedRequest {
+            flags: r.flags,
+            kind: r.kind,
+            cookie: r.cookie,
+            offset: r.offset,
+            len: u64::from(r.len),
+        }
+    }
+}
+
 /// The name of a command, for logs and metrics.
 pub fn command_name(kind: u16) -> &'static str {
     match kind {
@@ -195,6 +265,7 @@ pub fn option_name(opt: u32) -> String {
         OPT_STRUCTURED_REPLY => "NBD_OPT_STRUCTURED_REPLY",
         OPT_LIST_META_CONTEXT => "NBD_OPT_LIST_META_CONTEXT",
         OPT_SET_META_CONTEXT => "NBD_OPT_SET_META_CONTEXT",
+        OPT_EXTENDED_HEADERS => "NBD_OPT_EXTENDED_HEADERS",
         _ => return format!("option {opt}"),
     };
     name.to_string()
@@ -217,6 +288,18 @@ pub fn chunk_header(flags: u16, kind: u16, cookie: u64, len: u32) -> [u8; 20] {
     b[6..8].copy_from_slice(&kind.to_be_bytes());
     b[8..16].copy_from_slice(&cookie.to_be_bytes());
     b[16..20].copy_from_slice(&len.to_be_bytes());
+    b
+}
+
+/// An extended reply header: magic, flags, type, cookie, the request's offset, payload length.
+pub fn extended_header(flags: u16, kind: u16, cookie: u64, offset: u64, len: u64) -> [u8; 32] {
+    let mut b = [0u8; EXTENDED_REPLY_SIZE];
+    b[0..4].copy_from_slice(&EXTENDED_REPLY_MAGIC.to_be_bytes());
+    b[4..6].copy_from_slice(&flags.to_be_bytes());
+    b[6..8].copy_from_slice(&kind.to_be_bytes());
+    b[8..16].copy_from_slice(&cookie.to_be_bytes());
+    b[16..24].copy_from_slice(&offset.to_be_bytes());
+    b[24..32].copy_from_slice(&len.to_be_bytes());
     b
 }
 
@@ -261,6 +344,23 @@ mod tests {
         let mut bad = r.encode();
         bad[0] = 0;
         assert_eq!(Request::parse(&bad), Err(0x0060_9513));
+    }
+
+    #[test]
+    fn extended_request_round_trips() {
+        let r = ExtendedRequest {
+            flags: CMD_FLAG_PAYLOAD_LEN,
+            kind: CMD_WRITE,
+            cookie: 7,
+            offset: 1 << 40,
+            len: 1 << 33,
+        };
+        let b = r.encode();
+        assert_eq!(&b[..4], &[0x21, 0xe4, 0x1c, 0x71]);
+        assert_eq!(ExtendedRequest::parse(&b), Ok(r));
+        let mut compact = [0u8; EXTENDED_REQUEST_SIZE];
+        compact[..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
+        assert_eq!(ExtendedRequest::parse(&compact), Err(REQUEST_MAGIC));
     }
 
     #[test]

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use super::commands;
 use super::conn::{Buf, Conn, Job, Payload};
 use super::log::{log, Level};
-use super::proto::{Request, CMD_FLAG_FUA, CMD_READ, CMD_WRITE};
+use super::proto::{ExtendedRequest, CMD_FLAG_FUA, CMD_READ, CMD_WRITE};
 use super::replies::Replies;
 use crate::io::{Backend, Completion, Declined, Dir, IoQueue};
 
@@ -31,7 +31,7 @@ const URING_MAX_READ: u32 = 64 << 10;
 
 /// What the connection keeps with a request on the queue.
 pub(crate) struct Pending {
-    req: Request,
+    req: ExtendedRequest,
     budget: usize,
 }
 
@@ -59,10 +59,10 @@ impl<'c> Queued<'c> {
         let req = job.req;
         // A write of part of a sector is a read-modify-write on the disk (see FileStorage):
         // two round trips to the device, which the reader must not wait for.
-        let partial = req.kind == CMD_WRITE && (req.offset | u64::from(req.len)) % 512 != 0;
+        let partial = req.kind == CMD_WRITE && (req.offset | req.len) % 512 != 0;
         let uring = self.backend == Backend::IoUring;
         let plain = match req.kind {
-            CMD_READ => !uring || req.len <= URING_MAX_READ,
+            CMD_READ => !uring || req.len <= u64::from(URING_MAX_READ),
             CMD_WRITE => !uring,
             _ => false,
         } && req.flags & CMD_FLAG_FUA == 0
@@ -150,7 +150,7 @@ fn answer(conn: &Conn, done: &mut Vec<Completion<Buf, Pending>>) {
         .drain(..)
         .map(|c| (c.ctx, c.buf, Some(c.result)))
         .collect();
-    let mut out = Replies::default();
+    let mut out = Replies::new(conn);
     for (p, buf, result) in &mut ended {
         let result = result.take().expect("each request answered once");
         match p.req.kind {

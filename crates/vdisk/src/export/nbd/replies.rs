@@ -1,6 +1,8 @@
 //! Replies to requests: gathered (headers here, read data borrowed from the request
-//! buffers) and sent as one write on the socket, simple or as structured chunks; a failed
-//! request's error, and its log line.
+//! buffers) and sent as one write on the socket, in the form the session negotiated: simple,
+//! structured chunks, or extended chunks (32-byte headers that repeat the request's offset;
+//! with extended headers nothing is answered with a simple reply); a failed request's error,
+//! and its log line.
 
 use std::io::IoSlice;
 
@@ -46,10 +48,11 @@ pub(crate) struct Piece {
 
 /// Replies put together to go out with one write on the socket: their header bytes are kept
 /// here, read data is borrowed from the request buffers.
-#[derive(Default)]
 pub(crate) struct Replies<'a> {
     heads: Vec<u8>,
     parts: Vec<Part<'a>>,
+    structured: bool,
+    extended: bool,
 }
 
 enum Part<'a> {
@@ -58,6 +61,27 @@ enum Part<'a> {
 }
 
 impl<'a> Replies<'a> {
+    /// Replies in the form `conn`'s session negotiated.
+    pub fn new(conn: &Conn) -> Replies<'a> {
+        Replies {
+            heads: Vec::new(),
+            parts: Vec::new(),
+            structured: conn.session.structured,
+            extended: conn.session.extended,
+        }
+    }
+
+    /// The header of a chunk with `len` bytes of payload: structured, or extended.
+    pub fn chunk(&mut self, flags: u16, kind: u16, req: &ExtendedRequest, len: u64) {
+        if self.extended {
+            self.head(&extended_header(flags, kind, req.cookie, req.offset, len));
+        } else {
+            // Structured payloads are bounded well below 4 GiB (read data by MAX_PAYLOAD,
+            // block status by its extent limit, messages by MAX_MESSAGE).
+            self.head(&chunk_header(flags, kind, req.cookie, len as u32));
+        }
+    }
+
     pub fn head(&mut self, bytes: &[u8]) {
         let at = self.heads.len();
         self.heads.extend_from_slice(bytes);
@@ -71,14 +95,25 @@ impl<'a> Replies<'a> {
         self.parts.push(Part::Data(data));
     }
 
-    pub fn ok(&mut self, req: &Request) {
+    /// Success without a payload.
+    pub fn ok(&mut self, req: &ExtendedRequest) {
+        if self.extended {
+            self.chunk(REPLY_FLAG_DONE, REPLY_TYPE_NONE, req, 0);
+        } else {
+            self.head(&simple_reply(0, req.cookie));
+        }
+    }
+
+    /// A simple read reply's header (the data follows): only without structured replies.
+    pub fn simple_read(&mut self, req: &ExtendedRequest) {
+        debug_assert!(!self.structured);
         self.head(&simple_reply(0, req.cookie));
     }
 
-    pub fn error(&mut self, conn: &Conn, req: &Request, f: Failure) {
+    pub fn error(&mut self, conn: &Conn, req: &ExtendedRequest, f: Failure) {
         let error = if f.error == 0 { EINVAL } else { f.error };
         log_failure(conn, req, &f);
-        if !conn.session.structured {
+        if !self.structured {
             self.head(&simple_reply(error, req.cookie));
             return;
         }
@@ -87,20 +122,15 @@ impl<'a> Replies<'a> {
             end -= 1;
         }
         let msg = &f.msg.as_bytes()[..end];
-        let len = 6 + msg.len() as u32;
-        self.head(&chunk_header(
-            REPLY_FLAG_DONE,
-            REPLY_TYPE_ERROR,
-            req.cookie,
-            len,
-        ));
+        let len = 6 + msg.len() as u64;
+        self.chunk(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, req, len);
         self.head(&error.to_be_bytes());
         self.head(&(msg.len() as u16).to_be_bytes());
         self.head(msg);
     }
 
     /// A structured read reply: the pieces of `buf` as data and hole chunks.
-    pub fn pieces(&mut self, req: &Request, buf: &'a [u8], pieces: &[Piece]) {
+    pub fn pieces(&mut self, req: &ExtendedRequest, buf: &'a [u8], pieces: &[Piece]) {
         for (i, p) in pieces.iter().enumerate() {
             let flags = if i + 1 == pieces.len() {
                 REPLY_FLAG_DONE
@@ -109,12 +139,12 @@ impl<'a> Replies<'a> {
             };
             let offset = req.offset + p.start as u64;
             if p.hole {
-                self.head(&chunk_header(flags, REPLY_TYPE_OFFSET_HOLE, req.cookie, 12));
+                self.chunk(flags, REPLY_TYPE_OFFSET_HOLE, req, 12);
                 self.head(&offset.to_be_bytes());
                 self.head(&(p.len as u32).to_be_bytes());
             } else {
-                let n = 8 + p.len as u32;
-                self.head(&chunk_header(flags, REPLY_TYPE_OFFSET_DATA, req.cookie, n));
+                let n = 8 + p.len as u64;
+                self.chunk(flags, REPLY_TYPE_OFFSET_DATA, req, n);
                 self.head(&offset.to_be_bytes());
                 self.data(&buf[p.start..p.start + p.len]);
             }
@@ -137,15 +167,15 @@ impl<'a> Replies<'a> {
     }
 }
 
-pub(crate) fn send_ok(conn: &Conn, req: &Request) {
-    let mut out = Replies::default();
+pub(crate) fn send_ok(conn: &Conn, req: &ExtendedRequest) {
+    let mut out = Replies::new(conn);
     out.ok(req);
     out.send(conn);
 }
 
 /// Disk failures are warnings (at most one line a second per export: a failing disk fails
 /// every request); refusals of a client's request are for debugging.
-fn log_failure(conn: &Conn, req: &Request, f: &Failure) {
+fn log_failure(conn: &Conn, req: &ExtendedRequest, f: &Failure) {
     let what = format_args!(
         "{} {} at offset {:#x}, length {}",
         conn.peer,
@@ -172,8 +202,8 @@ fn log_failure(conn: &Conn, req: &Request, f: &Failure) {
     }
 }
 
-pub(crate) fn send_error(conn: &Conn, req: &Request, f: Failure) {
-    let mut out = Replies::default();
+pub(crate) fn send_error(conn: &Conn, req: &ExtendedRequest, f: Failure) {
+    let mut out = Replies::new(conn);
     out.error(conn, req, f);
     out.send(conn);
 }

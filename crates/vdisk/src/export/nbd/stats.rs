@@ -76,6 +76,21 @@ pub struct ConnectionStats {
     pub parked: AtomicU64,
     pub handshake_timeouts: AtomicU64,
     pub protocol_errors: AtomicU64,
+    /// Handshakes that reached transmission, by the replies negotiated: simple, structured,
+    /// extended headers (see [`REPLY_FORMS`]).
+    pub sessions: [AtomicU64; 3],
+}
+
+/// The reply forms a session may negotiate, as [`ConnectionStats::sessions`] counts them.
+pub(crate) const REPLY_FORMS: [&str; 3] = ["simple", "structured", "extended"];
+
+/// The index of a session's reply form in [`REPLY_FORMS`].
+pub(crate) fn reply_form(structured: bool, extended: bool) -> usize {
+    match (structured, extended) {
+        (_, true) => 2,
+        (true, false) => 1,
+        (false, false) => 0,
+    }
 }
 
 #[cfg(test)]

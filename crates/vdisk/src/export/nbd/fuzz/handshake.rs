@@ -12,7 +12,7 @@ use crate::export::nbd::proto::*;
 struct Run {
     /// Everything the server wrote, greeting first.
     output: Vec<u8>,
-    /// How the negotiation ended: "go NAME structured base depth", "abort", "error: ...", or
+    /// How the negotiation ended: "go NAME structured extended base depth", "abort", "error: ...", or
     /// "open" when the input ran out first.
     end: String,
     /// Input bytes taken.
@@ -83,11 +83,13 @@ fn drive(input: &[u8], mut rng: Option<Rng>) -> Run {
             Ok(None) => {}
             Ok(Some(Outcome::Go(s))) => {
                 assert!(s.structured || !(s.base_allocation || s.allocation_depth));
+                assert!(s.structured || !s.extended);
                 assert!(!s.allocation_depth || s.export.options().allocation_depth);
                 break format!(
-                    "go '{}' {} {} {}",
+                    "go '{}' {} {} {} {}",
                     s.export.name(),
                     s.structured,
+                    s.extended,
                     s.base_allocation,
                     s.allocation_depth
                 );

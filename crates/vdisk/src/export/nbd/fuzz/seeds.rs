@@ -133,6 +133,35 @@ pub fn handshake_seeds() -> Vec<Vec<u8>> {
             FIXED,
             &[(OPT_INFO, vec![0; 70_000]), (OPT_GO, info("", &[]))],
         ),
+        // Extended headers: after structured replies, then structured replies refused, a
+        // second request refused, data refused; contexts chosen before them stay.
+        session(
+            10,
+            FIXED,
+            &[
+                (OPT_EXTENDED_HEADERS, b"x".to_vec()),
+                (OPT_STRUCTURED_REPLY, vec![]),
+                (OPT_SET_META_CONTEXT, meta("", &["base:allocation"])),
+                (OPT_EXTENDED_HEADERS, vec![]),
+                (OPT_STRUCTURED_REPLY, vec![]),
+                (OPT_EXTENDED_HEADERS, vec![]),
+                (OPT_GO, info("", &[INFO_BLOCK_SIZE])),
+            ],
+        ),
+        // Extended headers alone (what qemu-io 10 sends), then EXPORT_NAME, which they forbid.
+        session(
+            11,
+            FIXED,
+            &[
+                (OPT_EXTENDED_HEADERS, vec![]),
+                (
+                    OPT_SET_META_CONTEXT,
+                    meta("", &["base:allocation", "qemu:allocation-depth"]),
+                ),
+                (OPT_INFO, info("", &[])),
+                (OPT_EXPORT_NAME, vec![]),
+            ],
+        ),
         // Broken: unknown flags; bad magic; an unknown export by name.
         session(7, 0x80, &[]),
         session(
@@ -159,8 +188,9 @@ pub mod config {
     pub const IO_URING: u8 = 1 << 5;
     /// No request runs on the reader itself.
     pub const NO_INLINE: u8 = 1 << 6;
-    /// One worker thread (else four).
-    pub const ONE_WORKER: u8 = 1 << 7;
+    /// Extended headers (implying structured replies). One worker thread serves the sessions
+    /// with NO_INLINE and without IO_URING, four the others.
+    pub const EXTENDED: u8 = 1 << 7;
 }
 
 fn request(out: &mut Vec<u8>, flags: u16, kind: u16, offset: u64, len: u32) {
@@ -178,6 +208,61 @@ fn request(out: &mut Vec<u8>, flags: u16, kind: u16, offset: u64, len: u32) {
     if kind == CMD_WRITE {
         out.extend((0..len).map(|i| (i % 251) as u8));
     }
+}
+
+/// An extended request; its payload (patterned bytes) for a write or when `flags` has
+/// NBD_CMD_FLAG_PAYLOAD_LEN.
+fn ext_request(out: &mut Vec<u8>, flags: u16, kind: u16, offset: u64, len: u64) {
+    let cookie = out.len() as u64;
+    out.extend_from_slice(
+        &ExtendedRequest {
+            flags,
+            kind,
+            cookie,
+            offset,
+            len,
+        }
+        .encode(),
+    );
+    if flags & CMD_FLAG_PAYLOAD_LEN != 0 || kind == CMD_WRITE {
+        out.extend((0..len).map(|i| (i % 253) as u8));
+    }
+}
+
+/// An extended-header session: every command, 64-bit effect lengths, and the payload flag
+/// where it belongs and where it does not.
+fn extended(cfg: u8) -> Vec<u8> {
+    const P: u16 = CMD_FLAG_PAYLOAD_LEN;
+    let mib = 1u64 << 20;
+    let mut s = vec![cfg];
+    ext_request(&mut s, P, CMD_WRITE, 0, 4096);
+    ext_request(&mut s, P | CMD_FLAG_FUA, CMD_WRITE, 12288, 1000);
+    ext_request(&mut s, P, CMD_WRITE, 8192, 0);
+    ext_request(&mut s, 0, CMD_READ, 0, 8192);
+    ext_request(&mut s, CMD_FLAG_DF, CMD_READ, 0, 8192);
+    ext_request(&mut s, 0, CMD_READ, 0, mib);
+    ext_request(&mut s, 0, CMD_READ, 100, 0);
+    ext_request(&mut s, 0, CMD_WRITE_ZEROES, 4096, 8192);
+    ext_request(&mut s, CMD_FLAG_NO_HOLE, CMD_WRITE_ZEROES, 65536, 4096);
+    ext_request(&mut s, 0, CMD_TRIM, 0, 4096);
+    ext_request(&mut s, 0, CMD_FLUSH, 0, 0);
+    ext_request(&mut s, 0, CMD_CACHE, 0, mib);
+    ext_request(&mut s, 0, CMD_BLOCK_STATUS, 0, mib);
+    ext_request(&mut s, CMD_FLAG_REQ_ONE, CMD_BLOCK_STATUS, 4096, 65536);
+    // A write without the payload flag, as QEMU 10 sends it. Refused: a payload on commands
+    // that take none, effect lengths past the end and past 4 GiB, a read too long.
+    ext_request(&mut s, 0, CMD_WRITE, 0, 4096);
+    ext_request(&mut s, P, CMD_READ, 0, 512);
+    ext_request(&mut s, P, CMD_BLOCK_STATUS, 0, 16);
+    ext_request(&mut s, P, CMD_TRIM, 0, 0);
+    ext_request(&mut s, 0, CMD_TRIM, 0, 1 << 33);
+    ext_request(&mut s, 0, CMD_BLOCK_STATUS, 0, u64::MAX);
+    ext_request(&mut s, 0, CMD_WRITE_ZEROES, u64::MAX, u64::MAX);
+    ext_request(&mut s, 0, CMD_READ, 0, u64::from(MAX_PAYLOAD) + 1);
+    ext_request(&mut s, 0, CMD_READ, 0, 1 << 40);
+    ext_request(&mut s, 0, 9, 0, 0);
+    ext_request(&mut s, 0, CMD_DISC, 0, 0);
+    s
 }
 
 /// Transmission inputs: a configuration byte ([`config`]), then requests.
@@ -217,7 +302,7 @@ pub fn transmission_seeds() -> Vec<Vec<u8>> {
         every(0),
         every(STRUCTURED | BASE_ALLOCATION),
         every(STRUCTURED | BASE_ALLOCATION | ALLOCATION_DEPTH | QCOW2 | IO_URING),
-        every(QCOW2 | READ_ONLY | NO_INLINE | ONE_WORKER),
+        every(QCOW2 | READ_ONLY | NO_INLINE),
         every(STRUCTURED | QCOW2 | IO_URING | NO_INLINE),
     ];
     // Pipelined small reads and writes (the I/O queue path), then garbage.
@@ -227,6 +312,29 @@ pub fn transmission_seeds() -> Vec<Vec<u8>> {
         request(&mut s, 0, CMD_READ, i * 4096, 4096);
     }
     s.extend_from_slice(b"GET / HTTP/1.1\r\n\r\n");
+    seeds.push(s);
+    seeds.push(extended(EXTENDED | BASE_ALLOCATION));
+    seeds.push(extended(
+        EXTENDED | BASE_ALLOCATION | ALLOCATION_DEPTH | QCOW2 | IO_URING | NO_INLINE,
+    ));
+    seeds.push(extended(EXTENDED | QCOW2 | READ_ONLY | NO_INLINE));
+    // An extended payload too large to take ends the connection (after its error).
+    let mut s = vec![EXTENDED | BASE_ALLOCATION];
+    ext_request(&mut s, 0, CMD_READ, 0, 4096);
+    let huge = ExtendedRequest {
+        flags: CMD_FLAG_PAYLOAD_LEN,
+        kind: CMD_WRITE,
+        cookie: 1,
+        offset: 0,
+        len: 1 << 40,
+    };
+    s.extend_from_slice(&huge.encode());
+    ext_request(&mut s, 0, CMD_READ, 0, 4096);
+    seeds.push(s);
+    // A compact request under extended headers: a bad magic.
+    let mut s = vec![EXTENDED];
+    ext_request(&mut s, 0, CMD_FLUSH, 0, 0);
+    request(&mut s, 0, CMD_FLUSH, 0, 0);
     seeds.push(s);
     // A write whose payload is cut short.
     let mut s = vec![0];

@@ -37,7 +37,10 @@ const SKIP_PIECE: u32 = 64 << 10;
 /// What the negotiation settled for the transmission phase.
 pub(crate) struct Session {
     pub export: Arc<Export>,
+    /// Structured replies (also true with extended headers, which imply them).
     pub structured: bool,
+    /// Extended headers: 32-byte requests and replies, no simple replies.
+    pub extended: bool,
     /// Selected metadata contexts.
     pub base_allocation: bool,
     pub allocation_depth: bool,
@@ -97,6 +100,7 @@ pub(crate) struct Handshake {
     fixed: bool,
     no_zeroes: bool,
     structured: bool,
+    extended: bool,
     meta: Option<Meta>,
     /// Options received, for the log.
     options: u64,
@@ -116,6 +120,7 @@ impl Handshake {
             fixed: false,
             no_zeroes: false,
             structured: false,
+            extended: false,
             meta: None,
             options: 0,
         }
@@ -278,11 +283,11 @@ impl Handshake {
                 left: len,
                 then: AfterSkip::Abort,
             },
-            OPT_LIST | OPT_STARTTLS | OPT_STRUCTURED_REPLY if len > 0 => {
+            OPT_LIST | OPT_STARTTLS | OPT_STRUCTURED_REPLY | OPT_EXTENDED_HEADERS if len > 0 => {
                 let msg = format!("{} has unexpected length", option_name(opt));
                 refuse(REP_ERR_INVALID, msg)
             }
-            OPT_LIST | OPT_STARTTLS | OPT_STRUCTURED_REPLY => keep(0),
+            OPT_LIST | OPT_STARTTLS | OPT_STRUCTURED_REPLY | OPT_EXTENDED_HEADERS => keep(0),
             OPT_INFO | OPT_GO | OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
                 if opt == OPT_SET_META_CONTEXT {
                     // Replaces the selection even when it fails.
@@ -311,11 +316,28 @@ impl Handshake {
             OPT_EXPORT_NAME => return self.export_name(exports, data).map(Some),
             OPT_LIST => self.list(exports),
             OPT_STARTTLS => self.reply(opt, REP_ERR_POLICY, b"TLS not configured"),
+            // Extended headers take precedence: there is no going back to structured replies
+            // (the spec's answer, and qemu-nbd's).
+            OPT_STRUCTURED_REPLY if self.extended => {
+                let msg = b"extended headers already negotiated";
+                self.reply(opt, REP_ERR_EXT_HEADER_REQD, msg);
+            }
             OPT_STRUCTURED_REPLY if self.structured => {
                 let msg = b"structured reply already negotiated";
                 self.reply(opt, REP_ERR_INVALID, msg);
             }
             OPT_STRUCTURED_REPLY => {
+                self.structured = true;
+                self.reply(opt, REP_ACK, &[]);
+            }
+            OPT_EXTENDED_HEADERS if self.extended => {
+                let msg = b"extended headers already negotiated";
+                self.reply(opt, REP_ERR_INVALID, msg);
+            }
+            // Allowed after structured replies too; implies them, so the metadata contexts
+            // chosen before or after stay usable.
+            OPT_EXTENDED_HEADERS => {
+                self.extended = true;
                 self.structured = true;
                 self.reply(opt, REP_ACK, &[]);
             }
@@ -346,6 +368,13 @@ impl Handshake {
 
     /// NBD_OPT_EXPORT_NAME: no way to report an error, so a bad name ends the connection.
     fn export_name(&mut self, exports: &Exports, name: &[u8]) -> Result<Outcome, ConnError> {
+        if self.extended {
+            // The spec forbids it after extended headers (a client must use NBD_OPT_GO);
+            // qemu-nbd closes the connection too.
+            return Err(ConnError::protocol(
+                "NBD_OPT_EXPORT_NAME after NBD_OPT_EXTENDED_HEADERS",
+            ));
+        }
         let Some(export) = exports.find(name).cloned() else {
             return Err(ConnError::protocol(format!(
                 "NBD_OPT_EXPORT_NAME for unknown export '{}'",
@@ -369,6 +398,7 @@ impl Handshake {
         Session {
             export,
             structured: self.structured,
+            extended: self.extended,
             base_allocation,
             allocation_depth,
         }

@@ -26,6 +26,7 @@ use super::epoll::{self, Epoll, Event};
 use super::{Inner, Ready, Slot};
 use crate::export::nbd::handshake::{Handshake, Outcome};
 use crate::export::nbd::log::{log, Level};
+use crate::export::nbd::stats::reply_form;
 use crate::export::nbd::stream::{Listener, Stream};
 use crate::export::nbd::ConnError;
 use crate::io::EventFd;
@@ -396,13 +397,16 @@ impl Loop<'_> {
                     unreachable!("the entry was just found");
                 };
                 let log = &self.inner.opts.log;
+                let form = reply_form(session.structured, session.extended);
+                self.inner.conns.sessions[form].fetch_add(1, Relaxed);
                 log!(
                     log,
                     Level::Info,
-                    "nbd: {}: export '{}', structured replies {}",
+                    "nbd: {}: export '{}', structured replies {}, extended headers {}",
                     n.peer,
                     session.export.name(),
-                    if session.structured { "on" } else { "off" }
+                    if session.structured { "on" } else { "off" },
+                    if session.extended { "on" } else { "off" }
                 );
                 log!(
                     log,
