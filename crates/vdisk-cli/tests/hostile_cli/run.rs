@@ -16,7 +16,7 @@ pub(crate) struct Run {
     args: Vec<OsString>,
     pub(crate) status: i32,
     stdout: String,
-    stderr: String,
+    pub(crate) stderr: String,
 }
 
 /// Address-space limit for the child, in bytes (RLIMIT_AS), if any.

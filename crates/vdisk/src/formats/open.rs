@@ -23,7 +23,8 @@ use crate::storage::{
 pub const FORCE_SHARE_READ_ONLY: &str = "force-share=on can only be used with read-only images";
 
 /// Backing chains deeper than this are refused; a longer chain is almost surely a loop that the
-/// path comparison could not see (e.g. through bind mounts).
+/// path comparison could not see (e.g. through bind mounts). QEMU has no limit, but takes 9 s
+/// to open a chain of 1100 images and did not open one of 5000 in two minutes.
 const MAX_CHAIN_DEPTH: usize = 1000;
 
 /// How to open an image.
@@ -55,13 +56,23 @@ pub struct ImageOptions {
 
 /// Where the files an image names come from.
 enum Source<'a> {
-    /// Host paths, relative to the image's name; `seen` are the chain's files so far.
-    Paths { seen: &'a mut Vec<PathBuf> },
+    /// Host paths, relative to the image's name.
+    Paths { chain: &'a mut Chain },
     /// Storage given by the caller: this backing image and data file, if any.
     Given {
         backing: Option<Arc<Image>>,
         data: Option<Arc<dyn Storage>>,
     },
+}
+
+/// The backing chain opened by path so far.
+#[derive(Default)]
+struct Chain {
+    /// Its files, top first.
+    seen: Vec<PathBuf>,
+    /// The chain was refused as a whole (a loop, too deep): its error says so once, rather
+    /// than once more for every image above where it was found.
+    refused: bool,
 }
 
 /// Where the files an image names come from, as the format's open function asks for them.
@@ -87,13 +98,13 @@ impl Opener for OpenContext<'_> {
         if self.opts.no_backing {
             return Ok(None);
         }
-        let in_backing = |e: Error| e.prefixed("Could not open backing file: ");
         let image = match &mut self.source {
             Source::Given { backing, .. } => match backing.take() {
                 Some(b) => b,
                 None => return Ok(None),
             },
-            Source::Paths { seen } => {
+            Source::Paths { chain } => {
+                let in_backing = |e: Error| e.prefixed("Could not open backing file: ");
                 let opts = ImageOptions {
                     format: format.map(Format::parse).transpose().map_err(in_backing)?,
                     write: false,
@@ -106,7 +117,14 @@ impl Opener for OpenContext<'_> {
                     fixed_size: false,
                 };
                 let path = backing_path(self.filename, name);
-                Arc::new(open_chain(&path, &opts, seen).map_err(in_backing)?)
+                let image = open_chain(&path, &opts, chain).map_err(|e| {
+                    if chain.refused {
+                        e
+                    } else {
+                        in_backing(e)
+                    }
+                })?;
+                Arc::new(image)
             }
         };
         self.backing = Some(image.clone());
@@ -146,8 +164,8 @@ pub fn backing_path(image: &str, name: &str) -> String {
 /// Opens the image at `path` and, unless told not to, its whole backing chain. Errors read as
 /// QEMU's do: "Could not open 'top.qcow2': Could not open backing file: ...".
 pub fn open_image(path: &str, opts: &ImageOptions) -> Result<Image> {
-    let mut seen = Vec::new();
-    open_chain(path, opts, &mut seen).map_err(|e| e.prefixed(&format!("Could not open '{path}': ")))
+    open_chain(path, opts, &mut Chain::default())
+        .map_err(|e| e.prefixed(&format!("Could not open '{path}': ")))
 }
 
 /// Opens an image held in `storage` by itself, read-only: no backing file and no external data
@@ -263,7 +281,7 @@ fn absent_storage() -> Arc<dyn Storage> {
     Arc::new(absent)
 }
 
-fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> Result<Image> {
+fn open_chain(filename: &str, opts: &ImageOptions, chain: &mut Chain) -> Result<Image> {
     if opts.force_share && opts.write {
         return Err(Error::invalid(FORCE_SHARE_READ_ONLY));
     }
@@ -273,15 +291,21 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
     let canonical = path
         .canonicalize()
         .context(|| format!("Could not open '{filename}'"))?;
-    if seen.contains(&canonical) {
+    if chain.seen.contains(&canonical) {
+        chain.refused = true;
         return Err(Error::corrupt(format!(
             "Backing file chain has a loop at '{filename}'"
         )));
     }
-    if seen.len() >= MAX_CHAIN_DEPTH {
-        return Err(Error::unsupported("backing chain is too deep"));
+    if chain.seen.len() >= MAX_CHAIN_DEPTH {
+        chain.refused = true;
+        return Err(Error::unsupported(format!(
+            "Backing file chain is too deep: '{filename}' would be image {} of it (at most \
+             {MAX_CHAIN_DEPTH})",
+            MAX_CHAIN_DEPTH + 1
+        )));
     }
-    seen.push(canonical);
+    chain.seen.push(canonical);
     let file = open_file(path, opts)?;
     let format = match opts.format {
         Some(f) => f,
@@ -291,7 +315,7 @@ fn open_chain(filename: &str, opts: &ImageOptions, seen: &mut Vec<PathBuf>) -> R
     let mut cx = OpenContext {
         filename,
         opts,
-        source: Source::Paths { seen },
+        source: Source::Paths { chain },
         backing: None,
     };
     let driver = (format.entry().open)(file, &mut cx)?;
