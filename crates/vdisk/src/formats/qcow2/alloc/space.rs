@@ -92,15 +92,23 @@ impl Refcounts {
     }
 
     /// Before a commit writes the refcounts: sizes the pool to what the requests since the last
-    /// commit took, at most [`POOL_KEEP`] clusters. Their refcounts become durable with the
-    /// commit, so the next commit can hand them out without ordering its writes, and a crash
-    /// leaks whatever the pool then holds: it stays about one commit's worth of allocations,
-    /// and empty while nothing allocates. (Heavier allocation refills it, which orders that
-    /// commit's writes.) The caller decided this commit's order before: nothing it maps relies
-    /// on the clusters taken here.
+    /// commit took, at most [`POOL_KEEP`] clusters; a commit that took none leaves it as it is.
+    /// Their refcounts become durable with the commit, so the next commit can hand them out
+    /// without ordering its writes, and a crash leaks whatever the pool then holds: about the
+    /// last allocating commit's worth of allocations. (Heavier allocation refills it, which
+    /// orders that commit's writes.) The caller decided this commit's order before: nothing it
+    /// maps relies on the clusters taken here (a refcount table they move is ordered by the
+    /// caller, see `commit.rs`).
     pub fn prepare_pool(&mut self, file: &dyn Storage) -> Result<()> {
+        let handed_out = std::mem::take(&mut self.handed_out);
+        if handed_out == 0 {
+            // Nothing allocated since the last commit: the pool stays as it is, so that writes
+            // that allocate now and then (writethrough, one cluster in many commits) take their
+            // clusters from it, without a barrier, and no commit rewrites refcounts for it.
+            return Ok(());
+        }
         let most = POOL_KEEP.min((POOL_KEEP_BYTES >> self.cluster_bits).max(1));
-        let keep = std::mem::take(&mut self.handed_out).min(most);
+        let keep = handed_out.min(most);
         let have = self.pool.end - self.pool.start;
         if have > keep {
             let tail = self.pool.start + keep..self.pool.end;
