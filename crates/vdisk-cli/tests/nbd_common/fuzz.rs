@@ -5,37 +5,7 @@
 
 use vdisk::export::nbd::proto::*;
 
-/// xorshift64*: deterministic and good enough to pick mutations.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-
-    pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    pub fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.next() % n
-        }
-    }
-
-    pub fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-
-    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len() as u64) as usize]
-    }
-}
+pub use vdisk::export::nbd::fuzz::Rng;
 
 fn option(out: &mut Vec<u8>, opt: u32, data: &[u8]) {
     out.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -168,7 +138,7 @@ const INTERESTING32: [u32; 10] = [
 pub fn mutate(r: &mut Rng, s: &mut Vec<u8>, start: usize) {
     for _ in 0..(1 + r.below(4)) {
         if s.is_empty() {
-            s.push(r.next() as u8);
+            s.push(r.next_u64() as u8);
         }
         let pos = if r.chance(75) && start < s.len() {
             start + r.below((s.len() - start) as u64) as usize
@@ -177,14 +147,14 @@ pub fn mutate(r: &mut Rng, s: &mut Vec<u8>, start: usize) {
         };
         match r.below(8) {
             0 => s[pos] ^= 1 << r.below(8),
-            1 => s[pos] = r.next() as u8,
+            1 => s[pos] = r.next_u64() as u8,
             2 if pos + 4 <= s.len() => {
                 let v = *r.pick(&INTERESTING32);
                 s[pos..pos + 4].copy_from_slice(&v.to_be_bytes());
             }
             3 => {
                 let n = 1 + r.below(16) as usize;
-                let bytes: Vec<u8> = (0..n).map(|_| r.next() as u8).collect();
+                let bytes: Vec<u8> = (0..n).map(|_| r.next_u64() as u8).collect();
                 s.splice(pos..pos, bytes);
             }
             4 => {
@@ -203,7 +173,7 @@ pub fn mutate(r: &mut Rng, s: &mut Vec<u8>, start: usize) {
                 // A request header with random fields but the right magic.
                 let mut h = [0u8; REQUEST_SIZE];
                 for b in h.iter_mut() {
-                    *b = r.next() as u8;
+                    *b = r.next_u64() as u8;
                 }
                 h[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
                 if r.chance(50) {
@@ -226,6 +196,6 @@ pub fn noise(r: &mut Rng, size: u64) -> Vec<u8> {
         Vec::new()
     };
     let n = r.below(4096) as usize;
-    s.extend((0..n).map(|_| r.next() as u8));
+    s.extend((0..n).map(|_| r.next_u64() as u8));
     s
 }

@@ -328,7 +328,7 @@ pub fn connect(server: &Server, o: &client::Opts) -> client::Client {
 /// Deterministic bytes (xorshift64*).
 pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
     let mut r = fuzz::Rng::new(seed);
-    (0..len).map(|_| r.next() as u8).collect()
+    (0..len).map(|_| r.next_u64() as u8).collect()
 }
 
 /// Reads the whole disk through the engine (for comparing with what clients wrote).

@@ -26,6 +26,16 @@ impl Rng {
             self.next_u64() % n
         }
     }
+
+    /// True `percent` times in a hundred.
+    pub fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+
+    /// One of `items` (which must not be empty).
+    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len() as u64) as usize]
+    }
 }
 
 fn option(out: &mut Vec<u8>, opt: u32, data: &[u8]) {
