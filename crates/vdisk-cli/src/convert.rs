@@ -220,9 +220,9 @@ pub fn run(args: &Args) -> ExitCode {
         "raw" if !args.compress && args.options.is_empty() && args.backing.is_none() => {
             to_raw(&source, args, &plan)
         }
-        "raw" | "qcow2" => to_image(&source, args, &plan),
+        "raw" | "qcow2" | "seqlog" => to_image(&source, args, &plan),
         other => Err(Error::invalid(format!(
-            "output format '{other}' is not supported (raw and qcow2 are)"
+            "output format '{other}' is not supported (raw, qcow2 and seqlog are)"
         ))),
     };
     if let Err(e) = result {

@@ -3,7 +3,7 @@
 
 use vdisk::formats::qcow2::create::{create as create_qcow2, CreateOptions};
 use vdisk::formats::qcow2::header::Compression;
-use vdisk::formats::raw;
+use vdisk::formats::{raw, seqlog};
 use vdisk::storage::{FileStorage, LockRole, LockUse, OpenOptions, Storage};
 use vdisk::Preallocation;
 use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
@@ -34,6 +34,9 @@ fn on_off(key: &str, v: &str) -> Result<bool, Error> {
 pub fn create(args: &NewImage) -> vdisk::Result<()> {
     let format = Format::parse(args.format)
         .map_err(|_| Error::unsupported(format!("Unknown file format '{}'", args.format)))?;
+    if format.name() == "seqlog" {
+        return create_seqlog(args, format);
+    }
     let mut o = CreateOptions::default();
     let mut shown: Vec<(String, String)> = Vec::new();
     let mut backing = args.backing.map(str::to_string);
@@ -79,19 +82,12 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
         shown.push((k, v));
     }
     if format == Format::RAW {
-        refuse_backing(args)?;
+        refuse_backing(args, format)?;
     }
     o.backing_file = backing.clone();
     o.backing_format = backing_format.clone();
     match args.size {
-        Some(s) => {
-            o.size = parse_size(s).ok_or_else(|| {
-                Error::invalid(
-                    "Invalid image size specified. You may use k, M, G, T, P or E suffixes for \
-                     kilobytes, megabytes, gigabytes, terabytes, petabytes and exabytes.",
-                )
-            })?
-        }
+        Some(s) => o.size = image_size(s)?,
         None if backing.is_some() && !args.unsafe_backing => {
             o.size = backing_size(args.filename, &o)?;
         }
@@ -163,6 +159,59 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
     })
 }
 
+/// The size on the command line.
+fn image_size(s: &str) -> vdisk::Result<u64> {
+    parse_size(s).ok_or_else(|| {
+        Error::invalid(
+            "Invalid image size specified. You may use k, M, G, T, P or E suffixes for \
+             kilobytes, megabytes, gigabytes, terabytes, petabytes and exabytes.",
+        )
+    })
+}
+
+/// A seqlog image (`-o size=,block_size=,segment_size=,spare=`): checked whole before the
+/// file is made or cut.
+fn create_seqlog(args: &NewImage, format: Format) -> vdisk::Result<()> {
+    refuse_backing(args, format)?;
+    let mut o = seqlog::CreateOptions::default();
+    let mut size_given = false;
+    for (k, v) in parse_options(args.options) {
+        let size = || option_size(&k, &v).map_err(Error::invalid);
+        match k.as_str() {
+            "size" => {
+                o.size = size()?;
+                size_given = true;
+            }
+            "block_size" => {
+                o.block_size = u32::try_from(size()?)
+                    .map_err(|_| Error::invalid(format!("Invalid block_size '{v}'")))?
+            }
+            "segment_size" => o.segment_size = size()?,
+            "spare" => {
+                o.spare = v.parse().map_err(|_| {
+                    Error::invalid(format!("Invalid spare '{v}': a percentage of the size"))
+                })?
+            }
+            _ => return Err(Error::invalid(format!("Invalid parameter '{k}'"))),
+        }
+    }
+    match args.size {
+        Some(s) => o.size = image_size(s)?,
+        None if size_given => {}
+        None => return Err(Error::invalid("Image creation needs a size parameter")),
+    }
+    o.superblock()?;
+    if !args.quiet {
+        println!(
+            "Formatting '{}', fmt=seqlog block_size={} segment_size={} spare={} size={}",
+            args.filename, o.block_size, o.segment_size, o.spare, o.size
+        );
+    }
+    let file = NewFile::open(args.filename, 0, format, false)?;
+    file.cut()?;
+    seqlog::create(&file.storage, &o).inspect_err(|_| file.remove_if_made())
+}
+
 /// A file system's refusal of a file's length (EFBIG), in qemu-img's words.
 fn too_large(e: Error, format: Format) -> Error {
     match &e {
@@ -182,18 +231,19 @@ fn too_large(e: Error, format: Format) -> Error {
     }
 }
 
-/// A raw image has no backing file: qemu-img refuses `-b` and `-F` rather than drop them (the
-/// `-o` forms are unknown options for raw).
-fn refuse_backing(args: &NewImage) -> vdisk::Result<()> {
+/// A raw (or seqlog) image has no backing file: qemu-img refuses `-b` and `-F` rather than
+/// drop them (the `-o` forms are unknown options for raw).
+fn refuse_backing(args: &NewImage, format: Format) -> vdisk::Result<()> {
+    let name = format.name();
     if args.backing.is_some() {
-        return Err(Error::unsupported(
-            "Backing file not supported for file format 'raw'",
-        ));
+        return Err(Error::unsupported(format!(
+            "Backing file not supported for file format '{name}'"
+        )));
     }
     if args.backing_format.is_some() {
-        return Err(Error::unsupported(
-            "Backing file format not supported for file format 'raw'",
-        ));
+        return Err(Error::unsupported(format!(
+            "Backing file format not supported for file format '{name}'"
+        )));
     }
     Ok(())
 }
@@ -230,7 +280,7 @@ impl NewFile {
     fn probe(&self, len: u64, format: Format, even_empty: bool) -> vdisk::Result<()> {
         // Before anything changes: never over an image another process uses.
         self.storage
-            .lock(self.name.as_ref(), LockRole::Qcow2, LockUse::WRITER)?;
+            .lock(self.name.as_ref(), LockRole::Format, LockUse::WRITER)?;
         let io = |e| create_error(&self.name, e);
         let old = self.storage.len().map_err(io)?;
         // A length the file system cannot hold (EFBIG) is found by growing a file that holds

@@ -7,6 +7,7 @@
 pub mod blockdev;
 pub mod bytes;
 pub mod cache;
+pub mod checksum;
 pub mod counters;
 pub mod error;
 pub mod export;

@@ -114,6 +114,20 @@ macro_rules! qcow2_opts {
     };
 }
 
+/// seqlog's `CreateOptions` with small segments (so that a small disk has many) and the
+/// given fields. Until seqlog has its cleaner, the log is made large enough for every
+/// workload here (20 times the disk).
+macro_rules! seqlog_opts {
+    ($($field:ident: $value:expr),* $(,)?) => {
+        vdisk::formats::seqlog::CreateOptions {
+            segment_size: 64 << 10,
+            spare: 2000,
+            $($field: $value,)*
+            ..Default::default()
+        }
+    };
+}
+
 subjects! {
     raw_memory => raw("raw on memory", Backend::Memory);
     raw_file => raw("raw on a file", Backend::File);
@@ -133,4 +147,7 @@ subjects! {
     qcow2_data_file => qcow2_data_file("qcow2 with a data file", false);
     qcow2_data_file_raw => qcow2_data_file("qcow2 with a raw data file", true);
     qcow2_on_raw_file => qcow2_on_raw("qcow2 on raw-as-storage on a file", Backend::File);
+    seqlog_memory => seqlog("seqlog", seqlog_opts!(), Backend::Memory);
+    seqlog_file => seqlog("seqlog on a file", seqlog_opts!(), Backend::File);
+    seqlog_512 => seqlog("seqlog 512 B blocks", seqlog_opts!(block_size: 512), Backend::Memory);
 }

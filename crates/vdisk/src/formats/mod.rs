@@ -20,6 +20,7 @@ pub mod prealloc;
 pub mod qcow2;
 pub mod raw;
 mod registry;
+pub mod seqlog;
 
 use std::ops::Range;
 use std::sync::Arc;

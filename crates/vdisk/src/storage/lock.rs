@@ -48,7 +48,8 @@ fn lock_op(file: &File, cmd: libc::c_int, kind: libc::c_int, byte: i64) -> io::R
 /// What a file is to the image that opens it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LockRole {
-    Qcow2,
+    /// An image whose format keeps metadata in the file (qcow2, seqlog).
+    Format,
     Raw,
     DataFile,
 }
@@ -83,7 +84,7 @@ pub fn lock(file: &File, path: &Path, role: LockRole, usage: LockUse) -> io::Res
         }
     }
     let unshared: &[_] = match role {
-        LockRole::Qcow2 => &[WRITE, RESIZE],
+        LockRole::Format => &[WRITE, RESIZE],
         LockRole::Raw if !usage.fixed => &[],
         LockRole::Raw | LockRole::DataFile => &[RESIZE],
     };

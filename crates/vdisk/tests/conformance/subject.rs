@@ -9,8 +9,8 @@
 use std::sync::Arc;
 
 use vdisk::formats::qcow2::create::{create, CreateOptions};
-use vdisk::formats::raw;
 use vdisk::formats::Capability;
+use vdisk::formats::{raw, seqlog};
 use vdisk::storage::{DiskStorage, FileStorage, MemStorage, OpenOptions, Storage};
 use vdisk::{
     open_overlay, open_parts, open_storage, open_storage_with, BlockDev, Format, Image,
@@ -442,6 +442,39 @@ pub fn qcow2_data_file(name: &'static str, raw_data: bool) -> Subject {
                     )?))
                 }),
                 _dir: None,
+            }
+        }),
+    }
+}
+
+/// A seqlog image made with `o` (its size is the setup's) on `backend`.
+pub fn seqlog(name: &'static str, o: seqlog::CreateOptions, backend: Backend) -> Subject {
+    Subject {
+        name,
+        create: Box::new(move |min| {
+            let block = u64::from(o.block_size);
+            let size = disk_size(min, block);
+            let o = seqlog::CreateOptions { size, ..o.clone() };
+            let (storage, dir) = backend_storage(backend, "disk.seqlog");
+            seqlog::create(&*storage, &o).expect("create seqlog");
+            Setup {
+                name,
+                size,
+                cluster: block,
+                unit: block,
+                storages: vec![storage],
+                initial: vec![0; size as usize],
+                base: no_backing(size, None),
+                open: Box::new(|s, write| {
+                    let format = Some(Format::parse("seqlog")?);
+                    Ok(Box::new(open_storage_with(
+                        s[0].clone(),
+                        format,
+                        "disk.seqlog",
+                        write,
+                    )?))
+                }),
+                _dir: dir,
             }
         }),
     }

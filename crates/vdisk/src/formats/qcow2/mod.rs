@@ -46,7 +46,7 @@ use crate::storage::{LockRole, Storage};
 
 pub(crate) static FORMAT: FormatEntry = FormatEntry {
     name: "qcow2",
-    lock_role: LockRole::Qcow2,
+    lock_role: LockRole::Format,
     // As QEMU: the magic, and a version of at least 2 (1 is the older qcow format; below,
     // or none, is raw data).
     probe: |head| {

@@ -1,0 +1,78 @@
+//! New seqlog images.
+
+use super::layout::{Superblock, MIN_SEGMENT_BLOCKS};
+use super::log::random_u64;
+use crate::error::{Error, IoContext, Result};
+use crate::storage::Storage;
+
+/// What `vdisk create -f seqlog -o ...` chooses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CreateOptions {
+    /// The guest disk's size; rounded up to whole blocks.
+    pub size: u64,
+    /// The unit the map tracks (`block_size`, default 4 KiB).
+    pub block_size: u32,
+    /// The unit of appending and (later) cleaning (`segment_size`, default 1 MiB).
+    pub segment_size: u64,
+    /// Log space beyond the disk's size, in percent of it (`spare`, default 100).
+    pub spare: u32,
+}
+
+impl Default for CreateOptions {
+    fn default() -> CreateOptions {
+        CreateOptions {
+            size: 0,
+            block_size: 4096,
+            segment_size: 1 << 20,
+            spare: 100,
+        }
+    }
+}
+
+impl CreateOptions {
+    /// The superblock of an image made with these options (its id left zero).
+    pub fn superblock(&self) -> Result<Superblock> {
+        let bs = u64::from(self.block_size);
+        if self.block_size == 0 || self.segment_size % bs != 0 {
+            return Err(Error::invalid(format!(
+                "seqlog segment size {} is not a multiple of the block size {}",
+                self.segment_size, self.block_size
+            )));
+        }
+        let segment_blocks = u32::try_from(self.segment_size / bs)
+            .map_err(|_| Error::invalid("seqlog segment size is too large"))?;
+        let disk_size = self.size.next_multiple_of(bs);
+        // Each segment holds at least one header; a batch per request at worst is not
+        // counted (batches grow with the load), the spare absorbs it.
+        let data_per_segment = u64::from(segment_blocks.max(MIN_SEGMENT_BLOCKS) - 1) * bs;
+        let log_bytes = disk_size as u128 * (100 + u128::from(self.spare)) / 100;
+        let segments = log_bytes.div_ceil(u128::from(data_per_segment)) + 2;
+        let sb = Superblock {
+            block_size: self.block_size,
+            segment_blocks,
+            disk_size,
+            segments: u32::try_from(segments)
+                .map_err(|_| Error::invalid("seqlog log has too many segments"))?,
+            image_id: 0,
+        };
+        sb.validate().map_err(Error::invalid)?;
+        Ok(sb)
+    }
+}
+
+/// Writes a new seqlog image into the empty `storage`: its superblock, nothing else (the log
+/// grows as it is written).
+pub fn create(storage: &dyn Storage, o: &CreateOptions) -> Result<()> {
+    let sb = Superblock {
+        image_id: random_u64(),
+        ..o.superblock()?
+    };
+    let what = || "creating the seqlog image".to_string();
+    if !storage.is_empty().context(what)? {
+        storage.set_len(0).context(what)?;
+    }
+    let mut block = vec![0u8; sb.block_size as usize];
+    block[..super::layout::SUPER_LEN].copy_from_slice(&sb.encode());
+    storage.write_at(0, &block).context(what)?;
+    storage.sync().context(what)
+}

@@ -1,0 +1,373 @@
+//! seqlog's on-disk structures (docs/seqlog-format.md): the superblock, and the batch header
+//! that opens every append with the records of what the batch holds. Little-endian throughout.
+
+use crate::checksum::crc32c;
+use crate::error::{Error, Result};
+
+/// The superblock's first bytes. QEMU knows no format by them and probes the file as raw.
+pub const MAGIC: [u8; 8] = *b"VDSEQLOG";
+pub const VERSION: u32 = 1;
+/// Bytes of the superblock that carry fields (the rest of its block is zero).
+pub const SUPER_LEN: usize = 64;
+/// The batch header's magic.
+const BATCH_MAGIC: [u8; 4] = *b"SLBH";
+/// Bytes of a batch header before its records.
+const BATCH_FIXED: usize = 48;
+/// Bytes of one record.
+const RECORD_LEN: usize = 16;
+/// Offset of the checksum in a batch header.
+const BATCH_CRC_AT: usize = 36;
+
+pub const MIN_BLOCK: u32 = 512;
+pub const MAX_BLOCK: u32 = 64 << 10;
+/// A segment holds at least a header and a few blocks of data.
+pub const MIN_SEGMENT_BLOCKS: u32 = 8;
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+/// The image's geometry, at offset 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Superblock {
+    pub block_size: u32,
+    pub segment_blocks: u32,
+    /// The guest disk's size, a multiple of the block size.
+    pub disk_size: u64,
+    /// Segments in the log; segment `i` starts at `(i + 1) * segment_size`.
+    pub segments: u32,
+    /// A random number naming this image in every batch header, so that batches of another
+    /// image left in a reused file are never taken for this one's.
+    pub image_id: u64,
+}
+
+impl Superblock {
+    pub fn encode(&self) -> [u8; SUPER_LEN] {
+        let mut b = [0u8; SUPER_LEN];
+        b[0..8].copy_from_slice(&MAGIC);
+        b[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        b[12..16].copy_from_slice(&(SUPER_LEN as u32).to_le_bytes());
+        b[16..20].copy_from_slice(&self.block_size.to_le_bytes());
+        b[20..24].copy_from_slice(&self.segment_blocks.to_le_bytes());
+        b[24..32].copy_from_slice(&self.disk_size.to_le_bytes());
+        b[32..36].copy_from_slice(&self.segments.to_le_bytes());
+        // 36..40: incompatible features, none yet.
+        b[40..48].copy_from_slice(&self.image_id.to_le_bytes());
+        let crc = crc32c(0, &b[..SUPER_LEN - 4]);
+        b[SUPER_LEN - 4..].copy_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    /// Reads and checks a superblock; any field out of its range is a corrupt image.
+    pub fn decode(b: &[u8]) -> Result<Superblock> {
+        if b.len() < SUPER_LEN || b[0..8] != MAGIC {
+            return Err(Error::corrupt("Image is not in seqlog format"));
+        }
+        let version = u32_at(b, 8);
+        if version != VERSION {
+            return Err(Error::unsupported(format!(
+                "Unsupported seqlog version {version}"
+            )));
+        }
+        if crc32c(0, &b[..SUPER_LEN - 4]) != u32_at(b, SUPER_LEN - 4) {
+            return Err(Error::corrupt("seqlog superblock checksum mismatch"));
+        }
+        let features = u32_at(b, 36);
+        if features != 0 {
+            return Err(Error::unsupported(format!(
+                "Unsupported seqlog incompatible features {features:#x}"
+            )));
+        }
+        let s = Superblock {
+            block_size: u32_at(b, 16),
+            segment_blocks: u32_at(b, 20),
+            disk_size: u64_at(b, 24),
+            segments: u32_at(b, 32),
+            image_id: u64_at(b, 40),
+        };
+        s.validate().map_err(Error::corrupt)?;
+        Ok(s)
+    }
+
+    /// Whether the geometry is one vdisk can use: the reason it is not, otherwise.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let bs = self.block_size;
+        if !bs.is_power_of_two() || !(MIN_BLOCK..=MAX_BLOCK).contains(&bs) {
+            return Err(format!(
+                "seqlog block size {bs} is not a power of two from {MIN_BLOCK} to {MAX_BLOCK}"
+            ));
+        }
+        if self.segment_blocks < MIN_SEGMENT_BLOCKS {
+            return Err(format!(
+                "seqlog segments of {} blocks are fewer than {MIN_SEGMENT_BLOCKS}",
+                self.segment_blocks
+            ));
+        }
+        if self.disk_size % u64::from(bs) != 0 {
+            return Err(format!(
+                "seqlog disk size {} is not a multiple of the block size {bs}",
+                self.disk_size
+            ));
+        }
+        // Log block numbers, plus one, are the map's u32 entries.
+        let log_blocks = u64::from(self.segments) * u64::from(self.segment_blocks);
+        if self.segments == 0 || log_blocks >= u64::from(u32::MAX) {
+            return Err(format!(
+                "seqlog log of {} segments of {} blocks is empty or too large",
+                self.segments, self.segment_blocks
+            ));
+        }
+        if self.disk_size / u64::from(bs) > usize::MAX as u64 / 8 {
+            return Err(format!("seqlog disk size {} is too large", self.disk_size));
+        }
+        Ok(())
+    }
+
+    pub fn segment_size(&self) -> u64 {
+        u64::from(self.segment_blocks) * u64::from(self.block_size)
+    }
+
+    /// Blocks of the guest disk.
+    pub fn disk_blocks(&self) -> u64 {
+        self.disk_size / u64::from(self.block_size)
+    }
+
+    /// Blocks of the log.
+    pub fn log_blocks(&self) -> u32 {
+        self.segments * self.segment_blocks
+    }
+
+    /// The file offset of log block `block` (log blocks count from segment 0's first).
+    pub fn log_offset(&self, block: u32) -> u64 {
+        self.segment_size() + u64::from(block) * u64::from(self.block_size)
+    }
+
+    /// The file's length when every segment is written.
+    pub fn file_len(&self) -> u64 {
+        self.log_offset(self.log_blocks())
+    }
+
+    /// Records that fit in one batch header.
+    pub fn max_records(&self) -> usize {
+        (self.block_size as usize - BATCH_FIXED) / RECORD_LEN
+    }
+}
+
+/// What a record says about a run of guest blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// The blocks' data follows in the batch, in record order.
+    Data = 1,
+    /// The blocks read as zeroes from here on (discard, write zeroes).
+    Trim = 2,
+}
+
+/// One run of guest blocks in a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Record {
+    pub block: u64,
+    pub count: u32,
+    pub kind: Kind,
+}
+
+impl Record {
+    /// Blocks of data this record has in its batch.
+    pub fn data_blocks(&self) -> u32 {
+        match self.kind {
+            Kind::Data => self.count,
+            Kind::Trim => 0,
+        }
+    }
+}
+
+/// The header block of a batch: the batch's place in the history of writes and its records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchHeader {
+    /// Grows by one with every batch of the image, whatever its segment.
+    pub seq: u64,
+    /// Random, chosen each time a segment is opened for appending, and carried by each of the
+    /// segment's batches: what is left in a segment from its earlier uses never matches.
+    pub nonce: u64,
+    pub image_id: u64,
+    /// The stream the batch was written for (0: data; reserved for separate streams).
+    pub stream: u8,
+    pub records: Vec<Record>,
+}
+
+/// Why bytes are not a valid batch header: the end of a segment's chain of batches.
+#[derive(Debug, PartialEq, Eq)]
+pub enum BadBatch {
+    /// Not a header of this image at all (no magic, another image, another use of the
+    /// segment): nothing was written here since.
+    NotABatch,
+    /// A header of this image that does not add up: a torn or damaged write.
+    Damaged(String),
+}
+
+impl BatchHeader {
+    pub fn data_blocks(&self) -> u32 {
+        self.records.iter().map(Record::data_blocks).sum()
+    }
+
+    /// Writes the header into `block` (one block, zeroed beyond the records) with the
+    /// checksum of the header and `data`, the batch's data blocks.
+    pub fn encode(&self, block: &mut [u8], data: &[u8]) {
+        block.fill(0);
+        block[0..4].copy_from_slice(&BATCH_MAGIC);
+        block[4..6].copy_from_slice(&(self.records.len() as u16).to_le_bytes());
+        block[6] = self.stream;
+        block[8..16].copy_from_slice(&self.seq.to_le_bytes());
+        block[16..24].copy_from_slice(&self.nonce.to_le_bytes());
+        block[24..32].copy_from_slice(&self.image_id.to_le_bytes());
+        block[32..36].copy_from_slice(&self.data_blocks().to_le_bytes());
+        for (i, r) in self.records.iter().enumerate() {
+            let at = BATCH_FIXED + i * RECORD_LEN;
+            block[at..at + 8].copy_from_slice(&r.block.to_le_bytes());
+            block[at + 8..at + 12].copy_from_slice(&r.count.to_le_bytes());
+            block[at + 12] = r.kind as u8;
+        }
+        let crc = crc32c(crc32c(0, block), data);
+        block[BATCH_CRC_AT..BATCH_CRC_AT + 4].copy_from_slice(&crc.to_le_bytes());
+    }
+
+    /// Reads the header in `block` (one block) of image `image_id`, with the number of data
+    /// blocks it says follow it; the data's checksum is checked by [`BatchHeader::verify`].
+    pub fn decode(
+        block: &[u8],
+        image_id: u64,
+        max_records: usize,
+    ) -> std::result::Result<(BatchHeader, u32), BadBatch> {
+        if block[0..4] != BATCH_MAGIC || u64_at(block, 24) != image_id {
+            return Err(BadBatch::NotABatch);
+        }
+        let damaged = |m: &str| Err(BadBatch::Damaged(m.to_string()));
+        let n = u16::from_le_bytes([block[4], block[5]]) as usize;
+        if n == 0 || n > max_records {
+            return damaged("record count out of range");
+        }
+        let mut records = Vec::with_capacity(n);
+        for i in 0..n {
+            let at = BATCH_FIXED + i * RECORD_LEN;
+            let kind = match block[at + 12] {
+                1 => Kind::Data,
+                2 => Kind::Trim,
+                _ => return damaged("unknown record kind"),
+            };
+            let count = u32_at(block, at + 8);
+            if count == 0 {
+                return damaged("empty record");
+            }
+            records.push(Record {
+                block: u64_at(block, at),
+                count,
+                kind,
+            });
+        }
+        let header = BatchHeader {
+            seq: u64_at(block, 8),
+            nonce: u64_at(block, 16),
+            image_id,
+            stream: block[6],
+            records,
+        };
+        // Summed in u64: a damaged header's counts may overflow u32.
+        let sum: u64 = header
+            .records
+            .iter()
+            .map(|r| u64::from(r.data_blocks()))
+            .sum();
+        let data_blocks = u32_at(block, 32);
+        if sum != u64::from(data_blocks) {
+            return damaged("data block count does not match the records");
+        }
+        Ok((header, data_blocks))
+    }
+
+    /// Whether `block` (the header as read) and `data` (the blocks after it) carry the
+    /// checksum written with them.
+    pub fn verify(block: &[u8], data: &[u8]) -> bool {
+        let stored = u32_at(block, BATCH_CRC_AT);
+        let crc = crc32c(0, &block[..BATCH_CRC_AT]);
+        let crc = crc32c(crc, &[0; 4]);
+        let crc = crc32c(crc, &block[BATCH_CRC_AT + 4..]);
+        crc32c(crc, data) == stored
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sb() -> Superblock {
+        Superblock {
+            block_size: 4096,
+            segment_blocks: 256,
+            disk_size: 64 << 20,
+            segments: 40,
+            image_id: 0x1234_5678_9abc_def0,
+        }
+    }
+
+    #[test]
+    fn superblock_round_trip_and_damage() {
+        let s = sb();
+        let b = s.encode();
+        assert_eq!(Superblock::decode(&b).unwrap(), s);
+        for at in [9, 17, 25, 41, 63] {
+            let mut bad = b;
+            bad[at] ^= 1;
+            assert!(Superblock::decode(&bad).is_err(), "byte {at} flipped");
+        }
+        let bad = Superblock {
+            block_size: 3000,
+            ..s
+        };
+        assert!(Superblock::decode(&bad.encode()).is_err());
+        assert_eq!(s.log_offset(0), 1 << 20);
+        assert_eq!(s.max_records(), 253);
+    }
+
+    #[test]
+    fn batch_round_trip_and_checksum() {
+        let h = BatchHeader {
+            seq: 7,
+            nonce: 99,
+            image_id: 5,
+            stream: 0,
+            records: vec![
+                Record {
+                    block: 10,
+                    count: 2,
+                    kind: Kind::Data,
+                },
+                Record {
+                    block: 1 << 40,
+                    count: 9,
+                    kind: Kind::Trim,
+                },
+            ],
+        };
+        let data = vec![0xabu8; 8192];
+        let mut block = vec![0u8; 4096];
+        h.encode(&mut block, &data);
+        let (back, blocks) = BatchHeader::decode(&block, 5, 253).unwrap();
+        assert_eq!((back, blocks), (h, 2));
+        assert!(BatchHeader::verify(&block, &data));
+        let mut torn = data.clone();
+        torn[5000] = 0;
+        assert!(!BatchHeader::verify(&block, &torn));
+        assert_eq!(
+            BatchHeader::decode(&block, 6, 253).unwrap_err(),
+            BadBatch::NotABatch
+        );
+        block[32] = 3;
+        assert!(matches!(
+            BatchHeader::decode(&block, 5, 253),
+            Err(BadBatch::Damaged(_))
+        ));
+    }
+}

@@ -1,0 +1,160 @@
+//! The seqlog format's own tests; the conformance suite (crates/vdisk/tests/conformance.rs)
+//! runs it like every format, crash states included.
+
+use std::sync::Arc;
+
+use super::*;
+use crate::storage::MemStorage;
+
+fn new_image(o: CreateOptions) -> Arc<dyn Storage> {
+    let storage: Arc<dyn Storage> = Arc::new(MemStorage::new());
+    create(&*storage, &o).unwrap();
+    storage
+}
+
+fn small() -> CreateOptions {
+    CreateOptions {
+        size: 1 << 20,
+        segment_size: 64 << 10,
+        ..CreateOptions::default()
+    }
+}
+
+/// Random 4 KiB writes at the disk land one after another in the log, and come back after a
+/// reopen.
+#[test]
+fn random_writes_become_sequential_and_survive_reopen() {
+    let storage = new_image(small());
+    let disk = Seqlog::open(storage.clone(), false).unwrap();
+    let order = [7u64, 200, 3, 150, 99, 0, 255, 31];
+    for (i, &b) in order.iter().enumerate() {
+        disk.write(b * 4096, &[i as u8 + 1; 4096]).unwrap();
+    }
+    disk.flush().unwrap();
+    let at: Vec<u64> = order
+        .iter()
+        .map(|&b| match disk.map(b * 4096, 4096).unwrap().0 {
+            Mapping::Data { offset } => offset,
+            m => panic!("block {b}: {m:?}"),
+        })
+        .collect();
+    // Each batch is a header and one block: appended back to back.
+    for w in at.windows(2) {
+        assert_eq!(w[1], w[0] + 8192);
+    }
+    drop(disk);
+    let disk = Seqlog::open(storage, true).unwrap();
+    for (i, &b) in order.iter().enumerate() {
+        let mut buf = vec![0u8; 4096];
+        disk.read(b * 4096, &mut buf).unwrap();
+        assert!(buf.iter().all(|&x| x == i as u8 + 1), "block {b}");
+    }
+    assert_eq!(disk.map.mapped(), order.len() as u64);
+}
+
+/// Concurrent writers share batches: fewer batches than writes.
+#[test]
+fn concurrent_writes_share_batches() {
+    let storage = new_image(CreateOptions {
+        size: 16 << 20,
+        ..CreateOptions::default()
+    });
+    let disk = Seqlog::open(storage, false).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..8u64 {
+            let disk = &disk;
+            s.spawn(move || {
+                for i in 0..200u64 {
+                    disk.write((t * 256 + i) * 4096, &[t as u8; 4096]).unwrap();
+                }
+            });
+        }
+    });
+    let batches = disk
+        .log
+        .stats
+        .batches
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(batches <= 1600, "{batches}");
+    for t in 0..8u64 {
+        let mut buf = vec![0u8; 200 * 4096];
+        disk.read(t * 256 * 4096, &mut buf).unwrap();
+        assert!(buf.iter().all(|&x| x == t as u8));
+    }
+}
+
+/// A full log fails writes with ENOSPC and keeps what it holds. Writes one at a time take a
+/// header block each: 4 KiB writes fill the log at half its size.
+#[test]
+fn a_full_log_fails_with_enospc() {
+    let storage = new_image(CreateOptions {
+        spare: 0,
+        ..small()
+    });
+    let disk = Seqlog::open(storage, false).unwrap();
+    let mut failed = None;
+    for i in 0..10_000u64 {
+        if let Err(e) = disk.write((i % 256) * 4096, &[1; 4096]) {
+            failed = Some((i, e));
+            break;
+        }
+    }
+    let (i, e) = failed.expect("the log fills up");
+    assert_eq!(e.errno(), libc::ENOSPC, "{e}");
+    let sb = disk.sb;
+    assert_eq!(
+        i,
+        u64::from(sb.segments * sb.segment_blocks / 2),
+        "{i} writes"
+    );
+    let mut buf = vec![0u8; 4096];
+    disk.read(0, &mut buf).unwrap();
+    assert_eq!(buf, vec![1; 4096]);
+}
+
+/// Damage that no crash makes is a clear error at open: a record beyond the disk, or two
+/// batches with one sequence number.
+#[test]
+fn hostile_logs_are_refused() {
+    let o = small();
+    let storage = new_image(o.clone());
+    let disk = Seqlog::open(storage.clone(), false).unwrap();
+    disk.write(0, &[5; 4096]).unwrap();
+    disk.flush().unwrap();
+    let sb = disk.sb;
+    drop(disk);
+    let mut block = vec![0u8; 4096];
+    let data = vec![5u8; 4096];
+    let header = |seq, block: u64| layout::BatchHeader {
+        seq,
+        nonce: 1,
+        image_id: sb.image_id,
+        stream: 0,
+        records: vec![Record {
+            block,
+            count: 1,
+            kind: Kind::Data,
+        }],
+    };
+    // A second segment whose batch names a block past the end.
+    header(2, 256).encode(&mut block, &data);
+    let at = sb.log_offset(sb.segment_blocks);
+    storage.write_at(at, &block).unwrap();
+    storage.write_at(at + 4096, &data).unwrap();
+    let e = Seqlog::open(storage.clone(), true).err().expect("refused");
+    assert!(e.to_string().contains("beyond the disk"), "{e}");
+    // The same sequence number as the first batch.
+    header(1, 3).encode(&mut block, &data);
+    storage.write_at(at, &block).unwrap();
+    let e = Seqlog::open(storage.clone(), true).err().expect("refused");
+    assert!(e.to_string().contains("sequence number 1"), "{e}");
+    // A torn batch (data not matching its checksum) is the end of its segment's chain.
+    header(2, 3).encode(&mut block, &data);
+    storage.write_at(at, &block).unwrap();
+    storage.write_at(at + 4096, &[6; 4096]).unwrap();
+    let disk = Seqlog::open(storage, true).unwrap();
+    assert_eq!(disk.recovered, (1, 1));
+    let mut buf = vec![1u8; 4096];
+    disk.read(3 * 4096, &mut buf).unwrap();
+    assert_eq!(buf, vec![0; 4096]);
+}
