@@ -169,7 +169,7 @@ fn image_size(s: &str) -> vdisk::Result<u64> {
     })
 }
 
-/// A seqlog image (`-o size=,block_size=,segment_size=,spare=`): checked whole before the
+/// A seqlog image (`-o size=,block_size=,segment_size=,spare=,cleaner=`): checked whole before the
 /// file is made or cut.
 fn create_seqlog(args: &NewImage, format: Format) -> vdisk::Result<()> {
     refuse_backing(args, format)?;
@@ -187,6 +187,11 @@ fn create_seqlog(args: &NewImage, format: Format) -> vdisk::Result<()> {
                     .map_err(|_| Error::invalid(format!("Invalid block_size '{v}'")))?
             }
             "segment_size" => o.segment_size = size()?,
+            "cleaner" => {
+                o.policy = seqlog::Policy::parse(&v).ok_or_else(|| {
+                    Error::invalid(format!("Invalid cleaner '{v}': cost-benefit or greedy"))
+                })?
+            }
             "spare" => {
                 o.spare = v.parse().map_err(|_| {
                     Error::invalid(format!("Invalid spare '{v}': a percentage of the size"))
@@ -203,8 +208,14 @@ fn create_seqlog(args: &NewImage, format: Format) -> vdisk::Result<()> {
     o.superblock()?;
     if !args.quiet {
         println!(
-            "Formatting '{}', fmt=seqlog block_size={} segment_size={} spare={} size={}",
-            args.filename, o.block_size, o.segment_size, o.spare, o.size
+            "Formatting '{}', fmt=seqlog block_size={} segment_size={} spare={} cleaner={} \
+             size={}",
+            args.filename,
+            o.block_size,
+            o.segment_size,
+            o.spare,
+            o.policy.name(),
+            o.size
         );
     }
     let file = NewFile::open(args.filename, 0, format, false)?;

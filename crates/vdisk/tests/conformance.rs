@@ -51,6 +51,7 @@ mod workload;
 mod zeroes;
 
 use vdisk::formats::qcow2::create::CreateOptions;
+use vdisk::formats::seqlog::Policy;
 
 /// The size of the disks the tests ask for; a subject makes at least four of its clusters.
 const MIN_SIZE: u64 = 1 << 20;
@@ -76,7 +77,7 @@ macro_rules! subjects {
                 #[allow(unused_imports)]
                 use super::subject::*;
                 #[allow(unused_imports)]
-                use super::CreateOptions;
+                use super::{CreateOptions, Policy};
 
                 fn subject() -> Subject {
                     $make
@@ -114,14 +115,11 @@ macro_rules! qcow2_opts {
     };
 }
 
-/// seqlog's `CreateOptions` with small segments (so that a small disk has many) and the
-/// given fields. Until seqlog has its cleaner, the log is made large enough for every
-/// workload here (20 times the disk).
+/// seqlog's `CreateOptions` with the given fields. The subjects choose small segments, so
+/// that a small disk has many and the workloads here make the cleaner run.
 macro_rules! seqlog_opts {
     ($($field:ident: $value:expr),* $(,)?) => {
         vdisk::formats::seqlog::CreateOptions {
-            segment_size: 64 << 10,
-            spare: 2000,
             $($field: $value,)*
             ..Default::default()
         }
@@ -147,7 +145,25 @@ subjects! {
     qcow2_data_file => qcow2_data_file("qcow2 with a data file", false);
     qcow2_data_file_raw => qcow2_data_file("qcow2 with a raw data file", true);
     qcow2_on_raw_file => qcow2_on_raw("qcow2 on raw-as-storage on a file", Backend::File);
-    seqlog_memory => seqlog("seqlog", seqlog_opts!(), Backend::Memory);
-    seqlog_file => seqlog("seqlog on a file", seqlog_opts!(), Backend::File);
-    seqlog_512 => seqlog("seqlog 512 B blocks", seqlog_opts!(block_size: 512), Backend::Memory);
+    seqlog_memory => seqlog("seqlog", seqlog_opts!(segment_size: 64 << 10), Backend::Memory, false);
+    seqlog_file =>
+        seqlog("seqlog on a file", seqlog_opts!(segment_size: 64 << 10), Backend::File, false);
+    seqlog_512 => seqlog(
+        "seqlog 512 B blocks",
+        seqlog_opts!(block_size: 512, segment_size: 64 << 10),
+        Backend::Memory,
+        false
+    );
+    seqlog_filled => seqlog(
+        "seqlog filled, 4 KiB segments of 512 B blocks",
+        seqlog_opts!(block_size: 512, segment_size: 4096, spare: 25),
+        Backend::Memory,
+        true
+    );
+    seqlog_filled_greedy => seqlog(
+        "seqlog filled, greedy cleaner, 10% spare",
+        seqlog_opts!(segment_size: 64 << 10, spare: 10, policy: Policy::Greedy),
+        Backend::Memory,
+        true
+    );
 }

@@ -447,8 +447,15 @@ pub fn qcow2_data_file(name: &'static str, raw_data: bool) -> Subject {
     }
 }
 
-/// A seqlog image made with `o` (its size is the setup's) on `backend`.
-pub fn seqlog(name: &'static str, o: seqlog::CreateOptions, backend: Backend) -> Subject {
+/// A seqlog image made with `o` (its size is the setup's) on `backend`. With `filled`, every
+/// block is written before the tests start (with [`backing_byte`]), so that the cleaner runs
+/// from the first writes on.
+pub fn seqlog(
+    name: &'static str,
+    o: seqlog::CreateOptions,
+    backend: Backend,
+    filled: bool,
+) -> Subject {
     Subject {
         name,
         create: Box::new(move |min| {
@@ -457,23 +464,39 @@ pub fn seqlog(name: &'static str, o: seqlog::CreateOptions, backend: Backend) ->
             let o = seqlog::CreateOptions { size, ..o.clone() };
             let (storage, dir) = backend_storage(backend, "disk.seqlog");
             seqlog::create(&*storage, &o).expect("create seqlog");
+            let open: Open = Box::new(|s, write| {
+                let format = Some(Format::parse("seqlog")?);
+                Ok(Box::new(open_storage_with(
+                    s[0].clone(),
+                    format,
+                    "disk.seqlog",
+                    write,
+                )?))
+            });
+            let mut initial = vec![0; size as usize];
+            if filled {
+                // Written twice, the second time in 4 KiB pieces out of order: the log is in
+                // its steady state, free segments down to the cleaner's watermark.
+                initial = (0..size).map(backing_byte).collect();
+                let disk = open(std::slice::from_ref(&storage), true).expect("open seqlog");
+                disk.write(0, &initial).expect("fill seqlog");
+                let pieces = size / 4096;
+                for i in 0..pieces {
+                    let at = (i * 37 % pieces * 4096) as usize;
+                    disk.write(at as u64, &initial[at..at + 4096])
+                        .expect("fill seqlog");
+                }
+                disk.close().expect("close seqlog");
+            }
             Setup {
                 name,
                 size,
                 cluster: block,
                 unit: block,
                 storages: vec![storage],
-                initial: vec![0; size as usize],
-                base: no_backing(size, None),
-                open: Box::new(|s, write| {
-                    let format = Some(Format::parse("seqlog")?);
-                    Ok(Box::new(open_storage_with(
-                        s[0].clone(),
-                        format,
-                        "disk.seqlog",
-                        write,
-                    )?))
-                }),
+                initial,
+                base: no_backing(size, filled.then_some(0)),
+                open,
                 _dir: dir,
             }
         }),

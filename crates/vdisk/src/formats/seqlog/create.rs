@@ -1,7 +1,8 @@
 //! New seqlog images.
 
-use super::layout::{Superblock, MIN_SEGMENT_BLOCKS};
+use super::layout::{Policy, Superblock, MIN_SEGMENT_BLOCKS};
 use super::log::random_u64;
+use super::log::RESERVE;
 use crate::error::{Error, IoContext, Result};
 use crate::storage::Storage;
 
@@ -14,8 +15,11 @@ pub struct CreateOptions {
     pub block_size: u32,
     /// The unit of appending and (later) cleaning (`segment_size`, default 1 MiB).
     pub segment_size: u64,
-    /// Log space beyond the disk's size, in percent of it (`spare`, default 100).
+    /// Log space beyond the disk's size, in percent of it (`spare`, default 25): the more,
+    /// the less the cleaner moves.
     pub spare: u32,
+    /// How the cleaner chooses (`cleaner=cost-benefit|greedy`).
+    pub policy: Policy,
 }
 
 impl Default for CreateOptions {
@@ -24,7 +28,8 @@ impl Default for CreateOptions {
             size: 0,
             block_size: 4096,
             segment_size: 1 << 20,
-            spare: 100,
+            spare: 25,
+            policy: Policy::CostBenefit,
         }
     }
 }
@@ -42,11 +47,11 @@ impl CreateOptions {
         let segment_blocks = u32::try_from(self.segment_size / bs)
             .map_err(|_| Error::invalid("seqlog segment size is too large"))?;
         let disk_size = self.size.next_multiple_of(bs);
-        // Each segment holds at least one header; a batch per request at worst is not
-        // counted (batches grow with the load), the spare absorbs it.
+        // Each segment holds at least one header; more headers (a batch per request at worst)
+        // are the spare's to absorb. Beyond it: the two open segments and the reserve.
         let data_per_segment = u64::from(segment_blocks.max(MIN_SEGMENT_BLOCKS) - 1) * bs;
         let log_bytes = disk_size as u128 * (100 + u128::from(self.spare)) / 100;
-        let segments = log_bytes.div_ceil(u128::from(data_per_segment)) + 2;
+        let segments = log_bytes.div_ceil(u128::from(data_per_segment)) + 2 + RESERVE as u128;
         let sb = Superblock {
             block_size: self.block_size,
             segment_blocks,
@@ -54,6 +59,7 @@ impl CreateOptions {
             segments: u32::try_from(segments)
                 .map_err(|_| Error::invalid("seqlog log has too many segments"))?,
             image_id: 0,
+            policy: self.policy,
         };
         sb.validate().map_err(Error::invalid)?;
         Ok(sb)

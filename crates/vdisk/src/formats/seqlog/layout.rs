@@ -43,6 +43,33 @@ pub struct Superblock {
     /// A random number naming this image in every batch header, so that batches of another
     /// image left in a reused file are never taken for this one's.
     pub image_id: u64,
+    /// How the cleaner chooses the segment to clean.
+    pub policy: Policy,
+}
+
+/// How the cleaner chooses its victim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// The best ratio of space gained times age to cost (Rosenblum and Ousterhout's LFS).
+    CostBenefit = 0,
+    /// The segment with the fewest live blocks.
+    Greedy = 1,
+}
+
+impl Policy {
+    /// The name `-o cleaner=` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::CostBenefit => "cost-benefit",
+            Policy::Greedy => "greedy",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Policy> {
+        [Policy::CostBenefit, Policy::Greedy]
+            .into_iter()
+            .find(|p| p.name() == name)
+    }
 }
 
 impl Superblock {
@@ -57,6 +84,7 @@ impl Superblock {
         b[32..36].copy_from_slice(&self.segments.to_le_bytes());
         // 36..40: incompatible features, none yet.
         b[40..48].copy_from_slice(&self.image_id.to_le_bytes());
+        b[48] = self.policy as u8;
         let crc = crc32c(0, &b[..SUPER_LEN - 4]);
         b[SUPER_LEN - 4..].copy_from_slice(&crc.to_le_bytes());
         b
@@ -88,6 +116,11 @@ impl Superblock {
             disk_size: u64_at(b, 24),
             segments: u32_at(b, 32),
             image_id: u64_at(b, 40),
+            policy: match b[48] {
+                0 => Policy::CostBenefit,
+                1 => Policy::Greedy,
+                p => return Err(Error::corrupt(format!("unknown seqlog cleaner policy {p}"))),
+            },
         };
         s.validate().map_err(Error::corrupt)?;
         Ok(s)
@@ -309,6 +342,7 @@ mod tests {
             disk_size: 64 << 20,
             segments: 40,
             image_id: 0x1234_5678_9abc_def0,
+            policy: Policy::Greedy,
         }
     }
 
@@ -317,7 +351,7 @@ mod tests {
         let s = sb();
         let b = s.encode();
         assert_eq!(Superblock::decode(&b).unwrap(), s);
-        for at in [9, 17, 25, 41, 63] {
+        for at in [9, 17, 25, 41, 48, 63] {
             let mut bad = b;
             bad[at] ^= 1;
             assert!(Superblock::decode(&bad).is_err(), "byte {at} flipped");

@@ -16,7 +16,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 
 use super::layout::{BatchHeader, Kind, Record, Superblock};
 use super::map::Map;
@@ -29,12 +29,36 @@ pub(super) struct Head {
     pub next_seq: u64,
     /// Segments with nothing of the log in them, in the order they will be used.
     pub free: VecDeque<u32>,
+    /// Per segment, the sequence number of the newest batch placed in it (0: free), which
+    /// tells the cleaner its age.
+    pub seg_seq: Vec<u64>,
+}
+
+/// The streams: guest writes, and the cleaner's moves (kept apart, so that data the cleaner
+/// found cold is not mixed with data just written).
+pub(super) const DATA: usize = 0;
+pub(super) const CLEANER: usize = 1;
+
+/// Segments the guest's writes leave free for the cleaner's output, so that cleaning can
+/// always go on.
+pub(super) const RESERVE: usize = 2;
+
+/// The segment a stream appends to.
+#[derive(Clone, Copy)]
+pub(super) struct Open {
+    pub segment: u32,
+    /// The next block in it.
+    pub pos: u32,
+    pub nonce: u64,
 }
 
 pub(super) struct Log {
-    sb: Superblock,
-    storage: Arc<dyn Storage>,
+    pub(super) sb: Superblock,
+    pub(super) storage: Arc<dyn Storage>,
     state: Mutex<Tail>,
+    /// Held shared by reads from the time they look up the map until their data is read,
+    /// and taken exclusively before a cleaned segment is reused.
+    pub(super) reuse: RwLock<()>,
     finished: Condvar,
     /// Batches written; a flush syncs what was written before it.
     written: AtomicU64,
@@ -49,8 +73,13 @@ pub(super) struct LogStats {
     pub batches: AtomicU64,
     pub bytes: AtomicU64,
     pub syncs: AtomicU64,
-    /// Batches that start where the previous one ended (the write stream's sequentiality).
+    /// Batches that start where the previous one of their stream ended (sequentiality).
     pub sequential: AtomicU64,
+    /// Guest data bytes appended (what write amplification is measured against).
+    pub guest_bytes: AtomicU64,
+    /// Segments cleaned, and blocks the cleaner moved.
+    pub cleaned: AtomicU64,
+    pub moved: AtomicU64,
 }
 
 struct Request {
@@ -58,13 +87,12 @@ struct Request {
     data_len: usize,
 }
 
-struct Tail {
-    head: Head,
-    /// The segment appended to and the next block in it.
-    open: Option<(u32, u32)>,
-    nonce: u64,
-    /// Where the last batch ended, as a file offset.
-    last_end: u64,
+pub(super) struct Tail {
+    pub head: Head,
+    /// Per stream, the segment appended to.
+    pub open: [Option<Open>; 2],
+    /// Per stream, where its last batch ended, as a file offset.
+    last_end: [u64; 2],
     queue: VecDeque<Request>,
     data: Vec<u8>,
     /// Tickets handed out, and finished (written or failed); ticket `t` is finished when
@@ -108,11 +136,11 @@ impl Log {
         Log {
             sb,
             storage,
+            reuse: RwLock::new(()),
             state: Mutex::new(Tail {
                 head,
-                open: None,
-                nonce: 0,
-                last_end: 0,
+                open: [None; 2],
+                last_end: [0; 2],
                 queue: VecDeque::new(),
                 data: Vec::new(),
                 queued: 0,
@@ -166,7 +194,7 @@ impl Log {
     /// Writes batches until the queue is empty.
     fn lead<'a>(&'a self, mut t: MutexGuard<'a, Tail>, map: &Map) -> MutexGuard<'a, Tail> {
         while !t.queue.is_empty() {
-            let batch = match self.take_batch(&mut t) {
+            let batch = match self.take_batch(&mut t, map) {
                 Ok(b) => b,
                 Err(e) => {
                     // Nothing more fits the log: every queued request fails.
@@ -191,7 +219,7 @@ impl Log {
                 Err(e) => {
                     // The chain of batches in this segment ends at the failed one: what
                     // follows goes to the next segment, or recovery would never reach it.
-                    t.open = None;
+                    t.open[DATA] = None;
                     for ticket in first..t.finished {
                         t.failed.insert(ticket, clone_error(&e));
                     }
@@ -203,22 +231,16 @@ impl Log {
     }
 
     /// Takes from the queue the requests that fit one batch in the open segment (opening the
-    /// next free one when the first request does not fit).
-    fn take_batch(&self, t: &mut Tail) -> Result<Batch> {
-        let seg_blocks = self.sb.segment_blocks;
+    /// next free one, cleaning first where too few are left, when the first request does
+    /// not fit).
+    fn take_batch(&self, t: &mut Tail, map: &Map) -> Result<Batch> {
         let first = t.queue[0].record.data_blocks();
-        let (segment, pos) = match t.open {
-            Some((s, pos)) if pos + 1 + first <= seg_blocks => (s, pos),
-            _ => {
-                let s = t.head.free.pop_front().ok_or_else(|| Error::Io {
-                    context: "appending to the seqlog log".into(),
-                    source: io::Error::from_raw_os_error(libc::ENOSPC),
-                })?;
-                t.nonce = random_u64();
-                (s, 0)
-            }
-        };
-        let room = seg_blocks - pos - 1;
+        if !self.fits(t, DATA, first) {
+            let segment = self.data_segment(t, map)?;
+            self.open_segment(t, DATA, segment);
+        }
+        let open = t.open[DATA].expect("a segment is open");
+        let room = self.sb.segment_blocks - open.pos - 1;
         let mut blocks = 0;
         let mut take = 0;
         let mut bytes = 0;
@@ -234,21 +256,11 @@ impl Log {
         let requests: Vec<Request> = t.queue.drain(..take).collect();
         let rest = t.data.split_off(bytes);
         let data = std::mem::replace(&mut t.data, rest);
-        let header = BatchHeader {
-            seq: t.head.next_seq,
-            nonce: t.nonce,
-            image_id: self.sb.image_id,
-            stream: 0,
-            records: requests.iter().map(|r| r.record).collect(),
-        };
-        t.head.next_seq += 1;
-        t.open = Some((segment, pos + 1 + blocks));
-        let at = segment * seg_blocks + pos;
-        let offset = self.sb.log_offset(at);
-        if offset == t.last_end {
-            self.stats.sequential.fetch_add(1, Ordering::Relaxed);
-        }
-        t.last_end = self.sb.log_offset(at + 1 + blocks);
+        self.stats
+            .guest_bytes
+            .fetch_add(data.len() as u64, Ordering::Relaxed);
+        let records = requests.iter().map(|r| r.record).collect();
+        let (header, at) = self.place(t, DATA, records, blocks);
         Ok(Batch {
             header,
             requests,
@@ -257,13 +269,79 @@ impl Log {
         })
     }
 
+    /// Whether a batch of `blocks` data blocks fits in what is left of `stream`'s segment.
+    pub(super) fn fits(&self, t: &Tail, stream: usize, blocks: u32) -> bool {
+        matches!(t.open[stream], Some(o) if o.pos + 1 + blocks <= self.sb.segment_blocks)
+    }
+
+    /// Makes `segment`, just taken from the free list, the one `stream` appends to.
+    pub(super) fn open_segment(&self, t: &mut Tail, stream: usize, segment: u32) {
+        t.open[stream] = Some(Open {
+            segment,
+            pos: 0,
+            nonce: random_u64(),
+        });
+    }
+
+    /// Gives a batch of `records` with `blocks` data blocks its sequence number and place at
+    /// the head of `stream`'s open segment, where it fits.
+    pub(super) fn place(
+        &self,
+        t: &mut Tail,
+        stream: usize,
+        records: Vec<Record>,
+        blocks: u32,
+    ) -> (BatchHeader, u32) {
+        let open = t.open[stream].as_mut().expect("a segment is open");
+        let at = open.segment * self.sb.segment_blocks + open.pos;
+        open.pos += 1 + blocks;
+        let header = BatchHeader {
+            seq: t.head.next_seq,
+            nonce: open.nonce,
+            image_id: self.sb.image_id,
+            stream: stream as u8,
+            records,
+        };
+        t.head.seg_seq[open.segment as usize] = header.seq;
+        t.head.next_seq += 1;
+        if self.sb.log_offset(at) == t.last_end[stream] {
+            self.stats.sequential.fetch_add(1, Ordering::Relaxed);
+        }
+        t.last_end[stream] = self.sb.log_offset(at + 1 + blocks);
+        (header, at)
+    }
+
+    /// A free segment for guest writes: the cleaner runs while no more than the reserve is
+    /// left (writers wait meanwhile: the back-pressure), and without anything to clean the
+    /// log is full.
+    fn data_segment(&self, t: &mut Tail, map: &Map) -> Result<u32> {
+        // Each cleaning gains space, however little; the bound only guards against a
+        // cleaner that would not.
+        let mut rounds = 0;
+        while t.head.free.len() <= RESERVE {
+            rounds += 1;
+            if rounds > self.sb.segments || !self.clean_one(t, map)? {
+                return Err(enospc());
+            }
+        }
+        Ok(t.head
+            .free
+            .pop_front()
+            .expect("more segments than the reserve"))
+    }
+
     fn write_batch(&self, b: &Batch) -> Result<()> {
+        self.write_at(&b.header, &b.data, b.at)
+    }
+
+    /// Writes a batch: `header` and `data` at log block `at`.
+    pub(super) fn write_at(&self, header: &BatchHeader, data: &[u8], at: u32) -> Result<()> {
         let bs = self.sb.block_size as usize;
-        let mut buf = AlignedBuf::zeroed(bs + b.data.len());
-        let (head, data) = buf.split_at_mut(bs);
-        data.copy_from_slice(&b.data);
-        b.header.encode(head, data);
-        let offset = self.sb.log_offset(b.at);
+        let mut buf = AlignedBuf::zeroed(bs + data.len());
+        let (head, body) = buf.split_at_mut(bs);
+        body.copy_from_slice(data);
+        header.encode(head, body);
+        let offset = self.sb.log_offset(at);
         if let Err(source) = self.storage.write_at(offset, &buf) {
             // A failed write may have landed whole all the same: its header is wiped, so that
             // the next open does not find writes that failed (and that reads did not see).
@@ -310,6 +388,13 @@ impl Log {
     /// Segments still free.
     pub fn free_segments(&self) -> usize {
         lock(&self.state).head.free.len()
+    }
+}
+
+pub(super) fn enospc() -> Error {
+    Error::Io {
+        context: "appending to the seqlog log".into(),
+        source: io::Error::from_raw_os_error(libc::ENOSPC),
     }
 }
 

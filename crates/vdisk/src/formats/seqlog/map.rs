@@ -65,7 +65,6 @@ impl Map {
     }
 
     /// Live blocks of segment `segment`.
-    #[cfg(test)]
     pub fn live(&self, segment: u32) -> u32 {
         self.live[segment as usize].load(Relaxed)
     }

@@ -6,16 +6,22 @@
 //!   write ─► log.rs: queue ─► batch (header: records + checksum, data) ─► segment head
 //!   read  ─► map.rs: guest block → log block (4 B each) ─► storage
 //!   open  ─► recover.rs: every segment's batches, applied in sequence order
+//!   full  ─► clean.rs: a victim's live blocks appended again, the victim reused
 //! ```
 //!
 //! Writes of part of a block read the rest first (serialized among themselves, so that two
 //! such writes to one block do not undo each other). A write is acknowledged once its batch is
 //! written and mapped; a flush is one sync.
 //!
-//! Not yet here (issue 24): the cleaner (segments are never reused, so the log fills up
-//! after about `spare` percent more than the disk has been written: writes then fail with
-//! ENOSPC), checkpoints of the map, separate streams, a map with a resident cap.
+//! When free segments run low, the appender cleans (clean.rs): live blocks of a victim move to
+//! the cleaner's stream and the victim is reused. Reads hold `Log::reuse` from the map
+//! lookup to the end of their transfer, so none reads a segment being reused; reads are
+//! therefore blocking (no `start_read`).
+//!
+//! Not yet here (issue 24): checkpoints of the map (an open reads the whole log), a metadata
+//! stream, a map with a resident cap.
 
+mod clean;
 mod create;
 mod layout;
 mod log;
@@ -27,8 +33,8 @@ use std::sync::{Arc, Mutex};
 use super::driver::Driver;
 use super::entry::FormatEntry;
 use super::info::{FormatInfo, InfoValue};
-use super::{read_mapped, read_mapped_with, status_mapped, Holes, Layer, Mapping};
-use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, Transfer};
+use super::{read_mapped, status_mapped, Holes, Layer, Mapping};
+use crate::blockdev::{check_range, BlockDev, BlockStatus};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{LockRole, Storage};
 use layout::{Kind, Record, Superblock, MAGIC};
@@ -36,6 +42,7 @@ use log::Log;
 use map::Map;
 
 pub use create::{create, CreateOptions};
+pub use layout::Policy;
 
 pub(crate) static FORMAT: FormatEntry = FormatEntry {
     name: "seqlog",
@@ -180,20 +187,8 @@ impl BlockDev for Seqlog {
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         check_range(self.size(), offset, buf.len() as u64)?;
+        let _reading = self.log.reuse.read().unwrap_or_else(|e| e.into_inner());
         read_mapped(self, offset, buf)
-    }
-
-    fn start_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<StartedRead<'_>>> {
-        check_range(self.size(), offset, buf.len() as u64)?;
-        let mut transfers = Vec::new();
-        read_mapped_with(self, offset, buf, |host, bytes, _| {
-            transfers.push(Transfer { host, bytes });
-            Ok(())
-        })?;
-        Ok(Some(StartedRead {
-            storage: &*self.storage,
-            transfers,
-        }))
     }
 
     fn write(&self, offset: u64, buf: &[u8]) -> Result<()> {
@@ -284,6 +279,7 @@ impl Driver for Seqlog {
             cluster_size: Some(self.bs()),
             specific: Some(vec![
                 ("block-size", n(self.bs())),
+                ("cleaner", InfoValue::Text(self.sb.policy.name().into())),
                 ("segment-size", n(self.sb.segment_size())),
                 ("segments", n(u64::from(self.sb.segments))),
                 ("free-segments", n(self.log.free_segments() as u64)),
@@ -293,6 +289,10 @@ impl Driver for Seqlog {
                 ("torn-segments", n(self.recovered.1)),
                 ("batches-written", n(get(&stats.batches))),
                 ("sequential-batches", n(get(&stats.sequential))),
+                ("cleaned-segments", n(get(&stats.cleaned))),
+                ("moved-blocks", n(get(&stats.moved))),
+                ("guest-bytes", n(get(&stats.guest_bytes))),
+                ("log-bytes", n(get(&stats.bytes))),
             ]),
             ..FormatInfo::default()
         }

@@ -14,11 +14,11 @@ use crate::error::{Error, IoContext, Result};
 use crate::storage::Storage;
 
 /// A whole batch found in the log.
-struct Found {
-    seq: u64,
+pub(super) struct Found {
+    pub seq: u64,
     /// The log block of its header.
-    at: u32,
-    records: Vec<Record>,
+    pub at: u32,
+    pub records: Vec<Record>,
 }
 
 /// What the log holds: the map, where appending goes on, and what was found.
@@ -34,15 +34,16 @@ pub(super) fn recover(storage: &dyn Storage, sb: &Superblock) -> Result<Recovere
     let mut found = Vec::new();
     let mut free = VecDeque::new();
     let mut torn = 0;
+    let mut seg_seq = vec![0u64; sb.segments as usize];
     let mut buf = vec![0u8; sb.segment_size() as usize];
     for segment in 0..sb.segments {
-        let before = found.len();
-        if scan_segment(storage, sb, segment, &mut buf, &mut found)? {
-            torn += 1;
+        let (chain, damaged) = read_chain(storage, sb, segment, &mut buf)?;
+        torn += u64::from(damaged);
+        match chain.last() {
+            Some(last) => seg_seq[segment as usize] = last.seq,
+            None => free.push_back(segment),
         }
-        if found.len() == before {
-            free.push_back(segment);
-        }
+        found.extend(chain);
     }
     found.sort_unstable_by_key(|f| f.seq);
     if let Some(w) = found.windows(2).find(|w| w[0].seq == w[1].seq) {
@@ -62,27 +63,32 @@ pub(super) fn recover(storage: &dyn Storage, sb: &Superblock) -> Result<Recovere
     let next_seq = found.last().map_or(1, |f| f.seq + 1);
     Ok(Recovered {
         map,
-        head: Head { next_seq, free },
+        head: Head {
+            next_seq,
+            free,
+            seg_seq,
+        },
         batches: found.len() as u64,
         torn,
     })
 }
 
-/// Adds the whole batches of `segment` to `found`; true when its chain ended at a damaged one.
-fn scan_segment(
+/// The chain of whole batches of `segment`, read into `buf` (a segment's size), and whether it
+/// ended at a damaged batch.
+pub(super) fn read_chain(
     storage: &dyn Storage,
     sb: &Superblock,
     segment: u32,
     buf: &mut [u8],
-    found: &mut Vec<Found>,
-) -> Result<bool> {
+) -> Result<(Vec<Found>, bool)> {
+    let mut found = Vec::new();
     let base = segment * sb.segment_blocks;
     let offset = sb.log_offset(base);
     let what = || format!("reading seqlog segment {segment}");
     // A segment never written is a hole (or beyond the end of the file): nothing to read.
     let (data, run) = storage.extent_at(offset, buf.len() as u64).context(what)?;
     if !data && run >= buf.len() as u64 {
-        return Ok(false);
+        return Ok((found, false));
     }
     storage.read_at(offset, buf).context(what)?;
     let bs = sb.block_size as usize;
@@ -93,18 +99,20 @@ fn scan_segment(
         let block = &buf[start..start + bs];
         let (header, blocks) = match BatchHeader::decode(block, sb.image_id, sb.max_records()) {
             Ok(h) => h,
-            Err(BadBatch::NotABatch) => return Ok(false),
-            Err(BadBatch::Damaged(_)) => return Ok(true),
+            Err(BadBatch::NotABatch) => return Ok((found, false)),
+            Err(BadBatch::Damaged(_)) => return Ok((found, true)),
         };
         if u64::from(pos) + 1 + u64::from(blocks) > u64::from(sb.segment_blocks) {
-            return Ok(true);
+            return Ok((found, true));
         }
         let end = start + bs + blocks as usize * bs;
         if !BatchHeader::verify(block, &buf[start + bs..end]) {
-            return Ok(true);
+            return Ok((found, true));
         }
         match chain {
-            Some((nonce, last)) if header.nonce != nonce || header.seq <= last => return Ok(false),
+            Some((nonce, last)) if header.nonce != nonce || header.seq <= last => {
+                return Ok((found, false))
+            }
             _ => chain = Some((header.nonce, header.seq)),
         }
         for r in &header.records {
@@ -127,5 +135,5 @@ fn scan_segment(
         });
         pos += 1 + blocks;
     }
-    Ok(false)
+    Ok((found, false))
 }

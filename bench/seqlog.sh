@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# Benchmark of seqlog (issue 24): 4 KiB random writes turned into sequential appends, against
+# a raw file, vdisk's qcow2 and QEMU's qcow2, all served over NBD to the same fio job, side
+# by side in one run; and the file system's own rates for the same job (fio, libaio, O_DIRECT
+# on a written file), which seqlog is meant to reach.
+#
+#   bench/seqlog.sh [--quick] [--size-mib N] [--runtime S] [--rounds N] [--no-build] [--out FILE]
+#
+#   --quick       256 MiB disks, 3 s per run, 1 round (about 3 minutes); default 1 GiB, 10 s, 3
+#   --size-mib N  size of every disk
+#   --runtime S   seconds per fio run (time_based)
+#   --rounds N    every row N times, the order of the servers reversed every other round; the
+#                 median of each is reported, every run listed
+#   --no-build    use target/release/vdisk as it is
+#   --out FILE    default bench/results/seqlog-<quick|full>.md
+#
+# Disks, made once per round in bench/work/seqlog/ and written whole first (so no run
+# measures allocation): raw (a file), seqlog (`-o spare=` large enough that the cleaner does not
+# start within the run: this measures appending; cleaning is measured separately), qcow2
+# made by vdisk and served by vdisk, the same image served by qemu-nbd. Every server uses
+# O_DIRECT (`--cache none`; qemu-nbd also --aio=native), so the page cache helps no one.
+#
+# Rows, each at iodepth 16 and 32 (one job): randwrite (4 KiB random writes), then on the
+# same disks read (sequential 4 KiB reads) and randread, after the random writes; the file
+# system's own seqwrite and randwrite rates (fio on the raw file, no NBD) as references.
+# Reported: IOPS per disk, seqlog over raw random writes, seqlog over the file system's
+# sequential write rate (the issue's target: >= 0.9), and reads on seqlog over raw.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+quick=0 size_mib= runtime= rounds= build=1 out=
+while (($#)); do
+    case $1 in
+    --quick) quick=1 ;;
+    --size-mib) size_mib=$2; shift ;;
+    --runtime) runtime=$2; shift ;;
+    --rounds) rounds=$2; shift ;;
+    --no-build) build=0 ;;
+    --out) out=$2; shift ;;
+    -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
+    *) echo "seqlog.sh: unknown option $1" >&2; exit 2 ;;
+    esac
+    shift
+done
+if ((quick)); then
+    size_mib=${size_mib:-256} runtime=${runtime:-3} rounds=${rounds:-1}
+else
+    size_mib=${size_mib:-1024} runtime=${runtime:-10} rounds=${rounds:-3}
+fi
+out=${out:-bench/results/seqlog-$( ((quick)) && echo quick || echo full).md}
+for tool in fio qemu-img qemu-nbd; do
+    command -v $tool >/dev/null || { echo "seqlog.sh: needs $tool" >&2; exit 1; }
+done
+((build)) && cargo build --release -q -p vdisk-cli
+vdisk=$PWD/target/release/vdisk
+work=bench/work/seqlog
+mkdir -p "$work"
+sock=$work/nbd.sock
+log=$work/runs.txt
+: >"$log"
+declare -A iops
+
+# fio's IOPS for a job on $1 (a file, or an NBD URI with nbd:), as a plain number.
+run_fio() {
+    local target=$1 rw=$2 qd=$3 engine=(--ioengine=nbd --uri="$1")
+    [[ $target == nbd* ]] || engine=(--ioengine=libaio --direct=1 --filename="$target")
+    fio --name=seqlog --output-format=json "${engine[@]}" --rw="$rw" --bs=4k --iodepth="$qd" \
+        --size="${size_mib}m" --time_based --runtime="$runtime" --randrepeat=0 \
+        --norandommap 2>/dev/null |
+        python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]; print(round(j["write"]["iops"]+j["read"]["iops"]))'
+}
+
+# Serves disk $1 with server $2, runs fio, stops the server.
+serve_fio() {
+    local disk=$1 server=$2 rw=$3 qd=$4 pid
+    rm -f "$sock"
+    case $server in
+    vdisk) "$vdisk" serve "$work/$disk" --nbd "unix:$sock" --cache none --aio native & pid=$! ;;
+    qemu-nbd) qemu-nbd -f qcow2 --cache=none --aio=native -t -k "$sock" "$work/$disk" & pid=$! ;;
+    esac
+    for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.05; done
+    run_fio "nbd+unix:///?socket=$sock" "$rw" "$qd"
+    kill "$pid"; wait "$pid" 2>/dev/null || true
+}
+
+make_disks() {
+    rm -f "$work"/*.img "$work"/*.qcow2 "$work"/*.seqlog
+    fio --name=fill --filename="$work/raw.img" --rw=write --bs=1m --size="${size_mib}m" \
+        --direct=1 --ioengine=libaio --iodepth=8 >/dev/null
+    # A log of 16 times the disk: the cleaner does not start within any run here.
+    "$vdisk" create -q -f seqlog -o spare=1500 "$work/disk.seqlog" "${size_mib}M"
+    "$vdisk" convert -n -O seqlog "$work/raw.img" "$work/disk.seqlog"
+    qemu-img convert -O qcow2 "$work/raw.img" "$work/disk.qcow2"
+    sync
+}
+
+# label → (disk, server); `fs` rows run fio on the raw file directly.
+disks=("raw:raw.img:vdisk" "seqlog:disk.seqlog:vdisk" "qcow2-vdisk:disk.qcow2:vdisk"
+    "qcow2-qemu-nbd:disk.qcow2:qemu-nbd")
+for ((r = 1; r <= rounds; r++)); do
+    make_disks
+    order=()
+    for d in "${disks[@]}"; do
+        if ((r % 2)); then order+=("$d"); else order=("$d" "${order[@]}"); fi
+    done
+    for qd in 16 32; do
+        for rw in seqwrite randwrite; do
+            fio_rw=${rw/seqwrite/write}
+            v=$(run_fio "$work/raw.img" "$fio_rw" "$qd")
+            iops["fs $rw qd$qd"]+="$v "; echo "round $r fs $rw qd$qd $v" | tee -a "$log"
+        done
+        for rw in randwrite read randread; do
+            for d in "${order[@]}"; do
+                IFS=: read -r label disk server <<<"$d"
+                v=$(serve_fio "$disk" "$server" "$rw" "$qd")
+                iops["$label $rw qd$qd"]+="$v "; echo "round $r $label $rw qd$qd $v" | tee -a "$log"
+            done
+        done
+    done
+done
+
+median() { tr ' ' '\n' <<<"$1" | grep . | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
+{
+    echo "# seqlog benchmark ($( ((quick)) && echo quick || echo full))"
+    echo
+    echo "\`bench/seqlog.sh $*\` at $(git rev-parse --short HEAD) on $(date -u +%Y-%m-%d):" \
+        "${size_mib} MiB disks, ${runtime} s per run, $rounds round(s), medians (IOPS, 4 KiB)."
+    echo "Every server with O_DIRECT; fio's nbd engine over a unix socket; \`fs\` is fio with"
+    echo "libaio and O_DIRECT on the written raw file itself, no NBD."
+    echo
+    echo "| qd | fs seqwrite | fs randwrite | raw | seqlog | qcow2 (vdisk) | qcow2 (qemu-nbd) | seqlog / raw | seqlog / fs seqwrite |"
+    echo "|---|---|---|---|---|---|---|---|---|"
+    for qd in 16 32; do
+        m() { median "${iops[$1 qd$qd]}"; }
+        s=$(m "seqlog randwrite") raw=$(m "raw randwrite") fsseq=$(m "fs seqwrite")
+        echo "| $qd | $fsseq | $(m "fs randwrite") | $raw | $s | $(m "qcow2-vdisk randwrite") |" \
+            "$(m "qcow2-qemu-nbd randwrite") | $(ratio "$s" "$raw") | $(ratio "$s" "$fsseq") |"
+    done
+    echo
+    echo "Reads after the random writes (seqlog's blocks are where the writes' order put them):"
+    echo
+    echo "| qd | rw | raw | seqlog | qcow2 (vdisk) | qcow2 (qemu-nbd) | seqlog / raw |"
+    echo "|---|---|---|---|---|---|---|"
+    for qd in 16 32; do
+        for rw in read randread; do
+            m() { median "${iops[$1 $rw qd$qd]}"; }
+            echo "| $qd | $rw | $(m raw) | $(m seqlog) | $(m qcow2-vdisk) | $(m qcow2-qemu-nbd) |" \
+                "$(ratio "$(m seqlog)" "$(m raw)") |"
+        done
+    done
+    echo
+    echo "Every run:"
+    echo
+    sed 's/^/    /' "$log"
+} >"$out"
+cat "$out"

@@ -1,0 +1,197 @@
+//! The cleaner: when the guest's writes would leave fewer free segments than the reserve, the
+//! leader of the appender cleans a victim segment before it goes on (the writers queued
+//! behind it wait: that is the back-pressure).
+//!
+//! Cleaning a victim reads its chain of batches and appends, on the cleaner's own stream:
+//! the blocks still live there (the map still points at them), and trims for the trimmed
+//! blocks that still read as zeroes. Recovery applies batches newest last, so everything the
+//! victim said that still holds is said again, newer, elsewhere; what it said that no longer
+//! holds was overridden by newer batches. After a sync the victim is free, once the reads
+//! that looked it up before the moves have finished (`Log::reuse`).
+//!
+//! All of it runs under the appender's lock: no other batch is placed meanwhile, so the map
+//! the cleaner reads is the one its batches will be applied to.
+
+use std::ops::Range;
+use std::sync::atomic::Ordering::Relaxed;
+
+use super::layout::{Kind, Policy, Record};
+use super::log::{apply_record, enospc, Log, Tail, CLEANER};
+use super::map::Map;
+use super::recover::read_chain;
+use crate::error::{Error, Result};
+
+impl Log {
+    /// Cleans one segment. `false` when no segment is worth cleaning (each holds so much
+    /// live data that moving it frees nothing).
+    pub(super) fn clean_one(&self, t: &mut Tail, map: &Map) -> Result<bool> {
+        let Some(victim) = self.pick_victim(t, map) else {
+            return Ok(false);
+        };
+        let sb = self.sb;
+        let bs = sb.block_size as usize;
+        let mut buf = vec![0u8; sb.segment_size() as usize];
+        let (chain, _) = read_chain(&*self.storage, &sb, victim, &mut buf)?;
+        let base = victim * sb.segment_blocks;
+        // What still holds: records, with where their data is in `buf`.
+        let mut out: Vec<(Record, Range<usize>)> = Vec::new();
+        for batch in &chain {
+            let mut data_at = batch.at + 1;
+            for r in &batch.records {
+                match r.kind {
+                    Kind::Data => {
+                        for i in 0..r.count {
+                            let from = data_at + i;
+                            if map.get(r.block + u64::from(i)) == Some(from) {
+                                let at = (from - base) as usize * bs;
+                                push_block(&mut out, r.block + u64::from(i), at..at + bs);
+                            }
+                        }
+                    }
+                    Kind::Trim => push_trims(&mut out, map, r),
+                }
+                data_at += r.data_blocks();
+            }
+        }
+        let mut rest = &mut out[..];
+        while !rest.is_empty() {
+            let taken = self.append_moves(t, map, rest, &buf)?;
+            rest = &mut rest[taken..];
+        }
+        if map.live(victim) != 0 {
+            return Err(Error::corrupt(format!(
+                "seqlog: segment {victim} keeps {} live blocks its batches do not hold",
+                map.live(victim)
+            )));
+        }
+        // The moves are durable before the victim's batches can be overwritten.
+        self.sync()?;
+        drop(self.reuse.write().unwrap_or_else(|e| e.into_inner()));
+        t.head.seg_seq[victim as usize] = 0;
+        t.head.free.push_back(victim);
+        self.stats.cleaned.fetch_add(1, Relaxed);
+        Ok(true)
+    }
+
+    /// The segment to clean by the policy, among those in use and not open, whose live blocks
+    /// (and the headers to move them) fit in less than a segment.
+    fn pick_victim(&self, t: &Tail, map: &Map) -> Option<u32> {
+        let sb = self.sb;
+        let capacity = f64::from(sb.segment_blocks - 1);
+        let max_records = sb.max_records() as u32;
+        let open: Vec<u32> = t.open.iter().flatten().map(|o| o.segment).collect();
+        let mut best: Option<(f64, u32)> = None;
+        for (s, &seq) in t.head.seg_seq.iter().enumerate() {
+            let s = s as u32;
+            if seq == 0 || open.contains(&s) {
+                continue;
+            }
+            let live = map.live(s);
+            if live + live.div_ceil(max_records) + 1 >= sb.segment_blocks {
+                continue;
+            }
+            let u = f64::from(live) / capacity;
+            let score = match sb.policy {
+                Policy::Greedy => 1.0 - u,
+                Policy::CostBenefit => {
+                    let age = (t.head.next_seq - seq) as f64;
+                    (1.0 - u) * age / (1.0 + u)
+                }
+            };
+            if best.is_none_or(|(b, _)| score > b) {
+                best = Some((score, s));
+            }
+        }
+        best.map(|(_, s)| s)
+    }
+
+    /// Appends one batch of moved blocks and carried trims on the cleaner's stream, as many
+    /// of `out` as fit in what is left of its segment (the last one cut to fit), and points
+    /// the map at it. Returns how many of `out` it took whole.
+    fn append_moves(
+        &self,
+        t: &mut Tail,
+        map: &Map,
+        out: &mut [(Record, Range<usize>)],
+        victim: &[u8],
+    ) -> Result<usize> {
+        // A segment with room for a header and a block.
+        if !self.fits(t, CLEANER, 1) {
+            let segment = t.head.free.pop_front().ok_or_else(enospc)?;
+            self.open_segment(t, CLEANER, segment);
+        }
+        let open = t.open[CLEANER].expect("a segment is open");
+        let mut room = self.sb.segment_blocks - open.pos - 1;
+        let bs = self.sb.block_size as usize;
+        let (mut records, mut data, mut taken) = (Vec::new(), Vec::new(), 0);
+        for (r, range) in out.iter_mut() {
+            if records.len() == self.sb.max_records() || (room == 0 && r.kind == Kind::Data) {
+                break;
+            }
+            let n = r.data_blocks().min(room);
+            if r.kind == Kind::Data && n < r.count {
+                // The first `n` blocks go now; the record keeps the rest.
+                records.push(Record { count: n, ..*r });
+                data.extend_from_slice(&victim[range.start..range.start + n as usize * bs]);
+                r.block += u64::from(n);
+                r.count -= n;
+                range.start += n as usize * bs;
+                break;
+            }
+            records.push(*r);
+            data.extend_from_slice(&victim[range.clone()]);
+            room -= n;
+            taken += 1;
+        }
+        let blocks = (data.len() / bs) as u32;
+        let (header, at) = self.place(t, CLEANER, records, blocks);
+        if let Err(e) = self.write_at(&header, &data, at) {
+            t.open[CLEANER] = None;
+            return Err(e);
+        }
+        let mut data_at = at + 1;
+        for r in &header.records {
+            apply_record(map, r, data_at);
+            data_at += r.data_blocks();
+        }
+        self.stats.moved.fetch_add(u64::from(blocks), Relaxed);
+        Ok(taken)
+    }
+}
+
+/// Adds live block `block` with its data at `data` in the victim, joining the previous record
+/// where it continues it.
+fn push_block(out: &mut Vec<(Record, Range<usize>)>, block: u64, data: Range<usize>) {
+    if let Some((last, d)) = out.last_mut() {
+        let end = last.block + u64::from(last.count);
+        if last.kind == Kind::Data && end == block && d.end == data.start {
+            last.count += 1;
+            d.end = data.end;
+            return;
+        }
+    }
+    let record = Record {
+        block,
+        count: 1,
+        kind: Kind::Data,
+    };
+    out.push((record, data));
+}
+
+/// Adds trims for the runs of `r`'s blocks that are still unmapped.
+fn push_trims(out: &mut Vec<(Record, Range<usize>)>, map: &Map, r: &Record) {
+    let end = r.block + u64::from(r.count);
+    let mut b = r.block;
+    while b < end {
+        let (to, n) = map.run(b, end - b);
+        if to.is_none() {
+            let record = Record {
+                block: b,
+                count: n as u32,
+                kind: Kind::Trim,
+            };
+            out.push((record, 0..0));
+        }
+        b += n;
+    }
+}
