@@ -53,7 +53,7 @@ for tool in fio qemu-img qemu-nbd; do
 done
 ((build)) && cargo build --release -q -p vdisk-cli
 vdisk=$PWD/target/release/vdisk
-work=bench/work/seqlog
+work=$PWD/bench/work/seqlog
 mkdir -p "$work"
 sock=$work/nbd.sock
 log=$work/runs.txt

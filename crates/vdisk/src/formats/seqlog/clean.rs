@@ -7,7 +7,8 @@
 //! blocks that still read as zeroes. Recovery applies batches newest last, so everything the
 //! victim said that still holds is said again, newer, elsewhere; what it said that no longer
 //! holds was overridden by newer batches. After a sync the victim is free, once the reads
-//! that looked it up before the moves have finished (`Log::reuse`).
+//! that looked it up before the moves have finished (`Log::reuse`); its first block is
+//! zeroed, so that the next open finds it free too.
 //!
 //! All of it runs under the appender's lock: no other batch is placed meanwhile, so the map
 //! the cleaner reads is the one its batches will be applied to.
@@ -19,22 +20,74 @@ use super::layout::{Kind, Policy, Record};
 use super::log::{apply_record, enospc, Log, Tail, CLEANER};
 use super::map::Map;
 use super::recover::read_chain;
+use crate::bytes::AlignedBuf;
 use crate::error::{Error, Result};
 
 impl Log {
     /// Cleans one segment. `false` when no segment is worth cleaning (each holds so much
-    /// live data that moving it frees nothing).
+    /// live data, or so many trims still in force, that moving it frees nothing).
     pub(super) fn clean_one(&self, t: &mut Tail, map: &Map) -> Result<bool> {
-        let Some(victim) = self.pick_victim(t, map) else {
-            return Ok(false);
-        };
+        let sb = self.sb;
+        let mut buf = vec![0u8; sb.segment_size() as usize];
+        loop {
+            let Some(victim) = self.pick_victim(t, map) else {
+                return Ok(false);
+            };
+            let mut out = self.still_holds(victim, map, &mut buf)?;
+            // Moving it must take less than the segment it frees: trims in force cost
+            // headers that the live count does not show.
+            let blocks: u64 = out.iter().map(|(r, _)| u64::from(r.data_blocks())).sum();
+            let headers = out.len().div_ceil(sb.max_records()) as u64 + 1;
+            if blocks + headers >= u64::from(sb.segment_blocks) {
+                t.head.no_gain[victim as usize] = t.head.next_seq;
+                continue;
+            }
+            let mut rest = &mut out[..];
+            while !rest.is_empty() {
+                let taken = self.append_moves(t, map, rest, &buf)?;
+                rest = &mut rest[taken..];
+            }
+            if map.live(victim) != 0 {
+                return Err(Error::corrupt(format!(
+                    "seqlog: segment {victim} keeps {} live blocks its batches do not hold",
+                    map.live(victim)
+                )));
+            }
+            // The moves are durable before the victim's batches can be overwritten.
+            self.sync()?;
+            drop(self.reuse.write().unwrap_or_else(|e| e.into_inner()));
+            // Its chain is ended at its first block, so that an open finds it free. Should the
+            // write not reach the disk, the open finds whole batches that newer ones override.
+            let first = sb.log_offset(victim * sb.segment_blocks);
+            let zeroes = AlignedBuf::zeroed(sb.block_size as usize);
+            self.storage
+                .write_at(first, &zeroes)
+                .map_err(|source| Error::Io {
+                    context: format!("ending the chain of cleaned segment {victim}"),
+                    source,
+                })?;
+            t.head.seg_seq[victim as usize] = 0;
+            t.head.no_gain[victim as usize] = 0;
+            t.head.free.push_back(victim);
+            self.stats.cleaned.fetch_add(1, Relaxed);
+            return Ok(true);
+        }
+    }
+
+    /// What of `victim`'s batches (read into `buf`) still holds: the blocks the map points
+    /// into it, and the trimmed blocks that still read as zeroes, with where their data is
+    /// in `buf`.
+    fn still_holds(
+        &self,
+        victim: u32,
+        map: &Map,
+        buf: &mut [u8],
+    ) -> Result<Vec<(Record, Range<usize>)>> {
         let sb = self.sb;
         let bs = sb.block_size as usize;
-        let mut buf = vec![0u8; sb.segment_size() as usize];
-        let (chain, _) = read_chain(&*self.storage, &sb, victim, &mut buf)?;
+        let (chain, _) = read_chain(&*self.storage, &sb, victim, buf)?;
         let base = victim * sb.segment_blocks;
-        // What still holds: records, with where their data is in `buf`.
-        let mut out: Vec<(Record, Range<usize>)> = Vec::new();
+        let mut out = Vec::new();
         for batch in &chain {
             let mut data_at = batch.at + 1;
             for r in &batch.records {
@@ -53,24 +106,7 @@ impl Log {
                 data_at += r.data_blocks();
             }
         }
-        let mut rest = &mut out[..];
-        while !rest.is_empty() {
-            let taken = self.append_moves(t, map, rest, &buf)?;
-            rest = &mut rest[taken..];
-        }
-        if map.live(victim) != 0 {
-            return Err(Error::corrupt(format!(
-                "seqlog: segment {victim} keeps {} live blocks its batches do not hold",
-                map.live(victim)
-            )));
-        }
-        // The moves are durable before the victim's batches can be overwritten.
-        self.sync()?;
-        drop(self.reuse.write().unwrap_or_else(|e| e.into_inner()));
-        t.head.seg_seq[victim as usize] = 0;
-        t.head.free.push_back(victim);
-        self.stats.cleaned.fetch_add(1, Relaxed);
-        Ok(true)
+        Ok(out)
     }
 
     /// The segment to clean by the policy, among those in use and not open, whose live blocks
@@ -84,6 +120,11 @@ impl Log {
         for (s, &seq) in t.head.seg_seq.iter().enumerate() {
             let s = s as u32;
             if seq == 0 || open.contains(&s) {
+                continue;
+            }
+            // Found not worth it: looked at again after a segment's worth of batches.
+            let judged = t.head.no_gain[s as usize];
+            if judged != 0 && t.head.next_seq - judged < u64::from(sb.segments) {
                 continue;
             }
             let live = map.live(s);

@@ -32,6 +32,9 @@ pub(super) struct Head {
     /// Per segment, the sequence number of the newest batch placed in it (0: free), which
     /// tells the cleaner its age.
     pub seg_seq: Vec<u64>,
+    /// Per segment, when the cleaner last found that moving what holds in it would free
+    /// nothing (the next sequence number then; 0: never).
+    pub no_gain: Vec<u64>,
 }
 
 /// The streams: guest writes, and the cleaner's moves (kept apart, so that data the cleaner
@@ -106,7 +109,10 @@ pub(super) struct Tail {
 /// A batch taken from the queue, to be written.
 struct Batch {
     header: BatchHeader,
-    requests: Vec<Request>,
+    /// Requests the batch ends (the first ones queued).
+    whole: u64,
+    /// Whether it also holds the first part of the next request.
+    cut: bool,
     data: Vec<u8>,
     /// The log block of its header.
     at: u32,
@@ -213,14 +219,15 @@ impl Log {
             let result = self.write_batch(&batch);
             t = lock(&self.state);
             let first = t.finished;
-            t.finished += batch.requests.len() as u64;
+            t.finished += batch.whole;
             match result {
                 Ok(()) => self.apply(map, &batch),
                 Err(e) => {
                     // The chain of batches in this segment ends at the failed one: what
                     // follows goes to the next segment, or recovery would never reach it.
                     t.open[DATA] = None;
-                    for ticket in first..t.finished {
+                    // A request cut by the batch fails too, whatever its rest does.
+                    for ticket in first..t.finished + u64::from(batch.cut) {
                         t.failed.insert(ticket, clone_error(&e));
                     }
                 }
@@ -230,40 +237,57 @@ impl Log {
         t
     }
 
-    /// Takes from the queue the requests that fit one batch in the open segment (opening the
-    /// next free one, cleaning first where too few are left, when the first request does
-    /// not fit).
+    /// Takes from the queue the requests that fit one batch in the open segment, the last
+    /// one cut where the segment ends (its rest stays first in the queue); a new segment is
+    /// opened (cleaning first where too few are left) when not even a header and a block fit.
     fn take_batch(&self, t: &mut Tail, map: &Map) -> Result<Batch> {
         let first = t.queue[0].record.data_blocks();
-        if !self.fits(t, DATA, first) {
+        if !self.fits(t, DATA, first.min(1)) {
             let segment = self.data_segment(t, map)?;
             self.open_segment(t, DATA, segment);
         }
         let open = t.open[DATA].expect("a segment is open");
         let room = self.sb.segment_blocks - open.pos - 1;
-        let mut blocks = 0;
-        let mut take = 0;
-        let mut bytes = 0;
-        for r in &t.queue {
+        let bs = self.sb.block_size as usize;
+        let (mut blocks, mut bytes) = (0, 0);
+        let mut records = Vec::new();
+        let mut cut = false;
+        for r in t.queue.iter_mut() {
             let b = r.record.data_blocks();
-            if take == self.sb.max_records() || blocks + b > room {
+            if records.len() == self.sb.max_records() {
                 break;
             }
+            if blocks + b > room {
+                let n = room - blocks;
+                if n > 0 {
+                    records.push(Record {
+                        count: n,
+                        ..r.record
+                    });
+                    r.record.block += u64::from(n);
+                    r.record.count -= n;
+                    r.data_len -= n as usize * bs;
+                    (blocks, bytes) = (room, bytes + n as usize * bs);
+                    cut = true;
+                }
+                break;
+            }
+            records.push(r.record);
             blocks += b;
             bytes += r.data_len;
-            take += 1;
         }
-        let requests: Vec<Request> = t.queue.drain(..take).collect();
+        let whole = records.len() - usize::from(cut);
+        t.queue.drain(..whole);
         let rest = t.data.split_off(bytes);
         let data = std::mem::replace(&mut t.data, rest);
         self.stats
             .guest_bytes
             .fetch_add(data.len() as u64, Ordering::Relaxed);
-        let records = requests.iter().map(|r| r.record).collect();
         let (header, at) = self.place(t, DATA, records, blocks);
         Ok(Batch {
             header,
-            requests,
+            whole: whole as u64,
+            cut,
             data,
             at,
         })

@@ -7,7 +7,7 @@
 
 use std::collections::VecDeque;
 
-use super::layout::{BadBatch, BatchHeader, Record, Superblock};
+use super::layout::{BadBatch, BatchHeader, Kind, Record, Superblock};
 use super::log::{apply_record, Head};
 use super::map::Map;
 use crate::error::{Error, IoContext, Result};
@@ -35,6 +35,7 @@ pub(super) fn recover(storage: &dyn Storage, sb: &Superblock) -> Result<Recovere
     let mut free = VecDeque::new();
     let mut torn = 0;
     let mut seg_seq = vec![0u64; sb.segments as usize];
+    let mut trims = vec![false; sb.segments as usize];
     let mut buf = vec![0u8; sb.segment_size() as usize];
     for segment in 0..sb.segments {
         let (chain, damaged) = read_chain(storage, sb, segment, &mut buf)?;
@@ -43,6 +44,8 @@ pub(super) fn recover(storage: &dyn Storage, sb: &Superblock) -> Result<Recovere
             Some(last) => seg_seq[segment as usize] = last.seq,
             None => free.push_back(segment),
         }
+        let trim = |f: &Found| f.records.iter().any(|r| r.kind == Kind::Trim);
+        trims[segment as usize] = chain.iter().any(trim);
         found.extend(chain);
     }
     found.sort_unstable_by_key(|f| f.seq);
@@ -60,6 +63,15 @@ pub(super) fn recover(storage: &dyn Storage, sb: &Superblock) -> Result<Recovere
             data_at += r.data_blocks();
         }
     }
+    // A segment whose batches hold only data that newer batches overrode decides nothing
+    // (one the cleaner freed, whose first block did not get zeroed before a crash): free.
+    for segment in 0..sb.segments {
+        let s = segment as usize;
+        if seg_seq[s] != 0 && map.live(segment) == 0 && !trims[s] {
+            seg_seq[s] = 0;
+            free.push_back(segment);
+        }
+    }
     let next_seq = found.last().map_or(1, |f| f.seq + 1);
     Ok(Recovered {
         map,
@@ -67,6 +79,7 @@ pub(super) fn recover(storage: &dyn Storage, sb: &Superblock) -> Result<Recovere
             next_seq,
             free,
             seg_seq,
+            no_gain: vec![0; sb.segments as usize],
         },
         batches: found.len() as u64,
         torn,
