@@ -60,14 +60,15 @@ log=$work/runs.txt
 : >"$log"
 declare -A iops
 
-# fio's IOPS for a job on $1 (a file, or an NBD URI with nbd:), as a plain number.
+# fio's IOPS for a job on $1 (a file, or an NBD URI with nbd:), as a plain number (the nbd
+# engine prints a line before the JSON).
 run_fio() {
     local target=$1 rw=$2 qd=$3 engine=(--ioengine=nbd --uri="$1")
     [[ $target == nbd* ]] || engine=(--ioengine=libaio --direct=1 --filename="$target")
     fio --name=seqlog --output-format=json "${engine[@]}" --rw="$rw" --bs=4k --iodepth="$qd" \
         --size="${size_mib}m" --time_based --runtime="$runtime" --randrepeat=0 \
         --norandommap 2>/dev/null |
-        python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]; print(round(j["write"]["iops"]+j["read"]["iops"]))'
+        python3 -c 'import json,sys; t=sys.stdin.read(); j=json.loads(t[t.index("{"):])["jobs"][0]; print(round(j["write"]["iops"]+j["read"]["iops"]))'
 }
 
 # Serves disk $1 with server $2, runs fio, stops the server.
