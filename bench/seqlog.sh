@@ -24,7 +24,9 @@
 # same disks read (sequential 4 KiB reads) and randread, after the random writes; the file
 # system's own seqwrite and randwrite rates (fio on the raw file, no NBD) as references.
 # Reported: IOPS per disk, seqlog over raw random writes, seqlog over the file system's
-# sequential write rate (the issue's target: >= 0.9), and reads on seqlog over raw.
+# sequential write rate (the issue's target: >= 0.9), and reads on seqlog over raw. The list
+# of runs gives each server's CPU time and voluntary context switches (GNU time) and, for
+# seqlog, the batches the run appended (requests per batch: IOPS x runtime / batches).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -71,17 +73,26 @@ run_fio() {
         python3 -c 'import json,sys; t=sys.stdin.read(); j=json.loads(t[t.index("{"):])["jobs"][0]; print(round(j["write"]["iops"]+j["read"]["iops"]))'
 }
 
-# Serves disk $1 with server $2, runs fio, stops the server.
+# The batches in a seqlog image (what an open finds).
+batches() { "$vdisk" info "$work/$1" | awk '/recovered batches/ {print $3}'; }
+
+# Serves disk $1 with server $2, runs fio, stops the server. The server's CPU time and
+# voluntary context switches (and for seqlog the batches the run appended) go to $work/extra.
 serve_fio() {
-    local disk=$1 server=$2 rw=$3 qd=$4 pid
+    local disk=$1 server=$2 rw=$3 qd=$4 pid before=
     rm -f "$sock"
+    [[ $disk == *.seqlog ]] && before=$(batches "$disk")
+    local timed=(/usr/bin/time -f "cpu %U+%S s, %w switches" -o "$work/time.txt")
     case $server in
-    vdisk) "$vdisk" serve "$work/$disk" --nbd "unix:$sock" --cache none --aio native & pid=$! ;;
-    qemu-nbd) qemu-nbd -f qcow2 --cache=none --aio=native -t -k "$sock" "$work/$disk" & pid=$! ;;
+    vdisk) "${timed[@]}" "$vdisk" serve "$work/$disk" --nbd "unix:$sock" --cache none --aio native & pid=$! ;;
+    qemu-nbd) "${timed[@]}" qemu-nbd -f qcow2 --cache=none --aio=native -t -k "$sock" "$work/$disk" & pid=$! ;;
     esac
     for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.05; done
     run_fio "nbd+unix:///?socket=$sock" "$rw" "$qd"
-    kill "$pid"; wait "$pid" 2>/dev/null || true
+    pkill -TERM -P "$pid"; wait "$pid" 2>/dev/null || true
+    local extra; extra="server $(tail -1 "$work/time.txt")"
+    [ -n "$before" ] && extra+=", $(( $(batches "$disk") - before )) batches"
+    echo "$extra" >"$work/extra"
 }
 
 make_disks() {
@@ -114,7 +125,8 @@ for ((r = 1; r <= rounds; r++)); do
             for d in "${order[@]}"; do
                 IFS=: read -r label disk server <<<"$d"
                 v=$(serve_fio "$disk" "$server" "$rw" "$qd")
-                iops["$label $rw qd$qd"]+="$v "; echo "round $r $label $rw qd$qd $v" | tee -a "$log"
+                iops["$label $rw qd$qd"]+="$v "
+                echo "round $r $label $rw qd$qd $v ($(cat "$work/extra"))" | tee -a "$log"
             done
         done
     done
