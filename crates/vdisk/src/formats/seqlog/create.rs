@@ -62,6 +62,7 @@ impl CreateOptions {
             policy: self.policy,
         };
         sb.validate().map_err(Error::invalid)?;
+        sb.fits_in_memory().map_err(Error::invalid)?;
         Ok(sb)
     }
 }

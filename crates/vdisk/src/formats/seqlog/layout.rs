@@ -22,6 +22,10 @@ pub const MIN_BLOCK: u32 = 512;
 pub const MAX_BLOCK: u32 = 64 << 10;
 /// A segment holds at least a header and a few blocks of data.
 pub const MIN_SEGMENT_BLOCKS: u32 = 8;
+/// The cleaner reads a whole segment into memory.
+const MAX_SEGMENT: u64 = 1 << 30;
+/// The map is in memory, 4 bytes a block (4 GiB for a 4 TiB disk of 4 KiB blocks).
+const MAX_DISK_BLOCKS: u64 = 1 << 30;
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
@@ -123,6 +127,7 @@ impl Superblock {
             },
         };
         s.validate().map_err(Error::corrupt)?;
+        s.fits_in_memory().map_err(Error::unsupported)?;
         Ok(s)
     }
 
@@ -154,8 +159,24 @@ impl Superblock {
                 self.segments, self.segment_blocks
             ));
         }
-        if self.disk_size / u64::from(bs) > usize::MAX as u64 / 8 {
-            return Err(format!("seqlog disk size {} is too large", self.disk_size));
+        Ok(())
+    }
+
+    /// Whether vdisk can hold what the image needs in memory: the reason it cannot,
+    /// otherwise (the image is not corrupt for it).
+    pub fn fits_in_memory(&self) -> std::result::Result<(), String> {
+        if self.segment_size() > MAX_SEGMENT {
+            return Err(format!(
+                "seqlog segments of {} bytes are larger than {MAX_SEGMENT}",
+                self.segment_size()
+            ));
+        }
+        if self.disk_blocks() > MAX_DISK_BLOCKS {
+            return Err(format!(
+                "seqlog disk of {} blocks is larger than the {MAX_DISK_BLOCKS} blocks whose map \
+                 this version keeps in memory",
+                self.disk_blocks()
+            ));
         }
         Ok(())
     }
@@ -356,11 +377,24 @@ mod tests {
             bad[at] ^= 1;
             assert!(Superblock::decode(&bad).is_err(), "byte {at} flipped");
         }
-        let bad = Superblock {
-            block_size: 3000,
-            ..s
-        };
-        assert!(Superblock::decode(&bad.encode()).is_err());
+        // Geometries whose memory would not fit are refused, not allocated.
+        for bad in [
+            Superblock {
+                block_size: 3000,
+                ..s
+            },
+            Superblock {
+                segment_blocks: 1 << 30,
+                segments: 2,
+                ..s
+            },
+            Superblock {
+                disk_size: 1 << 50,
+                ..s
+            },
+        ] {
+            assert!(Superblock::decode(&bad.encode()).is_err(), "{bad:?}");
+        }
         assert_eq!(s.log_offset(0), 1 << 20);
         assert_eq!(s.max_records(), 253);
     }

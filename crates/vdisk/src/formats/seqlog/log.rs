@@ -203,7 +203,8 @@ impl Log {
             let batch = match self.take_batch(&mut t, map) {
                 Ok(b) => b,
                 Err(e) => {
-                    // Nothing more fits the log: every queued request fails.
+                    // Nothing more fits the log (or cleaning failed): every queued request
+                    // fails.
                     let first = t.finished;
                     t.finished += t.queue.len() as u64;
                     for ticket in first..t.finished {
