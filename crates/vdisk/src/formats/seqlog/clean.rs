@@ -17,7 +17,7 @@ use std::ops::Range;
 use std::sync::atomic::Ordering::Relaxed;
 
 use super::layout::{Kind, Policy, Record};
-use super::log::{apply_record, enospc, Log, Tail, CLEANER};
+use super::log::{apply_batch, enospc, Log, Tail, CLEANER};
 use super::map::Map;
 use super::recover::read_chain;
 use crate::bytes::AlignedBuf;
@@ -190,11 +190,7 @@ impl Log {
             t.open[CLEANER] = None;
             return Err(e);
         }
-        let mut data_at = at + 1;
-        for r in &header.records {
-            apply_record(map, r, data_at);
-            data_at += r.data_blocks();
-        }
+        apply_batch(map, at, &header.records);
         self.stats.moved.fetch_add(u64::from(blocks), Relaxed);
         Ok(taken)
     }

@@ -217,12 +217,12 @@ impl Log {
                 }
             };
             drop(t);
-            let result = self.write_batch(&batch);
+            let result = self.write_at(&batch.header, &batch.data, batch.at);
             t = lock(&self.state);
             let first = t.finished;
             t.finished += batch.whole;
             match result {
-                Ok(()) => self.apply(map, &batch),
+                Ok(()) => apply_batch(map, batch.at, &batch.header.records),
                 Err(e) => {
                     // The chain of batches in this segment ends at the failed one: what
                     // follows goes to the next segment, or recovery would never reach it.
@@ -355,10 +355,6 @@ impl Log {
             .expect("more segments than the reserve"))
     }
 
-    fn write_batch(&self, b: &Batch) -> Result<()> {
-        self.write_at(&b.header, &b.data, b.at)
-    }
-
     /// Writes a batch: `header` and `data` at log block `at`.
     pub(super) fn write_at(&self, header: &BatchHeader, data: &[u8], at: u32) -> Result<()> {
         let bs = self.sb.block_size as usize;
@@ -382,15 +378,6 @@ impl Log {
             .bytes
             .fetch_add(buf.len() as u64, Ordering::Relaxed);
         Ok(())
-    }
-
-    /// Points the map at a written batch.
-    fn apply(&self, map: &Map, b: &Batch) {
-        let mut data_at = b.at + 1;
-        for r in &b.header.records {
-            apply_record(map, r, data_at);
-            data_at += r.data_blocks();
-        }
     }
 
     /// Makes every written batch durable; concurrent callers share one sync.
@@ -423,14 +410,19 @@ pub(super) fn enospc() -> Error {
     }
 }
 
-/// Points the map at what `r` says, its data starting at log block `data_at`.
-pub(super) fn apply_record(map: &Map, r: &Record, data_at: u32) {
-    for i in 0..r.count {
-        let to = match r.kind {
-            Kind::Data => Some(data_at + i),
-            Kind::Trim => None,
-        };
-        map.set(r.block + u64::from(i), to);
+/// Points the map at what the records of the batch whose header is at log block `at` say:
+/// data records at the blocks after the header, in record order; trims at nothing.
+pub(super) fn apply_batch(map: &Map, at: u32, records: &[Record]) {
+    let mut data_at = at + 1;
+    for r in records {
+        for i in 0..r.count {
+            let to = match r.kind {
+                Kind::Data => Some(data_at + i),
+                Kind::Trim => None,
+            };
+            map.set(r.block + u64::from(i), to);
+        }
+        data_at += r.data_blocks();
     }
 }
 

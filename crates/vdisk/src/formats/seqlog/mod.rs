@@ -53,8 +53,6 @@ pub(crate) static FORMAT: FormatEntry = FormatEntry {
 };
 
 pub struct Seqlog {
-    storage: Arc<dyn Storage>,
-    sb: Superblock,
     map: Map,
     log: Log,
     /// Held by writes of part of a block, from reading the block to appending it.
@@ -73,9 +71,7 @@ impl Seqlog {
         let sb = Superblock::decode(&head)?;
         let r = recover::recover(&*storage, &sb)?;
         Ok(Seqlog {
-            log: Log::new(sb, storage.clone(), r.head),
-            storage,
-            sb,
+            log: Log::new(sb, storage, r.head),
             map: r.map,
             partial: Mutex::new(()),
             read_only,
@@ -84,7 +80,7 @@ impl Seqlog {
     }
 
     fn bs(&self) -> u64 {
-        u64::from(self.sb.block_size)
+        u64::from(self.log.sb.block_size)
     }
 
     fn writable(&self, what: &str) -> Result<()> {
@@ -156,7 +152,7 @@ impl Layer for Seqlog {
         let n = (n * bs - within).min(len);
         let mapping = match to {
             Some(l) => Mapping::Data {
-                offset: self.sb.log_offset(l) + within,
+                offset: self.log.sb.log_offset(l) + within,
             },
             None => Mapping::Unallocated { offset: None },
         };
@@ -164,7 +160,7 @@ impl Layer for Seqlog {
     }
 
     fn data_storage(&self) -> &dyn Storage {
-        &*self.storage
+        &*self.log.storage
     }
 
     fn backing(&self) -> Option<&Arc<dyn BlockDev>> {
@@ -182,7 +178,7 @@ impl Layer for Seqlog {
 
 impl BlockDev for Seqlog {
     fn size(&self) -> u64 {
-        self.sb.disk_size
+        self.log.sb.disk_size
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
@@ -264,7 +260,7 @@ impl BlockDev for Seqlog {
 
 impl Driver for Seqlog {
     fn file(&self) -> &Arc<dyn Storage> {
-        &self.storage
+        &self.log.storage
     }
 
     fn cluster_size(&self) -> Option<u64> {
@@ -279,9 +275,9 @@ impl Driver for Seqlog {
             cluster_size: Some(self.bs()),
             specific: Some(vec![
                 ("block-size", n(self.bs())),
-                ("cleaner", InfoValue::Text(self.sb.policy.name().into())),
-                ("segment-size", n(self.sb.segment_size())),
-                ("segments", n(u64::from(self.sb.segments))),
+                ("cleaner", InfoValue::Text(self.log.sb.policy.name().into())),
+                ("segment-size", n(self.log.sb.segment_size())),
+                ("segments", n(u64::from(self.log.sb.segments))),
                 ("free-segments", n(self.log.free_segments() as u64)),
                 ("mapped-blocks", n(self.map.mapped())),
                 ("map-memory", n(self.map.memory() as u64)),

@@ -8,7 +8,7 @@
 use std::collections::VecDeque;
 
 use super::layout::{BadBatch, BatchHeader, Kind, Record, Superblock};
-use super::log::{apply_record, Head};
+use super::log::{apply_batch, Head};
 use super::map::Map;
 use crate::error::{Error, IoContext, Result};
 use crate::storage::Storage;
@@ -57,11 +57,7 @@ pub(super) fn recover(storage: &dyn Storage, sb: &Superblock) -> Result<Recovere
     }
     let map = Map::new(sb.disk_blocks(), sb.segments, sb.segment_blocks);
     for f in &found {
-        let mut data_at = f.at + 1;
-        for r in &f.records {
-            apply_record(&map, r, data_at);
-            data_at += r.data_blocks();
-        }
+        apply_batch(&map, f.at, &f.records);
     }
     // A segment whose batches hold only data that newer batches overrode decides nothing
     // (one the cleaner freed, whose first block did not get zeroed before a crash): free.

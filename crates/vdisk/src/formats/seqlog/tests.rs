@@ -95,7 +95,7 @@ fn cleaning_keeps_every_block() {
             ..small()
         });
         let disk = Seqlog::open(storage.clone(), false).unwrap();
-        let blocks = disk.sb.disk_blocks();
+        let blocks = disk.log.sb.disk_blocks();
         let mut want = vec![0u8; blocks as usize];
         let done = std::sync::atomic::AtomicBool::new(false);
         std::thread::scope(|s| {
@@ -153,7 +153,7 @@ fn hostile_logs_are_refused() {
     let disk = Seqlog::open(storage.clone(), false).unwrap();
     disk.write(0, &[5; 4096]).unwrap();
     disk.flush().unwrap();
-    let sb = disk.sb;
+    let sb = disk.log.sb;
     drop(disk);
     let mut block = vec![0u8; 4096];
     let data = vec![5u8; 4096];
