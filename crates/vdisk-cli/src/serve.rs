@@ -1,5 +1,5 @@
-//! `vdisk serve`: exports images over NBD until SIGINT or SIGTERM, then finishes the requests
-//! in flight, flushes and closes every image clean.
+//! `vdisk serve`: exports images over NBD and vhost-user-blk until SIGINT or SIGTERM, then
+//! finishes the requests in flight, flushes and closes every image clean.
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -9,6 +9,7 @@ use std::time::Duration;
 use vdisk::export::nbd::{
     stderr_sink, Address, Export, ExportOptions, Level, Limits, Logger, Server, ServerOptions,
 };
+use vdisk::export::vhost_user::{VhostUserBlk, VhostUserOptions};
 use vdisk::io::Backend;
 use vdisk::{BlockDev, CacheMode, Format, Image, ImageOptions};
 
@@ -22,9 +23,17 @@ pub struct Args {
     images: Vec<String>,
     #[arg(short = 'f')]
     format: Option<String>,
-    /// Listen on unix:PATH or tcp:HOST:PORT (repeatable).
-    #[arg(long, required = true)]
+    /// Serve NBD on unix:PATH or tcp:HOST:PORT (repeatable).
+    #[arg(long)]
     nbd: Vec<String>,
+    /// Serve a vhost-user-blk device on the unix socket PATH, for QEMU's
+    /// `-chardev socket,path=PATH -device vhost-user-blk-pci` (repeatable; NAME=PATH picks
+    /// the export when several images are served).
+    #[arg(long, value_name = "[NAME=]PATH")]
+    vhost_user_blk: Vec<String>,
+    /// Virtqueues each vhost-user-blk device offers (1 to 64), each served by a thread.
+    #[arg(long, default_value_t = 1)]
+    num_queues: u16,
     /// Name of the (single) export; default "".
     #[arg(long, short = 'x')]
     export_name: Option<String>,
@@ -115,6 +124,25 @@ fn split_spec(spec: &str) -> (&str, Option<&str>) {
     }
 }
 
+/// The export a `--vhost-user-blk [NAME=]PATH` serves, and its socket: NAME picks an export
+/// by name; without one there must be a single image.
+fn pick_export<'s>(
+    spec: &'s str,
+    exports: &[(String, VhostUserOptions)],
+) -> Result<(usize, &'s str), String> {
+    if let Some((name, path)) = spec.split_once('=') {
+        if let Some(i) = exports.iter().position(|(n, _)| n == name) {
+            return Ok((i, path));
+        }
+    }
+    match exports.len() {
+        1 => Ok((0, spec)),
+        _ => Err(format!(
+            "--vhost-user-blk {spec}: name the export (NAME=PATH) when serving several images"
+        )),
+    }
+}
+
 /// Blocks the stop signals in this thread and every thread it starts later, so that they are
 /// only ever taken by `sigwait` in [`wait_for_signal`].
 fn block_signals() -> libc::sigset_t {
@@ -150,9 +178,9 @@ pub fn run(a: &Args) -> ExitCode {
     };
     let verbose = level >= Level::Info;
     raise_fd_limit();
-    if a.nbd.is_empty() {
+    if a.nbd.is_empty() && a.vhost_user_blk.is_empty() {
         return fail(
-            "serve needs at least one --nbd unix:PATH or tcp:HOST:PORT",
+            "serve needs at least one --nbd unix:PATH or tcp:HOST:PORT, or --vhost-user-blk PATH",
             1,
         );
     }
@@ -168,6 +196,11 @@ pub fn run(a: &Args) -> ExitCode {
         Some("native") => return fail("aio=native requires --cache none or directsync", 1),
         Some(other) => return fail(format!("invalid aio mode '{other}'"), 1),
     }
+    let aio = match a.aio.as_deref() {
+        Some("threads") => None,
+        Some("native") => Some(Backend::LinuxAio),
+        _ => Some(Backend::IoUring),
+    };
     let format = match a.format.as_deref().map(Format::parse).transpose() {
         Ok(f) => f,
         Err(e) => return fail(e, 1),
@@ -188,6 +221,7 @@ pub fn run(a: &Args) -> ExitCode {
 
     let mut images = Vec::new();
     let mut exports = Vec::new();
+    let mut vhost_opts = Vec::new();
     for spec in &a.images {
         let (path, name) = split_spec(spec);
         let name = match (name, a.export_name.as_deref()) {
@@ -227,19 +261,37 @@ pub fn run(a: &Args) -> ExitCode {
                 if a.read_only { ", read-only" } else { "" }
             );
         }
+        let mut vopts = VhostUserOptions::new("");
+        vopts.serial = Path::new(path)
+            .file_name()
+            .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+        vopts.read_only = a.read_only;
+        vopts.num_queues = a.num_queues;
+        vopts.preferred_block = preferred;
+        vopts.aio = aio;
+        vopts.log = Logger::new(level, stderr_sink());
+        vhost_opts.push((eopts.name.clone(), vopts));
         images.push(image.clone());
         exports.push(Export::from_image(image, a.cache, eopts));
+    }
+    let mut vhost_devices = Vec::new();
+    for spec in &a.vhost_user_blk {
+        let (i, socket) = match pick_export(spec, &vhost_opts) {
+            Ok(v) => v,
+            Err(e) => return fail(e, 1),
+        };
+        let opts = VhostUserOptions {
+            socket: socket.into(),
+            ..vhost_opts[i].1.clone()
+        };
+        vhost_devices.push((images[i].clone(), opts));
     }
 
     let server_opts = ServerOptions {
         max_connections: a.max_connections,
         limits: Limits {
             workers: a.workers.max(1),
-            aio: match a.aio.as_deref() {
-                Some("threads") => None,
-                Some("native") => Some(Backend::LinuxAio),
-                _ => Some(Backend::IoUring),
-            },
+            aio,
             ..Limits::default()
         },
         log: Logger::new(level, stderr_sink()),
@@ -269,9 +321,26 @@ pub fn run(a: &Args) -> ExitCode {
             return fail(format!("cannot listen on {addr} for stats: {e}"), 1);
         }
     }
+    let mut vhost = Vec::new();
+    for (image, opts) in vhost_devices {
+        let socket = opts.socket.display().to_string();
+        match VhostUserBlk::start(a.cache.serve(image), opts) {
+            Ok(v) if verbose => {
+                eprintln!("vdisk: info: vhost-user-blk on {socket}");
+                vhost.push(v);
+            }
+            Ok(v) => vhost.push(v),
+            Err(e) => {
+                vhost.into_iter().for_each(VhostUserBlk::shutdown);
+                server.shutdown();
+                return fail(format!("cannot serve vhost-user-blk on {socket}: {e}"), 1);
+            }
+        }
+    }
     if let Some(p) = a.pid_file.as_deref() {
         // Written once the sockets listen, so whoever waits for it can connect right away.
         if let Err(e) = std::fs::write(p, format!("{}\n", std::process::id())) {
+            vhost.into_iter().for_each(VhostUserBlk::shutdown);
             server.shutdown();
             return fail(format!("cannot write the pid file '{p}': {e}"), 1);
         }
@@ -281,6 +350,7 @@ pub fn run(a: &Args) -> ExitCode {
     if verbose {
         eprintln!("vdisk: info: signal {sig}: stopping");
     }
+    vhost.into_iter().for_each(VhostUserBlk::shutdown);
     server.shutdown();
     drop(server);
     let mut status = ExitCode::SUCCESS;

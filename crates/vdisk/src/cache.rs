@@ -45,6 +45,15 @@ impl CacheMode {
     pub fn writethrough(self) -> bool {
         matches!(self, CacheMode::Writethrough | CacheMode::Directsync)
     }
+
+    /// `disk` as an export serves it under this mode (whose page-cache part was chosen when
+    /// the disk was opened): wrapped only where the mode changes writes or flushes.
+    pub fn serve(self, disk: std::sync::Arc<dyn BlockDev>) -> std::sync::Arc<dyn BlockDev> {
+        match self {
+            CacheMode::Writeback | CacheMode::None => disk,
+            mode => std::sync::Arc::new(WithCache { disk, mode }),
+        }
+    }
 }
 
 /// A disk used under a cache mode: writethrough modes make each write durable (grouped with

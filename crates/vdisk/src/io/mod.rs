@@ -21,6 +21,7 @@
 
 mod eventfd;
 mod kernel;
+pub(crate) mod pool;
 mod table;
 
 use std::io;

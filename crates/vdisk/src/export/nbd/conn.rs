@@ -10,11 +10,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 use super::handshake::Session;
-use super::log::{log, Level, Logger};
 use super::proto::{ExtendedRequest, MAX_PAYLOAD};
 use super::stream::Stream;
-use crate::bytes::AlignedBuf;
-use crate::io::{Backend, IoBuf};
+use crate::export::log::{log, Level, Logger};
+pub(crate) use crate::io::pool::Buf;
+use crate::io::pool::Pool;
+use crate::io::Backend;
 
 /// Bounds on one connection.
 #[derive(Debug, Clone, Copy)]
@@ -61,74 +62,6 @@ pub(crate) enum Payload {
     /// A payload read and thrown away: a compact write's too large to hold, or one sent (with
     /// NBD_CMD_FLAG_PAYLOAD_LEN) with a command that takes none.
     Dropped,
-}
-
-/// A buffer from the pool: `len` bytes of `v` are in use; all of `v` is initialised. Buffers
-/// are aligned for O_DIRECT, so that payloads reach an image opened with `--cache none`
-/// without going through the page cache.
-pub(crate) struct Buf {
-    v: AlignedBuf,
-    len: usize,
-}
-
-impl std::ops::Deref for Buf {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        &self.v[..self.len]
-    }
-}
-
-impl std::ops::DerefMut for Buf {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.v[..self.len]
-    }
-}
-
-// SAFETY: the bytes are those of the AlignedBuf's heap block, which moves with it.
-unsafe impl IoBuf for Buf {
-    fn bytes(&self) -> &[u8] {
-        self
-    }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        self
-    }
-}
-
-/// Payload buffers kept for reuse, so steady traffic does not allocate (and fault in) fresh
-/// memory for every request.
-struct Pool {
-    free: Mutex<Vec<AlignedBuf>>,
-}
-
-const POOL_MAX_BUFFERS: usize = 64;
-const POOL_MAX_BYTES: usize = 16 << 20;
-
-impl Pool {
-    fn take(&self, len: usize) -> Buf {
-        let mut free = lock(&self.free);
-        let best = free
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| v.len() >= len)
-            .min_by_key(|(_, v)| v.len())
-            .map(|(i, _)| i);
-        let v = match best {
-            Some(i) => free.swap_remove(i),
-            None => {
-                drop(free);
-                AlignedBuf::zeroed(len.max(4096).next_power_of_two())
-            }
-        };
-        Buf { v, len }
-    }
-
-    fn put(&self, buf: Buf) {
-        let mut free = lock(&self.free);
-        let held: usize = free.iter().map(|b| b.len()).sum();
-        if free.len() < POOL_MAX_BUFFERS && held + buf.v.len() <= POOL_MAX_BYTES {
-            free.push(buf.v);
-        }
-    }
 }
 
 #[derive(Default)]
@@ -181,9 +114,7 @@ impl Conn {
             queue: Mutex::new(Queue::default()),
             work: Condvar::new(),
             done: Condvar::new(),
-            pool: Pool {
-                free: Mutex::new(Vec::new()),
-            },
+            pool: Pool::new(64, 16 << 20),
             limits,
             peer,
             log,

@@ -3,11 +3,11 @@
 
 use std::sync::Arc;
 
-use super::log::Throttle;
 use super::proto::*;
 use super::stats::RequestStats;
 use crate::blockdev::BlockDev;
-use crate::cache::{CacheMode, WithCache};
+use crate::cache::CacheMode;
+use crate::export::log::Throttle;
 use crate::formats::Image;
 use crate::io::IoCounters;
 
@@ -73,16 +73,9 @@ impl Export {
     /// Exports an image used under cache mode `mode` (whose page-cache part was chosen when
     /// the image was opened); its storage and engine counters then appear in the metrics.
     pub fn from_image(image: Arc<Image>, mode: CacheMode, opts: ExportOptions) -> Export {
-        let dev: Arc<dyn BlockDev> = match mode {
-            CacheMode::Writeback | CacheMode::None => image.clone(),
-            _ => Arc::new(WithCache {
-                disk: image.clone(),
-                mode,
-            }),
-        };
         Export {
-            image: Some(image),
-            ..Export::new(dev, opts)
+            image: Some(image.clone()),
+            ..Export::new(mode.serve(image), opts)
         }
     }
 

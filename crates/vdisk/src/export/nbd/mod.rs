@@ -25,7 +25,6 @@ mod export;
 #[doc(hidden)]
 pub mod fuzz;
 mod handshake;
-mod log;
 mod metrics;
 pub mod proto;
 mod queued;
@@ -38,9 +37,9 @@ mod transmission;
 
 use std::io;
 
+pub use crate::export::log::{stderr_sink, Level, Log, Logger, LEVEL_VAR};
 pub use conn::Limits;
 pub use export::{Export, ExportOptions};
-pub use log::{stderr_sink, Level, Log, Logger, LEVEL_VAR};
 pub use server::{Server, ServerOptions, DEFAULT_HANDSHAKE_LIMIT, DEFAULT_IDLE_AFTER};
 pub use stream::{Address, Listener, Stream};
 

@@ -18,9 +18,9 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
 use super::commands;
 use super::conn::{Buf, Conn, Job, Payload};
-use super::log::{log, Level};
 use super::proto::{ExtendedRequest, CMD_FLAG_FUA, CMD_READ, CMD_WRITE};
 use super::replies::Replies;
+use crate::export::log::{log, Level};
 use crate::io::{Backend, Completion, Declined, Dir, IoQueue};
 
 /// Reads up to this size go through io_uring; larger ones to the workers. Through the page

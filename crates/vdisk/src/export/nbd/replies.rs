@@ -7,8 +7,8 @@
 use std::io::IoSlice;
 
 use super::conn::Conn;
-use super::log::{log, Level};
 use super::proto::*;
+use crate::export::log::{log, Level};
 
 /// Error messages sent to clients are cut to this many bytes (the spec allows 4096).
 const MAX_MESSAGE: usize = 1024;

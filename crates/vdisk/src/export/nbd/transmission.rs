@@ -32,12 +32,12 @@ use std::thread::Scope;
 use super::commands;
 use super::conn::{Conn, Job, Limits, Payload};
 use super::handshake::Session;
-use super::log::Logger;
 use super::proto::*;
 use super::queued::Queued;
 use super::replies::{fail, send_error};
 use super::stream::Stream;
 use super::ConnError;
+use crate::export::log::Logger;
 
 /// How a connection's transmission phase ended without an error.
 pub(crate) enum Ended {

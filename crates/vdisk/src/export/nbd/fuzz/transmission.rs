@@ -7,9 +7,9 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
 use super::seeds::config::*;
+use crate::export::log::{Level, Logger};
 use crate::export::nbd::conn::Limits;
 use crate::export::nbd::handshake::Session;
-use crate::export::nbd::log::{Level, Logger};
 use crate::export::nbd::proto::*;
 use crate::export::nbd::transmission;
 use crate::io::Backend;

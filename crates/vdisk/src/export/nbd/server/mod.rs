@@ -28,12 +28,12 @@ use std::time::Duration;
 use super::conn::Limits;
 use super::export::{Export, Exports};
 use super::handshake::Session;
-use super::log::{log, Level, Logger};
 use super::metrics;
 use super::stats::ConnectionStats;
 use super::stream::{Address, Listener, Stream};
 use super::transmission::{self, Ended};
 use super::ConnError;
+use crate::export::log::{log, Level, Logger};
 use poller::{Command, Poller, Role};
 
 mod epoll;

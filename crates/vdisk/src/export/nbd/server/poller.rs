@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use super::epoll::{self, Epoll, Event};
 use super::{Inner, Ready, Slot};
+use crate::export::log::{log, Level};
 use crate::export::nbd::handshake::{Handshake, Outcome};
-use crate::export::nbd::log::{log, Level};
 use crate::export::nbd::stats::reply_form;
 use crate::export::nbd::stream::{Listener, Stream};
 use crate::export::nbd::ConnError;

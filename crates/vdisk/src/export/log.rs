@@ -1,4 +1,4 @@
-//! The server's log: lines with a level, filtered before they are formatted, written to a sink
+//! The exports' log: lines with a level, filtered before they are formatted, written to a sink
 //! the caller chooses (stderr for `vdisk serve`, a collector in tests).
 //!
 //! The levels follow what qemu-nbd prints. By default (`warn`) a log shows what needs

@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Benchmark: `vdisk serve --vhost-user-blk` against `qemu-storage-daemon --export
+# type=vhost-user-blk` on the same qcow2 images, driven by the same front end without a VM
+# (vhost-load, crates/vhost-load: memfd guest memory, split virtqueues, one thread per queue),
+# side by side in one run.
+#
+#   bench/vhost.sh [--quick] [--seconds S] [--size-mib N] [--only REGEX] [--no-build] [--out FILE]
+#
+#   --quick       256 MiB images, 1 s per run (about 3 minutes); default 1 GiB, 3 s
+#   --seconds S   seconds per run
+#   --size-mib N  image size
+#   --only REGEX  run only the rows whose label matches
+#   --no-build    use target/release/{vdisk,vhost-load} as they are
+#   --out FILE    default bench/results/vhost-<quick|full>.md
+#
+# Pairs of servers, each started fresh for every run and stopped (SIGTERM) after it:
+#   writeback: vdisk serve (default: writeback, io_uring)  vs  qemu-storage-daemon (its
+#              default: cache.direct=off, aio=threads)
+#   none:      vdisk serve --cache none --aio native  vs  qemu-storage-daemon cache.direct=on,
+#              aio=native
+# Both servers offer as many queues as the row uses.
+#
+# Rows: 4 KiB random writes to a fresh image (allocating), 4 KiB random writes and reads on an
+# allocated image, 64 KiB and 1 MiB sequential reads and writes (allocated image); each at depth
+# 1 and 32, on 1 and 4 queues. Write runs end with a flush, counted in their time. Servers
+# alternate which goes first from row to row; the page cache is dropped before every run (as
+# root). The allocated image is written once (qemu-img convert of random data) and reused: its
+# overwrites keep it allocated.
+set -euo pipefail
+usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit "${1:-0}"; }
+
+quick=0 seconds= size_mib= only= build=1 out=
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --quick) quick=1 ;;
+        --seconds) seconds=$2; shift ;;
+        --size-mib) size_mib=$2; shift ;;
+        --only) only=$2; shift ;;
+        --no-build) build=0 ;;
+        --out) out=$2; shift ;;
+        -h|--help) usage 0 ;;
+        *) echo "unknown argument $1" >&2; usage 2 ;;
+    esac
+    shift
+done
+mode=$([ $quick = 1 ] && echo quick || echo full)
+seconds=${seconds:-$([ $quick = 1 ] && echo 1 || echo 3)}
+size_mib=${size_mib:-$([ $quick = 1 ] && echo 256 || echo 1024)}
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${out:-$root/bench/results/vhost-$mode.md}
+work=$root/bench/work/vhost
+mkdir -p "$work"
+cd "$root"
+[ $build = 1 ] && cargo build --release -q -p vdisk-cli -p vhost-load
+vdisk=$root/target/release/vdisk
+load=$root/target/release/vhost-load
+for tool in qemu-storage-daemon qemu-img; do
+    command -v $tool >/dev/null || { echo "$tool is missing" >&2; exit 1; }
+done
+
+allocated=$work/allocated-$size_mib.qcow2
+if [ ! -f "$allocated" ]; then
+    head -c $((size_mib << 20)) /dev/urandom > "$work/random.raw"
+    qemu-img convert -f raw -O qcow2 "$work/random.raw" "$allocated"
+    rm -f "$work/random.raw"
+fi
+
+sock=$work/s.sock
+pid=
+stop_server() {
+    if [ -n "$pid" ]; then
+        kill -TERM "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+        pid=
+    fi
+    rm -f "$sock"
+}
+trap stop_server EXIT
+
+# start_server SERVER MODE IMAGE QUEUES
+start_server() {
+    local server=$1 cache=$2 image=$3 queues=$4
+    rm -f "$sock"
+    if [ "$server" = vdisk ]; then
+        local flags=()
+        [ "$cache" = none ] && flags=(--cache none --aio native)
+        "$vdisk" serve -f qcow2 "$image" --vhost-user-blk "$sock" --num-queues "$queues" \
+            "${flags[@]}" 2>>"$work/server.log" &
+    else
+        local file="driver=file,node-name=file,filename=$image"
+        [ "$cache" = none ] && file="$file,cache.direct=on,aio=native"
+        qemu-storage-daemon --blockdev "$file" \
+            --blockdev driver=qcow2,node-name=fmt,file=file \
+            --export "type=vhost-user-blk,id=exp,node-name=fmt,addr.type=unix,addr.path=$sock,writable=on,num-queues=$queues" \
+            2>>"$work/server.log" &
+    fi
+    pid=$!
+    for _ in $(seq 100); do [ -S "$sock" ] && return 0; sleep 0.05; done
+    echo "$server did not listen on $sock (see $work/server.log)" >&2
+    exit 1
+}
+
+# run SERVER CACHE IMAGE QUEUES RW BS DEPTH -> iops
+run() {
+    local server=$1 cache=$2 image=$3 queues=$4 rw=$5 bs=$6 depth=$7
+    if [ "$(id -u)" = 0 ]; then sync; echo 3 > /proc/sys/vm/drop_caches; fi
+    start_server "$server" "$cache" "$image" "$queues"
+    local line
+    line=$("$load" --socket "$sock" --rw "$rw" --bs "$bs" --depth "$depth" --queues "$queues" \
+        --seconds "$seconds")
+    stop_server
+    echo "$line" | sed -n 's/.*iops=\([0-9]*\).*/\1/p'
+}
+
+rows=()
+for q in 1 4; do
+    for d in 1 32; do
+        rows+=("4k-randwrite-fresh randwrite 4096 $d $q fresh"
+               "4k-randwrite randwrite 4096 $d $q allocated"
+               "4k-randread randread 4096 $d $q allocated"
+               "64k-write write 65536 $d $q allocated"
+               "64k-read read 65536 $d $q allocated"
+               "1m-write write 1048576 $d $q allocated"
+               "1m-read read 1048576 $d $q allocated")
+    done
+done
+
+report=$(mktemp)
+{
+    echo "# vhost-user-blk: vdisk serve vs qemu-storage-daemon ($mode)"
+    echo
+    echo "\`bench/vhost.sh $([ $quick = 1 ] && echo --quick)\` on $(date -u +%Y-%m-%d), $(nproc) CPUs,"
+    echo "$(qemu-storage-daemon --version | head -1), vdisk $(git rev-parse --short HEAD)."
+    echo "Images of $size_mib MiB, $seconds s per run, IOPS from vhost-load (crates/vhost-load)."
+    echo "Ratio: vdisk over qemu-storage-daemon in the same cache mode."
+    echo
+    echo "| row | queues | depth | vdisk | qsd | ratio | vdisk none | qsd none | ratio none |"
+    echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+} > "$report"
+first=vdisk
+for row in "${rows[@]}"; do
+    read -r label rw bs depth queues kind <<< "$row"
+    [ -n "$only" ] && ! [[ "$label q$queues d$depth" =~ $only ]] && continue
+    declare -A iops=()
+    for cache in writeback none; do
+        for server in $first $([ $first = vdisk ] && echo qsd || echo vdisk); do
+            image=$allocated
+            if [ "$kind" = fresh ]; then
+                image=$work/fresh.qcow2
+                rm -f "$image"
+                qemu-img create -q -f qcow2 "$image" "${size_mib}M"
+            fi
+            iops[$server-$cache]=$(run "$server" "$cache" "$image" "$queues" "$rw" "$bs" "$depth")
+        done
+    done
+    first=$([ $first = vdisk ] && echo qsd || echo vdisk)
+    ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }'; }
+    line="| $label | $queues | $depth | ${iops[vdisk-writeback]} | ${iops[qsd-writeback]} | $(ratio "${iops[vdisk-writeback]}" "${iops[qsd-writeback]}") | ${iops[vdisk-none]} | ${iops[qsd-none]} | $(ratio "${iops[vdisk-none]}" "${iops[qsd-none]}") |"
+    echo "$line" | tee -a "$report"
+    unset iops
+done
+mkdir -p "$(dirname "$out")"
+cp "$report" "$out"
+rm -f "$report"
+echo "written to $out"

@@ -1,0 +1,284 @@
+//! A virtio-blk request as a descriptor chain lays it out (virtio 1.2, 5.2.6): a 16-byte
+//! header the driver wrote, the data, and one status byte the device writes. With VERSION_1 the
+//! driver may split these across descriptors as it likes, so a chain is taken as bytes:
+//! everything the device may read, then everything it may write.
+//!
+//! Nothing here trusts the driver: lengths are summed without overflow, a chain whose readable
+//! and writable parts are interleaved, or that has no header or no status byte, is refused,
+//! and guest addresses are only checked when the data moves (by vm-memory, region by region).
+
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemory};
+
+// Request types and status values (virtio 1.2, 5.2.6).
+pub(super) const T_IN: u32 = 0;
+pub(super) const T_OUT: u32 = 1;
+pub(super) const T_FLUSH: u32 = 4;
+pub(super) const T_GET_ID: u32 = 8;
+pub(super) const T_DISCARD: u32 = 11;
+pub(super) const T_WRITE_ZEROES: u32 = 13;
+pub(super) const S_OK: u8 = 0;
+pub(super) const S_IOERR: u8 = 1;
+pub(super) const S_UNSUPP: u8 = 2;
+
+/// Bytes of a device ID (GET_ID).
+pub(super) const ID_BYTES: usize = 20;
+/// Bytes of a discard or write-zeroes segment.
+pub(super) const ZERO_SEGMENT: usize = 16;
+/// The write-zeroes flag that lets the device deallocate.
+pub(super) const ZERO_FLAG_UNMAP: u32 = 1;
+
+const HEADER: usize = 16;
+
+/// A range of guest memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Segment {
+    pub addr: GuestAddress,
+    pub len: u32,
+}
+
+/// A request taken apart.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Request {
+    pub kind: u32,
+    pub sector: u64,
+    /// What the driver gives after the header: data to write, discard or zero ranges.
+    pub given: Vec<Segment>,
+    /// Where the device puts what it returns before the status: data read, the ID.
+    pub room: Vec<Segment>,
+    pub status: GuestAddress,
+}
+
+/// Why a chain is not a request.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Malformed {
+    /// No writable byte for the status: nothing can be reported, the chain goes back as is.
+    NoStatus,
+    /// The status byte is known: it says IOERR.
+    Bad {
+        status: GuestAddress,
+        why: &'static str,
+    },
+}
+
+/// Takes apart a chain given as `(address, length, device-writable)` descriptors, reading the
+/// header from `mem`.
+pub(super) fn parse<M: GuestMemory>(
+    mem: &M,
+    descriptors: impl Iterator<Item = (GuestAddress, u32, bool)>,
+) -> Result<Request, Malformed> {
+    let mut given = Vec::new();
+    let mut room = Vec::new();
+    let mut interleaved = false;
+    for (addr, len, writable) in descriptors {
+        if len == 0 {
+            continue;
+        }
+        let seg = Segment { addr, len };
+        if writable {
+            room.push(seg);
+        } else if room.is_empty() {
+            given.push(seg);
+        } else {
+            interleaved = true;
+        }
+    }
+    let status = last_byte(&mut room).ok_or(Malformed::NoStatus)?;
+    let bad = |why| Malformed::Bad { status, why };
+    if interleaved {
+        return Err(bad("readable descriptors after writable ones"));
+    }
+    let header_segs = split_front(&mut given, HEADER).ok_or(bad("no request header"))?;
+    let mut header = [0u8; HEADER];
+    read_segments(mem, &header_segs, &mut header)
+        .map_err(|_| bad("header outside guest memory"))?;
+    Ok(Request {
+        kind: u32::from_le_bytes(header[0..4].try_into().unwrap_or_default()),
+        sector: u64::from_le_bytes(header[8..16].try_into().unwrap_or_default()),
+        given,
+        room,
+        status,
+    })
+}
+
+/// The total length of `segs`.
+pub(super) fn total(segs: &[Segment]) -> u64 {
+    segs.iter().map(|s| u64::from(s.len)).sum()
+}
+
+/// Removes the last byte of `segs` and returns its address.
+fn last_byte(segs: &mut Vec<Segment>) -> Option<GuestAddress> {
+    let last = segs.last_mut()?;
+    let addr = last.addr.checked_add(u64::from(last.len) - 1)?;
+    last.len -= 1;
+    if last.len == 0 {
+        segs.pop();
+    }
+    Some(addr)
+}
+
+/// Removes the first `n` bytes of `segs` and returns them as segments; `None` when `segs` is
+/// shorter.
+fn split_front(segs: &mut Vec<Segment>, n: usize) -> Option<Vec<Segment>> {
+    let mut front = Vec::new();
+    let mut left = n as u64;
+    let mut i = 0;
+    while left > 0 {
+        let s = segs.get_mut(i)?;
+        let take = u64::from(s.len).min(left);
+        front.push(Segment {
+            addr: s.addr,
+            len: take as u32,
+        });
+        left -= take;
+        if take == u64::from(s.len) {
+            i += 1;
+        } else {
+            s.addr = s.addr.checked_add(take)?;
+            s.len -= take as u32;
+        }
+    }
+    segs.drain(..i);
+    Some(front)
+}
+
+/// Copies guest memory `segs` into `buf`, as far as either goes.
+pub(super) fn read_segments<M: GuestMemory>(
+    mem: &M,
+    segs: &[Segment],
+    buf: &mut [u8],
+) -> Result<(), vm_memory::GuestMemoryError> {
+    let mut at = 0;
+    for s in segs {
+        let n = (s.len as usize).min(buf.len() - at);
+        mem.read_slice(&mut buf[at..at + n], s.addr)?;
+        at += n;
+        if at == buf.len() {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Copies `buf` into guest memory `segs`, as far as either goes.
+pub(super) fn write_segments<M: GuestMemory>(
+    mem: &M,
+    segs: &[Segment],
+    buf: &[u8],
+) -> Result<(), vm_memory::GuestMemoryError> {
+    let mut at = 0;
+    for s in segs {
+        let n = (s.len as usize).min(buf.len() - at);
+        mem.write_slice(&buf[at..at + n], s.addr)?;
+        at += n;
+        if at == buf.len() {
+            break;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::GuestMemoryMmap;
+
+    fn mem() -> GuestMemoryMmap<()> {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0x1000), 0x10000)]).unwrap()
+    }
+
+    fn header(mem: &GuestMemoryMmap<()>, at: u64, kind: u32, sector: u64) {
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&kind.to_le_bytes());
+        h[8..16].copy_from_slice(&sector.to_le_bytes());
+        mem.write_slice(&h, GuestAddress(at)).unwrap();
+    }
+
+    fn seg(addr: u64, len: u32) -> Segment {
+        Segment {
+            addr: GuestAddress(addr),
+            len,
+        }
+    }
+
+    #[test]
+    fn the_usual_layout_and_a_split_one_give_the_same_request() {
+        let m = mem();
+        header(&m, 0x1000, T_OUT, 77);
+        let usual = [
+            (GuestAddress(0x1000), 16, false),
+            (GuestAddress(0x2000), 4096, false),
+            (GuestAddress(0x4000), 1, true),
+        ];
+        let r = parse(&m, usual.into_iter()).unwrap();
+        assert_eq!((r.kind, r.sector), (T_OUT, 77));
+        assert_eq!(r.given, vec![seg(0x2000, 4096)]);
+        assert!(r.room.is_empty());
+        assert_eq!(r.status, GuestAddress(0x4000));
+
+        // Header and data in one descriptor, data and status in one writable descriptor.
+        header(&m, 0x3000, T_IN, 9);
+        let merged = [
+            (GuestAddress(0x3000), 16, false),
+            (GuestAddress(0x5000), 513, true),
+        ];
+        let r = parse(&m, merged.into_iter()).unwrap();
+        assert_eq!((r.kind, r.sector), (T_IN, 9));
+        assert_eq!(r.room, vec![seg(0x5000, 512)]);
+        assert_eq!(r.status, GuestAddress(0x5200));
+
+        let split_header = [
+            (GuestAddress(0x3000), 8, false),
+            (GuestAddress(0x3008), 8 + 100, false),
+            (GuestAddress(0x6000), 1, true),
+        ];
+        let r = parse(&m, split_header.into_iter()).unwrap();
+        assert_eq!((r.kind, r.sector), (T_IN, 9));
+        assert_eq!(r.given, vec![seg(0x3010, 100)]);
+    }
+
+    #[test]
+    fn broken_chains_are_refused_without_panic() {
+        let m = mem();
+        header(&m, 0x1000, T_IN, 0);
+        let none: [(GuestAddress, u32, bool); 0] = [];
+        assert_eq!(parse(&m, none.into_iter()), Err(Malformed::NoStatus));
+        let no_status = [(GuestAddress(0x1000), 16, false)];
+        assert_eq!(parse(&m, no_status.into_iter()), Err(Malformed::NoStatus));
+        let short_header = [
+            (GuestAddress(0x1000), 15, false),
+            (GuestAddress(0x4000), 1, true),
+        ];
+        assert!(matches!(
+            parse(&m, short_header.into_iter()),
+            Err(Malformed::Bad { .. })
+        ));
+        let interleaved = [
+            (GuestAddress(0x1000), 16, false),
+            (GuestAddress(0x4000), 512, true),
+            (GuestAddress(0x2000), 512, false),
+            (GuestAddress(0x5000), 1, true),
+        ];
+        assert!(matches!(
+            parse(&m, interleaved.into_iter()),
+            Err(Malformed::Bad { .. })
+        ));
+        let header_outside = [
+            (GuestAddress(0xffff_0000), 16, false),
+            (GuestAddress(0x4000), 1, true),
+        ];
+        assert!(matches!(
+            parse(&m, header_outside.into_iter()),
+            Err(Malformed::Bad { .. })
+        ));
+        // A status byte at the very top of the address space does not wrap.
+        let top = [
+            (GuestAddress(0x1000), 16, false),
+            (GuestAddress(u64::MAX), u32::MAX, true),
+        ];
+        assert_eq!(parse(&m, top.into_iter()), Err(Malformed::NoStatus));
+        // Data outside guest memory fails when it moves, not before.
+        let mut buf = [0u8; 8];
+        assert!(read_segments(&m, &[seg(0x20000, 8)], &mut buf).is_err());
+        assert!(write_segments(&m, &[seg(0x20000, 8)], &buf).is_err());
+    }
+}
