@@ -5,7 +5,8 @@
 //! ```text
 //!   VhostUserBlk: listening socket ── accept thread: one front end at a time
 //!        │ per connection: VhostUserDaemon (rust-vmm) ── BlkBackend (backend.rs)
-//!        │                    └─ one worker thread per virtqueue ── IoQueue ── BlockDev
+//!        │                    └─ one worker thread per virtqueue (worker.rs) ── IoQueue ─┐
+//!        │                         blocking calls ── Offload (offload.rs) ── BlockDev ◄──┘
 //!   front end gone (QEMU restarted): the next one connects, the image stays open
 //! ```
 //!
@@ -16,7 +17,9 @@
 
 mod backend;
 mod config;
+mod offload;
 mod request;
+mod worker;
 
 use std::io;
 use std::os::fd::AsRawFd;
@@ -30,8 +33,9 @@ use vhost::vhost_user::Listener;
 use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use vmm_sys_util::epoll::EventSet;
 
-use self::backend::{BlkBackend, Device};
-use self::config::Geometry;
+use self::backend::BlkBackend;
+use self::config::{Geometry, WriteCache};
+use self::offload::Offload;
 use crate::blockdev::BlockDev;
 use crate::export::log::{log, Level, Logger};
 use crate::io::{Backend, IoCounters};
@@ -67,6 +71,23 @@ impl VhostUserOptions {
     }
 }
 
+/// Threads that run blocking calls (flushes, discards, declined transfers) for an export.
+const BLOCKING_THREADS: usize = 16;
+
+/// What every connection to one export shares.
+struct Device {
+    dev: Arc<dyn BlockDev>,
+    geometry: Geometry,
+    /// Answer to GET_ID, at most 20 bytes.
+    serial: Vec<u8>,
+    /// How reads and writes reach the kernel; `None`: blocking calls.
+    aio: Option<Backend>,
+    io: Arc<IoCounters>,
+    /// The driver's write cache setting, which survives its reconnecting.
+    write_cache: WriteCache,
+    log: Logger,
+}
+
 /// A running vhost-user-blk export (see the module docs).
 pub struct VhostUserBlk {
     socket: PathBuf,
@@ -75,6 +96,7 @@ pub struct VhostUserBlk {
     current: Arc<Current>,
     thread: Option<JoinHandle<()>>,
     io: Arc<IoCounters>,
+    offload: Arc<Offload>,
 }
 
 /// How often the accept thread looks for a stop while no front end connects.
@@ -109,17 +131,19 @@ impl VhostUserBlk {
         });
         let stop = Arc::new(AtomicBool::new(false));
         let current = Arc::new(Mutex::new(None));
-        let (s, c) = (stop.clone(), current.clone());
+        let offload = Offload::new(BLOCKING_THREADS);
+        let (s, c, o) = (stop.clone(), current.clone(), offload.clone());
         let path = opts.socket.display().to_string();
         let thread = std::thread::Builder::new()
             .name("vhost-user-blk".into())
-            .spawn(move || serve(listener, path, device, &s, &c))?;
+            .spawn(move || serve(listener, path, device, &o, &s, &c))?;
         Ok(VhostUserBlk {
             socket: opts.socket,
             stop,
             current,
             thread: Some(thread),
             io,
+            offload,
         })
     }
 
@@ -145,6 +169,7 @@ impl VhostUserBlk {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+        self.offload.close();
     }
 }
 
@@ -170,6 +195,7 @@ fn serve(
     mut listener: Listener,
     path: String,
     device: Arc<Device>,
+    offload: &Arc<Offload>,
     stop: &AtomicBool,
     current: &Current,
 ) {
@@ -188,8 +214,10 @@ fn serve(
                 continue;
             }
         }
-        if let Err(e) = connection(&mut listener, &device, stop, current) {
+        if let Err(e) = connection(&mut listener, &device, offload, stop, current) {
             log!(log, Level::Warn, "vhost-user-blk {path}: {e}");
+            // Not a busy loop if the next front end fails the same way.
+            std::thread::sleep(ACCEPT_POLL);
         }
     }
 }
@@ -198,10 +226,13 @@ fn serve(
 fn connection(
     listener: &mut Listener,
     device: &Arc<Device>,
+    offload: &Arc<Offload>,
     stop: &AtomicBool,
     current: &Current,
 ) -> Result<(), String> {
-    let backend = Arc::new(BlkBackend::new(device.clone()));
+    let backend = BlkBackend::new(device.clone(), offload.clone())
+        .map_err(|e| format!("cannot set up the device: {e}"))?;
+    let backend = Arc::new(backend);
     let mut daemon = VhostUserDaemon::new(
         "vdisk-vhost-user-blk".into(),
         backend.clone(),
@@ -209,10 +240,10 @@ fn connection(
     )
     .map_err(|e| format!("cannot start the device: {e}"))?;
     for (i, handler) in daemon.get_epoll_handlers().iter().enumerate() {
-        if let Some(fd) = backend.completions_fd(i) {
+        for (fd, event) in backend.sources(i) {
             handler
-                .register_listener(fd, EventSet::IN, backend.completions_event())
-                .map_err(|e| format!("cannot watch the I/O queue: {e}"))?;
+                .register_listener(fd, EventSet::IN, event)
+                .map_err(|e| format!("cannot watch a worker's events: {e}"))?;
         }
     }
     daemon

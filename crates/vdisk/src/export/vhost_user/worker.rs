@@ -1,0 +1,448 @@
+//! A virtqueue's worker: takes the driver's requests off the queue, starts reads and writes on
+//! its own I/O queue ([`crate::io`]), hands blocking calls to the export's pool
+//! ([`super::offload`]), and answers on the used ring when either says a request is done.
+//!
+//! ```text
+//!   kick ─► take_requests: parse, bounce writes in, IoQueue::start ─► submit
+//!                          flush, discard, zeroes, declined transfers ─► Offload
+//!   IoQueue eventfd / inbox eventfd ─► answer: bounce reads out, status byte, used ring, call
+//! ```
+//!
+//! Data moves through buffers of our own, not the guest's memory: the kernel then never
+//! writes guest memory after the driver was told a request ended, or into memory the front
+//! end has since removed.
+
+use std::sync::Arc;
+
+use vhost_user_backend::{VringRwLock, VringT};
+use virtio_queue::QueueT;
+use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+
+use super::config::SECTOR;
+use super::offload::{Inbox, Offload};
+use super::request::*;
+use super::Device;
+use crate::blockdev::BlockDev;
+use crate::export::log::{log, Level};
+use crate::io::pool::{Buf, Pool};
+use crate::io::{Completion, Declined, Dir, IoQueue};
+
+pub(super) type Memory = GuestMemoryMmap<()>;
+pub(super) type Mem = GuestMemoryAtomic<Memory>;
+pub(super) type Vring = VringRwLock<Mem>;
+
+/// Descriptors a queue may hold (the driver chooses up to this).
+pub(super) const MAX_QUEUE_SIZE: usize = 1024;
+/// Bytes one read or write may move at most.
+const MAX_TRANSFER: u64 = 64 << 20;
+/// Bytes of request buffers a queue keeps for reuse: 32 requests of 1 MiB in flight need no
+/// fresh memory.
+const POOL_BYTES: usize = 48 << 20;
+
+/// What a read or write in flight keeps.
+pub(super) struct Pending {
+    head: u16,
+    status: GuestAddress,
+    /// Where a read's data goes.
+    room: Vec<Segment>,
+    write: bool,
+}
+
+type Done = Completion<Buf, Pending>;
+
+/// A request answered: its status, and the bytes the device wrote into its chain.
+pub(super) struct Answer {
+    head: u16,
+    status: Option<GuestAddress>,
+    code: u8,
+    len: u32,
+}
+
+impl Answer {
+    fn new(head: u16, status: Option<GuestAddress>, code: u8) -> Answer {
+        Answer {
+            head,
+            status,
+            code,
+            len: u32::from(status.is_some()),
+        }
+    }
+}
+
+/// What the pool delivers to a worker's inbox.
+pub(super) enum Finished {
+    /// A read or write done with a blocking call.
+    Io(Done),
+    /// Writes made durable (or not: `false`) for a driver that turned the write cache off.
+    Flushed(Vec<Done>, bool),
+    Answer(Answer),
+}
+
+pub(super) struct Worker {
+    /// Declared before `device`: its requests borrow the disk.
+    queue: Option<IoQueue<'static, Buf, Pending>>,
+    device: Arc<Device>,
+    offload: Arc<Offload>,
+    pub inbox: Arc<Inbox<Finished>>,
+    pool: Pool,
+    /// The virtqueue, once a kick showed which it is.
+    pub vring: Option<Vring>,
+}
+
+impl Worker {
+    pub fn new(device: Arc<Device>, offload: Arc<Offload>) -> std::io::Result<Worker> {
+        let queue = device.aio.and_then(|backend| {
+            match IoQueue::new(backend, MAX_QUEUE_SIZE, device.io.clone()) {
+                Ok(q) => Some(q),
+                Err(e) => {
+                    log!(
+                        device.log,
+                        Level::Warn,
+                        "vhost-user-blk: no {backend:?} queue ({e}): blocking calls"
+                    );
+                    None
+                }
+            }
+        });
+        Ok(Worker {
+            queue,
+            device,
+            offload,
+            inbox: Arc::new(Inbox::new()?),
+            pool: Pool::new(MAX_QUEUE_SIZE, POOL_BYTES),
+            vring: None,
+        })
+    }
+
+    /// The eventfd the I/O queue signals, if there is one.
+    pub fn queue_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.queue.as_ref().map(|q| q.eventfd())
+    }
+
+    /// The disk, as the I/O queue holds it.
+    fn disk(&self) -> &'static dyn BlockDev {
+        // SAFETY: the disk lives as long as `device`, which this worker holds; only the I/O
+        // queue keeps the reference past a call, and it is dropped first (field order).
+        unsafe { &*Arc::as_ptr(&self.device.dev) }
+    }
+
+    /// Takes every request the driver made available.
+    pub fn take_requests(&mut self, mem: &Mem, vring: &Vring, event_idx: bool) {
+        let mem = mem.memory();
+        let mut answers = Vec::new();
+        loop {
+            if event_idx {
+                let _ = vring.disable_notification();
+            }
+            loop {
+                let chain = vring
+                    .get_mut()
+                    .get_queue_mut()
+                    .pop_descriptor_chain(mem.clone());
+                let Some(chain) = chain else { break };
+                let head = chain.head_index();
+                let descs = chain.map(|d| (d.addr(), d.len(), d.is_write_only()));
+                match parse(&*mem, descs) {
+                    Ok(req) => self.start(&mem, head, req, &mut answers),
+                    Err(Malformed::NoStatus) => {
+                        log!(
+                            self.device.log,
+                            Level::Warn,
+                            "vhost-user-blk: request {head} has no status byte"
+                        );
+                        answers.push(Answer::new(head, None, S_IOERR));
+                    }
+                    Err(Malformed::Bad { status, why }) => {
+                        log!(
+                            self.device.log,
+                            Level::Warn,
+                            "vhost-user-blk: request {head}: {why}"
+                        );
+                        answers.push(Answer::new(head, Some(status), S_IOERR));
+                    }
+                }
+            }
+            // With EVENT_IDX, requests made available while notifications were off are
+            // taken before waiting for the next kick.
+            if !event_idx || !vring.enable_notification().unwrap_or(false) {
+                break;
+            }
+        }
+        if let Some(q) = &self.queue {
+            q.submit();
+        }
+        self.answer(&mem, vring, answers, Vec::new());
+    }
+
+    /// Starts one request: reads and writes on the I/O queue, blocking calls on the pool,
+    /// refusals answered at once into `answers`.
+    fn start(&mut self, mem: &Memory, head: u16, req: Request, answers: &mut Vec<Answer>) {
+        let status = req.status;
+        let refuse = |code| Answer::new(head, Some(status), code);
+        let geometry = &self.device.geometry;
+        let writable = !geometry.read_only;
+        match req.kind {
+            T_IN | T_OUT => {
+                let write = req.kind == T_OUT;
+                let segs = if write { &req.given } else { &req.room };
+                let len = total(segs);
+                let fits = len > 0 && len % SECTOR == 0 && len <= MAX_TRANSFER;
+                let Some(offset) = range(geometry.size, req.sector, len).filter(|_| fits) else {
+                    return answers.push(refuse(S_IOERR));
+                };
+                if write && !writable {
+                    return answers.push(refuse(S_IOERR));
+                }
+                let mut buf = self.pool.take(len as usize);
+                if write && read_segments(mem, segs, &mut buf).is_err() {
+                    return answers.push(refuse(S_IOERR));
+                }
+                let room = if write { Vec::new() } else { req.room };
+                let ctx = Pending {
+                    head,
+                    status,
+                    room,
+                    write,
+                };
+                let dir = if write { Dir::Write } else { Dir::Read };
+                let declined = match &self.queue {
+                    Some(q) => q.start(self.disk(), dir, offset, buf, ctx).err(),
+                    None => Some(Declined { buf, ctx }),
+                };
+                if let Some(Declined { mut buf, ctx }) = declined {
+                    self.blocking(move |dev| {
+                        let result = if write {
+                            dev.write(offset, &buf)
+                        } else {
+                            dev.read(offset, &mut buf)
+                        };
+                        Finished::Io(Completion { ctx, buf, result })
+                    });
+                }
+            }
+            T_FLUSH => self.blocking(move |dev| {
+                Finished::Answer(Answer::new(head, Some(status), status_of(dev.flush())))
+            }),
+            T_GET_ID => {
+                let mut id = [0u8; ID_BYTES];
+                let serial = &self.device.serial;
+                let n = serial.len().min(ID_BYTES);
+                id[..n].copy_from_slice(&serial[..n]);
+                let room = (total(&req.room) as usize).min(ID_BYTES);
+                let code = match write_segments(mem, &req.room, &id[..room]) {
+                    Ok(()) => S_OK,
+                    Err(_) => S_IOERR,
+                };
+                answers.push(Answer {
+                    len: room as u32 + 1,
+                    ..Answer::new(head, Some(status), code)
+                });
+            }
+            T_DISCARD | T_WRITE_ZEROES if writable => match zero_ranges(mem, &req, geometry.size) {
+                Ok(ranges) => {
+                    let discard = req.kind == T_DISCARD;
+                    let log = self.device.log.clone();
+                    self.blocking(move |dev| {
+                        let code = ranges.iter().try_for_each(|&(offset, len)| {
+                            // Zeroes read as zeroes whether or not the driver let us unmap:
+                            // the engine keeps its own choice of how (a zero cluster, a hole).
+                            let done = if discard {
+                                dev.discard(offset, len)
+                            } else {
+                                dev.write_zeroes(offset, len)
+                            };
+                            done.map_err(|e| {
+                                log!(
+                                    log,
+                                    Level::Warn,
+                                    "vhost-user-blk: zeroing {len} bytes at {offset}: {e}"
+                                )
+                            })
+                        });
+                        Finished::Answer(Answer::new(
+                            head,
+                            Some(status),
+                            if code.is_ok() { S_OK } else { S_IOERR },
+                        ))
+                    });
+                }
+                Err(code) => answers.push(refuse(code)),
+            },
+            T_DISCARD | T_WRITE_ZEROES => answers.push(refuse(S_IOERR)),
+            _ => answers.push(refuse(S_UNSUPP)),
+        }
+    }
+
+    /// Runs `call` on the export's pool; its result comes back through the inbox.
+    fn blocking(&self, call: impl FnOnce(&dyn BlockDev) -> Finished + Send + 'static) {
+        let device = self.device.clone();
+        let inbox = self.inbox.clone();
+        inbox.expect();
+        self.offload.run(move || inbox.deliver(call(&*device.dev)));
+    }
+
+    /// Collects what the I/O queue and the pool finished and answers it. `signalled`: the
+    /// I/O queue's eventfd fired (waiting on it clears it).
+    pub fn complete(&mut self, mem: &Mem, vring: &Vring, signalled: bool) {
+        let mut done = Vec::new();
+        if let Some(q) = &self.queue {
+            let got = if signalled {
+                q.wait(&mut done)
+            } else {
+                q.complete(&mut done)
+            };
+            if let Err(e) = got {
+                log!(
+                    self.device.log,
+                    Level::Error,
+                    "vhost-user-blk: I/O queue: {e}"
+                );
+            }
+        }
+        let mut answers = Vec::new();
+        let mut flushed = Vec::new();
+        for f in self.inbox.take() {
+            match f {
+                Finished::Io(c) => done.push(c),
+                Finished::Answer(a) => answers.push(a),
+                Finished::Flushed(writes, ok) => flushed.extend(writes.into_iter().map(|mut c| {
+                    if !ok {
+                        c.result = Err(crate::Error::InvalidArgument("flush failed".into()));
+                    }
+                    c
+                })),
+            }
+        }
+        let mem = mem.memory();
+        self.answer(&mem, vring, answers, flushed);
+        self.answer_io(&mem, vring, done);
+    }
+
+    /// Answers finished reads and writes. With the write cache off, successful writes are
+    /// flushed on the pool first and answered when that comes back.
+    fn answer_io(&mut self, mem: &Memory, vring: &Vring, done: Vec<Done>) {
+        if done.is_empty() {
+            return;
+        }
+        let (writes, ready): (Vec<Done>, Vec<Done>) = if self.device.write_cache.enabled() {
+            (Vec::new(), done)
+        } else {
+            done.into_iter()
+                .partition(|c| c.ctx.write && c.result.is_ok())
+        };
+        if !writes.is_empty() {
+            self.blocking(move |dev| {
+                let ok = dev.flush().is_ok();
+                Finished::Flushed(writes, ok)
+            });
+        }
+        self.answer(mem, vring, Vec::new(), ready);
+    }
+
+    /// Puts `answers` and the finished transfers `done` on the used ring (reads copied out to
+    /// the guest first), then calls the driver once if it wants to hear.
+    fn answer(&mut self, mem: &Memory, vring: &Vring, mut answers: Vec<Answer>, done: Vec<Done>) {
+        for Completion { ctx, buf, result } in done {
+            let mut answer = Answer::new(ctx.head, Some(ctx.status), status_of(result));
+            if !ctx.write && answer.code == S_OK {
+                match write_segments(mem, &ctx.room, &buf) {
+                    Ok(()) => answer.len += buf.len() as u32,
+                    Err(_) => answer.code = S_IOERR,
+                }
+            }
+            answers.push(answer);
+            self.pool.put(buf);
+        }
+        if answers.is_empty() {
+            return;
+        }
+        for a in &answers {
+            if let Some(status) = a.status {
+                // A status byte outside guest memory is the driver's loss alone.
+                let _ = mem.write_obj(a.code, status);
+            }
+            if let Err(e) = vring.add_used(a.head, a.len) {
+                log!(
+                    self.device.log,
+                    Level::Warn,
+                    "vhost-user-blk: used ring: {e}"
+                );
+            }
+        }
+        if vring.needs_notification().unwrap_or(true) {
+            let _ = vring.signal_used_queue();
+        }
+    }
+
+    /// Finishes every request in flight, answering the driver where the queue is known.
+    pub fn drain(&mut self, mem: &Mem) {
+        loop {
+            let mut done = Vec::new();
+            if let Some(q) = &self.queue {
+                q.submit();
+                if q.in_flight() > 0 && q.wait(&mut done).is_err() {
+                    break;
+                }
+            }
+            let idle =
+                self.queue.as_ref().is_none_or(|q| q.in_flight() == 0) && self.inbox.pending() == 0;
+            if let Some(vring) = self.vring.clone() {
+                let m = mem.memory();
+                self.answer(&m, &vring, Vec::new(), done);
+                self.complete(mem, &vring, false);
+            }
+            if idle {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+}
+
+/// The byte offset of `len` bytes at `sector`, if they lie within a disk of `size` bytes.
+fn range(size: u64, sector: u64, len: u64) -> Option<u64> {
+    let offset = sector.checked_mul(SECTOR)?;
+    (offset.checked_add(len)? <= size).then_some(offset)
+}
+
+/// The byte ranges of a DISCARD or WRITE_ZEROES request (segments of sector, sectors,
+/// flags), or the status that refuses it.
+fn zero_ranges(mem: &Memory, req: &Request, size: u64) -> Result<Vec<(u64, u64)>, u8> {
+    let len = total(&req.given) as usize;
+    if len == 0
+        || len % ZERO_SEGMENT != 0
+        || len / ZERO_SEGMENT > super::config::MAX_ZERO_SEGMENTS as usize
+    {
+        return Err(S_IOERR);
+    }
+    let mut raw = vec![0u8; len];
+    read_segments(mem, &req.given, &mut raw).map_err(|_| S_IOERR)?;
+    // Discard has no flags; write zeroes only "may unmap" (virtio 1.2, 5.2.6.2).
+    let allowed = if req.kind == T_DISCARD {
+        0
+    } else {
+        ZERO_FLAG_UNMAP
+    };
+    raw.chunks_exact(ZERO_SEGMENT)
+        .map(|seg| {
+            let sector = u64::from_le_bytes(seg[0..8].try_into().unwrap_or_default());
+            let count = u32::from_le_bytes(seg[8..12].try_into().unwrap_or_default());
+            let flags = u32::from_le_bytes(seg[12..16].try_into().unwrap_or_default());
+            if flags & !allowed != 0 {
+                return Err(S_UNSUPP);
+            }
+            let bytes = u64::from(count) * SECTOR;
+            range(size, sector, bytes)
+                .map(|offset| (offset, bytes))
+                .ok_or(S_IOERR)
+        })
+        .collect()
+}
+
+fn status_of(r: crate::Result<()>) -> u8 {
+    if r.is_ok() {
+        S_OK
+    } else {
+        S_IOERR
+    }
+}
