@@ -4,6 +4,8 @@
 //! hostile driver's chains get error statuses, never a crash.
 
 mod common;
+#[path = "vhost_user/fuzz.rs"]
+mod fuzz;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -57,6 +59,11 @@ impl Served {
             buffers_per_queue: 8 * (4096 + MIB),
         };
         BlkDevice::connect(&self.socket, &setup).expect("connect to the vhost-user-blk socket")
+    }
+
+    /// Whether the process still runs.
+    fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
     }
 
     /// SIGTERM, and the exit status.
@@ -511,4 +518,81 @@ fn read_only_export_refuses_writes() {
     };
     assert_eq!(request(&ram, q, &slots, zero, 0, 4096), S_IOERR);
     assert_eq!(read(&ram, q, &slots, 0, 4096), vec![0; 4096]);
+}
+
+/// Guest memory added and removed while the device runs (CONFIGURE_MEM_SLOTS, as QEMU does on
+/// memory hotplug): data in an added region moves; once it is removed, a request naming it
+/// gets IOERR and the rest goes on.
+#[test]
+fn memory_regions_come_and_go() {
+    use vhost::vhost_user::VhostUserFrontend;
+    use vhost::VhostUserMemoryRegionInfo;
+    let Some(tools) = tools() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let image = new_image(&tools, dir.path(), "m.qcow2", "8M");
+    let served = Served::start(&tools, &image, &[]);
+    let (mut dev, mut queues) = served.connect(1);
+    let ram = dev.ram.clone();
+    let extra = GuestRam::new(1 << 20).unwrap();
+    let base = 1u64 << 32;
+    let region = VhostUserMemoryRegionInfo {
+        guest_phys_addr: base,
+        memory_size: extra.len() as u64,
+        userspace_addr: extra.host_addr(),
+        mmap_offset: 0,
+        mmap_handle: extra.fd(),
+    };
+    dev.frontend.add_mem_region(&region).expect("ADD_MEM_REG");
+    let q = &mut queues[0];
+    let slots = Slots::new(q, 1, MIB as u32);
+    let header = slots.data(0);
+    let status = header + 512;
+    let chain = |kind: u32, data_writes: bool| {
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&kind.to_le_bytes());
+        h[8..16].copy_from_slice(&8u64.to_le_bytes());
+        ram.write(header, &h);
+        ram.write(status, &[0xff]);
+        [
+            Buffer {
+                addr: header,
+                len: 16,
+                device_writes: false,
+            },
+            Buffer {
+                addr: base + 8192,
+                len: 4096,
+                device_writes: data_writes,
+            },
+            Buffer {
+                addr: status,
+                len: 1,
+                device_writes: true,
+            },
+        ]
+    };
+    let status_byte = |ram: &GuestRam| {
+        let mut b = [0u8; 1];
+        ram.read(status, &mut b);
+        b[0]
+    };
+    extra.write(8192, &pattern(3, 4096));
+    q.ring.add(&chain(1, false)).unwrap();
+    finish(&ram, q);
+    assert_eq!(status_byte(&ram), S_OK, "write from the added region");
+    assert!(read(&ram, q, &slots, 4096, 4096) == pattern(3, 4096));
+    extra.fill(8192, 4096, 0);
+    q.ring.add(&chain(T_IN, true)).unwrap();
+    finish(&ram, q);
+    assert_eq!(status_byte(&ram), S_OK, "read into the added region");
+    let mut got = vec![0u8; 4096];
+    extra.read(8192, &mut got);
+    assert!(got == pattern(3, 4096));
+    dev.frontend
+        .remove_mem_region(&region)
+        .expect("REM_MEM_REG");
+    q.ring.add(&chain(T_IN, true)).unwrap();
+    finish(&ram, q);
+    assert_eq!(status_byte(&ram), S_IOERR, "read into a removed region");
+    assert!(read(&ram, q, &slots, 4096, 4096) == pattern(3, 4096));
 }

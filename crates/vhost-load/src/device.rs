@@ -42,6 +42,21 @@ impl Queue {
         self.kick.write(1)
     }
 
+    /// Waits up to `timeout` for the device to call; false if it did not.
+    pub fn wait_call_for(&self, timeout: std::time::Duration) -> io::Result<bool> {
+        let mut p = libc::pollfd {
+            fd: self.call.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: polls one descriptor described by a live pollfd.
+        let r = unsafe { libc::poll(&mut p, 1, timeout.as_millis() as libc::c_int) };
+        if r <= 0 {
+            return Ok(false);
+        }
+        self.wait_call().map(|()| true)
+    }
+
     /// Waits until the device calls. The back end may have made the eventfd non-blocking
     /// (QEMU's event loop does: the flag is on the file it shares with us), so it is polled.
     pub fn wait_call(&self) -> io::Result<()> {
@@ -112,7 +127,9 @@ impl BlkDevice {
             let offered = fe
                 .get_protocol_features()
                 .map_err(|e| err("GET_PROTOCOL_FEATURES", e))?;
-            let wanted = VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::MQ;
+            let wanted = VhostUserProtocolFeatures::CONFIG
+                | VhostUserProtocolFeatures::MQ
+                | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS;
             fe.set_protocol_features(offered & wanted)
                 .map_err(|e| err("SET_PROTOCOL_FEATURES", e))?;
             if offered.contains(VhostUserProtocolFeatures::CONFIG) {

@@ -128,4 +128,32 @@ impl SplitQueue {
         }
         Some(Ok((head, len)))
     }
+
+    /// A hostile driver's move: writes raw 16-byte descriptors at the given indices, makes
+    /// `head` available and publishes it. The chain bookkeeping of [`SplitQueue::add`] is left
+    /// alone: a queue used this way takes only raw chains.
+    pub fn put_raw(&mut self, descriptors: &[(u16, [u8; 16])], head: u16) {
+        for (i, d) in descriptors {
+            self.ram.write(self.desc + 16 * u64::from(i % self.size), d);
+        }
+        let slot = u64::from(self.next_avail % self.size);
+        self.ram
+            .write(self.avail + 4 + 2 * slot, &head.to_le_bytes());
+        self.next_avail = self.next_avail.wrapping_add(1);
+        self.publish();
+    }
+
+    /// The next used entry as the device wrote it (descriptor id, length), unchecked.
+    pub fn pop_used_raw(&mut self) -> Option<(u32, u32)> {
+        let used_idx = self.ram.load_u16(self.used + 2, Acquire);
+        if used_idx == self.last_used {
+            return None;
+        }
+        let slot = u64::from(self.last_used % self.size);
+        self.last_used = self.last_used.wrapping_add(1);
+        Some((
+            self.ram.read_u32(self.used + 4 + 8 * slot),
+            self.ram.read_u32(self.used + 8 + 8 * slot),
+        ))
+    }
 }

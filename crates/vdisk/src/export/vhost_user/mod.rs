@@ -222,7 +222,8 @@ fn serve(
     }
 }
 
-/// Serves one front end until it disconnects or the export stops.
+/// Serves one front end until it disconnects or the export stops. Errors are failures to set
+/// up the device, before or while accepting.
 fn connection(
     listener: &mut Listener,
     device: &Arc<Device>,
@@ -275,9 +276,15 @@ fn connection(
         Err(vhost_user_backend::Error::HandleRequest(
             vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
         ))
-        | Ok(()) => Ok(()),
-        Err(e) => Err(format!("front end connection: {e}")),
+        | Ok(()) => {}
+        // The front end broke the protocol: its connection ends, the next may come at once.
+        Err(e) => log!(
+            device.log,
+            Level::Warn,
+            "vhost-user-blk: front end connection: {e}"
+        ),
     }
+    Ok(())
 }
 
 /// Whether a connection waits on `l`, within `timeout`.
