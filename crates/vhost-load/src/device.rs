@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use vhost::vhost_user::message::{
-    VhostUserConfigFlags, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
+    VhostUserConfigFlags, VhostUserHeaderFlag, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
 };
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
@@ -129,9 +129,14 @@ impl BlkDevice {
                 .map_err(|e| err("GET_PROTOCOL_FEATURES", e))?;
             let wanted = VhostUserProtocolFeatures::CONFIG
                 | VhostUserProtocolFeatures::MQ
-                | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS;
+                | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+                | VhostUserProtocolFeatures::REPLY_ACK;
             fe.set_protocol_features(offered & wanted)
                 .map_err(|e| err("SET_PROTOCOL_FEATURES", e))?;
+            if offered.contains(VhostUserProtocolFeatures::REPLY_ACK) {
+                // Every message waits for the back end's answer, as QEMU's table updates do.
+                fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+            }
             if offered.contains(VhostUserProtocolFeatures::CONFIG) {
                 let (_, c) = fe
                     .get_config(0, 60, VhostUserConfigFlags::WRITABLE, &[0u8; 60])

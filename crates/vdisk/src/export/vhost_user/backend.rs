@@ -113,9 +113,11 @@ impl VhostUserBackend for BlkBackend {
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        // REPLY_ACK: a front end that changes the memory table hears when it is done.
         VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+            | VhostUserProtocolFeatures::REPLY_ACK
     }
 
     fn set_event_idx(&self, enabled: bool) {

@@ -25,7 +25,7 @@ use super::Device;
 use crate::blockdev::BlockDev;
 use crate::export::log::{log, Level};
 use crate::io::pool::{Buf, Pool};
-use crate::io::{Completion, Declined, Dir, IoQueue};
+use crate::io::{Backend, Completion, Declined, Dir, IoQueue};
 
 pub(super) type Memory = GuestMemoryMmap<()>;
 pub(super) type Mem = GuestMemoryAtomic<Memory>;
@@ -35,6 +35,11 @@ pub(super) type Vring = VringRwLock<Mem>;
 pub(super) const MAX_QUEUE_SIZE: usize = 1024;
 /// Bytes one read or write may move at most.
 const MAX_TRANSFER: u64 = 64 << 20;
+/// Transfers larger than this go to the pool under io_uring, copies and all: through the page
+/// cache the kernel copies a transfer's data on the thread that submits it, so the worker
+/// would copy every large transfer in turn (twice, with the copy to or from the guest) where
+/// the pool's threads copy them side by side.
+const URING_MAX: u64 = 64 << 10;
 /// Bytes of request buffers a queue keeps for reuse: 32 requests of 1 MiB in flight need no
 /// fresh memory.
 const POOL_BYTES: usize = 48 << 20;
@@ -84,7 +89,7 @@ pub(super) struct Worker {
     device: Arc<Device>,
     offload: Arc<Offload>,
     pub inbox: Arc<Inbox<Finished>>,
-    pool: Pool,
+    pool: Arc<Pool>,
     /// The virtqueue, once a kick showed which it is.
     pub vring: Option<Vring>,
 }
@@ -109,7 +114,7 @@ impl Worker {
             device,
             offload,
             inbox: Arc::new(Inbox::new()?),
-            pool: Pool::new(MAX_QUEUE_SIZE, POOL_BYTES),
+            pool: Arc::new(Pool::new(MAX_QUEUE_SIZE, POOL_BYTES)),
             vring: None,
         })
     }
@@ -127,8 +132,8 @@ impl Worker {
     }
 
     /// Takes every request the driver made available.
-    pub fn take_requests(&mut self, mem: &Mem, vring: &Vring, event_idx: bool) {
-        let mem = mem.memory();
+    pub fn take_requests(&mut self, mem_atomic: &Mem, vring: &Vring, event_idx: bool) {
+        let mem = mem_atomic.memory();
         let mut answers = Vec::new();
         loop {
             if event_idx {
@@ -143,7 +148,7 @@ impl Worker {
                 let head = chain.head_index();
                 let descs = chain.map(|d| (d.addr(), d.len(), d.is_write_only()));
                 match parse(&*mem, descs) {
-                    Ok(req) => self.start(&mem, head, req, &mut answers),
+                    Ok(req) => self.start(mem_atomic, &mem, head, req, &mut answers),
                     Err(Malformed::NoStatus) => {
                         log!(
                             self.device.log,
@@ -176,7 +181,14 @@ impl Worker {
 
     /// Starts one request: reads and writes on the I/O queue, blocking calls on the pool,
     /// refusals answered at once into `answers`.
-    fn start(&mut self, mem: &Memory, head: u16, req: Request, answers: &mut Vec<Answer>) {
+    fn start(
+        &mut self,
+        mem_atomic: &Mem,
+        mem: &Memory,
+        head: u16,
+        req: Request,
+        answers: &mut Vec<Answer>,
+    ) {
         let status = req.status;
         let refuse = |code| Answer::new(head, Some(status), code);
         let geometry = &self.device.geometry;
@@ -192,6 +204,17 @@ impl Worker {
                 };
                 if write && !writable {
                     return answers.push(refuse(S_IOERR));
+                }
+                if len > URING_MAX && self.device.aio == Some(Backend::IoUring) {
+                    let segs = segs.clone();
+                    return self.transfer_on_pool(
+                        mem_atomic.clone(),
+                        head,
+                        status,
+                        offset,
+                        write,
+                        segs,
+                    );
                 }
                 let mut buf = self.pool.take(len as usize);
                 if write && read_segments(mem, segs, &mut buf).is_err() {
@@ -271,6 +294,40 @@ impl Worker {
             T_DISCARD | T_WRITE_ZEROES => answers.push(refuse(S_IOERR)),
             _ => answers.push(refuse(S_UNSUPP)),
         }
+    }
+
+    /// A whole read or write on the pool: the copy between the guest and a buffer, the
+    /// blocking call, and (write cache off) the flush.
+    fn transfer_on_pool(
+        &self,
+        mem: Mem,
+        head: u16,
+        status: GuestAddress,
+        offset: u64,
+        write: bool,
+        segs: Vec<Segment>,
+    ) {
+        let pool = self.pool.clone();
+        let write_through = !self.device.write_cache.enabled();
+        self.blocking(move |dev| {
+            let memory = mem.memory();
+            let len = total(&segs);
+            let mut buf = pool.take(len as usize);
+            let ok = if write {
+                read_segments(&*memory, &segs, &mut buf).is_ok()
+                    && dev.write(offset, &buf).is_ok()
+                    && (!write_through || dev.flush().is_ok())
+            } else {
+                dev.read(offset, &mut buf).is_ok() && write_segments(&*memory, &segs, &buf).is_ok()
+            };
+            pool.put(buf);
+            let code = if ok { S_OK } else { S_IOERR };
+            let moved = if ok && !write { len as u32 } else { 0 };
+            Finished::Answer(Answer {
+                len: moved + 1,
+                ..Answer::new(head, Some(status), code)
+            })
+        });
     }
 
     /// Runs `call` on the export's pool; its result comes back through the inbox.
