@@ -23,7 +23,7 @@ mod worker;
 
 use std::io;
 use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -52,7 +52,7 @@ pub struct VhostUserOptions {
     pub serial: String,
     /// Requests are efficient in multiples of this (the image's cluster size).
     pub preferred_block: u32,
-    /// How reads and writes reach the kernel; `None`: blocking calls on the workers.
+    /// How reads and writes reach the kernel; `None`: blocking calls on the export's threads.
     pub aio: Option<Backend>,
     pub log: Logger,
 }
@@ -90,12 +90,10 @@ struct Device {
 
 /// A running vhost-user-blk export (see the module docs).
 pub struct VhostUserBlk {
-    socket: PathBuf,
     stop: Arc<AtomicBool>,
     /// The connected front end's backend and socket, for [`VhostUserBlk::shutdown`].
     current: Arc<Current>,
     thread: Option<JoinHandle<()>>,
-    io: Arc<IoCounters>,
     offload: Arc<Offload>,
 }
 
@@ -114,7 +112,6 @@ impl VhostUserBlk {
         }
         let listener = Listener::new(&opts.socket, true)
             .map_err(|e| io::Error::other(format!("{}: {e}", opts.socket.display())))?;
-        let io = Arc::new(IoCounters::default());
         let device = Arc::new(Device {
             geometry: Geometry {
                 size: dev.size(),
@@ -125,7 +122,7 @@ impl VhostUserBlk {
             dev,
             serial: opts.serial.as_bytes().to_vec(),
             aio: opts.aio,
-            io: io.clone(),
+            io: Arc::new(IoCounters::default()),
             write_cache: Default::default(),
             log: opts.log.clone(),
         });
@@ -138,22 +135,11 @@ impl VhostUserBlk {
             .name("vhost-user-blk".into())
             .spawn(move || serve(listener, path, device, &o, &s, &c))?;
         Ok(VhostUserBlk {
-            socket: opts.socket,
             stop,
             current,
             thread: Some(thread),
-            io,
             offload,
         })
-    }
-
-    pub fn socket(&self) -> &Path {
-        &self.socket
-    }
-
-    /// What the workers' I/O queues did.
-    pub fn io_counters(&self) -> &Arc<IoCounters> {
-        &self.io
     }
 
     /// Finishes the requests in flight (answering the driver), disconnects the front end and
