@@ -177,6 +177,42 @@ pub(super) fn write_segments<M: GuestMemory>(
     Ok(())
 }
 
+/// The guest memory of `segs` as host byte slices (neighbours that are contiguous in this
+/// process joined), each with its offset in the request; `None` when one is not all in guest
+/// memory.
+///
+/// The slices alias memory the guest can write: they are its buffers for this request, which
+/// the driver hands to the device until the request completes. A driver that touches them
+/// meanwhile changes only its own data, as with any device's DMA, and bytes have no invalid
+/// values. They must not outlive `mem`, whose mapping they point into.
+// Guest memory is shared memory the mapping lets us write through a shared reference.
+#[allow(clippy::mut_from_ref)]
+pub(super) fn guest_slices<'m, M: vm_memory::GuestMemoryBackend>(
+    mem: &'m M,
+    segs: &[Segment],
+) -> Option<Vec<(u64, &'m mut [u8])>> {
+    let mut out: Vec<(u64, *mut u8, usize)> = Vec::new();
+    let mut at = 0u64;
+    for s in segs {
+        let slice = mem.get_slice(s.addr, s.len as usize).ok()?;
+        let ptr = slice.ptr_guard_mut().as_ptr();
+        match out.last_mut() {
+            Some((_, p, n)) if p.wrapping_add(*n) == ptr => *n += s.len as usize,
+            _ => out.push((at, ptr, s.len as usize)),
+        }
+        at += u64::from(s.len);
+    }
+    let slices = out
+        .into_iter()
+        // SAFETY: each range was checked to lie in one region of `mem`, mapped for as long as
+        // `mem` lives; joined ranges are contiguous in this process; distinct descriptors of a
+        // request do not overlap unless the driver made them so, which only garbles its own
+        // data (see above).
+        .map(|(at, ptr, n)| (at, unsafe { std::slice::from_raw_parts_mut(ptr, n) }))
+        .collect();
+    Some(slices)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -280,5 +316,17 @@ mod tests {
         let mut buf = [0u8; 8];
         assert!(read_segments(&m, &[seg(0x20000, 8)], &mut buf).is_err());
         assert!(write_segments(&m, &[seg(0x20000, 8)], &buf).is_err());
+    }
+
+    #[test]
+    fn guest_slices_join_neighbours_and_refuse_what_is_not_mapped() {
+        let m = mem();
+        let segs = [seg(0x2000, 512), seg(0x2200, 512), seg(0x8000, 100)];
+        let slices = guest_slices(&m, &segs).unwrap();
+        let shape: Vec<(u64, usize)> = slices.iter().map(|(at, s)| (*at, s.len())).collect();
+        assert_eq!(shape, vec![(0, 1024), (1024, 100)]);
+        drop(slices);
+        assert!(guest_slices(&m, &[seg(0x2000, 512), seg(0x10f00, 512)]).is_none());
+        assert!(guest_slices(&m, &[seg(u64::MAX - 10, 100)]).is_none());
     }
 }

@@ -296,8 +296,8 @@ impl Worker {
         }
     }
 
-    /// A whole read or write on the pool: the copy between the guest and a buffer, the
-    /// blocking call, and (write cache off) the flush.
+    /// A whole read or write on the pool, straight between the disk and the guest's buffers,
+    /// then (write cache off) the flush.
     fn transfer_on_pool(
         &self,
         mem: Mem,
@@ -307,22 +307,21 @@ impl Worker {
         write: bool,
         segs: Vec<Segment>,
     ) {
-        let pool = self.pool.clone();
         let write_through = !self.device.write_cache.enabled();
         self.blocking(move |dev| {
             let memory = mem.memory();
-            let len = total(&segs);
-            let mut buf = pool.take(len as usize);
-            let ok = if write {
-                read_segments(&*memory, &segs, &mut buf).is_ok()
-                    && dev.write(offset, &buf).is_ok()
-                    && (!write_through || dev.flush().is_ok())
-            } else {
-                dev.read(offset, &mut buf).is_ok() && write_segments(&*memory, &segs, &buf).is_ok()
-            };
-            pool.put(buf);
+            let ok = guest_slices(&*memory, &segs).is_some_and(|slices| {
+                slices.into_iter().all(|(at, data)| {
+                    let done = if write {
+                        dev.write(offset + at, data)
+                    } else {
+                        dev.read(offset + at, data)
+                    };
+                    done.is_ok()
+                }) && (!write || !write_through || dev.flush().is_ok())
+            });
             let code = if ok { S_OK } else { S_IOERR };
-            let moved = if ok && !write { len as u32 } else { 0 };
+            let moved = if ok && !write { total(&segs) as u32 } else { 0 };
             Finished::Answer(Answer {
                 len: moved + 1,
                 ..Answer::new(head, Some(status), code)
