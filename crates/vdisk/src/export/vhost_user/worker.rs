@@ -356,30 +356,26 @@ impl Worker {
             }
         }
         let mut answers = Vec::new();
-        let mut flushed = Vec::new();
         for f in self.inbox.take() {
             match f {
                 Finished::Io(c) => done.push(c),
                 Finished::Answer(a) => answers.push(a),
-                Finished::Flushed(writes, ok) => flushed.extend(writes.into_iter().map(|mut c| {
-                    if !ok {
-                        c.result = Err(crate::Error::InvalidArgument("flush failed".into()));
+                Finished::Flushed(writes, ok) => {
+                    for c in writes {
+                        let code = if ok { S_OK } else { S_IOERR };
+                        answers.push(Answer::new(c.ctx.head, Some(c.ctx.status), code));
+                        self.pool.put(c.buf);
                     }
-                    c
-                })),
+                }
             }
         }
         let mem = mem.memory();
-        self.answer(&mem, vring, answers, flushed);
-        self.answer_io(&mem, vring, done);
+        self.answer_io(&mem, vring, answers, done);
     }
 
-    /// Answers finished reads and writes. With the write cache off, successful writes are
-    /// flushed on the pool first and answered when that comes back.
-    fn answer_io(&mut self, mem: &Memory, vring: &Vring, done: Vec<Done>) {
-        if done.is_empty() {
-            return;
-        }
+    /// Answers `answers` and finished reads and writes. With the write cache off, successful
+    /// writes are flushed on the pool first and answered when that comes back.
+    fn answer_io(&mut self, mem: &Memory, vring: &Vring, answers: Vec<Answer>, done: Vec<Done>) {
         let (writes, ready): (Vec<Done>, Vec<Done>) = if self.device.write_cache.enabled() {
             (Vec::new(), done)
         } else {
@@ -392,7 +388,7 @@ impl Worker {
                 Finished::Flushed(writes, ok)
             });
         }
-        self.answer(mem, vring, Vec::new(), ready);
+        self.answer(mem, vring, answers, ready);
     }
 
     /// Puts `answers` and the finished transfers `done` on the used ring (reads copied out to
@@ -444,7 +440,7 @@ impl Worker {
                 self.queue.as_ref().is_none_or(|q| q.in_flight() == 0) && self.inbox.pending() == 0;
             if let Some(vring) = self.vring.clone() {
                 let m = mem.memory();
-                self.answer(&m, &vring, Vec::new(), done);
+                self.answer_io(&m, &vring, Vec::new(), done);
                 self.complete(mem, &vring, false);
             }
             if idle {
