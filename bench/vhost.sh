@@ -4,11 +4,14 @@
 # (vhost-load, crates/vhost-load: memfd guest memory, split virtqueues, one thread per queue),
 # side by side in one run.
 #
-#   bench/vhost.sh [--quick] [--seconds S] [--size-mib N] [--only REGEX] [--no-build] [--out FILE]
+#   bench/vhost.sh [--quick] [--seconds S] [--size-mib N] [--rounds N] [--only REGEX] [--no-build]
+#                  [--out FILE]
 #
 #   --quick       256 MiB images, 1 s per run (about 3 minutes); default 1 GiB, 3 s
 #   --seconds S   seconds per run
 #   --size-mib N  image size
+#   --rounds N    run every pair N times (alternating which server goes first) and report each
+#                 server's median IOPS; this machine's runs vary by up to 2x from one to the next
 #   --only REGEX  run only the rows whose label matches
 #   --no-build    use target/release/{vdisk,vhost-load} as they are
 #   --out FILE    default bench/results/vhost-<quick|full>.md
@@ -27,14 +30,16 @@
 # root). The allocated image is written once (qemu-img convert of random data) and reused: its
 # overwrites keep it allocated.
 set -euo pipefail
+command_line="bench/vhost.sh $*"
 usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit "${1:-0}"; }
 
-quick=0 seconds= size_mib= only= build=1 out=
+quick=0 seconds= size_mib= only= build=1 out= rounds=1
 while [ $# -gt 0 ]; do
     case "$1" in
         --quick) quick=1 ;;
         --seconds) seconds=$2; shift ;;
         --size-mib) size_mib=$2; shift ;;
+        --rounds) rounds=$2; shift ;;
         --only) only=$2; shift ;;
         --no-build) build=0 ;;
         --out) out=$2; shift ;;
@@ -112,6 +117,8 @@ run() {
     echo "$line" | sed -n 's/.*iops=\([0-9]*\).*/\1/p'
 }
 
+median() { printf '%s\n' "$@" | sort -n | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
+
 rows=()
 for q in 1 4; do
     for d in 1 32; do
@@ -129,9 +136,10 @@ report=$(mktemp)
 {
     echo "# vhost-user-blk: vdisk serve vs qemu-storage-daemon ($mode)"
     echo
-    echo "\`bench/vhost.sh $([ $quick = 1 ] && echo --quick)\` on $(date -u +%Y-%m-%d), $(nproc) CPUs,"
+    echo "\`$command_line\` on $(date -u +%Y-%m-%d), $(nproc) CPUs,"
     echo "$(qemu-storage-daemon --version | head -1), vdisk $(git rev-parse --short HEAD)."
-    echo "Images of $size_mib MiB, $seconds s per run, IOPS from vhost-load (crates/vhost-load)."
+    echo "Images of $size_mib MiB, $seconds s per run, IOPS from vhost-load (crates/vhost-load);"
+    echo "$rounds round(s) per row, each server's median reported."
     echo "Ratio: vdisk over qemu-storage-daemon in the same cache mode."
     echo
     echo "| row | queues | depth | vdisk | qsd | ratio | vdisk none | qsd none | ratio none |"
@@ -143,17 +151,22 @@ for row in "${rows[@]}"; do
     [ -n "$only" ] && ! [[ "$label q$queues d$depth" =~ $only ]] && continue
     declare -A iops=()
     for cache in writeback none; do
-        for server in $first $([ $first = vdisk ] && echo qsd || echo vdisk); do
-            image=$allocated
-            if [ "$kind" = fresh ]; then
-                image=$work/fresh.qcow2
-                rm -f "$image"
-                qemu-img create -q -f qcow2 "$image" "${size_mib}M"
-            fi
-            iops[$server-$cache]=$(run "$server" "$cache" "$image" "$queues" "$rw" "$bs" "$depth")
+        for _ in $(seq "$rounds"); do
+            for server in $first $([ $first = vdisk ] && echo qsd || echo vdisk); do
+                image=$allocated
+                if [ "$kind" = fresh ]; then
+                    image=$work/fresh.qcow2
+                    rm -f "$image"
+                    qemu-img create -q -f qcow2 "$image" "${size_mib}M"
+                fi
+                iops[$server-$cache]+="$(run "$server" "$cache" "$image" "$queues" "$rw" "$bs" "$depth") "
+            done
+            first=$([ $first = vdisk ] && echo qsd || echo vdisk)
+        done
+        for server in vdisk qsd; do
+            iops[$server-$cache]=$(median ${iops[$server-$cache]})
         done
     done
-    first=$([ $first = vdisk ] && echo qsd || echo vdisk)
     ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }'; }
     line="| $label | $queues | $depth | ${iops[vdisk-writeback]} | ${iops[qsd-writeback]} | $(ratio "${iops[vdisk-writeback]}" "${iops[qsd-writeback]}") | ${iops[vdisk-none]} | ${iops[qsd-none]} | $(ratio "${iops[vdisk-none]}" "${iops[qsd-none]}") |"
     echo "$line" | tee -a "$report"

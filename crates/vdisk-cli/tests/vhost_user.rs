@@ -53,11 +53,10 @@ impl Served {
     }
 
     fn connect(&self, queues: u16) -> (BlkDevice, Vec<Queue>) {
-        let setup = Setup {
-            queues,
-            queue_size: 64,
-            buffers_per_queue: 8 * (4096 + MIB),
-        };
+        self.connect_with(Setup::new(queues, 64, 8 * (4096 + MIB)))
+    }
+
+    fn connect_with(&self, setup: Setup) -> (BlkDevice, Vec<Queue>) {
         BlkDevice::connect(&self.socket, &setup).expect("connect to the vhost-user-blk socket")
     }
 
@@ -71,6 +70,20 @@ impl Served {
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         self.child.wait().expect("wait for vdisk serve")
+    }
+
+    /// SIGTERM, and the exit status if it comes within `limit` (else SIGKILL and `None`).
+    fn stop_within(mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
     }
 
     fn kill(mut self) {
@@ -595,4 +608,68 @@ fn memory_regions_come_and_go() {
     finish(&ram, q);
     assert_eq!(status_byte(&ram), S_IOERR, "read into a removed region");
     assert!(read(&ram, q, &slots, 4096, 4096) == pattern(3, 4096));
+}
+
+/// A driver that did not negotiate FLUSH may take the device for write-through (virtio 1.2,
+/// 5.2.5.1): its writes are durable when answered. It also cannot change the write cache:
+/// a configuration write without CONFIG_WCE is refused without ending the connection.
+#[test]
+fn a_driver_without_flush_gets_durable_writes() {
+    let Some(tools) = tools() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let image = new_image(&tools, dir.path(), "nf.qcow2", "16M");
+    let served = Served::start(&tools, &image, &[]);
+    let mut setup = Setup::new(1, 64, 8 * (4096 + MIB));
+    setup.leave_out = vhost_load::device::BLK_F_FLUSH | vhost_load::device::BLK_F_CONFIG_WCE;
+    let (mut dev, mut queues) = served.connect_with(setup);
+    assert_eq!(dev.features & vhost_load::device::BLK_F_FLUSH, 0);
+    let ram = dev.ram.clone();
+    let _ = dev
+        .frontend
+        .set_config(32, VhostUserConfigFlags::WRITABLE, &[1]);
+    let q = &mut queues[0];
+    let slots = Slots::new(q, 1, MIB as u32);
+    assert_eq!(write(&ram, q, &slots, 2 * MIB, &pattern(4, 8192)), S_OK);
+    served.kill();
+    qemu_img_check(&tools, &image, &[0, 3]);
+    let raw = dir.path().join("nf.raw");
+    let out = Command::new(&tools.qemu_img)
+        .args(["convert", "-f", "qcow2", "-O", "raw"])
+        .arg(&image)
+        .arg(&raw)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let bytes = std::fs::read(&raw).unwrap();
+    assert!(
+        bytes[2 * MIB as usize..2 * MIB as usize + 8192] == pattern(4, 8192),
+        "write lost"
+    );
+}
+
+/// With EVENT_IDX, an available index the ring cannot hold (further ahead than its size) must
+/// not leave the worker looping: SIGTERM still drains and stops the server at once.
+#[test]
+fn a_broken_available_ring_does_not_hang_the_server() {
+    let Some(tools) = tools() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let image = new_image(&tools, dir.path(), "b.qcow2", "8M");
+    let served = Served::start(&tools, &image, &[]);
+    let mut setup = Setup::new(1, 64, 8 * (4096 + MIB));
+    setup.event_idx = true;
+    let (dev, mut queues) = served.connect_with(setup);
+    assert_ne!(dev.features & vhost_load::device::F_EVENT_IDX, 0);
+    let q = &mut queues[0];
+    dev.ram.store_u16(
+        q.ring.avail + 2,
+        3 * q.ring.size(),
+        std::sync::atomic::Ordering::Release,
+    );
+    q.kick().unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let status = served.stop_within(Duration::from_secs(5));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "SIGTERM: {status:?} within 5 s"
+    );
 }

@@ -18,6 +18,7 @@ use crate::memory::GuestRam;
 use crate::ring::SplitQueue;
 
 pub const F_VERSION_1: u64 = 1 << 32;
+pub const F_EVENT_IDX: u64 = 1 << 29;
 pub const BLK_F_RO: u64 = 1 << 5;
 pub const BLK_F_BLK_SIZE: u64 = 1 << 6;
 pub const BLK_F_FLUSH: u64 = 1 << 9;
@@ -94,6 +95,23 @@ pub struct Setup {
     pub queue_size: u16,
     /// Guest memory each queue gets for its buffers.
     pub buffers_per_queue: u64,
+    /// virtio features not to negotiate even when offered (to play an older driver).
+    pub leave_out: u64,
+    /// Negotiate EVENT_IDX. The rings here keep `used_event` at 0, so the device then calls
+    /// only when its used index wraps: for tests of the device's side alone.
+    pub event_idx: bool,
+}
+
+impl Setup {
+    pub fn new(queues: u16, queue_size: u16, buffers_per_queue: u64) -> Setup {
+        Setup {
+            queues,
+            queue_size,
+            buffers_per_queue,
+            leave_out: 0,
+            event_idx: false,
+        }
+    }
 }
 
 fn err(what: &str, e: impl std::fmt::Display) -> io::Error {
@@ -116,7 +134,12 @@ impl BlkDevice {
             | BLK_F_MQ
             | BLK_F_DISCARD
             | BLK_F_WRITE_ZEROES;
-        let features = offered & wanted;
+        let wanted = if setup.event_idx {
+            wanted | F_EVENT_IDX
+        } else {
+            wanted
+        };
+        let features = offered & wanted & !setup.leave_out;
         if features & F_VERSION_1 == 0 {
             return Err(err("features", "the device does not offer VERSION_1"));
         }

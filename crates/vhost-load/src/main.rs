@@ -55,7 +55,9 @@ fn parse() -> Result<Args, String> {
                     }
                 }
             }
-            "--bs" => a.bs = num(value()?)? as u32,
+            "--bs" => {
+                a.bs = u32::try_from(num(value()?)?).map_err(|_| "--bs: too large".to_string())?
+            }
             "--depth" => a.depth = num(value()?)?.clamp(1, 256) as u16,
             "--queues" => a.queues = num(value()?)?.clamp(1, 64) as u16,
             "--seconds" => a.seconds = value()?.parse().map_err(|e| format!("--seconds: {e}"))?,
@@ -89,11 +91,8 @@ fn main() -> ExitCode {
     };
     // Three descriptors a request; a queue a little larger than the depth needs.
     let queue_size = (u32::from(a.depth) * 3).next_power_of_two().clamp(64, 1024) as u16;
-    let setup = Setup {
-        queues: a.queues,
-        queue_size,
-        buffers_per_queue: u64::from(a.depth) * (4096 + u64::from(a.bs).next_multiple_of(4096)),
-    };
+    let per_request = 4096 + u64::from(a.bs).next_multiple_of(4096);
+    let setup = Setup::new(a.queues, queue_size, u64::from(a.depth) * per_request);
     let (dev, queues) = match BlkDevice::connect(&a.socket, &setup) {
         Ok(v) => v,
         Err(e) => {

@@ -17,6 +17,7 @@ use super::config::{self, BLK_F_CONFIG_WCE};
 use super::offload::Offload;
 use super::worker::{Mem, Vring, Worker, MAX_QUEUE_SIZE};
 use super::Device;
+use crate::export::log::{log, Level};
 
 /// The crate's handle on one connection's device.
 pub(super) struct BlkBackend {
@@ -79,12 +80,22 @@ impl BlkBackend {
         }
     }
 
-    /// Stops taking requests and finishes those in flight, answering the driver.
-    pub fn drain(&self) {
+    /// Stops taking requests and finishes those in flight; `answer`: tell the driver (see
+    /// [`Worker::drain`]).
+    pub fn drain(&self, answer: bool) {
         self.stopping.store(true, Relaxed);
         for w in &self.workers {
-            lock(w).drain(&self.mem);
+            let mut w = lock(w);
+            w.writeback = self.writeback();
+            w.drain(&self.mem, answer);
         }
+    }
+
+    /// Whether the driver has a volatile write cache: it negotiated FLUSH (a driver that did
+    /// not may take the device for write-through, virtio 1.2 5.2.5.1) and has not turned the
+    /// cache off.
+    fn writeback(&self) -> bool {
+        self.acked.load(Relaxed) & config::BLK_F_FLUSH != 0 && self.device.write_cache.enabled()
     }
 }
 
@@ -129,11 +140,22 @@ impl VhostUserBackend for BlkBackend {
         config::read_config(&self.device.geometry, wce, offset, size)
     }
 
+    /// Only `writeback`, and only with CONFIG_WCE. A refused write is logged, not failed: the
+    /// crate would end the connection over it, and QEMU passes on whatever the guest writes.
     fn set_config(&self, offset: u32, buf: &[u8]) -> std::io::Result<()> {
-        if self.acked.load(Relaxed) & BLK_F_CONFIG_WCE == 0 {
-            return Err(std::io::Error::from_raw_os_error(libc::EPERM));
+        let done = if self.acked.load(Relaxed) & BLK_F_CONFIG_WCE == 0 {
+            Err(std::io::Error::other("CONFIG_WCE was not negotiated"))
+        } else {
+            self.device.write_cache.set_config(offset, buf)
+        };
+        if let Err(e) = done {
+            log!(
+                self.device.log,
+                Level::Warn,
+                "vhost-user-blk: configuration write refused: {e}"
+            );
         }
-        self.device.write_cache.set_config(offset, buf)
+        Ok(())
     }
 
     fn update_memory(&self, _mem: Mem) -> std::io::Result<()> {
@@ -170,6 +192,7 @@ impl VhostUserBackend for BlkBackend {
         if w.vring.is_none() {
             w.vring = Some(vring.clone());
         }
+        w.writeback = self.writeback();
         let event = u64::from(device_event);
         if event == 0 {
             w.take_requests(&self.mem, vring, self.event_idx.load(Relaxed));

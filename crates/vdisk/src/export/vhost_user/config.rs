@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 const BLK_F_SEG_MAX: u64 = 1 << 2;
 const BLK_F_RO: u64 = 1 << 5;
 const BLK_F_BLK_SIZE: u64 = 1 << 6;
-const BLK_F_FLUSH: u64 = 1 << 9;
+pub(super) const BLK_F_FLUSH: u64 = 1 << 9;
 const BLK_F_TOPOLOGY: u64 = 1 << 10;
 pub(super) const BLK_F_CONFIG_WCE: u64 = 1 << 11;
 const BLK_F_MQ: u64 = 1 << 12;

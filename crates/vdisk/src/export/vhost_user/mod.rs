@@ -146,8 +146,9 @@ impl VhostUserBlk {
     /// stops listening. The disk is then no longer used.
     pub fn shutdown(mut self) {
         self.stop.store(true, Relaxed);
-        if let Some((backend, handle)) = lock(&self.current).clone() {
-            backend.drain();
+        let connected = lock(&self.current).clone();
+        if let Some((backend, handle)) = connected {
+            backend.drain(true);
             if let Some(h) = handle {
                 h.shutdown();
             }
@@ -244,14 +245,15 @@ fn connection(
     *lock(current) = Some((backend.clone(), daemon.shutdown_handle()));
     // A stop that came before the handle was published.
     if stop.load(Relaxed) {
-        backend.drain();
+        backend.drain(true);
         daemon.request_shutdown();
     }
     let ended = daemon.wait();
     *lock(current) = None;
-    // Ends the worker threads (the handler's drop joins them), then the requests they left.
+    // Ends the worker threads (the handler's drop joins them), then the requests they left,
+    // unanswered: the front end is gone, and the next resubmits them.
     drop(daemon);
-    backend.drain();
+    backend.drain(false);
     log!(
         device.log,
         Level::Info,

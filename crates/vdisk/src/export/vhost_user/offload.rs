@@ -15,6 +15,8 @@ type Job = Box<dyn FnOnce() + Send>;
 pub(super) struct Offload {
     state: Mutex<State>,
     work: Condvar,
+    /// Signalled when a thread ends.
+    ended: Condvar,
     max_threads: usize,
 }
 
@@ -31,6 +33,7 @@ impl Offload {
         Arc::new(Offload {
             state: Mutex::default(),
             work: Condvar::new(),
+            ended: Condvar::new(),
             max_threads: max_threads.max(1),
         })
     }
@@ -81,6 +84,7 @@ impl Offload {
             }
             if s.closed {
                 s.threads -= 1;
+                self.ended.notify_all();
                 return;
             }
             s.idle += 1;
@@ -89,10 +93,15 @@ impl Offload {
         }
     }
 
-    /// Lets the threads end once the jobs queued are done.
+    /// Lets the threads end once the jobs queued are done, and waits for them: nothing runs
+    /// on the disk after this returns.
     pub fn close(&self) {
-        self.lock().closed = true;
+        let mut s = self.lock();
+        s.closed = true;
         self.work.notify_all();
+        while s.threads > 0 {
+            s = self.ended.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
     }
 }
 

@@ -178,13 +178,15 @@ pub(super) fn write_segments<M: GuestMemory>(
 }
 
 /// The guest memory of `segs` as host byte slices (neighbours that are contiguous in this
-/// process joined), each with its offset in the request; `None` when one is not all in guest
-/// memory.
+/// process joined), each with its offset in the request; `None` when one is not all in one
+/// region of guest memory.
 ///
 /// The slices alias memory the guest can write: they are its buffers for this request, which
-/// the driver hands to the device until the request completes. A driver that touches them
-/// meanwhile changes only its own data, as with any device's DMA, and bytes have no invalid
-/// values. They must not outlive `mem`, whose mapping they point into.
+/// the driver hands to the device until the request completes, and the engine only copies
+/// them to or from the file. A driver that touches them meanwhile, or names the same memory
+/// in two requests in flight at once, breaks the rule that a `&mut` is unique: the bytes
+/// moved are then whatever the races make them, which only the driver's own data suffers, as
+/// with any device's DMA. They must not outlive `mem`, whose mapping they point into.
 // Guest memory is shared memory the mapping lets us write through a shared reference.
 #[allow(clippy::mut_from_ref)]
 pub(super) fn guest_slices<'m, M: vm_memory::GuestMemoryBackend>(

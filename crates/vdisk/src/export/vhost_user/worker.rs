@@ -8,14 +8,14 @@
 //!   IoQueue eventfd / inbox eventfd ─► answer: bounce reads out, status byte, used ring, call
 //! ```
 //!
-//! Data moves through buffers of our own, not the guest's memory: the kernel then never
-//! writes guest memory after the driver was told a request ended, or into memory the front
-//! end has since removed.
+//! Small transfers move through buffers of our own, which the I/O queue's kernel requests
+//! fill or drain; larger ones run on the pool straight between the disk and the guest's
+//! memory (held mapped for the call), where a second copy would cost more than the hand-off.
 
 use std::sync::Arc;
 
 use vhost_user_backend::{VringRwLock, VringT};
-use virtio_queue::QueueT;
+use virtio_queue::QueueOwnedT;
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 
 use super::config::SECTOR;
@@ -25,7 +25,7 @@ use super::Device;
 use crate::blockdev::BlockDev;
 use crate::export::log::{log, Level};
 use crate::io::pool::{Buf, Pool};
-use crate::io::{Backend, Completion, Declined, Dir, IoQueue};
+use crate::io::{Completion, Declined, Dir, IoQueue};
 
 pub(super) type Memory = GuestMemoryMmap<()>;
 pub(super) type Mem = GuestMemoryAtomic<Memory>;
@@ -35,11 +35,11 @@ pub(super) type Vring = VringRwLock<Mem>;
 pub(super) const MAX_QUEUE_SIZE: usize = 1024;
 /// Bytes one read or write may move at most.
 const MAX_TRANSFER: u64 = 64 << 20;
-/// Transfers larger than this go to the pool under io_uring, copies and all: through the page
-/// cache the kernel copies a transfer's data on the thread that submits it, so the worker
-/// would copy every large transfer in turn (twice, with the copy to or from the guest) where
-/// the pool's threads copy them side by side.
-const URING_MAX: u64 = 64 << 10;
+/// Transfers larger than this run whole on the pool, straight between the disk and the
+/// guest's memory: no buffer of ours, so what a driver asks for costs no memory however large,
+/// and through the page cache the pool's threads copy large transfers side by side where the
+/// worker (whose kernel requests copy on the thread that submits them) would copy them in turn.
+const POOL_OVER: u64 = 64 << 10;
 /// Bytes of request buffers a queue keeps for reuse: 32 requests of 1 MiB in flight need no
 /// fresh memory.
 const POOL_BYTES: usize = 48 << 20;
@@ -92,6 +92,9 @@ pub(super) struct Worker {
     pool: Arc<Pool>,
     /// The virtqueue, once a kick showed which it is.
     pub vring: Option<Vring>,
+    /// The device has a volatile write cache for this driver (it negotiated FLUSH and left
+    /// the cache on); otherwise every write is durable before it is answered.
+    pub writeback: bool,
 }
 
 impl Worker {
@@ -116,6 +119,7 @@ impl Worker {
             inbox: Arc::new(Inbox::new()?),
             pool: Arc::new(Pool::new(MAX_QUEUE_SIZE, POOL_BYTES)),
             vring: None,
+            writeback: false,
         })
     }
 
@@ -135,16 +139,30 @@ impl Worker {
     pub fn take_requests(&mut self, mem_atomic: &Mem, vring: &Vring, event_idx: bool) {
         let mem = mem_atomic.memory();
         let mut answers = Vec::new();
+        let mut pass = 0;
         loop {
             if event_idx {
                 let _ = vring.disable_notification();
             }
+            let mut taken = 0;
+            let mut broken = false;
             loop {
-                let chain = vring
-                    .get_mut()
-                    .get_queue_mut()
-                    .pop_descriptor_chain(mem.clone());
+                // An available ring the driver broke (an index past what the ring can hold)
+                // stops the queue until the next kick, rather than looping on it.
+                let chain = match vring.get_mut().get_queue_mut().iter(mem.clone()) {
+                    Ok(mut avail) => avail.next(),
+                    Err(e) => {
+                        broken = true;
+                        log!(
+                            self.device.log,
+                            Level::Warn,
+                            "vhost-user-blk: available ring: {e}"
+                        );
+                        None
+                    }
+                };
                 let Some(chain) = chain else { break };
+                taken += 1;
                 let head = chain.head_index();
                 let descs = chain.map(|d| (d.addr(), d.len(), d.is_write_only()));
                 match parse(&*mem, descs) {
@@ -168,8 +186,13 @@ impl Worker {
                 }
             }
             // With EVENT_IDX, requests made available while notifications were off are
-            // taken before waiting for the next kick.
-            if !event_idx || !vring.enable_notification().unwrap_or(false) {
+            // taken before waiting for the next kick. A pass that finds none although the
+            // ring said there were some means a broken ring: stop there.
+            if broken || !event_idx || (pass > 0 && taken == 0) {
+                break;
+            }
+            pass += 1;
+            if !vring.enable_notification().unwrap_or(false) {
                 break;
             }
         }
@@ -205,7 +228,7 @@ impl Worker {
                 if write && !writable {
                     return answers.push(refuse(S_IOERR));
                 }
-                if len > URING_MAX && self.device.aio == Some(Backend::IoUring) {
+                if len > POOL_OVER {
                     let segs = segs.clone();
                     return self.transfer_on_pool(
                         mem_atomic.clone(),
@@ -264,6 +287,7 @@ impl Worker {
             T_DISCARD | T_WRITE_ZEROES if writable => match zero_ranges(mem, &req, geometry.size) {
                 Ok(ranges) => {
                     let discard = req.kind == T_DISCARD;
+                    let write_through = !self.writeback;
                     let log = self.device.log.clone();
                     self.blocking(move |dev| {
                         let code = ranges.iter().try_for_each(|&(offset, len)| {
@@ -282,10 +306,11 @@ impl Worker {
                                 )
                             })
                         });
+                        let ok = code.is_ok() && (!write_through || dev.flush().is_ok());
                         Finished::Answer(Answer::new(
                             head,
                             Some(status),
-                            if code.is_ok() { S_OK } else { S_IOERR },
+                            if ok { S_OK } else { S_IOERR },
                         ))
                     });
                 }
@@ -307,7 +332,7 @@ impl Worker {
         write: bool,
         segs: Vec<Segment>,
     ) {
-        let write_through = !self.device.write_cache.enabled();
+        let write_through = !self.writeback;
         self.blocking(move |dev| {
             let memory = mem.memory();
             let ok = guest_slices(&*memory, &segs).is_some_and(|slices| {
@@ -376,7 +401,7 @@ impl Worker {
     /// Answers `answers` and finished reads and writes. With the write cache off, successful
     /// writes are flushed on the pool first and answered when that comes back.
     fn answer_io(&mut self, mem: &Memory, vring: &Vring, answers: Vec<Answer>, done: Vec<Done>) {
-        let (writes, ready): (Vec<Done>, Vec<Done>) = if self.device.write_cache.enabled() {
+        let (writes, ready): (Vec<Done>, Vec<Done>) = if self.writeback {
             (Vec::new(), done)
         } else {
             done.into_iter()
@@ -426,9 +451,16 @@ impl Worker {
         }
     }
 
-    /// Finishes every request in flight, answering the driver where the queue is known.
-    pub fn drain(&mut self, mem: &Mem) {
+    /// Finishes every request in flight. `answer`: tell the driver, which is still there; a
+    /// front end that has gone resubmits what it did not see answered (QEMU takes the used
+    /// index as where to start again), so then nothing is written to the ring.
+    pub fn drain(&mut self, mem: &Mem, answer: bool) {
+        let vring = if answer { self.vring.clone() } else { None };
         loop {
+            // Nothing can come back after a moment when nothing is out: the pass below then
+            // answers the rest, unless it hands out a flush of its own.
+            let idle =
+                self.queue.as_ref().is_none_or(|q| q.in_flight() == 0) && self.inbox.pending() == 0;
             let mut done = Vec::new();
             if let Some(q) = &self.queue {
                 q.submit();
@@ -436,14 +468,15 @@ impl Worker {
                     break;
                 }
             }
-            let idle =
-                self.queue.as_ref().is_none_or(|q| q.in_flight() == 0) && self.inbox.pending() == 0;
-            if let Some(vring) = self.vring.clone() {
-                let m = mem.memory();
-                self.answer_io(&m, &vring, Vec::new(), done);
-                self.complete(mem, &vring, false);
+            match &vring {
+                Some(v) => {
+                    let m = mem.memory();
+                    self.answer_io(&m, v, Vec::new(), done);
+                    self.complete(mem, v, false);
+                }
+                None => drop(self.inbox.take()),
             }
-            if idle {
+            if idle && self.inbox.pending() == 0 {
                 break;
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
