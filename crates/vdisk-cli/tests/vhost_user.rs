@@ -169,6 +169,23 @@ fn qemu_img_check(tools: &Tools, image: &Path, allowed: &[i32]) {
     );
 }
 
+/// The guest's view of `image` as QEMU reads it: a raw conversion by qemu-img.
+fn guest_bytes(tools: &Tools, image: &Path) -> Vec<u8> {
+    let raw = image.with_extension("raw");
+    let out = Command::new(&tools.qemu_img)
+        .args(["convert", "-f", "qcow2", "-O", "raw"])
+        .arg(image)
+        .arg(&raw)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::read(&raw).unwrap()
+}
+
 fn new_image(tools: &Tools, dir: &Path, name: &str, size: &str) -> PathBuf {
     let image = dir.join(name);
     let out = Command::new(&tools.qemu_img)
@@ -244,15 +261,7 @@ fn data_through_virtqueues_is_what_qemu_reads() {
     qemu_img_check(&tools, &image, &[0]);
     qemu_io(&tools, &image, &[format!("read -P 0 {} 65536", 17 * MIB)]);
     // The bytes themselves, through QEMU: a raw conversion.
-    let raw = dir.path().join("d.raw");
-    let out = Command::new(&tools.qemu_img)
-        .args(["convert", "-f", "qcow2", "-O", "raw"])
-        .arg(&image)
-        .arg(&raw)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let bytes = std::fs::read(&raw).unwrap();
+    let bytes = guest_bytes(&tools, &image);
     for &(offset, len, seed) in &writes {
         let got = &bytes[offset as usize..offset as usize + len];
         if offset == 17 * MIB {
@@ -295,15 +304,7 @@ fn flushed_and_write_through_writes_survive_sigkill() {
     assert_eq!(write(&ram, q, &slots, 5 * MIB, &pattern(8, 4096)), S_OK);
     served.kill();
     qemu_img_check(&tools, &image, &[0, 3]);
-    let raw = dir.path().join("k.raw");
-    let out = Command::new(&tools.qemu_img)
-        .args(["convert", "-f", "qcow2", "-O", "raw"])
-        .arg(&image)
-        .arg(&raw)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let bytes = std::fs::read(&raw).unwrap();
+    let bytes = guest_bytes(&tools, &image);
     assert!(
         bytes[MIB as usize..MIB as usize + 65536] == pattern(7, 65536),
         "flushed write lost"
@@ -632,15 +633,7 @@ fn a_driver_without_flush_gets_durable_writes() {
     assert_eq!(write(&ram, q, &slots, 2 * MIB, &pattern(4, 8192)), S_OK);
     served.kill();
     qemu_img_check(&tools, &image, &[0, 3]);
-    let raw = dir.path().join("nf.raw");
-    let out = Command::new(&tools.qemu_img)
-        .args(["convert", "-f", "qcow2", "-O", "raw"])
-        .arg(&image)
-        .arg(&raw)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let bytes = std::fs::read(&raw).unwrap();
+    let bytes = guest_bytes(&tools, &image);
     assert!(
         bytes[2 * MIB as usize..2 * MIB as usize + 8192] == pattern(4, 8192),
         "write lost"
