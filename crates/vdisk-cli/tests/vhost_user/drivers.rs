@@ -1,0 +1,289 @@
+//! Drivers that break the rules or use the rarer parts of the device: hostile chains, a
+//! read-only export, guest memory added and removed at run time, a broken available ring.
+
+use super::*;
+
+/// Chains no honest driver makes: each gets an error status (or comes back unanswered when it
+/// has no status byte), and the device goes on serving.
+#[test]
+fn hostile_chains_get_error_statuses() {
+    let Some(tools) = tools() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let image = new_image(&tools, dir.path(), "h.qcow2", "8M");
+    let served = Served::start(&tools, &image, &[]);
+    let (dev, mut queues) = served.connect(1);
+    let ram = dev.ram.clone();
+    let q = &mut queues[0];
+    let slots = Slots::new(q, 1, MIB as u32);
+    let header = |kind: u32, sector: u64| {
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&kind.to_le_bytes());
+        h[8..16].copy_from_slice(&sector.to_le_bytes());
+        h
+    };
+    let at = slots.data(0);
+    let status = at + 4000;
+    let outside = ram.len() as u64 + 4096;
+    let buf = |addr, len, device_writes| Buffer {
+        addr,
+        len,
+        device_writes,
+    };
+    // (what, header, chain, expected status)
+    let cases: Vec<(&str, [u8; 16], Vec<Buffer>, u8)> = vec![
+        (
+            "read past the end",
+            header(T_IN, 8 * MIB / 512 - 1),
+            vec![
+                buf(at, 16, false),
+                buf(at + 512, 1024, true),
+                buf(status, 1, true),
+            ],
+            S_IOERR,
+        ),
+        (
+            "sector overflow",
+            header(T_IN, u64::MAX),
+            vec![
+                buf(at, 16, false),
+                buf(at + 512, 512, true),
+                buf(status, 1, true),
+            ],
+            S_IOERR,
+        ),
+        (
+            "length not whole sectors",
+            header(T_IN, 0),
+            vec![
+                buf(at, 16, false),
+                buf(at + 512, 100, true),
+                buf(status, 1, true),
+            ],
+            S_IOERR,
+        ),
+        (
+            "data outside guest memory",
+            header(1, 0),
+            vec![
+                buf(at, 16, false),
+                buf(outside, 4096, false),
+                buf(status, 1, true),
+            ],
+            S_IOERR,
+        ),
+        (
+            "read into memory outside",
+            header(T_IN, 0),
+            vec![
+                buf(at, 16, false),
+                buf(outside, 4096, true),
+                buf(status, 1, true),
+            ],
+            S_IOERR,
+        ),
+        (
+            "short header",
+            header(T_IN, 0),
+            vec![buf(at, 8, false), buf(status, 1, true)],
+            S_IOERR,
+        ),
+        (
+            "readable after writable",
+            header(T_IN, 0),
+            vec![
+                buf(at, 16, false),
+                buf(at + 512, 512, true),
+                buf(at + 2048, 512, false),
+                buf(status, 1, true),
+            ],
+            S_IOERR,
+        ),
+        (
+            "unknown type",
+            header(99, 0),
+            vec![buf(at, 16, false), buf(status, 1, true)],
+            S_UNSUPP,
+        ),
+        (
+            "huge transfer",
+            header(T_IN, 0),
+            vec![
+                buf(at, 16, false),
+                buf(at + 512, u32::MAX - 1024, true),
+                buf(status, 1, true),
+            ],
+            S_IOERR,
+        ),
+        (
+            "discard with unmap",
+            header(11, 0),
+            vec![
+                buf(at, 16, false),
+                buf(at + 512, 16, false),
+                buf(status, 1, true),
+            ],
+            S_UNSUPP,
+        ),
+        (
+            "write zeroes of a partial segment",
+            header(13, 0),
+            vec![
+                buf(at, 16, false),
+                buf(at + 512, 15, false),
+                buf(status, 1, true),
+            ],
+            S_IOERR,
+        ),
+    ];
+    for (what, h, chain, expected) in cases {
+        ram.write(at, &h);
+        // A discard segment with the unmap flag set; other cases ignore it.
+        let mut seg = [0u8; 16];
+        seg[8..12].copy_from_slice(&8u32.to_le_bytes());
+        seg[12..16].copy_from_slice(&1u32.to_le_bytes());
+        ram.write(at + 512, &seg);
+        ram.write(status, &[0xff]);
+        q.ring.add(&chain).unwrap();
+        finish(&ram, q);
+        let mut got = [0u8; 1];
+        ram.read(status, &mut got);
+        assert_eq!(got[0], expected, "{what}");
+    }
+    // No status byte at all: returned with nothing written.
+    ram.write(at, &header(T_IN, 0));
+    q.ring.add(&[buf(at, 16, false)]).unwrap();
+    assert_eq!(finish(&ram, q), 0);
+    // Still serving.
+    assert_eq!(write(&ram, q, &slots, 0, &pattern(9, 4096)), S_OK);
+    assert!(read(&ram, q, &slots, 0, 4096) == pattern(9, 4096));
+    drop(queues);
+    drop(dev);
+    assert!(served.stop().success());
+    qemu_img_check(&tools, &image, &[0]);
+}
+
+/// A read-only export refuses writes, discards and zeroes with IOERR and says RO.
+#[test]
+fn read_only_export_refuses_writes() {
+    let Some(tools) = tools() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let image = new_image(&tools, dir.path(), "ro.qcow2", "8M");
+    let served = Served::start(&tools, &image, &["--read-only"]);
+    let (dev, mut queues) = served.connect(1);
+    assert_ne!(dev.features & vhost_load::device::BLK_F_RO, 0);
+    assert_eq!(dev.features & vhost_load::device::BLK_F_DISCARD, 0);
+    let ram = dev.ram.clone();
+    let q = &mut queues[0];
+    let slots = Slots::new(q, 1, MIB as u32);
+    assert_eq!(write(&ram, q, &slots, 0, &pattern(1, 4096)), S_IOERR);
+    let zero = Op::Zero {
+        discard: false,
+        unmap: false,
+    };
+    assert_eq!(request(&ram, q, &slots, zero, 0, 4096), S_IOERR);
+    assert_eq!(read(&ram, q, &slots, 0, 4096), vec![0; 4096]);
+}
+
+/// Guest memory added and removed while the device runs (CONFIGURE_MEM_SLOTS, as QEMU does on
+/// memory hotplug): data in an added region moves; once it is removed, a request naming it
+/// gets IOERR and the rest goes on.
+#[test]
+fn memory_regions_come_and_go() {
+    use vhost::vhost_user::VhostUserFrontend;
+    use vhost::VhostUserMemoryRegionInfo;
+    let Some(tools) = tools() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let image = new_image(&tools, dir.path(), "m.qcow2", "8M");
+    let served = Served::start(&tools, &image, &[]);
+    let (mut dev, mut queues) = served.connect(1);
+    let ram = dev.ram.clone();
+    let extra = GuestRam::new(1 << 20).unwrap();
+    let base = 1u64 << 32;
+    let region = VhostUserMemoryRegionInfo {
+        guest_phys_addr: base,
+        memory_size: extra.len() as u64,
+        userspace_addr: extra.host_addr(),
+        mmap_offset: 0,
+        mmap_handle: extra.fd(),
+    };
+    dev.frontend.add_mem_region(&region).expect("ADD_MEM_REG");
+    let q = &mut queues[0];
+    let slots = Slots::new(q, 1, MIB as u32);
+    let header = slots.data(0);
+    let status = header + 512;
+    let chain = |kind: u32, data_writes: bool| {
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&kind.to_le_bytes());
+        h[8..16].copy_from_slice(&8u64.to_le_bytes());
+        ram.write(header, &h);
+        ram.write(status, &[0xff]);
+        [
+            Buffer {
+                addr: header,
+                len: 16,
+                device_writes: false,
+            },
+            Buffer {
+                addr: base + 8192,
+                len: 4096,
+                device_writes: data_writes,
+            },
+            Buffer {
+                addr: status,
+                len: 1,
+                device_writes: true,
+            },
+        ]
+    };
+    let status_byte = |ram: &GuestRam| {
+        let mut b = [0u8; 1];
+        ram.read(status, &mut b);
+        b[0]
+    };
+    extra.write(8192, &pattern(3, 4096));
+    q.ring.add(&chain(1, false)).unwrap();
+    finish(&ram, q);
+    assert_eq!(status_byte(&ram), S_OK, "write from the added region");
+    assert!(read(&ram, q, &slots, 4096, 4096) == pattern(3, 4096));
+    extra.fill(8192, 4096, 0);
+    q.ring.add(&chain(T_IN, true)).unwrap();
+    finish(&ram, q);
+    assert_eq!(status_byte(&ram), S_OK, "read into the added region");
+    let mut got = vec![0u8; 4096];
+    extra.read(8192, &mut got);
+    assert!(got == pattern(3, 4096));
+    dev.frontend
+        .remove_mem_region(&region)
+        .expect("REM_MEM_REG");
+    q.ring.add(&chain(T_IN, true)).unwrap();
+    finish(&ram, q);
+    assert_eq!(status_byte(&ram), S_IOERR, "read into a removed region");
+    assert!(read(&ram, q, &slots, 4096, 4096) == pattern(3, 4096));
+}
+
+/// With EVENT_IDX, an available index the ring cannot hold (further ahead than its size) must
+/// not leave the worker looping: SIGTERM still drains and stops the server at once.
+#[test]
+fn a_broken_available_ring_does_not_hang_the_server() {
+    let Some(tools) = tools() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let image = new_image(&tools, dir.path(), "b.qcow2", "8M");
+    let served = Served::start(&tools, &image, &[]);
+    let mut setup = Setup::new(1, 64, 8 * (4096 + MIB));
+    setup.event_idx = true;
+    let (dev, mut queues) = served.connect_with(setup);
+    assert_ne!(dev.features & vhost_load::device::F_EVENT_IDX, 0);
+    let q = &mut queues[0];
+    dev.ram.store_u16(
+        q.ring.avail + 2,
+        3 * q.ring.size(),
+        std::sync::atomic::Ordering::Release,
+    );
+    q.kick().unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let status = served.stop_within(Duration::from_secs(5));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "SIGTERM: {status:?} within 5 s"
+    );
+}
