@@ -287,3 +287,87 @@ fn a_broken_available_ring_does_not_hang_the_server() {
         "SIGTERM: {status:?} within 5 s"
     );
 }
+
+/// The front end stopping a ring (GET_VRING_BASE, as QEMU does on a guest reset) while
+/// writes are in flight: the answer comes only once every request the device took is in the
+/// used ring, so the base it returns covers exactly what was answered, and nothing lands in
+/// guest memory afterwards. The ring then starts again from that base.
+#[test]
+fn a_stopped_ring_first_answers_what_it_took() {
+    use std::sync::atomic::Ordering;
+    use vhost::VhostBackend;
+    let Some(tools) = tools() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let image = new_image(&tools, dir.path(), "s.qcow2", "128M");
+    // O_DIRECT: the writes take long enough to be in flight when the ring stops.
+    let served = Served::start(&tools, &image, &["--cache", "none", "--aio", "native"]);
+    const N: u16 = 32;
+    let (mut dev, mut queues) =
+        served.connect_with(Setup::new(1, 128, u64::from(N) * (4096 + MIB)));
+    let ram = dev.ram.clone();
+    let q = &mut queues[0];
+    let slots = Slots::new(q, N, MIB as u32);
+    for slot in 0..N {
+        ram.write(slots.data(slot), &pattern(slot as u8, MIB as usize));
+        slots
+            .add(
+                &ram,
+                q,
+                slot,
+                Op::Write,
+                u64::from(slot) * MIB / 512,
+                MIB as u32,
+            )
+            .unwrap();
+    }
+    q.ring.publish();
+    q.kick().unwrap();
+    std::thread::sleep(Duration::from_millis(2));
+    let base = dev.frontend.get_vring_base(0).expect("GET_VRING_BASE");
+    let used = ram.load_u16(q.ring.used + 2, Ordering::Acquire);
+    assert_eq!(
+        u32::from(used),
+        base,
+        "the device took {base} requests but had answered {used} when the ring stopped"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        ram.load_u16(q.ring.used + 2, Ordering::Acquire),
+        used,
+        "the used ring moved after the ring stopped"
+    );
+    let answered = (0..N).filter(|&s| slots.status(&ram, s) != 0xff).count();
+    assert_eq!(answered, used as usize, "status bytes written");
+
+    // Started again from the base (as QEMU does after a reset, with the same ring here): the
+    // requests the device had not taken are taken now.
+    let fe = &mut dev.frontend;
+    fe.set_vring_base(0, base as u16).expect("SET_VRING_BASE");
+    fe.set_vring_call(0, &q.call).expect("SET_VRING_CALL");
+    fe.set_vring_kick(0, &q.kick).expect("SET_VRING_KICK");
+    q.kick().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while ram.load_u16(q.ring.used + 2, Ordering::Acquire) != N {
+        assert!(
+            Instant::now() < deadline,
+            "the restarted ring did not answer"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!((0..N).all(|s| slots.status(&ram, s) == S_OK));
+    drop(dev);
+    assert!(
+        served
+            .stop_within(Duration::from_secs(10))
+            .is_some_and(|s| s.success()),
+        "SIGTERM after the front end left"
+    );
+    let bytes = guest_bytes(&tools, &image);
+    for slot in 0..N {
+        let at = usize::from(slot) * MIB as usize;
+        assert!(
+            bytes[at..at + MIB as usize] == pattern(slot as u8, MIB as usize)[..],
+            "write {slot} is not in the image"
+        );
+    }
+}

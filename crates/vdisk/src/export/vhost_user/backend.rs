@@ -15,14 +15,16 @@ use vmm_sys_util::event::{
 
 use super::config::{self, BLK_F_CONFIG_WCE};
 use super::offload::Offload;
-use super::worker::{Mem, Vring, Worker, MAX_QUEUE_SIZE};
+use super::vring::Vring;
+use super::worker::{Mem, Worker, MAX_QUEUE_SIZE};
 use super::Device;
 use crate::export::log::{log, Level};
 
 /// The crate's handle on one connection's device.
 pub(super) struct BlkBackend {
-    /// One per virtqueue, each used by its thread (and by [`BlkBackend::drain`]).
-    workers: Vec<Mutex<Worker>>,
+    /// One per virtqueue, each used by its thread (and by [`BlkBackend::drain`], and by its
+    /// ring's stop hook).
+    workers: Vec<Arc<Mutex<Worker>>>,
     device: Arc<Device>,
     mem: Mem,
     event_idx: AtomicBool,
@@ -42,7 +44,7 @@ pub(super) enum Source {
 impl BlkBackend {
     pub fn new(device: Arc<Device>, offload: Arc<Offload>) -> std::io::Result<BlkBackend> {
         let workers = (0..device.geometry.num_queues)
-            .map(|_| Worker::new(device.clone(), offload.clone()).map(Mutex::new))
+            .map(|_| Worker::new(device.clone(), offload.clone()).map(|w| Arc::new(Mutex::new(w))))
             .collect::<std::io::Result<_>>()?;
         Ok(BlkBackend {
             workers,
@@ -191,6 +193,9 @@ impl VhostUserBackend for BlkBackend {
         }
         if w.vring.is_none() {
             w.vring = Some(vring.clone());
+            // The front end stopping the ring (GET_VRING_BASE) first hears every answer.
+            let (worker, mem) = (worker.clone(), self.mem.clone());
+            vring.on_stop(move || lock(&worker).drain(&mem, true));
         }
         w.writeback = self.writeback();
         let event = u64::from(device_event);

@@ -19,6 +19,7 @@ mod backend;
 mod config;
 mod offload;
 mod request;
+mod vring;
 mod worker;
 
 use std::io;

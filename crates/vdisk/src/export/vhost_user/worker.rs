@@ -14,13 +14,14 @@
 
 use std::sync::Arc;
 
-use vhost_user_backend::{VringRwLock, VringT};
+use vhost_user_backend::VringT;
 use virtio_queue::QueueOwnedT;
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 
 use super::config::SECTOR;
 use super::offload::{Inbox, Offload};
 use super::request::*;
+use super::vring::Vring;
 use super::Device;
 use crate::blockdev::BlockDev;
 use crate::export::log::{log, Level};
@@ -29,7 +30,6 @@ use crate::io::{Completion, Declined, Dir, IoQueue};
 
 pub(super) type Memory = GuestMemoryMmap<()>;
 pub(super) type Mem = GuestMemoryAtomic<Memory>;
-pub(super) type Vring = VringRwLock<Mem>;
 
 /// Descriptors a queue may hold (the driver chooses up to this).
 pub(super) const MAX_QUEUE_SIZE: usize = 1024;
@@ -137,6 +137,10 @@ impl Worker {
 
     /// Takes every request the driver made available.
     pub fn take_requests(&mut self, mem_atomic: &Mem, vring: &Vring, event_idx: bool) {
+        // A kick that raced the front end stopping the ring.
+        if !vring.ready() {
+            return;
+        }
         let mem = mem_atomic.memory();
         let mut answers = Vec::new();
         let mut pass = 0;
