@@ -23,10 +23,12 @@
 //! | `vm/fresh.rs`   | scenario 1: fresh qcow2s, mkfs, I/O of every kind, a reboot      |
 //! | `vm/overlay.rs` | scenario 2: an overlay on a backing file made by qemu-img        |
 //! | `vm/sigkill.rs` | scenario 3: vdisk killed after a guest sync, restarted           |
+//! | `vm/peer.rs`    | scenario 4: scenario 1's workload on qemu-storage-daemon too     |
 //!
 //! Every scenario is written once, for a [`disk::Transport`], and run over each transport
 //! `vdisk serve` offers: NBD (QEMU's virtio-blk device on its NBD client) and vhost-user-blk
-//! (vdisk is the virtio-blk device).
+//! (vdisk is the virtio-blk device). Scenario 4 runs scenario 1's workload over vhost-user-blk
+//! on qemu-storage-daemon as well, the peer vdisk is compared with.
 
 #[path = "vm/cpio.rs"]
 mod cpio;
@@ -44,6 +46,8 @@ mod kit;
 mod overlay;
 #[path = "vm/pattern.rs"]
 mod pattern;
+#[path = "vm/peer.rs"]
+mod peer;
 #[path = "vm/peers.rs"]
 mod peers;
 #[path = "vm/sigkill.rs"]
@@ -102,4 +106,9 @@ fn sigkill_after_a_guest_sync_over_nbd() {
 #[test]
 fn sigkill_after_a_guest_sync_over_vhost_user_blk() {
     sigkill::sigkill_after_sync(VHOST_USER_BLK);
+}
+
+#[test]
+fn the_same_guest_workload_on_qemu_storage_daemon() {
+    peer::against_qemu_storage_daemon();
 }

@@ -1,11 +1,14 @@
 //! A guest's disk: an image that a `vdisk serve` process exports, and the QEMU arguments that
-//! attach it, for each transport vdisk serves (so every scenario runs over each of them).
+//! attach it, for each transport vdisk serves (so every scenario runs over each of them). The
+//! same disk can be served by qemu-storage-daemon instead, the peer vdisk is compared with.
 
 use std::ffi::OsString;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use super::peers::Peers;
 
 /// How QEMU reaches the disks of a run.
 #[derive(Clone, Copy, Debug)]
@@ -93,10 +96,29 @@ impl Disk {
     }
 }
 
+/// The program that serves a disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Server {
+    Vdisk,
+    /// `qemu-storage-daemon` with the qcow2 driver on a file node and a vhost-user-blk
+    /// export: QEMU's own way of serving a disk to a VM from another process.
+    QemuStorageDaemon,
+}
+
+impl Server {
+    pub fn name(self) -> &'static str {
+        match self {
+            Server::Vdisk => "vdisk serve",
+            Server::QemuStorageDaemon => "qemu-storage-daemon",
+        }
+    }
+}
+
 /// An image to export, and everything needed to (re)start the server that exports it.
 #[derive(Clone, Debug)]
 pub struct Export {
     pub name: String,
+    pub server: Server,
     pub image: PathBuf,
     /// The virtual size, which the guest checks its disk against.
     pub size: u64,
@@ -111,6 +133,7 @@ impl Export {
     pub fn new(dir: &Path, name: &str, image: &Path, size: u64, transport: Transport) -> Export {
         Export {
             name: name.to_string(),
+            server: Server::Vdisk,
             image: image.to_path_buf(),
             size,
             disk: Disk::new(transport, dir.join(format!("{name}.sock"))),
@@ -118,19 +141,62 @@ impl Export {
         }
     }
 
-    /// Starts `vdisk serve -f qcow2 IMAGE` and waits until it listens (its pid file appears).
-    /// A restart after a kill reuses the socket path the killed server left behind.
-    pub fn serve(&self, vdisk: &Path) -> Served {
+    /// The same export, served by `server`.
+    pub fn served_by(mut self, server: Server) -> Export {
+        self.server = server;
+        self
+    }
+
+    /// The command that serves the image and writes `pid_file` once it listens.
+    fn command(&self, peers: &Peers, pid_file: &Path) -> Command {
+        match (self.server, &self.disk) {
+            (Server::Vdisk, _) => {
+                let mut cmd = Command::new(&peers.vdisk);
+                cmd.arg("serve")
+                    .args(["-f", "qcow2"])
+                    .arg(&self.image)
+                    .args(self.disk.serve_args())
+                    .arg("--pid-file")
+                    .arg(pid_file);
+                cmd
+            }
+            (Server::QemuStorageDaemon, Disk::VhostUserBlk { socket, num_queues }) => {
+                let mut cmd = Command::new(&peers.qemu_storage_daemon);
+                // QEMU's option syntax doubles a comma inside a value.
+                let image = self.image.display().to_string().replace(',', ",,");
+                let socket = socket.display().to_string().replace(',', ",,");
+                // discard=unmap: QEMU ignores the guest's discards otherwise.
+                cmd.arg("--blockdev")
+                    .arg(format!(
+                        "driver=file,node-name=file,filename={image},discard=unmap"
+                    ))
+                    .args([
+                        "--blockdev",
+                        "driver=qcow2,node-name=fmt,file=file,discard=unmap",
+                    ])
+                    .arg("--export")
+                    .arg(format!(
+                        "type=vhost-user-blk,id=exp,node-name=fmt,addr.type=unix,\
+                         addr.path={socket},writable=on,num-queues={num_queues}"
+                    ))
+                    .arg("--pidfile")
+                    .arg(pid_file);
+                cmd
+            }
+            (Server::QemuStorageDaemon, Disk::Nbd { .. }) => {
+                unreachable!("the VM tests compare with qemu-storage-daemon over vhost-user-blk")
+            }
+        }
+    }
+
+    /// Starts the server and waits until it listens (its pid file appears). A restart after a
+    /// kill reuses the socket path the killed server left behind.
+    pub fn serve(&self, peers: &Peers) -> Served {
         let pid_file = self.dir.join(format!("{}.pid", self.name));
         let log = self.dir.join(format!("{}.log", self.name));
         let _ = fs::remove_file(&pid_file);
-        let child = Command::new(vdisk)
-            .arg("serve")
-            .args(["-f", "qcow2"])
-            .arg(&self.image)
-            .args(self.disk.serve_args())
-            .arg("--pid-file")
-            .arg(&pid_file)
+        let child = self
+            .command(peers, &pid_file)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             // Appended to, so that a restarted server's log follows the killed one's.
@@ -142,7 +208,7 @@ impl Export {
                     .unwrap(),
             )
             .spawn()
-            .expect("starting vdisk serve");
+            .unwrap_or_else(|e| panic!("starting {}: {e}", self.server.name()));
         let mut s = Served {
             child: Some(child),
             export: self.clone(),
@@ -153,14 +219,16 @@ impl Export {
         while !s.pid_file.exists() {
             if let Some(status) = s.child.as_mut().unwrap().try_wait().unwrap() {
                 panic!(
-                    "vdisk serve {} exited early ({status}):\n{}",
+                    "{} {} exited early ({status}):\n{}",
+                    self.server.name(),
                     self.name,
                     s.log()
                 );
             }
             assert!(
                 Instant::now() < deadline,
-                "vdisk serve {} did not start:\n{}",
+                "{} {} did not start:\n{}",
+                self.server.name(),
                 self.name,
                 s.log()
             );
@@ -170,7 +238,7 @@ impl Export {
     }
 }
 
-/// A `vdisk serve` process exporting one image; killed if still running when dropped.
+/// A server process exporting one image; killed if still running when dropped.
 pub struct Served {
     child: Option<Child>,
     pub export: Export,
@@ -186,6 +254,7 @@ impl Served {
     /// What a guest's failure report says about this server (see [`Watch`]).
     pub fn watch(&self) -> Watch {
         Watch {
+            server: self.export.server,
             name: self.export.name.clone(),
             pid: self.child.as_ref().map_or(0, |c| c.id()),
             pid_file: self.pid_file.clone(),
@@ -207,7 +276,8 @@ impl Served {
                 let _ = child.kill();
                 let _ = child.wait();
                 panic!(
-                    "vdisk serve did not stop within 60 s of SIGTERM:\n{}",
+                    "{} did not stop within 60 s of SIGTERM:\n{}",
+                    self.export.server.name(),
                     self.log()
                 );
             }
@@ -215,19 +285,21 @@ impl Served {
         };
         assert!(
             status.success(),
-            "vdisk serve exited with {status}:\n{}",
+            "{} exited with {status}:\n{}",
+            self.export.server.name(),
             self.log()
         );
         assert!(
             !self.pid_file.exists(),
-            "vdisk serve left its pid file behind"
+            "{} left its pid file behind",
+            self.export.server.name()
         );
     }
 
     /// SIGKILL: the server dies with whatever it had not written yet.
     pub fn kill(mut self) {
         let mut child = self.child.take().expect("running");
-        child.kill().expect("SIGKILL to vdisk serve");
+        child.kill().expect("SIGKILL to the server");
         child.wait().unwrap();
     }
 }
@@ -246,6 +318,7 @@ impl Drop for Served {
 /// what it logged.
 #[derive(Clone, Debug)]
 pub struct Watch {
+    server: Server,
     name: String,
     pid: u32,
     pid_file: PathBuf,
@@ -260,7 +333,7 @@ impl Watch {
             Some('Z') | None => "has exited",
             Some(_) => "is running",
         };
-        // vdisk serve removes its pid file when it exits clean (SIGTERM, SIGINT).
+        // Both servers remove their pid file when they exit clean (SIGTERM, SIGINT).
         let pid_file = if self.pid_file.exists() {
             "present"
         } else {
@@ -270,7 +343,8 @@ impl Watch {
         let from = log.lines().count().saturating_sub(20);
         let tail: Vec<&str> = log.lines().skip(from).collect();
         format!(
-            "vdisk serve {} (pid {}) {state}, pid file {pid_file}; its log ends:\n{}\n",
+            "{} {} (pid {}) {state}, pid file {pid_file}; its log ends:\n{}\n",
+            self.server.name(),
             self.name,
             self.pid,
             tail.join("\n")

@@ -4,13 +4,15 @@
 //! file's space. A second boot on the same servers reads it all back; after SIGTERM the host
 //! checks both images and reads the files and the raw disk back itself.
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::disk::{Export, Transport};
-use crate::guest::{Script, Vm};
+use crate::disk::{Export, Served, Server, Transport};
+use crate::guest::{Console, Script, Vm};
 use crate::host::{data_bytes, expect_contents, map, qemu_img_check, to_raw, Ext4, CLEAN};
 use crate::kit::{kit, run};
 use crate::pattern::{Fill, Layout};
+use crate::peers::Peers;
 use crate::{scratch, KIB, MIB};
 
 const FS_SIZE: u64 = 256 * MIB;
@@ -53,28 +55,59 @@ fn files() -> Vec<(&'static str, Layout, bool)> {
 /// Written, synced, deleted and trimmed: fstrim must hand back at least this much.
 const SCRATCH: u64 = 32 * MIB;
 
-pub fn fresh_qcow2(transport: Transport) {
-    let Some(kit) = kit() else { return };
-    let p = &kit.peers;
-    let dir = scratch("fresh");
-    let d = dir.path();
-    let (fs_img, dev_img) = (d.join("fs.qcow2"), d.join("dev.qcow2"));
-    for (img, size) in [(&fs_img, FS_SIZE), (&dev_img, DEV_SIZE)] {
-        run(Command::new(&p.vdisk)
-            .args(["create", "-q", "-f", "qcow2"])
-            .arg(img)
-            .arg(size.to_string()));
-    }
-    let fs = Export::new(d, "fs", &fs_img, FS_SIZE, transport).serve(&p.vdisk);
-    let dev = Export::new(d, "dev", &dev_img, DEV_SIZE, transport).serve(&p.vdisk);
+/// The two disks of the scenario, made by `vdisk create` in `d`, exported over `transport` by
+/// `server`: the ext4 disk (vda) and the raw device (vdb).
+pub struct Disks {
+    pub fs_img: PathBuf,
+    pub dev_img: PathBuf,
+    pub fs: Served,
+    pub dev: Served,
+}
 
-    let written = device_writes();
-    let mut after = written.clone();
+impl Disks {
+    pub fn serve(p: &Peers, d: &Path, transport: Transport, server: Server) -> Disks {
+        let (fs_img, dev_img) = (d.join("fs.qcow2"), d.join("dev.qcow2"));
+        for (img, size) in [(&fs_img, FS_SIZE), (&dev_img, DEV_SIZE)] {
+            run(Command::new(&p.vdisk)
+                .args(["create", "-q", "-f", "qcow2"])
+                .arg(img)
+                .arg(size.to_string()));
+        }
+        let export = |name, img: &Path, size| {
+            Export::new(d, name, img, size, transport)
+                .served_by(server)
+                .serve(p)
+        };
+        Disks {
+            fs: export("fs", &fs_img, FS_SIZE),
+            dev: export("dev", &dev_img, DEV_SIZE),
+            fs_img,
+            dev_img,
+        }
+    }
+
+    /// Stops both servers (SIGTERM: each must exit clean) and hands back the images: the ext4
+    /// disk's, then the raw device's.
+    pub fn stop(self) -> (PathBuf, PathBuf) {
+        self.fs.stop();
+        self.dev.stop();
+        (self.fs_img, self.dev_img)
+    }
+}
+
+/// What the raw disk holds after the first boot.
+fn dev_after() -> Layout {
+    let mut after = device_writes();
     after.put(DISCARD.0, DISCARD.1, Fill::Zero);
     after.put(ZEROOUT.0, ZEROOUT.1, Fill::Zero);
+    after
+}
 
-    let mut first = Script::new();
-    first
+/// The first boot's workload (also what `vm/peer.rs` runs against qemu-storage-daemon): I/O
+/// of every kind on the raw disk, then ext4 with files, a deleted file trimmed, all checked.
+pub fn workload(script: &mut Script) {
+    let written = device_writes();
+    script
         .write_layout("dev", "/dev/vdb", &written, true)
         .check_layout("dev", "written", "/dev/vdb", &written, true)
         .step(
@@ -85,14 +118,14 @@ pub fn fresh_qcow2(transport: Transport) {
             "zeroout",
             &format!("vmio zeroout /dev/vdb {} {}", ZEROOUT.0, ZEROOUT.1),
         )
-        .check_layout("dev", "zeroed", "/dev/vdb", &after, true)
+        .check_layout("dev", "zeroed", "/dev/vdb", &dev_after(), true)
         .step("mkfs", "/sbin/mke2fs -q -t ext4 /dev/vda")
         .step("mount", "mount -t ext4 /dev/vda /mnt")
         .step("mkdir", "mkdir /mnt/dir");
     for (i, (path, layout, direct)) in files().iter().enumerate() {
-        first.write_layout(&format!("f{i}"), &format!("/mnt{path}"), layout, *direct);
+        script.write_layout(&format!("f{i}"), &format!("/mnt{path}"), layout, *direct);
     }
-    first
+    script
         .step("sync", "sync")
         .step("scratch", &format!("vmio write /mnt/scratch 9 0 {SCRATCH}"))
         .step("scratch-sync", "sync")
@@ -100,11 +133,13 @@ pub fn fresh_qcow2(transport: Transport) {
         .step("scratch-rm-sync", "sync")
         .value("fstrim", "fstrim -v /mnt");
     for (i, (path, layout, _)) in files().iter().enumerate() {
-        first.check_file(&format!("f{i}"), "c", &format!("/mnt{path}"), layout, false);
+        script.check_file(&format!("f{i}"), "c", &format!("/mnt{path}"), layout, false);
     }
-    first.step("umount", "umount /mnt");
-    let console = Vm::boot(kit, d, "boot1", &[&fs, &dev], &first).finish();
-    console.expect(&first);
+    script.step("umount", "umount /mnt");
+}
+
+/// The workload's own result: fstrim handed back at least the scratch file.
+pub fn expect_trimmed(console: &Console) {
     // busybox: "/mnt: 245760000 bytes trimmed"
     let trimmed = console.value("fstrim");
     let bytes: u64 = trimmed
@@ -116,12 +151,52 @@ pub fn fresh_qcow2(transport: Transport) {
         bytes >= SCRATCH,
         "fstrim trimmed {bytes} bytes, less than the scratch file"
     );
+}
+
+/// After the servers stopped: both images clean, the discarded range unmapped, the raw disk's
+/// and the files' contents read back on the host, the scratch file's clusters freed.
+pub fn expect_images(p: &Peers, fs_img: &Path, dev_img: &Path) {
+    qemu_img_check(p, fs_img, CLEAN);
+    qemu_img_check(p, dev_img, CLEAN);
+    let discarded = data_bytes(&map(p, dev_img), DISCARD.0, DISCARD.1);
+    assert_eq!(
+        discarded, 0,
+        "the discarded range still holds {discarded} bytes of data"
+    );
+    expect_contents(&to_raw(p, dev_img), &dev_after());
+    // fstrim reached the image: the scratch file's clusters are gone again (the files, the
+    // journal and the rest of ext4's metadata come to less than the scratch file alone).
+    let fs_data = data_bytes(&map(p, fs_img), 0, FS_SIZE);
+    assert!(
+        fs_data < SCRATCH,
+        "fs.qcow2 holds {fs_data} bytes of data after fstrim: the trim did not free the \
+         {SCRATCH}-byte scratch file"
+    );
+    let ext4 = Ext4::checked(p, &to_raw(p, fs_img));
+    for (path, layout, _) in files() {
+        ext4.expect_file(path, &layout);
+    }
+    assert!(ext4.read("/scratch").is_none(), "/scratch survived its rm");
+}
+
+pub fn fresh_qcow2(transport: Transport) {
+    let Some(kit) = kit() else { return };
+    let p = &kit.peers;
+    let dir = scratch("fresh");
+    let d = dir.path();
+    let disks = Disks::serve(p, d, transport, Server::Vdisk);
+
+    let mut first = Script::new();
+    workload(&mut first);
+    let console = Vm::boot(kit, d, "boot1", &[&disks.fs, &disks.dev], &first).finish();
+    console.expect(&first);
+    expect_trimmed(&console);
 
     // The second boot, on the same servers: what the first wrote, read from vdisk, not from
     // the first guest's page cache.
     let mut second = Script::new();
     second
-        .check_layout("dev", "c", "/dev/vdb", &after, true)
+        .check_layout("dev", "c", "/dev/vdb", &dev_after(), true)
         .step("mount", "mount -t ext4 /dev/vda /mnt");
     for (i, (path, layout, direct)) in files().iter().enumerate() {
         second.check_file(
@@ -135,31 +210,10 @@ pub fn fresh_qcow2(transport: Transport) {
     second
         .step("scratch-gone", "test ! -e /mnt/scratch")
         .step("umount", "umount /mnt");
-    Vm::boot(kit, d, "boot2", &[&fs, &dev], &second)
+    Vm::boot(kit, d, "boot2", &[&disks.fs, &disks.dev], &second)
         .finish()
         .expect(&second);
 
-    fs.stop();
-    dev.stop();
-    qemu_img_check(p, &fs_img, CLEAN);
-    qemu_img_check(p, &dev_img, CLEAN);
-    let discarded = data_bytes(&map(p, &dev_img), DISCARD.0, DISCARD.1);
-    assert_eq!(
-        discarded, 0,
-        "the discarded range still holds {discarded} bytes of data"
-    );
-    expect_contents(&to_raw(p, &dev_img), &after);
-    // fstrim reached the image: the scratch file's clusters are gone again (the files, the
-    // journal and the rest of ext4's metadata come to less than the scratch file alone).
-    let fs_data = data_bytes(&map(p, &fs_img), 0, FS_SIZE);
-    assert!(
-        fs_data < SCRATCH,
-        "fs.qcow2 holds {fs_data} bytes of data after fstrim: the trim did not free the \
-         {SCRATCH}-byte scratch file"
-    );
-    let ext4 = Ext4::checked(p, &to_raw(p, &fs_img));
-    for (path, layout, _) in files() {
-        ext4.expect_file(path, &layout);
-    }
-    assert!(ext4.read("/scratch").is_none(), "/scratch survived its rm");
+    let (fs_img, dev_img) = disks.stop();
+    expect_images(p, &fs_img, &dev_img);
 }

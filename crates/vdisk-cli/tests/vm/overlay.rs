@@ -73,7 +73,7 @@ pub fn overlay_on_backing(transport: Transport) {
             "base.qcow2",
         ])
         .arg(&overlay));
-    let served = Export::new(d, "overlay", &overlay, SIZE, transport).serve(&p.vdisk);
+    let served = Export::new(d, "overlay", &overlay, SIZE, transport).serve(p);
 
     // Before the guest writes anything, the whole disk reads as the backing file: O_DIRECT,
     // so through the overlay's unallocated clusters into base.qcow2.

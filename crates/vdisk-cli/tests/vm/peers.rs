@@ -12,6 +12,8 @@ pub struct Peers {
     pub vdisk: PathBuf,
     pub qemu_system: PathBuf,
     pub qemu_img: PathBuf,
+    /// The peer vdisk's vhost-user-blk export is compared with (`vm/peer.rs`).
+    pub qemu_storage_daemon: PathBuf,
     /// Compiles the guest's `vmio` helper (static, against glibc's libc.a).
     pub cc: PathBuf,
     /// Static, the guest's shell and userland.
@@ -96,6 +98,7 @@ pub fn peers() -> Option<Peers> {
         vdisk: PathBuf::from(env!("CARGO_BIN_EXE_vdisk")),
         qemu_system: get("qemu-system-x86_64", version),
         qemu_img: get("qemu-img", version),
+        qemu_storage_daemon: get("qemu-storage-daemon", version),
         cc: get("cc", version),
         busybox: get("busybox", None),
         apt_cache: get("apt-cache", version),

@@ -47,7 +47,7 @@ pub fn sigkill_after_sync(transport: Transport) {
         .arg(&img)
         .arg(SIZE.to_string()));
     let export = Export::new(d, "disk", &img, SIZE, transport);
-    let served = export.serve(&p.vdisk);
+    let served = export.serve(p);
 
     let mut first = Script::new();
     first
@@ -68,7 +68,7 @@ pub fn sigkill_after_sync(transport: Transport) {
     vm.kill();
     qemu_img_check(p, &img, CLEAN_OR_LEAKS);
 
-    let served = export.serve(&p.vdisk);
+    let served = export.serve(p);
     let mut second = Script::new();
     second.step("mount", "mount -t ext4 /dev/vda /mnt");
     for (i, (path, layout, direct)) in synced().iter().enumerate() {
