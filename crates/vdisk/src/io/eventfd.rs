@@ -63,4 +63,18 @@ impl EventFd {
         // SAFETY: reads at most 8 bytes into a live array of 8; non-blocking.
         unsafe { libc::read(self.fd(), count.as_mut_ptr().cast(), 8) };
     }
+
+    /// Resets the counter if it is above zero, without waiting, on a blocking eventfd too.
+    /// For its only reader: another reader between the poll and the read would block it.
+    pub fn clear(&self) {
+        let mut p = libc::pollfd {
+            fd: self.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: polls one descriptor described by a live pollfd, without waiting.
+        if unsafe { libc::poll(&mut p, 1, 0) } == 1 {
+            self.drain();
+        }
+    }
 }

@@ -402,6 +402,15 @@ impl<'d, B: IoBuf, T: Send> IoQueue<'d, B, T> {
         Ok(())
     }
 
+    /// [`IoQueue::complete`] for the one caller that reads the eventfd, from an event loop
+    /// that saw it fire: resets it first, without waiting, so that a completion after the reap
+    /// fires it again and one reaped now does not wake the loop a second time. (After
+    /// [`IoQueue::wait`] reset it meanwhile, [`IoQueue::wait`] would block.)
+    pub fn complete_signalled(&self, out: &mut Vec<Completion<B, T>>) -> io::Result<()> {
+        self.kernel.events().clear();
+        self.complete(out)
+    }
+
     /// Wakes a caller blocked in [`IoQueue::wait`].
     pub fn wake(&self) {
         self.kernel.events().signal();

@@ -17,6 +17,7 @@
 
 mod backend;
 mod config;
+mod data;
 mod offload;
 mod request;
 mod vring;

@@ -19,14 +19,15 @@ use virtio_queue::QueueOwnedT;
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 
 use super::config::SECTOR;
+use super::data::Data;
 use super::offload::{Inbox, Offload};
 use super::request::*;
 use super::vring::Vring;
 use super::Device;
 use crate::blockdev::BlockDev;
 use crate::export::log::{log, Level};
-use crate::io::pool::{Buf, Pool};
-use crate::io::{Completion, Declined, Dir, IoQueue};
+use crate::io::pool::Pool;
+use crate::io::{Completion, Declined, Dir, IoBuf, IoQueue};
 
 pub(super) type Memory = GuestMemoryMmap<()>;
 pub(super) type Mem = GuestMemoryAtomic<Memory>;
@@ -53,7 +54,7 @@ pub(super) struct Pending {
     write: bool,
 }
 
-type Done = Completion<Buf, Pending>;
+type Done = Completion<Data, Pending>;
 
 /// A request answered: its status, and the bytes the device wrote into its chain.
 pub(super) struct Answer {
@@ -85,7 +86,7 @@ pub(super) enum Finished {
 
 pub(super) struct Worker {
     /// Declared before `device`: its requests borrow the disk.
-    queue: Option<IoQueue<'static, Buf, Pending>>,
+    queue: Option<IoQueue<'static, Data, Pending>>,
     device: Arc<Device>,
     offload: Arc<Offload>,
     pub inbox: Arc<Inbox<Finished>>,
@@ -232,22 +233,37 @@ impl Worker {
                 if write && !writable {
                     return answers.push(refuse(S_IOERR));
                 }
-                if len > POOL_OVER {
-                    let segs = segs.clone();
-                    return self.transfer_on_pool(
-                        mem_atomic.clone(),
-                        head,
-                        status,
-                        offset,
-                        write,
-                        segs,
-                    );
-                }
-                let mut buf = self.pool.take(len as usize);
-                if write && read_segments(mem, segs, &mut buf).is_err() {
-                    return answers.push(refuse(S_IOERR));
-                }
-                let room = if write { Vec::new() } else { req.room };
+                let in_place = (len <= POOL_OVER)
+                    .then(|| Data::in_place(mem_atomic, segs))
+                    .flatten();
+                let buf = match in_place {
+                    Some(data) => data,
+                    None if len > POOL_OVER => {
+                        let segs = segs.clone();
+                        return self.transfer_on_pool(
+                            mem_atomic.clone(),
+                            head,
+                            status,
+                            offset,
+                            write,
+                            segs,
+                        );
+                    }
+                    None => {
+                        let mut buf = self.pool.take(len as usize);
+                        if write && read_segments(mem, segs, &mut buf).is_err() {
+                            return answers.push(refuse(S_IOERR));
+                        }
+                        Data::Ours(buf)
+                    }
+                };
+                // A read into a buffer of ours is copied out to these when it is done.
+                let copied = matches!(buf, Data::Ours(_));
+                let room = if !write && copied {
+                    req.room
+                } else {
+                    Vec::new()
+                };
                 let ctx = Pending {
                     head,
                     status,
@@ -262,9 +278,9 @@ impl Worker {
                 if let Some(Declined { mut buf, ctx }) = declined {
                     self.blocking(move |dev| {
                         let result = if write {
-                            dev.write(offset, &buf)
+                            dev.write(offset, buf.bytes())
                         } else {
-                            dev.read(offset, &mut buf)
+                            dev.read(offset, buf.bytes_mut())
                         };
                         Finished::Io(Completion { ctx, buf, result })
                     });
@@ -372,7 +388,7 @@ impl Worker {
         let mut done = Vec::new();
         if let Some(q) = &self.queue {
             let got = if signalled {
-                q.wait(&mut done)
+                q.complete_signalled(&mut done)
             } else {
                 q.complete(&mut done)
             };
@@ -393,7 +409,7 @@ impl Worker {
                     for c in writes {
                         let code = if ok { S_OK } else { S_IOERR };
                         answers.push(Answer::new(c.ctx.head, Some(c.ctx.status), code));
-                        self.pool.put(c.buf);
+                        self.recycle(c.buf);
                     }
                 }
             }
@@ -426,13 +442,17 @@ impl Worker {
         for Completion { ctx, buf, result } in done {
             let mut answer = Answer::new(ctx.head, Some(ctx.status), status_of(result));
             if !ctx.write && answer.code == S_OK {
-                match write_segments(mem, &ctx.room, &buf) {
-                    Ok(()) => answer.len += buf.len() as u32,
+                let copied = match &buf {
+                    Data::Ours(ours) => write_segments(mem, &ctx.room, ours),
+                    Data::Guest { .. } => Ok(()),
+                };
+                match copied {
+                    Ok(()) => answer.len += buf.bytes().len() as u32,
                     Err(_) => answer.code = S_IOERR,
                 }
             }
             answers.push(answer);
-            self.pool.put(buf);
+            self.recycle(buf);
         }
         if answers.is_empty() {
             return;
@@ -452,6 +472,13 @@ impl Worker {
         }
         if vring.needs_notification().unwrap_or(true) {
             let _ = vring.signal_used_queue();
+        }
+    }
+
+    /// Gives a buffer of ours back to the pool.
+    fn recycle(&self, data: Data) {
+        if let Data::Ours(buf) = data {
+            self.pool.put(buf);
         }
     }
 
