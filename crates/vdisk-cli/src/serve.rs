@@ -269,6 +269,7 @@ pub fn run(a: &Args) -> ExitCode {
         vopts.num_queues = a.num_queues;
         vopts.preferred_block = preferred;
         vopts.aio = aio;
+        vopts.direct = a.cache.direct();
         vopts.log = Logger::new(level, stderr_sink());
         vhost_opts.push((eopts.name.clone(), vopts));
         images.push(image.clone());

@@ -208,10 +208,20 @@ fn new_image(tools: &Tools, dir: &Path, name: &str, size: &str) -> PathBuf {
 /// SIGTERM the image is clean and QEMU reads what was written.
 #[test]
 fn data_through_virtqueues_is_what_qemu_reads() {
+    data_through_virtqueues(&[]);
+}
+
+/// The same with O_DIRECT, where transfers of every size move in place in guest memory.
+#[test]
+fn data_through_virtqueues_with_o_direct() {
+    data_through_virtqueues(&["--cache", "none", "--aio", "native"]);
+}
+
+fn data_through_virtqueues(extra: &[&str]) {
     let Some(tools) = tools() else { return };
     let dir = tempfile::tempdir().unwrap();
     let image = new_image(&tools, dir.path(), "d.qcow2", "64M");
-    let served = Served::start(&tools, &image, &["--num-queues", "2"]);
+    let served = Served::start(&tools, &image, &[&["--num-queues", "2"], extra].concat());
     let (dev, mut queues) = served.connect(2);
     assert_eq!(dev.capacity_sectors, 64 * MIB / 512);
     let ram = dev.ram.clone();

@@ -56,6 +56,9 @@ pub struct VhostUserOptions {
     pub preferred_block: u32,
     /// How reads and writes reach the kernel; `None`: blocking calls on the export's threads.
     pub aio: Option<Backend>,
+    /// The image bypasses the page cache (O_DIRECT): the kernel moves a transfer's data
+    /// asynchronously whatever its size, so large ones go on the I/O queue too.
+    pub direct: bool,
     pub log: Logger,
 }
 
@@ -68,6 +71,7 @@ impl VhostUserOptions {
             serial: String::new(),
             preferred_block: 4096,
             aio: Some(Backend::IoUring),
+            direct: false,
             log: Logger::default(),
         }
     }
@@ -84,6 +88,7 @@ struct Device {
     serial: Vec<u8>,
     /// How reads and writes reach the kernel; `None`: blocking calls.
     aio: Option<Backend>,
+    direct: bool,
     io: Arc<IoCounters>,
     /// The driver's write cache setting, which survives its reconnecting.
     write_cache: WriteCache,
@@ -124,6 +129,7 @@ impl VhostUserBlk {
             dev,
             serial: opts.serial.as_bytes().to_vec(),
             aio: opts.aio,
+            direct: opts.direct,
             io: Arc::new(IoCounters::default()),
             write_cache: Default::default(),
             log: opts.log.clone(),

@@ -40,6 +40,8 @@ const MAX_TRANSFER: u64 = 64 << 20;
 /// guest's memory: no buffer of ours, so what a driver asks for costs no memory however large,
 /// and through the page cache the pool's threads copy large transfers side by side where the
 /// worker (whose kernel requests copy on the thread that submits them) would copy them in turn.
+/// With O_DIRECT the kernel moves the data itself, so a large transfer in place in guest
+/// memory goes on the I/O queue instead.
 const POOL_OVER: u64 = 64 << 10;
 /// Bytes of request buffers a queue keeps for reuse: 32 requests of 1 MiB in flight need no
 /// fresh memory.
@@ -233,7 +235,7 @@ impl Worker {
                 if write && !writable {
                     return answers.push(refuse(S_IOERR));
                 }
-                let in_place = (len <= POOL_OVER)
+                let in_place = (len <= POOL_OVER || self.device.direct)
                     .then(|| Data::in_place(mem_atomic, segs))
                     .flatten();
                 let buf = match in_place {
