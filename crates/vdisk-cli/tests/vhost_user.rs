@@ -10,7 +10,7 @@ mod drivers;
 mod fuzz;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::{tools, Tools};
@@ -23,10 +23,11 @@ const MIB: u64 = 1 << 20;
 const S_IOERR: u8 = 1;
 const S_UNSUPP: u8 = 2;
 
-/// A `vdisk serve` process, killed when dropped.
+/// A `vdisk serve` process, killed when dropped (its log printed if the test failed).
 struct Served {
     child: Child,
     socket: PathBuf,
+    log: PathBuf,
 }
 
 impl Served {
@@ -35,6 +36,7 @@ impl Served {
         let _ = std::fs::remove_file(&socket);
         let pid_file = image.with_extension("pid");
         let _ = std::fs::remove_file(&pid_file);
+        let log = image.with_extension("log");
         let child = Command::new(&tools.vdisk)
             .arg("serve")
             .arg(image)
@@ -43,7 +45,7 @@ impl Served {
             .arg("--pid-file")
             .arg(&pid_file)
             .args(extra)
-            .stderr(Stdio::inherit())
+            .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .expect("start vdisk serve");
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -51,7 +53,12 @@ impl Served {
             assert!(Instant::now() < deadline, "vdisk serve did not start");
             std::thread::sleep(Duration::from_millis(20));
         }
-        Served { child, socket }
+        Served { child, socket, log }
+    }
+
+    /// What the server logged so far.
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     fn connect(&self, queues: u16) -> (BlkDevice, Vec<Queue>) {
@@ -98,6 +105,9 @@ impl Drop for Served {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("vdisk serve's log:\n{}", self.log());
+        }
     }
 }
 

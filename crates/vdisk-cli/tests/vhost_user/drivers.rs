@@ -153,6 +153,21 @@ fn hostile_chains_get_error_statuses() {
     ram.write(at, &header(T_IN, 0));
     q.ring.add(&[buf(at, 16, false)]).unwrap();
     assert_eq!(finish(&ram, q), 0);
+    // A driver that repeats a fault does not fill the log: a line a second at most.
+    let start = Instant::now();
+    for _ in 0..2000 {
+        q.ring
+            .add(&[buf(at, 8, false), buf(status, 1, true)])
+            .unwrap();
+        finish(&ram, q);
+    }
+    let lines = served.log().lines().count() as u64;
+    let allowed = 20 + start.elapsed().as_secs() + 1;
+    assert!(
+        lines <= allowed,
+        "{lines} lines of log for 2000 bad requests in {:?}",
+        start.elapsed()
+    );
     // Still serving.
     assert_eq!(write(&ram, q, &slots, 0, &pattern(9, 4096)), S_OK);
     assert!(read(&ram, q, &slots, 0, 4096) == pattern(9, 4096));

@@ -39,7 +39,7 @@ use self::backend::BlkBackend;
 use self::config::{Geometry, WriteCache};
 use self::offload::Offload;
 use crate::blockdev::BlockDev;
-use crate::export::log::{log, Level, Logger};
+use crate::export::log::{log, Level, Logger, Throttle};
 use crate::io::{Backend, IoCounters};
 
 /// How a disk is offered over vhost-user-blk.
@@ -93,6 +93,25 @@ struct Device {
     /// The driver's write cache setting, which survives its reconnecting.
     write_cache: WriteCache,
     log: Logger,
+    /// Warnings a driver (or a failing disk) can repeat without bound.
+    noise: Throttle,
+}
+
+impl Device {
+    /// A warning about something a driver or the disk can repeat without bound: at most a
+    /// line a second, counting those held back.
+    fn warn(&self, what: std::fmt::Arguments) {
+        if !self.log.enabled(Level::Warn) {
+            return;
+        }
+        if let Some(held) = self.noise.admit() {
+            let more = match held {
+                0 => String::new(),
+                n => format!(" ({n} more warnings since the last line)"),
+            };
+            log!(self.log, Level::Warn, "vhost-user-blk: {what}{more}");
+        }
+    }
 }
 
 /// A running vhost-user-blk export (see the module docs).
@@ -133,6 +152,7 @@ impl VhostUserBlk {
             io: Arc::new(IoCounters::default()),
             write_cache: Default::default(),
             log: opts.log.clone(),
+            noise: Throttle::default(),
         });
         let stop = Arc::new(AtomicBool::new(false));
         let current = Arc::new(Mutex::new(None));

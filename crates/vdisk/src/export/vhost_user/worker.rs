@@ -160,11 +160,7 @@ impl Worker {
                     Ok(mut avail) => avail.next(),
                     Err(e) => {
                         broken = true;
-                        log!(
-                            self.device.log,
-                            Level::Warn,
-                            "vhost-user-blk: available ring: {e}"
-                        );
+                        self.device.warn(format_args!("available ring: {e}"));
                         None
                     }
                 };
@@ -175,19 +171,12 @@ impl Worker {
                 match parse(&*mem, descs) {
                     Ok(req) => self.start(mem_atomic, &mem, head, req, &mut answers),
                     Err(Malformed::NoStatus) => {
-                        log!(
-                            self.device.log,
-                            Level::Warn,
-                            "vhost-user-blk: request {head} has no status byte"
-                        );
+                        self.device
+                            .warn(format_args!("request {head} has no status byte"));
                         answers.push(Answer::new(head, None, S_IOERR));
                     }
                     Err(Malformed::Bad { status, why }) => {
-                        log!(
-                            self.device.log,
-                            Level::Warn,
-                            "vhost-user-blk: request {head}: {why}"
-                        );
+                        self.device.warn(format_args!("request {head}: {why}"));
                         answers.push(Answer::new(head, Some(status), S_IOERR));
                     }
                 }
@@ -310,7 +299,7 @@ impl Worker {
                 Ok(ranges) => {
                     let discard = req.kind == T_DISCARD;
                     let write_through = !self.writeback;
-                    let log = self.device.log.clone();
+                    let device = self.device.clone();
                     self.blocking(move |dev| {
                         let code = ranges.iter().try_for_each(|&(offset, len)| {
                             // Zeroes read as zeroes whether or not the driver let us unmap:
@@ -321,11 +310,7 @@ impl Worker {
                                 dev.write_zeroes(offset, len)
                             };
                             done.map_err(|e| {
-                                log!(
-                                    log,
-                                    Level::Warn,
-                                    "vhost-user-blk: zeroing {len} bytes at {offset}: {e}"
-                                )
+                                device.warn(format_args!("zeroing {len} bytes at {offset}: {e}"))
                             })
                         });
                         let ok = code.is_ok() && (!write_through || dev.flush().is_ok());
@@ -465,11 +450,7 @@ impl Worker {
                 let _ = mem.write_obj(a.code, status);
             }
             if let Err(e) = vring.add_used(a.head, a.len) {
-                log!(
-                    self.device.log,
-                    Level::Warn,
-                    "vhost-user-blk: used ring: {e}"
-                );
+                self.device.warn(format_args!("used ring: {e}"));
             }
         }
         if vring.needs_notification().unwrap_or(true) {
