@@ -24,6 +24,7 @@
 //! | `vm/overlay.rs` | scenario 2: an overlay on a backing file made by qemu-img        |
 //! | `vm/sigkill.rs` | scenario 3: vdisk killed after a guest sync, restarted           |
 //! | `vm/peer.rs`    | scenario 4: scenario 1's workload on qemu-storage-daemon too     |
+//! | `vm/reboot.rs`  | scenario 5: a reboot in the VM with writes in flight             |
 //!
 //! Every scenario is written once, for a [`disk::Transport`], and run over each transport
 //! `vdisk serve` offers: NBD (QEMU's virtio-blk device on its NBD client) and vhost-user-blk
@@ -50,6 +51,8 @@ mod pattern;
 mod peer;
 #[path = "vm/peers.rs"]
 mod peers;
+#[path = "vm/reboot.rs"]
+mod reboot;
 #[path = "vm/sigkill.rs"]
 mod sigkill;
 
@@ -111,4 +114,14 @@ fn sigkill_after_a_guest_sync_over_vhost_user_blk() {
 #[test]
 fn the_same_guest_workload_on_qemu_storage_daemon() {
     peer::against_qemu_storage_daemon();
+}
+
+#[test]
+fn reboot_with_writes_in_flight_over_nbd() {
+    reboot::reboot_with_writes_in_flight(Transport::Nbd);
+}
+
+#[test]
+fn reboot_with_writes_in_flight_over_vhost_user_blk() {
+    reboot::reboot_with_writes_in_flight(VHOST_USER_BLK);
 }

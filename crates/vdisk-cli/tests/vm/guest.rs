@@ -28,11 +28,20 @@ const MEMORY_MIB: u32 = 512;
 pub struct Script {
     text: String,
     steps: Vec<String>,
+    /// The guest may reboot: QEMU resets the machine instead of exiting.
+    reboots: bool,
 }
 
 impl Script {
     pub fn new() -> Script {
         Script::default()
+    }
+
+    /// Lets the guest reboot within the run (`reboot -f`); it boots the same initramfs
+    /// again, so the script must tell its boots apart (by what it left on a disk).
+    pub fn rebooting(&mut self) -> &mut Script {
+        self.reboots = true;
+        self
     }
 
     fn named(&mut self, helper: &str, name: &str, command: &str) -> &mut Script {
@@ -134,13 +143,15 @@ impl Vm {
         cmd.args(["-nodefaults", "-machine", &machine, "-cpu", "max"])
             .args(["-smp", &cpus.to_string(), "-m", &memory])
             .args(["-display", "none", "-serial", "stdio"])
-            .arg("-no-reboot")
             .arg("-kernel")
             .arg(&kit.kernel)
             .arg("-initrd")
             .arg(&initrd)
             // panic=-1: a kernel panic reboots, which -no-reboot turns into QEMU exiting.
             .args(["-append", "console=ttyS0 panic=-1 quiet"]);
+        if !script.reboots {
+            cmd.arg("-no-reboot");
+        }
         for (i, d) in disks.iter().enumerate() {
             cmd.args(d.export.disk.qemu_args(i));
         }
