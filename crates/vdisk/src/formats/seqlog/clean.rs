@@ -68,6 +68,7 @@ impl Log {
                 })?;
             t.head.seg_seq[victim as usize] = 0;
             t.head.no_gain[victim as usize] = 0;
+            t.head.trims[victim as usize] = false;
             t.head.free.push_back(victim);
             self.stats.cleaned.fetch_add(1, Relaxed);
             return Ok(true);

@@ -60,6 +60,7 @@ impl CreateOptions {
                 .map_err(|_| Error::invalid("seqlog log has too many segments"))?,
             image_id: 0,
             policy: self.policy,
+            checkpoints: true,
         };
         sb.validate().map_err(Error::invalid)?;
         sb.fits_in_memory().map_err(Error::invalid)?;

@@ -9,6 +9,9 @@ pub const MAGIC: [u8; 8] = *b"VDSEQLOG";
 pub const VERSION: u32 = 1;
 /// Bytes of the superblock that carry fields (the rest of its block is zero).
 pub const SUPER_LEN: usize = 64;
+/// The incompatible feature of images with map checkpoints after the log (an older reader
+/// would not know to keep that area, nor find its checkpoints).
+pub const FEATURE_CHECKPOINTS: u32 = 1;
 /// The batch header's magic.
 const BATCH_MAGIC: [u8; 4] = *b"SLBH";
 /// Bytes of a batch header before its records.
@@ -49,6 +52,8 @@ pub struct Superblock {
     pub image_id: u64,
     /// How the cleaner chooses the segment to clean.
     pub policy: Policy,
+    /// The image keeps checkpoints of its map after the log ([`FEATURE_CHECKPOINTS`]).
+    pub checkpoints: bool,
 }
 
 /// How the cleaner chooses its victim.
@@ -86,7 +91,12 @@ impl Superblock {
         b[20..24].copy_from_slice(&self.segment_blocks.to_le_bytes());
         b[24..32].copy_from_slice(&self.disk_size.to_le_bytes());
         b[32..36].copy_from_slice(&self.segments.to_le_bytes());
-        // 36..40: incompatible features, none yet.
+        let features = if self.checkpoints {
+            FEATURE_CHECKPOINTS
+        } else {
+            0
+        };
+        b[36..40].copy_from_slice(&features.to_le_bytes());
         b[40..48].copy_from_slice(&self.image_id.to_le_bytes());
         b[48] = self.policy as u8;
         let crc = crc32c(0, &b[..SUPER_LEN - 4]);
@@ -109,9 +119,10 @@ impl Superblock {
             return Err(Error::corrupt("seqlog superblock checksum mismatch"));
         }
         let features = u32_at(b, 36);
-        if features != 0 {
+        if features & !FEATURE_CHECKPOINTS != 0 {
             return Err(Error::unsupported(format!(
-                "Unsupported seqlog incompatible features {features:#x}"
+                "Unsupported seqlog incompatible features {:#x}",
+                features & !FEATURE_CHECKPOINTS
             )));
         }
         let s = Superblock {
@@ -125,6 +136,7 @@ impl Superblock {
                 1 => Policy::Greedy,
                 p => return Err(Error::corrupt(format!("unknown seqlog cleaner policy {p}"))),
             },
+            checkpoints: features & FEATURE_CHECKPOINTS != 0,
         };
         s.validate().map_err(Error::corrupt)?;
         s.fits_in_memory().map_err(Error::unsupported)?;
@@ -200,9 +212,26 @@ impl Superblock {
         self.segment_size() + u64::from(block) * u64::from(self.block_size)
     }
 
-    /// The file's length when every segment is written.
+    /// The file's length when every segment (and both checkpoint slots) is written.
     pub fn file_len(&self) -> u64 {
+        self.checkpoint_offset(2)
+    }
+
+    /// Blocks of one checkpoint slot: a header block, then the map's entries, each segment's
+    /// newest sequence number and a bitmap of the segments holding trims.
+    pub fn checkpoint_blocks(&self) -> u64 {
+        if !self.checkpoints {
+            return 0;
+        }
+        let segments = u64::from(self.segments);
+        let body = self.disk_blocks() * 4 + segments * 8 + segments.div_ceil(8);
+        1 + body.div_ceil(u64::from(self.block_size))
+    }
+
+    /// The file offset of checkpoint slot `slot` (0 or 1), right after the log.
+    pub fn checkpoint_offset(&self, slot: u64) -> u64 {
         self.log_offset(self.log_blocks())
+            + slot * self.checkpoint_blocks() * u64::from(self.block_size)
     }
 
     /// Records that fit in one batch header.
@@ -364,6 +393,7 @@ mod tests {
             segments: 40,
             image_id: 0x1234_5678_9abc_def0,
             policy: Policy::Greedy,
+            checkpoints: true,
         }
     }
 

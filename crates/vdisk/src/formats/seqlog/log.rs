@@ -35,6 +35,11 @@ pub(super) struct Head {
     /// Per segment, when the cleaner last found that moving what holds in it would free
     /// nothing (the next sequence number then; 0: never).
     pub no_gain: Vec<u64>,
+    /// Per segment, whether a batch in it holds a trim record (see recover.rs: such a
+    /// segment is not free before the cleaner has said its trims again).
+    pub trims: Vec<bool>,
+    /// The newest checkpoint's sequence number (0: none) and the slot the next one goes to.
+    pub checkpoint: (u64, u64),
 }
 
 /// The streams: guest writes, and the cleaner's moves (kept apart, so that data the cleaner
@@ -58,15 +63,18 @@ pub(super) struct Open {
 pub(super) struct Log {
     pub(super) sb: Superblock,
     pub(super) storage: Arc<dyn Storage>,
-    state: Mutex<Tail>,
+    pub(super) state: Mutex<Tail>,
     /// Held shared by reads from the time they look up the map until their data is read,
     /// and taken exclusively before a cleaned segment is reused.
     pub(super) reuse: RwLock<()>,
-    finished: Condvar,
+    pub(super) finished: Condvar,
     /// Batches written; a flush syncs what was written before it.
     written: AtomicU64,
     /// Batches known durable; held across a sync, so concurrent flushes share one.
     synced: Mutex<u64>,
+    /// A sync no caller heard of failed (a checkpoint's): the next flush fails, because what
+    /// was written before it may not be durable.
+    pub(super) sync_failed: std::sync::atomic::AtomicBool,
     /// Log counters.
     pub stats: LogStats,
 }
@@ -83,6 +91,7 @@ pub(super) struct LogStats {
     /// Segments cleaned, and blocks the cleaner moved.
     pub cleaned: AtomicU64,
     pub moved: AtomicU64,
+    pub checkpoints: AtomicU64,
 }
 
 struct Request {
@@ -103,7 +112,12 @@ pub(super) struct Tail {
     queued: u64,
     finished: u64,
     failed: HashMap<u64, Error>,
-    leading: bool,
+    pub leading: bool,
+    /// Segments opened since the last checkpoint.
+    pub opened_since: u32,
+    /// The slot the next checkpoint goes to, and the newest checkpoint's sequence number.
+    pub checkpoint_slot: u64,
+    pub checkpoint_seq: u64,
 }
 
 /// A batch taken from the queue, to be written.
@@ -118,7 +132,7 @@ struct Batch {
     at: u32,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -139,6 +153,7 @@ pub(super) fn random_u64() -> u64 {
 
 impl Log {
     pub fn new(sb: Superblock, storage: Arc<dyn Storage>, head: Head) -> Log {
+        let (checkpoint_seq, checkpoint_slot) = head.checkpoint;
         Log {
             sb,
             storage,
@@ -153,10 +168,14 @@ impl Log {
                 finished: 0,
                 failed: HashMap::new(),
                 leading: false,
+                opened_since: 0,
+                checkpoint_slot,
+                checkpoint_seq,
             }),
             finished: Condvar::new(),
             written: AtomicU64::new(0),
             synced: Mutex::new(0),
+            sync_failed: Default::default(),
             stats: LogStats::default(),
         }
     }
@@ -190,6 +209,8 @@ impl Log {
             t.leading = true;
             t = self.lead(t, map);
             t.leading = false;
+            // A checkpoint at close may wait for the lead.
+            self.finished.notify_all();
         }
         match t.failed.remove(&ticket) {
             Some(e) => Err(e),
@@ -197,8 +218,12 @@ impl Log {
         }
     }
 
-    /// Writes batches until the queue is empty.
-    fn lead<'a>(&'a self, mut t: MutexGuard<'a, Tail>, map: &Map) -> MutexGuard<'a, Tail> {
+    /// Writes batches until the queue is empty, and a checkpoint when one is due.
+    pub(super) fn lead<'a>(
+        &'a self,
+        mut t: MutexGuard<'a, Tail>,
+        map: &Map,
+    ) -> MutexGuard<'a, Tail> {
         while !t.queue.is_empty() {
             let batch = match self.take_batch(&mut t, map) {
                 Ok(b) => b,
@@ -234,6 +259,10 @@ impl Log {
                 }
             }
             self.finished.notify_all();
+            if self.checkpoint_due(&t) {
+                // One that fails leaves the log to recover from; the next is tried later.
+                t = self.write_checkpoint(t, map).0;
+            }
         }
         t
     }
@@ -306,6 +335,7 @@ impl Log {
             pos: 0,
             nonce: random_u64(),
         });
+        t.opened_since += 1;
     }
 
     /// Gives a batch of `records` with `blocks` data blocks its sequence number and place at
@@ -328,6 +358,9 @@ impl Log {
             records,
         };
         t.head.seg_seq[open.segment as usize] = header.seq;
+        if header.records.iter().any(|r| r.kind == Kind::Trim) {
+            t.head.trims[open.segment as usize] = true;
+        }
         t.head.next_seq += 1;
         if self.sb.log_offset(at) == t.last_end[stream] {
             self.stats.sequential.fetch_add(1, Ordering::Relaxed);
@@ -382,6 +415,12 @@ impl Log {
 
     /// Makes every written batch durable; concurrent callers share one sync.
     pub fn sync(&self) -> Result<()> {
+        if self.sync_failed.swap(false, Ordering::AcqRel) {
+            return Err(Error::Io {
+                context: "an earlier sync of the seqlog log (for a checkpoint) failed".into(),
+                source: io::Error::from_raw_os_error(libc::EIO),
+            });
+        }
         let want = self.written.load(Ordering::Acquire);
         let mut synced = lock(&self.synced);
         if *synced >= want {

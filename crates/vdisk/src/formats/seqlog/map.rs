@@ -20,6 +20,27 @@ impl Map {
         }
     }
 
+    /// The map a checkpoint saved: `entries` (log block + 1, 0 for none, each checked to be
+    /// within the log by the caller).
+    pub fn from_entries(entries: Vec<u32>, segments: u32, segment_blocks: u32) -> Map {
+        let map = Map {
+            entries: entries.into_iter().map(AtomicU32::new).collect(),
+            live: (0..segments).map(|_| AtomicU32::new(0)).collect(),
+            segment_blocks,
+        };
+        for e in &map.entries {
+            if let Some(l) = e.load(Relaxed).checked_sub(1) {
+                map.live[(l / segment_blocks) as usize].fetch_add(1, Relaxed);
+            }
+        }
+        map
+    }
+
+    /// Every entry as it stands (log block + 1, 0 for none), for a checkpoint.
+    pub fn entries(&self) -> Vec<u32> {
+        self.entries.iter().map(|e| e.load(Relaxed)).collect()
+    }
+
     /// The log block holding guest block `block`, if any.
     pub fn get(&self, block: u64) -> Option<u32> {
         self.entries[block as usize].load(Relaxed).checked_sub(1)

@@ -7,6 +7,7 @@
 
 use std::collections::VecDeque;
 
+use super::checkpoint::{self, Checkpoint};
 use super::layout::{BadBatch, BatchHeader, Kind, Record, Superblock};
 use super::log::{apply_batch, Head};
 use super::map::Map;
@@ -25,29 +26,105 @@ pub(super) struct Found {
 pub(super) struct Recovered {
     pub map: Map,
     pub head: Head,
+    /// Batches applied (beyond the checkpoint, if one was read).
     pub batches: u64,
     /// Segments whose chain ended at a damaged batch (a torn write, usually).
     pub torn: u64,
+    /// The sequence number of the checkpoint the open started from.
+    pub checkpoint: Option<u64>,
+}
+
+/// Per segment, what recovery learns: the newest batch's sequence number (0: none) and
+/// whether a batch holds trims.
+struct Segments {
+    seq: Vec<u64>,
+    trims: Vec<bool>,
+}
+
+impl Segments {
+    fn take_chain(&mut self, segment: u32, chain: &[Found]) {
+        let s = segment as usize;
+        self.seq[s] = chain.last().map_or(0, |f| f.seq);
+        let trim = |f: &Found| f.records.iter().any(|r| r.kind == Kind::Trim);
+        self.trims[s] = chain.iter().any(trim);
+    }
 }
 
 pub(super) fn recover(storage: &dyn Storage, sb: &Superblock) -> Result<Recovered> {
+    if let Some((cp, slot)) = checkpoint::load(storage, sb)? {
+        return from_checkpoint(storage, sb, cp, slot);
+    }
+    let mut segs = Segments {
+        seq: vec![0; sb.segments as usize],
+        trims: vec![false; sb.segments as usize],
+    };
     let mut found = Vec::new();
-    let mut free = VecDeque::new();
     let mut torn = 0;
-    let mut seg_seq = vec![0u64; sb.segments as usize];
-    let mut trims = vec![false; sb.segments as usize];
     let mut buf = vec![0u8; sb.segment_size() as usize];
     for segment in 0..sb.segments {
         let (chain, damaged) = read_chain(storage, sb, segment, &mut buf)?;
         torn += u64::from(damaged);
-        match chain.last() {
-            Some(last) => seg_seq[segment as usize] = last.seq,
-            None => free.push_back(segment),
-        }
-        let trim = |f: &Found| f.records.iter().any(|r| r.kind == Kind::Trim);
-        trims[segment as usize] = chain.iter().any(trim);
+        segs.take_chain(segment, &chain);
         found.extend(chain);
     }
+    let map = Map::new(sb.disk_blocks(), sb.segments, sb.segment_blocks);
+    finish(sb, map, found, segs, torn, (0, 0))
+}
+
+/// From the checkpoint `cp` (in slot `slot`): its map, then the batches newer than it, which
+/// only segments opened since (whose first batch is newer) and those open then can hold. A
+/// segment whose first block holds no batch any more was cleaned since: empty.
+fn from_checkpoint(
+    storage: &dyn Storage,
+    sb: &Superblock,
+    cp: Checkpoint,
+    slot: u64,
+) -> Result<Recovered> {
+    let mut segs = Segments {
+        seq: cp.seg_seq,
+        trims: cp.trims,
+    };
+    let mut found = Vec::new();
+    let mut torn = 0;
+    let bs = sb.block_size as usize;
+    let mut first = vec![0u8; bs];
+    let mut buf = vec![0u8; sb.segment_size() as usize];
+    for segment in 0..sb.segments {
+        let offset = sb.log_offset(segment * sb.segment_blocks);
+        storage
+            .read_at(offset, &mut first)
+            .context(|| format!("reading seqlog segment {segment}"))?;
+        let newer = match BatchHeader::decode(&first, sb.image_id, sb.max_records()) {
+            Ok((h, _)) => h.seq > cp.seq || cp.open.contains(&Some(segment)),
+            Err(_) => {
+                segs.take_chain(segment, &[]);
+                continue;
+            }
+        };
+        if newer {
+            let (chain, damaged) = read_chain(storage, sb, segment, &mut buf)?;
+            torn += u64::from(damaged);
+            segs.take_chain(segment, &chain);
+            found.extend(chain.into_iter().filter(|f| f.seq > cp.seq));
+        }
+    }
+    let map = Map::from_entries(cp.entries, sb.segments, sb.segment_blocks);
+    let mut r = finish(sb, map, found, segs, torn, (cp.seq, 1 - slot))?;
+    r.checkpoint = Some(cp.seq);
+    Ok(r)
+}
+
+/// Applies the batches `found` to `map` in sequence order and works out the free segments.
+/// `checkpoint`: the sequence number the map stands at, and the slot the next checkpoint
+/// goes to.
+fn finish(
+    sb: &Superblock,
+    map: Map,
+    mut found: Vec<Found>,
+    mut segs: Segments,
+    torn: u64,
+    checkpoint: (u64, u64),
+) -> Result<Recovered> {
     found.sort_unstable_by_key(|f| f.seq);
     if let Some(w) = found.windows(2).find(|w| w[0].seq == w[1].seq) {
         return Err(Error::corrupt(format!(
@@ -55,30 +132,36 @@ pub(super) fn recover(storage: &dyn Storage, sb: &Superblock) -> Result<Recovere
             w[0].at, w[1].at, w[0].seq
         )));
     }
-    let map = Map::new(sb.disk_blocks(), sb.segments, sb.segment_blocks);
     for f in &found {
         apply_batch(&map, f.at, &f.records);
     }
     // A segment whose batches hold only data that newer batches overrode decides nothing
     // (one the cleaner freed, whose first block did not get zeroed before a crash): free.
+    let mut free = VecDeque::new();
     for segment in 0..sb.segments {
         let s = segment as usize;
-        if seg_seq[s] != 0 && map.live(segment) == 0 && !trims[s] {
-            seg_seq[s] = 0;
+        if segs.seq[s] != 0 && map.live(segment) == 0 && !segs.trims[s] {
+            segs.seq[s] = 0;
+        }
+        if segs.seq[s] == 0 {
+            segs.trims[s] = false;
             free.push_back(segment);
         }
     }
-    let next_seq = found.last().map_or(1, |f| f.seq + 1);
+    let next_seq = found.last().map_or(checkpoint.0, |f| f.seq) + 1;
     Ok(Recovered {
         map,
         head: Head {
             next_seq,
             free,
-            seg_seq,
+            seg_seq: segs.seq,
             no_gain: vec![0; sb.segments as usize],
+            trims: segs.trims,
+            checkpoint,
         },
         batches: found.len() as u64,
         torn,
+        checkpoint: None,
     })
 }
 

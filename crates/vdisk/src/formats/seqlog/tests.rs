@@ -190,3 +190,83 @@ fn hostile_logs_are_refused() {
     disk.read(3 * 4096, &mut buf).unwrap();
     assert_eq!(buf, vec![0; 4096]);
 }
+
+/// Checkpoints bound what an open reads: after a run without close the open starts from the
+/// newest checkpoint and reads only the batches after it; after a close it reads none. A torn
+/// newest checkpoint leaves the older one, and without either the whole log is read: the
+/// same blocks every time.
+#[test]
+fn checkpoints_bound_what_an_open_reads() {
+    let storage = new_image(CreateOptions {
+        segment_size: 32 << 10,
+        ..small()
+    });
+    let disk = Seqlog::open(storage.clone(), false).unwrap();
+    let blocks = disk.log.sb.disk_blocks();
+    let mut want = vec![0u8; blocks as usize];
+    let mut x = 99u64;
+    for i in 0..blocks * 6 {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let b = (x >> 33) % blocks;
+        let v = (i % 250) as u8 + 1;
+        disk.write(b * 4096, &[v; 4096]).unwrap();
+        want[b as usize] = v;
+    }
+    disk.flush().unwrap();
+    let get = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    let (written, checkpoints) = (
+        get(&disk.log.stats.batches),
+        get(&disk.log.stats.checkpoints),
+    );
+    assert!(checkpoints >= 2, "{checkpoints} checkpoints");
+    drop(disk);
+    let sb = Superblock::decode(&{
+        let mut b = [0u8; layout::SUPER_LEN];
+        storage.read_at(0, &mut b).unwrap();
+        b
+    })
+    .unwrap();
+    let expect = |what: &str, from: Option<u64>| {
+        let disk = Seqlog::open(storage.clone(), true).unwrap();
+        assert_eq!(disk.recovered_from.is_some(), from.is_some(), "{what}");
+        if let Some(seq) = from {
+            assert_eq!(disk.recovered_from, Some(seq), "{what}");
+        }
+        for b in 0..blocks {
+            let mut buf = vec![9u8; 4096];
+            disk.read(b * 4096, &mut buf).unwrap();
+            assert_eq!(buf, vec![want[b as usize]; 4096], "{what}: block {b}");
+        }
+        disk.recovered.0
+    };
+    let slot_seq = |slot| {
+        let mut h = [0u8; 24];
+        storage.read_at(sb.checkpoint_offset(slot), &mut h).unwrap();
+        u64::from_le_bytes(h[16..24].try_into().unwrap())
+    };
+    let newest = (0..2).max_by_key(|&s| slot_seq(s)).unwrap();
+    let replayed = expect("no close", Some(slot_seq(newest)));
+    assert!(
+        replayed > 0 && replayed < written,
+        "replayed {replayed} of {written} batches"
+    );
+    Seqlog::open(storage.clone(), false)
+        .unwrap()
+        .close()
+        .unwrap();
+    let newest = (0..2).max_by_key(|&s| slot_seq(s)).unwrap();
+    assert_eq!(expect("closed", Some(slot_seq(newest))), 0);
+    // Torn newest: the older one.
+    let older = slot_seq(1 - newest);
+    storage
+        .write_at(sb.checkpoint_offset(newest) + 4096, &[0xa5; 512])
+        .unwrap();
+    assert!(expect("newest torn", Some(older)) > 0);
+    // Neither: the whole log.
+    storage
+        .write_at(sb.checkpoint_offset(1 - newest) + 4096, &[0xa5; 512])
+        .unwrap();
+    expect("both torn", None);
+}
