@@ -41,9 +41,16 @@ pub(super) struct Checkpoint {
 }
 
 /// Segment openings between two checkpoints: what an open reads at most beyond the newest
-/// checkpoint, bounded for large logs and a fraction of small ones.
+/// checkpoint (a fraction of a small log, at most 64 segments of a large one), and at least
+/// eight times a checkpoint's size, so that checkpoints add at most an eighth to what the
+/// log writes. (A map of a large disk makes that many segments: checkpoints of only the parts
+/// of the map that changed are for later.)
 pub(super) fn interval(sb: &Superblock) -> u32 {
-    (sb.segments / 8).clamp(2, 64)
+    let slot = sb.checkpoint_blocks() * u64::from(sb.block_size);
+    let amortized = (8 * slot).div_ceil(sb.segment_size());
+    (sb.segments / 8)
+        .clamp(2, 64)
+        .max(u32::try_from(amortized).unwrap_or(u32::MAX))
 }
 
 impl Checkpoint {
