@@ -27,6 +27,8 @@
 # sequential write rate (the issue's target: >= 0.9), and reads on seqlog over raw. The list
 # of runs gives each server's CPU time and voluntary context switches (GNU time) and, for
 # seqlog, the batches the run appended (requests per batch: IOPS x runtime / batches).
+# Last, recovery: the seqlog disk written at random, its server killed with SIGKILL, and the
+# time the next open takes (the newest checkpoint, then the batches after it), per GiB mapped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -73,8 +75,9 @@ run_fio() {
         python3 -c 'import json,sys; t=sys.stdin.read(); j=json.loads(t[t.index("{"):])["jobs"][0]; print(round(j["write"]["iops"]+j["read"]["iops"]))'
 }
 
-# The batches in a seqlog image (what an open finds).
-batches() { "$vdisk" info "$work/$1" | awk '/recovered batches/ {print $3}'; }
+# The newest batch's sequence number in a seqlog image (batches appended between two moments
+# are the difference).
+batches() { "$vdisk" info "$work/$1" | awk '/newest batch/ {print $3}'; }
 
 # Serves disk $1 with server $2, runs fio, stops the server. The server's CPU time and
 # voluntary context switches (and for seqlog the batches the run appended) go to $work/extra.
@@ -132,6 +135,24 @@ for ((r = 1; r <= rounds; r++)); do
     done
 done
 
+# Recovery after a crash: the seqlog disk served, written at random for the run's time at
+# depth 32, the server killed (SIGKILL, no close and no checkpoint at close), then the time an
+# open takes (vdisk info opens the image, reading the newest checkpoint and the batches after
+# it).
+rm -f "$sock"
+"$vdisk" serve "$work/disk.seqlog" --nbd "unix:$sock" --cache none --aio native &
+pid=$!
+for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.05; done
+run_fio "nbd+unix:///?socket=$sock" randwrite 32 >/dev/null
+kill -KILL "$pid"; wait "$pid" 2>/dev/null || true
+recovery=$("$vdisk" info "$work/disk.seqlog" | awk -F': ' '
+    /recovery microseconds/ {us = $2} /recovered batches/ {b = $2} /^ *segments/ {n = $2}
+    /recovered from checkpoint/ {cp = $2} /mapped blocks/ {m = $2} /map memory/ {mem = $2}
+    /block size/ {bs = $2}
+    END {gib = m * bs / 2^30; printf "%.1f ms to open after SIGKILL (the checkpoint of batch %s, then %s batches; the first block of each of %s segments read), %.2f GiB mapped, map memory %.2f MiB per GiB mapped",
+        us / 1000, cp, b, n, gib, mem / 2^20 / gib}')
+echo "recovery: $recovery" | tee -a "$log"
+
 median() { tr ' ' '\n' <<<"$1" | grep . | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
 {
@@ -162,6 +183,9 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
                 "$(ratio "$(m seqlog)" "$(m raw)") |"
         done
     done
+    echo
+    echo "Recovery (the last round's seqlog disk, written at random at depth 32 for ${runtime} s,"
+    echo "its server killed with SIGKILL, then opened): $recovery."
     echo
     echo "Every run:"
     echo

@@ -436,6 +436,12 @@ impl Log {
         Ok(())
     }
 
+    /// The sequence number of the newest batch placed (0: none yet): batches appended
+    /// since a moment are the difference.
+    pub fn newest_batch(&self) -> u64 {
+        lock(&self.state).head.next_seq - 1
+    }
+
     /// Segments still free.
     pub fn free_segments(&self) -> usize {
         lock(&self.state).head.free.len()

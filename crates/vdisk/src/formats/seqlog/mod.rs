@@ -300,6 +300,7 @@ impl Driver for Seqlog {
                 ("mapped-blocks", n(self.map.mapped())),
                 ("map-memory", n(self.map.memory() as u64)),
                 ("recovered-batches", n(self.recovered.0)),
+                ("newest-batch", n(self.log.newest_batch())),
                 ("torn-segments", n(self.recovered.1)),
                 (
                     "recovered-from-checkpoint",
