@@ -10,7 +10,7 @@ use vdisk::{open_image, BlockDev, Error, ImageOptions};
 use crate::flags::{bad_cache, ImageFormat, ShowProgress};
 use crate::open::image_format;
 use crate::options::{asks_help, check_option_lists, typed_options, Kind, Value};
-use crate::report::{fail, warn_probed_raw};
+use crate::report::{fail, usage_fail, warn_probed_raw};
 use crate::text::Progress;
 
 #[derive(clap::Args)]
@@ -104,9 +104,7 @@ pub fn run(args: &Args) -> ExitCode {
         return fail(msg, 1);
     }
     if args.options.is_empty() {
-        eprintln!("vdisk: Must specify options (-o)");
-        eprintln!("Try 'vdisk amend --help' for more info");
-        return ExitCode::from(1);
+        return usage_fail("amend", "Must specify options (-o)");
     }
     if let Some(format) = format.filter(|_| asks_help(&args.options)) {
         return option_help(format);

@@ -13,7 +13,7 @@ use vdisk::{open_image, Error, Format};
 use crate::flags::{Described, ForceShare, Output, Quiet, ReadCache};
 use crate::open::metadata_options;
 use crate::qjson::{self, Dict};
-use crate::report::{fail, warn_probed_raw};
+use crate::report::{fail, message, usage_fail, warn_probed_raw};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -49,9 +49,8 @@ pub fn run(a: &Args) -> ExitCode {
             errors: true,
         }),
         Some(other) => {
-            eprintln!("vdisk: --repair (-r) expects 'leaks' or 'all' not '{other}'");
-            eprintln!("Try 'vdisk check --help' for more info");
-            return ExitCode::from(1);
+            let msg = format!("--repair (-r) expects 'leaks' or 'all' not '{other}'");
+            return usage_fail("check", msg);
         }
     };
     if fix.is_some() && force_share {
@@ -138,7 +137,7 @@ fn run_repair(
         Ok(r) => r,
         Err(failed) => {
             if let Some(m) = &failed.message {
-                eprintln!("vdisk: {m}");
+                message(m);
             }
             let reason = error_reason(&failed.error);
             return Err(fail(format!("Check failed: {reason}"), 1));

@@ -7,7 +7,7 @@ use vdisk::{Error, Format};
 use crate::flags::Quiet;
 use crate::new_image::{create, NewImage};
 use crate::options::{asks_help, check_option_lists, parse_options};
-use crate::report::fail;
+use crate::report::{fail, usage_fail};
 use crate::size::cvtnum;
 
 #[derive(clap::Args)]
@@ -69,9 +69,7 @@ fn run_without_file(format: &str, options: &[String]) -> ExitCode {
     if asks_help(options) {
         return option_help(format, false);
     }
-    eprintln!("vdisk: Expecting image file name");
-    eprintln!("Try 'vdisk create --help' for more info");
-    ExitCode::from(1)
+    usage_fail("create", "Expecting image file name")
 }
 
 /// qemu-img refuses a size both as an argument and in `-o`; `convert` does not come here, as

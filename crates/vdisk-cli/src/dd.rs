@@ -2,7 +2,6 @@
 //! `count=`, `skip=`); the output image is created anew, sized as qemu-img sizes it, and every
 //! block is written, zeroes included (no sparseness detection, as in qemu-img).
 
-use std::io::Write as _;
 use std::process::ExitCode;
 
 use vdisk::{open_image, BlockDev, Error, Format, Image, ImageOptions};
@@ -10,7 +9,7 @@ use vdisk::{open_image, BlockDev, Error, Format, Image, ImageOptions};
 use crate::flags::{ForceShare, ImageFormat};
 use crate::new_image::{create, NewImage};
 use crate::open::read_options;
-use crate::report::fail;
+use crate::report::{fail, message};
 use crate::size::cvtnum_in;
 
 #[derive(clap::Args)]
@@ -112,10 +111,7 @@ fn copy(args: &Args, o: &Operands, input: &str, output: &str) -> vdisk::Result<(
     )?;
     let Some(start) = start else {
         // Like dd(1), only a warning: the output stays empty.
-        let _ = writeln!(
-            std::io::stderr(),
-            "vdisk: {input}: cannot skip to specified offset"
-        );
+        message(format!("{input}: cannot skip to specified offset"));
         return target.close();
     };
     let copied = copy_blocks(&source, &target, start, end, bs);

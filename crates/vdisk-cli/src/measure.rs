@@ -13,7 +13,7 @@ use crate::flags::{ForceShare, ImageFormat, Output, Report};
 use crate::open::read_options;
 use crate::options::{check_option_lists, snapshot_param, typed_options, Kind, Value};
 use crate::qjson::{to_pretty, Dict};
-use crate::report::fail;
+use crate::report::{fail, message};
 use crate::size::cvtnum;
 
 #[derive(clap::Args)]
@@ -69,7 +69,7 @@ pub fn run(args: &Args) -> ExitCode {
     let opts = match read_target_options(format, &args.options) {
         Ok(o) => o,
         Err(msg) => {
-            eprintln!("vdisk: {msg}");
+            message(msg);
             return fail(format!("Invalid options for file format '{name}'"), 1);
         }
     };

@@ -9,7 +9,7 @@ use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 
 use crate::flags::{bad_cache, ImageFormat, ShowProgress, WriteCache};
 use crate::open::image_format;
-use crate::report::fail;
+use crate::report::{fail, usage_fail};
 use crate::text::Progress;
 
 #[derive(clap::Args)]
@@ -36,9 +36,10 @@ pub struct Args {
 
 pub fn run(args: &Args) -> ExitCode {
     if args.backing.is_none() && !args.unsafe_ {
-        eprintln!("vdisk: Must specify backing file (-b) or use unsafe mode (-u)");
-        eprintln!("Try 'vdisk rebase --help' for more info");
-        return ExitCode::from(1);
+        return usage_fail(
+            "rebase",
+            "Must specify backing file (-b) or use unsafe mode (-u)",
+        );
     }
     let refused = bad_cache(args.cache.cache.as_deref(), "")
         .or_else(|| bad_cache(args.source_cache.as_deref(), "source "));

@@ -3,15 +3,54 @@
 
 use std::io::Write as _;
 use std::process::ExitCode;
+use std::sync::OnceLock;
 
 use clap::error::ErrorKind;
 use vdisk::{Format, Image};
 
+/// The name the program was run by (argv[0]), as typed: qemu-img's "Try" lines name it so.
+fn invoked_as() -> &'static str {
+    static NAME: OnceLock<String> = OnceLock::new();
+    NAME.get_or_init(|| {
+        std::env::args_os()
+            .next()
+            .map(|a| a.to_string_lossy().into_owned())
+            .filter(|a| !a.is_empty())
+            .unwrap_or_else(|| "vdisk".into())
+    })
+}
+
+/// The last component of argv[0], which begins every message as QEMU's tools begin theirs:
+/// run through a link named `qemu-img`, vdisk says `qemu-img: ...`, as scripts expect.
+pub fn program() -> &'static str {
+    let name = invoked_as();
+    name.rsplit('/')
+        .next()
+        .filter(|n| !n.is_empty())
+        .unwrap_or(name)
+}
+
+/// Prints a message after the program's name, as qemu-img prints its errors and warnings.
+pub fn message(msg: impl std::fmt::Display) {
+    // Not eprintln!, which panics when stderr cannot be written (a file on a full disk).
+    let _ = writeln!(std::io::stderr(), "{}: {msg}", program());
+}
+
 /// Prints an error the way qemu-img does and returns the exit status.
 pub fn fail(msg: impl std::fmt::Display, status: u8) -> ExitCode {
-    // Not eprintln!, which panics when stderr cannot be written (a file on a full disk).
-    let _ = writeln!(std::io::stderr(), "vdisk: {msg}");
+    message(msg);
     ExitCode::from(status)
+}
+
+/// qemu-img's refusal of a command line it parsed: the error, then where `command`'s help is.
+pub fn usage_fail(command: &str, msg: impl std::fmt::Display) -> ExitCode {
+    message(msg);
+    let _ = writeln!(
+        std::io::stderr(),
+        "Try '{} {command} --help' for more info",
+        invoked_as()
+    );
+    ExitCode::from(1)
 }
 
 /// qemu-img's warning when an image it opens for writing was probed as raw.

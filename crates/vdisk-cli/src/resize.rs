@@ -8,7 +8,7 @@ use vdisk::{open_image, BlockDev, ImageOptions};
 
 use crate::flags::{ImageFormat, Quiet};
 use crate::open::image_format;
-use crate::report::{fail, warn_probed_raw};
+use crate::report::{fail, message, warn_probed_raw};
 use crate::size::parse_size;
 
 #[derive(clap::Args)]
@@ -82,7 +82,7 @@ pub fn run(args: &Args) -> ExitCode {
         return fail("Preallocation can only be used for growing images", 1);
     }
     if new < old && !args.shrink {
-        eprintln!("vdisk: Use the --shrink option to perform a shrink operation.");
+        message("Use the --shrink option to perform a shrink operation.");
         return fail(SHRINK_WARNING, 1);
     }
     let result = image

@@ -14,7 +14,7 @@ use vdisk::io::Backend;
 use vdisk::{BlockDev, CacheMode, Format, Image, ImageOptions};
 
 use crate::flags::parse_cache;
-use crate::report::fail;
+use crate::report::{fail, message, program};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -252,14 +252,14 @@ pub fn run(a: &Args) -> ExitCode {
             allocation_depth: image.backing().is_some(),
         };
         if verbose {
-            eprintln!(
-                "vdisk: info: exporting '{}' ({}, {} bytes) as '{}'{}",
+            message(format_args!(
+                "info: exporting '{}' ({}, {} bytes) as '{}'{}",
                 path,
                 image.format().name(),
                 image.size(),
                 eopts.name,
                 if a.read_only { ", read-only" } else { "" }
-            );
+            ));
         }
         let mut vopts = VhostUserOptions::new("");
         vopts.serial = Path::new(path)
@@ -270,7 +270,7 @@ pub fn run(a: &Args) -> ExitCode {
         vopts.preferred_block = preferred;
         vopts.aio = aio;
         vopts.direct = a.cache.direct();
-        vopts.log = Logger::new(level, stderr_sink());
+        vopts.log = Logger::new(level, stderr_sink(program()));
         vhost_opts.push((eopts.name.clone(), vopts));
         images.push(image.clone());
         exports.push(Export::from_image(image, a.cache, eopts));
@@ -295,7 +295,7 @@ pub fn run(a: &Args) -> ExitCode {
             aio,
             ..Limits::default()
         },
-        log: Logger::new(level, stderr_sink()),
+        log: Logger::new(level, stderr_sink(program())),
         handshake_limit: match a.server.handshake_limit {
             0 => None,
             s => Some(Duration::from_secs(s.into())),
@@ -308,7 +308,7 @@ pub fn run(a: &Args) -> ExitCode {
     };
     for addr in &addresses {
         match server.listen(addr) {
-            Ok(bound) if verbose => eprintln!("vdisk: info: listening on {bound}"),
+            Ok(bound) if verbose => message(format_args!("info: listening on {bound}")),
             Ok(_) => {}
             Err(e) => {
                 server.shutdown();
@@ -327,7 +327,7 @@ pub fn run(a: &Args) -> ExitCode {
         let socket = opts.socket.display().to_string();
         match VhostUserBlk::start(a.cache.serve(image), opts) {
             Ok(v) if verbose => {
-                eprintln!("vdisk: info: vhost-user-blk on {socket}");
+                message(format_args!("info: vhost-user-blk on {socket}"));
                 vhost.push(v);
             }
             Ok(v) => vhost.push(v),
@@ -349,7 +349,7 @@ pub fn run(a: &Args) -> ExitCode {
 
     let sig = wait_for_signal(&signals);
     if verbose {
-        eprintln!("vdisk: info: signal {sig}: stopping");
+        message(format_args!("info: signal {sig}: stopping"));
     }
     vhost.into_iter().for_each(VhostUserBlk::shutdown);
     server.shutdown();
@@ -357,7 +357,7 @@ pub fn run(a: &Args) -> ExitCode {
     let mut status = ExitCode::SUCCESS;
     for image in &images {
         if let Err(e) = close(image, a.read_only) {
-            eprintln!("vdisk: closing '{}': {e}", image.filename);
+            message(format_args!("closing '{}': {e}", image.filename));
             status = ExitCode::from(1);
         }
     }

@@ -8,7 +8,7 @@ use vdisk::{open_image, Error, ImageOptions};
 
 use crate::flags::{ForceShare, ImageFormat, Quiet};
 use crate::open::{image_format, metadata_options};
-use crate::report::{fail, warn_probed_raw};
+use crate::report::{fail, usage_fail, warn_probed_raw};
 use crate::text::snapshot_list;
 
 #[derive(clap::Args)]
@@ -47,9 +47,7 @@ pub fn run(a: &Args) -> ExitCode {
         a.list,
     ];
     if actions.iter().filter(|&&a| a).count() > 1 {
-        eprintln!("vdisk: Cannot mix '-l', '-a', '-c', '-d'");
-        eprintln!("Try 'vdisk snapshot --help' for more info");
-        return ExitCode::from(1);
+        return usage_fail("snapshot", "Cannot mix '-l', '-a', '-c', '-d'");
     }
     let action = match (&a.create, &a.apply, &a.delete) {
         (Some(n), _, _) => Action::Create(n),

@@ -302,3 +302,41 @@ fn qemu_img_spellings_read_the_same() {
     }
     f.finish();
 }
+
+/// Run through a link named `qemu-img`, vdisk names itself `qemu-img` in every message, byte for
+/// byte as qemu-img does (scripts and QEMU's iotests match on it); run as `vdisk`, it says
+/// `vdisk`.
+#[test]
+fn messages_name_the_program_as_it_was_run() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "cli-progname");
+    let mut f = Failures::new("cli-progname", &wd);
+    wd.mkdir("bin");
+    std::os::unix::fs::symlink(&tools.vdisk, wd.abs("bin/qemu-img")).expect("symlink");
+    wd.setup_img(&["create", "-q", "-f", "qcow2", "small.img", "1M"]);
+    let refused: &[&[&str]] = &[
+        &["create", "-f", "qcow2"],
+        &["info", "missing.img"],
+        &["rebase", "small.img"],
+        &["resize", "small.img", "512K"],
+    ];
+    for args in refused {
+        let what = args.join(" ");
+        let q = wd.qemu_img(args);
+        let linked = wd.run(&wd.abs("bin/qemu-img"), args);
+        let same = q.code == linked.code && q.stdout == linked.stdout && q.stderr == linked.stderr;
+        if !f.count(same && !q.stderr.is_empty()) {
+            f.add(
+                &what,
+                "as qemu-img",
+                format!("qemu: {q:?}\nvdisk: {linked:?}"),
+            );
+        }
+        let v = wd.vdisk(args);
+        let named = v.stderr.starts_with("vdisk: ") && !v.stderr.contains("qemu-img");
+        if !f.count(named) {
+            f.add(&what, "as vdisk", &v.stderr);
+        }
+    }
+    f.finish();
+}

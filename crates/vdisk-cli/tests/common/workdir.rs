@@ -3,6 +3,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::Write as _;
 use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -31,10 +32,9 @@ impl Outcome {
             .lines()
             .map(|l| match l.strip_prefix("qemu-img: ") {
                 Some(rest) => format!("vdisk: {rest}"),
-                // qemu-img names itself as it was run (its whole path).
-                None => match (l.strip_prefix("Try '"), l.find("qemu-img ")) {
-                    (Some(_), Some(at)) => format!("Try 'vdisk {}", &l[at + 9..]),
-                    _ => l.to_string(),
+                None => match l.strip_prefix("Try 'qemu-img ") {
+                    Some(rest) => format!("Try 'vdisk {rest}"),
+                    None => l.to_string(),
                 },
             })
             .collect()
@@ -91,12 +91,14 @@ impl Workdir {
             || program.display().to_string(),
             |n| n.to_string_lossy().into(),
         );
-        let mut command = name;
+        let mut command = name.clone();
         for a in args {
             command.push(' ');
             command.push_str(&shell_quote(a));
         }
+        // Named as when run from PATH: both tools print argv[0] in their "Try ..." lines.
         let out = Command::new(program)
+            .arg0(&name)
             .args(args)
             .current_dir(self.path())
             .env("LC_ALL", "C")

@@ -81,9 +81,9 @@ impl fmt::Display for Level {
 /// Where log lines go: the level and the line (without a trailing newline).
 pub type Log = Arc<dyn Fn(Level, &str) + Send + Sync>;
 
-/// Writes `vdisk: LEVEL: LINE` to stderr.
-pub fn stderr_sink() -> Log {
-    Arc::new(|level: Level, line: &str| eprintln!("vdisk: {level}: {line}"))
+/// Writes `PROGRAM: LEVEL: LINE` to stderr; `program` is the name the user ran.
+pub fn stderr_sink(program: &'static str) -> Log {
+    Arc::new(move |level: Level, line: &str| eprintln!("{program}: {level}: {line}"))
 }
 
 /// A sink and the most detailed level it takes.
@@ -115,7 +115,7 @@ impl Logger {
 
 impl Default for Logger {
     fn default() -> Logger {
-        Logger::new(Level::Warn, stderr_sink())
+        Logger::new(Level::Warn, stderr_sink("vdisk"))
     }
 }
 
