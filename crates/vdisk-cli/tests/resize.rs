@@ -6,9 +6,10 @@ mod common;
 
 use common::{tools, Failures, Workdir};
 
-/// (format[:create options][+snapshot|+backing], size, resize options, new size); `+snapshot`
-/// takes an internal snapshot after the writes, `+backing` puts the image over a longer backing
-/// file full of data (which must not show through the grown area).
+/// (format[:create options][+snapshot|+backing|+filled], size, resize options, new size);
+/// `+snapshot` takes an internal snapshot after the writes, `+backing` puts the image over a
+/// longer backing file full of data (which must not show through the grown area), `+filled`
+/// writes the whole disk first, 256 KiB at a time (iotest 163).
 const CASES: &[(&str, &str, &[&str], &str)] = &[
     ("qcow2", "10M", &[], "+5M"),
     ("qcow2", "10M", &[], "10G"),
@@ -22,6 +23,25 @@ const CASES: &[(&str, &str, &[&str], &str)] = &[
     ("qcow2", "10M", &["-q"], "+1M"),
     ("qcow2:cluster_size=512", "4M", &[], "100M"),
     ("qcow2:cluster_size=512", "40M", &["--shrink"], "1M"),
+    // Refcount blocks left counting nothing are dropped and the file cut before them (163).
+    (
+        "qcow2:cluster_size=512,refcount_bits=64+filled",
+        "4M",
+        &["--shrink"],
+        "1M",
+    ),
+    (
+        "qcow2:cluster_size=512,refcount_bits=16+filled",
+        "4M",
+        &["--shrink"],
+        "1M",
+    ),
+    (
+        "qcow2:cluster_size=1M,refcount_bits=1+filled",
+        "128M",
+        &["--shrink"],
+        "10M",
+    ),
     // The new L1 table is longer than a refcount block's range.
     ("qcow2:cluster_size=512", "4M", &[], "1G"),
     (
@@ -113,6 +133,10 @@ fn resize_matches_qemu() {
             Some(r) => (r, true),
             None => (*recipe, false),
         };
+        let (recipe, filled) = match recipe.strip_suffix("+filled") {
+            Some(r) => (r, true),
+            None => (recipe, false),
+        };
         let (recipe, backing) = match recipe.strip_suffix("+backing") {
             Some(r) => (r, true),
             None => (recipe, false),
@@ -129,6 +153,19 @@ fn resize_matches_qemu() {
         }
         create.extend(["q.img", size]);
         wd.setup_img(&create);
+        if filled {
+            let bytes = size
+                .trim_end_matches('M')
+                .parse::<u64>()
+                .expect("size in MiB")
+                << 20;
+            let writes: Vec<String> = (0..bytes)
+                .step_by(256 << 10)
+                .map(|at| format!("write -P 0xff {at} 256k"))
+                .collect();
+            let writes: Vec<&str> = writes.iter().map(String::as_str).collect();
+            wd.setup_io("q.img", Some(format), &writes);
+        }
         wd.setup_io(
             "q.img",
             Some(format),

@@ -448,6 +448,61 @@ impl Refcounts {
         self.used_end().max(self.opened_len)
     }
 
+    /// After a shrink, as QEMU's `qcow2_shrink_reftable`: drops from the table every refcount
+    /// block that counts no cluster but itself, so that the file can end before it. Offline,
+    /// under the caller's lock: the table without them is durable before their own clusters
+    /// are freed (a crash in between leaks them, never more).
+    pub fn drop_empty_blocks(&mut self, file: &dyn Storage) -> Result<()> {
+        // What the emptiness is judged on must be on disk first, and so must the blocks the
+        // table written below names.
+        self.write_out(file)?;
+        let (cb, per_block, order) = (self.cluster_bits, self.per_block, self.order);
+        let mut dropped = Vec::new();
+        for b in 0..self.table.len() as u64 {
+            let own = (self.table[b as usize] & !0x1ff) >> cb;
+            let Some(block) = self.block(file, b)? else {
+                continue;
+            };
+            // A block in its own range counts itself: that reference does not keep it.
+            let empty = if own / per_block == b {
+                let i = own % per_block;
+                let count = refcount::get(block, i, order);
+                refcount::set(block, i, order, 0);
+                let empty = block.iter().all(|&x| x == 0);
+                refcount::set(block, i, order, count);
+                empty
+            } else {
+                block.iter().all(|&x| x == 0)
+            };
+            if empty {
+                dropped.push((b, own));
+            }
+        }
+        if dropped.is_empty() {
+            return Ok(());
+        }
+        for &(b, _) in &dropped {
+            self.table[b as usize] = 0;
+            self.blocks.remove(&b);
+            self.dirty_blocks.remove(&b);
+        }
+        let bytes: Vec<u8> = self.table.iter().flat_map(|e| e.to_be_bytes()).collect();
+        let at = self.table_offset;
+        file.write_at(at, &bytes)
+            .context(|| format!("writing the refcount table at {at:#x}"))?;
+        file.sync()
+            .context(|| "syncing the refcount table".into())?;
+        for (_, own) in dropped {
+            // Zero already when it counted itself: its range has no block any more.
+            let r = self.get(file, own)?.saturating_sub(1);
+            self.set(file, own, r)?;
+            if r == 0 {
+                self.guard.freed(own);
+            }
+        }
+        Ok(())
+    }
+
     /// After a shrink: the file may be cut at close right after its last cluster in use, below
     /// its length at the open, as QEMU cuts a shrunk image.
     pub fn cut_after_last_used(&mut self, file: &dyn Storage) -> Result<()> {

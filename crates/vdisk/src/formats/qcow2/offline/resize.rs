@@ -4,10 +4,11 @@
 //! larger table is written to new clusters and made durable before the header points to it
 //! (one header write switches size and table together), and the old table's clusters are freed
 //! only after that. Shrinking drops every cluster past the new end first (committed like any
-//! discard), then lowers the size in the header. A preallocated growth (`--preallocation`)
-//! maps the new clusters before the header names the new size, one committed batch at a time:
-//! a crash or a full disk in between leaves the old size, with the clusters mapped so far
-//! beyond it (consistent, as QEMU leaves them).
+//! discard), then lowers the size in the header, drops the refcount blocks left counting
+//! nothing and lets the close cut the file after its last cluster in use, as QEMU does. A
+//! preallocated growth (`--preallocation`) maps the new clusters before the header names the
+//! new size, one committed batch at a time: a crash or a full disk in between leaves the old
+//! size, with the clusters mapped so far beyond it (consistent, as QEMU leaves them).
 
 use crate::blockdev::BlockDev;
 use crate::error::{Error, IoContext, Result};
@@ -84,9 +85,13 @@ impl Qcow2 {
             }
         }
         if new_size < old_size {
-            // The header no longer maps what was dropped, and its refcounts are durable.
+            // The header no longer maps what was dropped, and its refcounts are durable. As
+            // QEMU, the refcount blocks left empty go, and the file ends at its last cluster
+            // in use (pooled clusters are in use until given back).
             let mut meta = self.lock();
             let refs = meta.refs();
+            refs.release_pool(&*self.file)?;
+            refs.drop_empty_blocks(&*self.file)?;
             refs.cut_after_last_used(&*self.file)?;
         }
         Ok(())
