@@ -13,7 +13,7 @@
 use crate::blockdev::BlockDev;
 use crate::error::{Error, IoContext, Result};
 use crate::formats::prealloc::{preallocate, Preallocation};
-use crate::formats::qcow2::l2::{L2Entry, OFFSET_MASK, OFLAG_COPIED};
+use crate::formats::qcow2::l2::{L2Entry, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
 use crate::formats::qcow2::meta::Meta;
 use crate::formats::qcow2::offset::{Guest, Host};
 use crate::formats::qcow2::Qcow2;
@@ -152,6 +152,19 @@ impl Qcow2 {
     fn map_new_area(&self, from: u64, to: u64, prealloc: Preallocation) -> Result<()> {
         let cs = self.header.cluster_size();
         let cb = self.header.cluster_bits;
+        // As QEMU's falloc and full growth: a partial first cluster moves to a new cluster too,
+        // with what it read before `from`, whatever mapped it, so that its new part takes no
+        // more space when written (a metadata-preallocated cluster is a hole in the file).
+        let head_moves = from % cs != 0
+            && matches!(prealloc, Preallocation::Falloc | Preallocation::Full)
+            && !self.format.external_data;
+        let head_start = from - from % cs;
+        let mut head = Vec::new();
+        if head_moves {
+            head.resize((from - head_start) as usize, 0);
+            self.read(head_start, &mut head)?;
+        }
+        let moves = |g: u64, e: L2Entry| e == L2Entry::default() || (head_moves && g == head_start);
         let batch = ((64 << 20) / cs).max(1) * cs * self.header.l2_entries();
         // Extended L2 subclusters: a raw data file is the disk itself, so all read from it;
         // over a longer backing file all read as zero; else, as QEMU leaves them,
@@ -164,10 +177,10 @@ impl Qcow2 {
             (true, false, false) => 0,
         };
         // A partial first cluster that shows a backing file before `from` keeps showing it.
-        let mut guest = if self.backing.is_some() {
+        let mut guest = if self.backing.is_some() && !head_moves {
             from.next_multiple_of(cs)
         } else {
-            from - from % cs
+            head_start
         };
         while guest < to {
             let end = ((guest / batch + 1) * batch).min(to);
@@ -179,7 +192,7 @@ impl Qcow2 {
                 let mut count = 0;
                 for g in (guest..end).step_by(cs as usize) {
                     let (_, _, e) = self.writable_table(&mut meta, Guest(g))?;
-                    count += u64::from(e == L2Entry::default());
+                    count += u64::from(moves(g, e));
                 }
                 let first = match count {
                     _ if self.format.external_data => 0,
@@ -189,7 +202,7 @@ impl Qcow2 {
                 let mut next = first;
                 for g in (guest..end).step_by(cs as usize) {
                     let (table, index, e) = self.writable_table(&mut meta, Guest(g))?;
-                    if e != L2Entry::default() {
+                    if !moves(g, e) {
                         continue;
                     }
                     let host = if self.format.external_data {
@@ -198,10 +211,26 @@ impl Qcow2 {
                         next << cb
                     };
                     next += 1;
-                    let entry = L2Entry {
+                    let mut entry = L2Entry {
                         word: host | OFLAG_COPIED,
                         bitmap,
                     };
+                    if head_moves && g == head_start {
+                        self.file
+                            .write_at(host, &head)
+                            .context(|| format!("writing the moved cluster at {host:#x}"))?;
+                        // Its data must be durable before the mapping names it.
+                        meta.txn.ordered = true;
+                        meta.pending.remove(&Guest(g));
+                        self.free_entry_later(&mut meta, e);
+                        // As QEMU: the subclusters keep their state (what was compressed is
+                        // now plain data).
+                        entry.bitmap = match e.word & OFLAG_COMPRESSED {
+                            _ if !self.format.extended => 0,
+                            0 => e.bitmap,
+                            _ => 0xffff_ffff,
+                        };
+                    }
                     meta.tables.set_entry(table, index, entry);
                 }
                 guest = end;
