@@ -1,6 +1,7 @@
 //! `vdisk rebase`: give an image another backing file. Safe mode (the default) first copies into
-//! the image every cluster it does not hold itself whose content would change under the new
-//! backing file; `-u` only rewrites the header. `-b ""` removes the backing file.
+//! the image every (sub)cluster it does not hold itself whose content would change under the new
+//! backing file, as qemu-img rebase does (past the old backing file's end it makes them zero);
+//! `-u` only rewrites the header. `-b ""` removes the backing file.
 
 use std::process::ExitCode;
 
@@ -107,49 +108,103 @@ fn rebase(args: &Args) -> vdisk::Result<()> {
     result.and(closed)
 }
 
-/// Copies into `image` every cluster it does not hold itself whose content differs under
-/// `new_backing` (zeroes without one).
+/// qemu-img rebase's buffer: an unallocated region is compared this much at a time.
+const CHUNK: u64 = 2 << 20;
+
+/// Copies into `image` what it does not hold itself and what reads differently under
+/// `new_backing` (zeroes without one), as qemu-img rebase does: runs of (sub)clusters that
+/// differ are written with the data they read before, or, past the end of the old backing
+/// file, made zero (QEMU's write_zeroes, zero clusters where the image has them).
 fn keep_contents(
     image: &vdisk::Image,
     new_backing: Option<&vdisk::Image>,
     progress: bool,
 ) -> vdisk::Result<()> {
     let size = image.size();
-    let cs = image.driver().cluster_size().unwrap_or(65536);
+    let driver = image.driver();
+    // Whole (sub)clusters, so that no write needs copy-on-write.
+    let align = driver.subcluster_size().unwrap_or(65536);
+    let span = status_span(driver.cluster_size().unwrap_or(65536), align, size);
+    let old_end = image.backing().map_or(0, |b| b.size());
     let progress = progress.then(|| Progress::new(size));
-    let mut old = vec![0u8; cs as usize];
-    let mut new = vec![0u8; cs as usize];
-    let mut pos = 0;
-    while pos < size {
-        let st = image.block_status(pos, size - pos)?;
-        if st.depth == 0 && st.present {
-            pos += st.len;
-            continue;
-        }
-        // Whole clusters, so each copy is one allocating write.
-        let end = (pos + st.len).next_multiple_of(cs).min(size);
-        let mut at = pos - pos % cs;
-        while at < end {
-            let n = cs.min(size - at) as usize;
-            image.read(at, &mut old[..n])?;
-            new[..n].fill(0);
+    let mut old = vec![0u8; CHUNK as usize];
+    let mut new = vec![0u8; CHUNK as usize];
+    let mut offset = 0;
+    while offset < size {
+        let most = CHUNK.min(size - offset).min(span - offset % span);
+        let (allocated, n) = allocation_run(image, offset, most)?;
+        if !allocated {
+            let (old, new) = (&mut old[..n as usize], &mut new[..n as usize]);
+            image.read(offset, old)?;
+            new.fill(0);
             // Past the end of the new backing file the overlay reads zeroes.
-            if let Some(b) = new_backing.filter(|b| at < b.size()) {
-                let m = ((b.size() - at) as usize).min(n);
-                b.read(at, &mut new[..m])?;
+            if let Some(b) = new_backing.filter(|b| offset < b.size()) {
+                let m = ((b.size() - offset) as usize).min(new.len());
+                b.read(offset, &mut new[..m])?;
             }
-            if old[..n] != new[..n] {
-                image.write(at, &old[..n])?;
+            let mut old_eof = offset >= old_end;
+            let mut done = 0;
+            while done < old.len() {
+                let (differs, len) = same_run(&old[done..], &new[done..], align as usize);
+                let at = offset + done as u64;
+                if differs && old_eof {
+                    image.write_zeroes(at, len as u64)?;
+                } else if differs {
+                    image.write(at, &old[done..done + len])?;
+                }
+                done += len;
+                old_eof |= offset + done as u64 >= old_end;
             }
-            at += n as u64;
         }
-        pos = end;
+        offset += n;
         if let Some(p) = &progress {
-            p.show(pos);
+            p.show(offset);
         }
     }
     if let Some(p) = progress {
         p.finish();
     }
     Ok(())
+}
+
+/// Where QEMU's block status of a qcow2 image ends an extent: at the end of each slice of L2
+/// entries its cache holds (a whole table, or 4 KiB of entries when its default 32 MiB cache
+/// cannot hold every table). qemu-img rebase compares an extent at a time, and where a run of
+/// differing clusters is cut decides whether its part past the old backing file's end is
+/// written as data or made zero.
+fn status_span(cluster: u64, subcluster: u64, size: u64) -> u64 {
+    let entry = if subcluster < cluster { 16 } else { 8 };
+    let all_tables = (size.div_ceil(cluster) * entry).next_multiple_of(cluster);
+    let slice = match all_tables > 32 << 20 {
+        true => cluster.min(4096),
+        false => cluster,
+    };
+    slice / entry * cluster
+}
+
+/// Whether `image` holds `[offset, ...)` itself, and for how long (at most `max` bytes).
+fn allocation_run(image: &vdisk::Image, offset: u64, max: u64) -> vdisk::Result<(bool, u64)> {
+    let held = |st: &vdisk::BlockStatus| st.depth == 0 && st.present;
+    let first = image.block_status(offset, max)?;
+    let mut len = first.len.min(max);
+    while len < max {
+        let st = image.block_status(offset + len, max - len)?;
+        if held(&st) != held(&first) {
+            break;
+        }
+        len += st.len.min(max - len);
+    }
+    Ok((held(&first), len))
+}
+
+/// QEMU's compare_buffers: whether the first `align` bytes differ, and how far the run of
+/// `align`-sized pieces that differ alike (or are alike) goes.
+fn same_run(a: &[u8], b: &[u8], align: usize) -> (bool, usize) {
+    let piece = |at: usize| a[at..(at + align).min(a.len())] != b[at..(at + align).min(a.len())];
+    let differs = piece(0);
+    let mut len = align.min(a.len());
+    while len < a.len() && piece(len) == differs {
+        len = (len + align).min(a.len());
+    }
+    (differs, len)
 }

@@ -1,6 +1,7 @@
 //! `vdisk commit` and `vdisk rebase` against qemu-img's: the same command on copies of the same
 //! three-layer chain (base <- mid <- top) must print and exit the same, and leave every layer
-//! with the same contents, the same backing file, and passing `qemu-img check`.
+//! with the same contents, the same backing file, and passing `qemu-img check`, and a rebased
+//! image with the same map.
 
 mod common;
 
@@ -143,9 +144,18 @@ fn commit_and_rebase_match_qemu() {
             build_chain(&wd, options);
             let q = wd.qemu_img(command);
             let want = state(&wd);
+            // What a rebase wrote: data, or zero clusters, in the same (sub)clusters.
+            let target = command[command.len() - 1];
+            let rebased = command[0] == "rebase" && q.success();
+            let map = |wd: &Workdir| match rebased {
+                true => wd.map_extents(target, "qcow2"),
+                false => String::new(),
+            };
+            let want_map = map(&wd);
             build_chain(&wd, options);
             let v = wd.vdisk(command);
             failures.same_outcome(&name, "command", &q, &v);
+            failures.same_text(&name, &format!("{target} map"), &want_map, &map(&wd));
             for layer in LAYERS {
                 let check = wd.qemu_img(&["check", layer]);
                 if !failures.count(check.success()) {

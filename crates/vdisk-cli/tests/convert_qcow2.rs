@@ -279,22 +279,7 @@ fn convert_flags_match_qemu() {
         }
         // Guest extents and their kinds; where clusters landed in the file depends on the
         // order in which parallel workers allocated them.
-        let map = |out: &str| {
-            let json = wd
-                .qemu_img(&["map", "-f", fmt, "--output=json", out])
-                .stdout;
-            let mut extents: Vec<(u64, u64, String)> = Vec::new();
-            for e in serde_json::from_str::<Vec<serde_json::Value>>(&json).unwrap() {
-                let kind = format!("{} {} {}", e["depth"], e["zero"], e["data"]);
-                let (start, len) = (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap());
-                match extents.last_mut() {
-                    Some(last) if last.2 == kind && last.0 + last.1 == start => last.1 += len,
-                    _ => extents.push((start, len, kind)),
-                }
-            }
-            format!("{extents:?}")
-        };
-        let (qm, vm) = (map(qo), map(vo));
+        let (qm, vm) = (wd.map_extents(qo, fmt), wd.map_extents(vo, fmt));
         if !failures.count(qm == vm) {
             failures.add(name, "map", format!("qemu:\n{qm}\nvdisk:\n{vm}"));
         }

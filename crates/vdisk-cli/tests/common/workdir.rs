@@ -133,6 +133,30 @@ impl Workdir {
         );
     }
 
+    /// `qemu-img map --output=json` of `image` as guest extents and their kinds, neighbours of
+    /// one kind merged and host offsets left out: where clusters land in the file may differ.
+    pub fn map_extents(&self, image: &str, format: &str) -> String {
+        let out = self.qemu_img(&["map", "--output=json", "-f", format, image]);
+        let entries: Vec<serde_json::Value> = serde_json::from_str(&out.stdout)
+            .unwrap_or_else(|e| panic!("map of {image}: {e}: {}", out.stderr));
+        let mut extents: Vec<(u64, u64, String)> = Vec::new();
+        for e in entries {
+            let (start, length) = (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap());
+            let kind = format!(
+                "depth {} present {} zero {} data {}",
+                e["depth"], e["present"], e["zero"], e["data"]
+            );
+            match extents.last_mut() {
+                Some(last) if last.2 == kind && last.0 + last.1 == start => last.1 += length,
+                _ => extents.push((start, length, kind)),
+            }
+        }
+        extents
+            .iter()
+            .map(|(start, length, kind)| format!("{start:>10} {length:>10} {kind}\n"))
+            .collect()
+    }
+
     /// Runs qemu-io commands on `image` (`format`: `-f`), which must all succeed.
     pub fn setup_io(&self, image: &str, format: Option<&str>, cmds: &[&str]) {
         let mut args: Vec<&str> = Vec::new();

@@ -76,6 +76,12 @@ pub trait Driver: BlockDev {
         self.info().cluster_size
     }
 
+    /// The smallest part of a cluster allocated alone: a subcluster with qcow2's extended L2
+    /// entries, else the cluster.
+    fn subcluster_size(&self) -> Option<u64> {
+        self.cluster_size()
+    }
+
     /// What `vdisk info` shows of the image beyond its sizes and snapshots.
     fn info(&self) -> FormatInfo {
         FormatInfo::default()

@@ -42,6 +42,10 @@ impl Driver for Qcow2 {
         Some(self.header().cluster_size())
     }
 
+    fn subcluster_size(&self) -> Option<u64> {
+        Some(1 << self.format.subcluster_bits())
+    }
+
     fn resize(&mut self, size: u64, prealloc: Preallocation) -> Result<()> {
         Qcow2::resize(self, size, prealloc)
     }
