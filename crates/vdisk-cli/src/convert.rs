@@ -7,7 +7,8 @@
 //! the target as sparse as `qemu-img convert` makes it. Where the target may not read as zero
 //! (an existing one with `-n`, one with a backing file with `-B`) zeroes are written instead of
 //! skipped; with `-B` only what the source's top layer holds is copied, the rest is left to
-//! the backing file. `-S 0` writes every byte, allocating the whole target. Several sources
+//! the backing file, and so is what reads as zero past that file's end (the target reads zero
+//! there). `-S 0` writes every byte, allocating the whole target. Several sources
 //! are copied one after the other into one target, as qemu-img concatenates them.
 
 mod sources;
@@ -21,7 +22,7 @@ use vdisk::bytes::AlignedBuf;
 use vdisk::formats::raw;
 use vdisk::storage::{FileStorage, OpenOptions, Storage};
 use vdisk::Preallocation;
-use vdisk::{open_image, BlockDev, CacheMode, Error, Format, Image, ImageOptions};
+use vdisk::{open_image, BlockDev, BlockStatus, CacheMode, Error, Format, Image, ImageOptions};
 
 use crate::flags::{parse_cache, ForceShare, ShowProgress};
 use crate::new_image::{create, NewImage};
@@ -113,6 +114,7 @@ impl Args {
 }
 
 /// How the copy treats zeroes, and how many workers run it.
+#[derive(Clone, Copy)]
 struct Plan {
     /// Zero runs at least this long are not written as data (0: every byte is written).
     sparse: usize,
@@ -120,6 +122,9 @@ struct Plan {
     zero_init: bool,
     /// Copy only what the source's top layer holds (the target's backing file has the rest).
     top_only: bool,
+    /// Where a new target's backing file ends: past it the target reads zero, and what the
+    /// source reads as zero there is left alone, as qemu-img leaves it.
+    backing_end: Option<u64>,
     workers: usize,
 }
 
@@ -190,6 +195,7 @@ impl Plan {
             sparse: sparse as usize,
             zero_init: (!args.no_create || args.target_is_zero) && !backed,
             top_only: backed,
+            backing_end: None,
             workers,
         })
     }
@@ -320,10 +326,16 @@ fn to_image(source: &Sources, args: &Args, plan: &Plan) -> vdisk::Result<()> {
     if target.size() < source.size() {
         return Err(Error::invalid("output file is smaller than input file"));
     }
+    let plan = Plan {
+        backing_end: (plan.top_only && !args.no_create)
+            .then(|| target.backing().map(|b| b.size()))
+            .flatten(),
+        ..*plan
+    };
     let copied = copy(
         source,
         &Target::Image(&target, args.compress),
-        plan,
+        &plan,
         args.progress.shown(),
     );
     // Closing commits the metadata: always, so that the image is consistent whatever happened.
@@ -411,12 +423,11 @@ fn copy_range(
     }
     let mut pos = start;
     while pos < end {
-        let st = source.block_status(pos, end - pos).map_err(reading(pos))?;
+        let st = status(source, plan, pos, end).map_err(reading(pos))?;
         let len = st.len;
-        if plan.top_only && st.depth > 0 {
-            // Left to the target's backing file. Ranges no layer defines (depth 0, not
-            // present: no backing file, or past its end) read zero and are zeroed, as QEMU
-            // does, since the target's backing file may have data there.
+        if left_to_backing(plan, pos, &st) {
+            // Ranges no layer defines (depth 0, not present: no backing file, or past its
+            // end) read zero, and are zeroed where the target's backing file may have data.
         } else if st.zero && plan.sparse > 0 {
             if !plan.zero_init {
                 zero(target, pos, len).map_err(writing(pos))?;
@@ -447,7 +458,7 @@ fn copy_compressed(
     source.read(start, data).map_err(reading(start))?;
     for (k, cluster) in data.chunks(cs).enumerate() {
         let at = start + (k * cs) as u64;
-        if plan.top_only && !in_top_layer(source, at, cluster.len() as u64)? {
+        if plan.top_only && all_left_to_backing(source, plan, at, cluster.len() as u64)? {
             continue;
         }
         // With `-S 0`, zero clusters are data too, stored compressed like the rest.
@@ -463,20 +474,34 @@ fn copy_compressed(
     Ok(())
 }
 
-/// Whether any part of `[at, at + len)` is defined by the image itself rather than its backing
-/// chain (including ranges that read zero because no backing file covers them).
-fn in_top_layer(source: &Sources, at: u64, len: u64) -> vdisk::Result<bool> {
+/// The source's status at `pos`, at most up to `end` and, as qemu-img splits it, to where the
+/// target's backing file ends.
+fn status(source: &Sources, plan: &Plan, pos: u64, end: u64) -> vdisk::Result<BlockStatus> {
+    let end = match plan.backing_end {
+        Some(b) if pos < b => end.min(b),
+        _ => end,
+    };
+    source.block_status(pos, end - pos)
+}
+
+/// Whether the run `st` at `pos` is left to the target's backing file: with `-B`, what the
+/// source's backing chain holds, and past the target's backing file what reads as zero.
+fn left_to_backing(plan: &Plan, pos: u64, st: &BlockStatus) -> bool {
+    let past_backing = plan.backing_end.is_some_and(|b| pos >= b);
+    plan.top_only && (st.depth > 0 || (st.zero && past_backing))
+}
+
+/// Whether all of `[at, at + len)` is left to the target's backing file.
+fn all_left_to_backing(source: &Sources, plan: &Plan, at: u64, len: u64) -> vdisk::Result<bool> {
     let mut pos = at;
     while pos < at + len {
-        let st = source
-            .block_status(pos, at + len - pos)
-            .map_err(reading(pos))?;
-        if st.depth == 0 {
-            return Ok(true);
+        let st = status(source, plan, pos, at + len).map_err(reading(pos))?;
+        if !left_to_backing(plan, pos, &st) {
+            return Ok(false);
         }
         pos += st.len;
     }
-    Ok(false)
+    Ok(true)
 }
 
 fn write(target: &Target, at: u64, bytes: &[u8]) -> vdisk::Result<()> {

@@ -100,6 +100,20 @@ fn convert_flags_match_qemu() {
     );
     wd.setup_img(&["create", "-q", "-f", "qcow2", "flat.qcow2", "4M"]);
     wd.setup_io("flat.qcow2", Some("qcow2"), &["write -P 3 1M 64k"]);
+    // An overlay larger than its backing file (iotest 122), over L2 tables of 2 MiB each.
+    wd.setup_img(&["create", "-q", "-f", "qcow2", "short.qcow2", "2M"]);
+    wd.setup_io("short.qcow2", Some("qcow2"), &["write -P 4 1984k 64k"]);
+    let grown = ["-o", "cluster_size=4k", "-b", "short.qcow2", "-F", "qcow2"];
+    wd.setup_img(
+        &[
+            &["create", "-q", "-f", "qcow2"],
+            &grown[..],
+            &["grown.qcow2", "8M"],
+        ]
+        .concat(),
+    );
+    let writes = ["write -P 5 5M 64k", "write -z 6M 64k", "write -P 6 1M 4k"];
+    wd.setup_io("grown.qcow2", Some("qcow2"), &writes);
     // (name, source, flags, target kind)
     let cases: &[(&str, &str, &[&str], &str)] = &[
         (
@@ -183,6 +197,47 @@ fn convert_flags_match_qemu() {
             "top.qcow2",
             &["-n", "-O", "raw", "-o", "preallocation=off"],
             "large",
+        ),
+        // Past the end of the target's backing file it reads zero: what the source reads as
+        // zero there is left alone, not zeroed (iotest 122); before it, zeroed.
+        (
+            "grown backing",
+            "grown.qcow2",
+            &["-O", "qcow2", "-B", "short.qcow2", "-F", "qcow2"],
+            "qcow2",
+        ),
+        (
+            "grown backing v2",
+            "grown.qcow2",
+            &[
+                "-O",
+                "qcow2",
+                "-o",
+                "compat=0.10",
+                "-B",
+                "short.qcow2",
+                "-F",
+                "qcow2",
+            ],
+            "qcow2",
+        ),
+        (
+            "grown compressed backing",
+            "grown.qcow2",
+            &["-c", "-O", "qcow2", "-B", "short.qcow2", "-F", "qcow2"],
+            "qcow2",
+        ),
+        (
+            "grown sparse-0 backing",
+            "grown.qcow2",
+            &["-S", "0", "-O", "qcow2", "-B", "short.qcow2", "-F", "qcow2"],
+            "qcow2",
+        ),
+        (
+            "grown longer backing",
+            "grown.qcow2",
+            &["-O", "qcow2", "-B", "base.raw", "-F", "raw"],
+            "qcow2",
         ),
         // `-o backing_file=` is `-B`.
         (
