@@ -4,7 +4,7 @@ use serde_json::Value;
 
 use crate::common::{mixed_content, tools, Failures, Workdir};
 use crate::compare::{run_family, Image};
-use crate::make::{compress, create, io, snapshot};
+use crate::make::{compress, create, edit, io, snapshot};
 
 /// Persistent dirty bitmaps: `info` lists them as QEMU does. vdisk does not keep them up to
 /// date, so its first write marks them in use (QEMU then refuses them for an incremental
@@ -89,6 +89,66 @@ fn persistent_bitmaps() {
             &bitmaps("q.qcow2"),
             &bitmaps("v.qcow2"),
         );
+    }
+    f.finish();
+}
+
+/// Iotest 242: a bitmap directory entry outside QEMU's constraints (a reserved flag, an unknown
+/// type, a granularity or table QEMU does not take) makes QEMU refuse to open the image, for any
+/// command; vdisk refuses it too, in the same words.
+#[test]
+fn bitmaps_qemu_refuses_are_refused() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "bad-bitmaps");
+    let mut f = Failures::new("bad-bitmaps", &wd);
+    // (what, offset in the first directory entry, bytes written there)
+    let damage: &[(&str, u64, &[u8])] = &[
+        ("intact", 0, &[]),
+        ("reserved flag 0x4", 15, &[0x06]),
+        ("reserved flag 1 << 31", 12, &[0x80]),
+        ("in use", 15, &[0x03]),
+        ("unknown type", 16, &[2]),
+        ("granularity 256", 17, &[8]),
+        ("no table", 8, &[0, 0, 0, 0]),
+        ("table too short", 8, &[0, 0, 0, 0]),
+    ];
+    for (what, at, bytes) in damage {
+        let size = if *what == "table too short" {
+            "8G"
+        } else {
+            "4M"
+        };
+        create(&wd, "b.qcow2", "", size);
+        wd.setup_img(&["bitmap", "--add", "-g", "512", "b.qcow2", "bitmap-0"]);
+        let e = edit(&wd, "b.qcow2");
+        let (ext, _, _) = *e
+            .header_extensions()
+            .iter()
+            .find(|x| x.1 == 0x2385_2875)
+            .unwrap();
+        let entry = e.u64_at(ext + 8 + 16);
+        e.write(entry + at, bytes);
+        if *what == "table too short" {
+            // One cluster of bits covers 256 MiB of an 8 GiB disk at 512-byte granularity.
+            e.set_u32(entry + 8, 1);
+        }
+        for command in [
+            &["info"][..],
+            &["info", "--output=json"],
+            &["check"],
+            &["map"],
+        ] {
+            let args = [command, &["b.qcow2"]].concat();
+            let (q, v) = (wd.qemu_img(&args), wd.vdisk(&args));
+            // The damage is what QEMU refuses (not a bitmap in use, which it lists).
+            let refused = q.stderr.contains("doesn't satisfy the constraints");
+            let accepted = ["intact", "in use"].contains(what);
+            if !f.count(refused != accepted) {
+                f.add(what, "qemu-img's verdict", &q.stderr);
+            }
+            f.same_outcome(what, command[0], &q, &v);
+        }
+        wd.remove("b.qcow2");
     }
     f.finish();
 }

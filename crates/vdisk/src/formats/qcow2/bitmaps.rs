@@ -3,7 +3,8 @@
 //! as QEMU does while it has an image open, and clears the mark only after commands that
 //! change no guest data (creating or deleting a snapshot, `rebase -u`), so that QEMU treats
 //! the bitmaps as inconsistent (an incremental backup refuses them) instead of trusting bits
-//! that vdisk's writes did not set. Their clusters stay referenced: `check` finds no leak.
+//! that vdisk's writes did not set. Their clusters stay referenced: `check` finds no leak. A
+//! directory QEMU's open refuses is refused at every open here too (see [`check`]).
 
 use super::header::{Header, AUTOCLEAR_BITMAPS};
 use crate::error::{Error, IoContext, Result};
@@ -17,6 +18,12 @@ const MAX_ENTRY_BYTES: u64 = 1024;
 const ENTRY_HEADER: usize = 24;
 const FLAG_IN_USE: u32 = 1;
 const FLAG_AUTO: u32 = 2;
+/// QEMU's limits on an entry (`check_dir_entry`).
+const MAX_TABLE_ENTRIES: u32 = 0x800_0000;
+const MAX_TABLE_BYTES: u64 = 0x2000_0000;
+const GRANULARITY_BITS: std::ops::RangeInclusive<u8> = 9..=31;
+const MAX_NAME_BYTES: u16 = 1023;
+const DIRTY_TRACKING: u8 = 1;
 
 pub use crate::formats::info::BitmapInfo;
 
@@ -75,6 +82,76 @@ pub fn entries(dir: &[u8], n: u32) -> Option<Vec<std::ops::Range<usize>>> {
         at = end.next_multiple_of(8);
     }
     Some(out)
+}
+
+/// Refuses a directory QEMU's open refuses (`bitmap_list_load`), in its words: an entry that
+/// does not fit, extra data, a count other than the header's, or an entry outside QEMU's
+/// constraints (a reserved flag, a table that cannot hold the bitmap, ...). Every QEMU tool then
+/// refuses the image, and so does vdisk, rather than list or keep bitmaps QEMU would not take.
+pub fn check(file: &dyn Storage, h: &Header) -> Result<()> {
+    let Some(loc) = location(h).filter(|l| l.entries > 0) else {
+        return Ok(());
+    };
+    let file_len = file.len().context(|| "reading the image size".into())?;
+    let dir = loc.read(file, file_len)?;
+    let broken = || Error::corrupt("Broken bitmap directory");
+    let (mut at, mut count) = (0, 0);
+    while at < dir.len() {
+        let e = dir.get(at..at + ENTRY_HEADER).ok_or_else(broken)?;
+        count += 1;
+        if count > loc.entries {
+            return Err(Error::corrupt(
+                "More bitmaps found than specified in header extension",
+            ));
+        }
+        let name_bytes = u16::from_be_bytes([e[18], e[19]]);
+        let extra = u32::from_be_bytes(e[20..24].try_into().expect("4 bytes"));
+        let size =
+            (ENTRY_HEADER as u64 + u64::from(name_bytes) + u64::from(extra)).next_multiple_of(8);
+        if at as u64 + size > dir.len() as u64 {
+            return Err(broken());
+        }
+        if extra != 0 {
+            return Err(Error::unsupported("Bitmap extra data is not supported"));
+        }
+        if !within_constraints(e, h) {
+            let name = &dir[at + ENTRY_HEADER..at + ENTRY_HEADER + usize::from(name_bytes)];
+            return Err(Error::corrupt(format!(
+                "Bitmap '{}' doesn't satisfy the constraints",
+                String::from_utf8_lossy(name)
+            )));
+        }
+        at += size as usize;
+    }
+    if count != loc.entries {
+        return Err(Error::corrupt(
+            "Less bitmaps found than specified in header extension",
+        ));
+    }
+    Ok(())
+}
+
+/// QEMU's `check_dir_entry` on the fixed part `e` of an entry.
+fn within_constraints(e: &[u8], h: &Header) -> bool {
+    let table_offset = u64::from_be_bytes(e[0..8].try_into().expect("8 bytes"));
+    let table_entries = u32::from_be_bytes(e[8..12].try_into().expect("4 bytes"));
+    let flags = u32::from_be_bytes(e[12..16].try_into().expect("4 bytes"));
+    let (kind, granularity_bits) = (e[16], e[17]);
+    let name_bytes = u16::from_be_bytes([e[18], e[19]]);
+    let table_bytes = u64::from(table_entries) * h.cluster_size();
+    let fits = table_entries != 0
+        && table_offset != 0
+        && table_offset % h.cluster_size() == 0
+        && table_entries <= MAX_TABLE_ENTRIES
+        && GRANULARITY_BITS.contains(&granularity_bits)
+        && flags & !(FLAG_IN_USE | FLAG_AUTO) == 0
+        && name_bytes <= MAX_NAME_BYTES
+        && kind == DIRTY_TRACKING
+        && table_bytes <= MAX_TABLE_BYTES;
+    // A bitmap in use may be too short (not saved after a resize); a valid one must cover
+    // the disk (of whole sectors, as QEMU sees it). Within the limits above this cannot
+    // overflow.
+    fits && (flags & FLAG_IN_USE != 0 || h.size & !511 <= (table_bytes * 8) << granularity_bits)
 }
 
 fn invalid_entry() -> Error {

@@ -209,6 +209,7 @@ impl Qcow2 {
         };
         let (snapshots, snapshot_table_bytes) = read_snapshots(&*file, &header)?;
         let mut l1 = read_l1(&*file, &header, header.l1_table_offset, header.l1_size)?;
+        bitmaps::check(&*file, &header)?;
         let mut bitmaps_in_use = Vec::new();
         let refs = if writable {
             write::check_writable(&*file, &header)?;
