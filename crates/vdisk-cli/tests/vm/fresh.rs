@@ -5,12 +5,13 @@
 //! checks both images and reads the files and the raw disk back itself.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use crate::disk::{Export, Served, Server, Transport};
 use crate::guest::{Console, Script, Vm};
-use crate::host::{data_bytes, expect_contents, map, qemu_img_check, to_raw, Ext4, CLEAN};
-use crate::kit::{kit, run};
+use crate::host::{
+    create_qcow2, data_bytes, expect_contents, map, qemu_img_check, to_raw, Ext4, CLEAN,
+};
+use crate::kit::kit;
 use crate::pattern::{Fill, Layout};
 use crate::peers::Peers;
 use crate::{scratch, KIB, MIB};
@@ -68,10 +69,7 @@ impl Disks {
     pub fn serve(p: &Peers, d: &Path, transport: Transport, server: Server) -> Disks {
         let (fs_img, dev_img) = (d.join("fs.qcow2"), d.join("dev.qcow2"));
         for (img, size) in [(&fs_img, FS_SIZE), (&dev_img, DEV_SIZE)] {
-            run(Command::new(&p.vdisk)
-                .args(["create", "-q", "-f", "qcow2"])
-                .arg(img)
-                .arg(size.to_string()));
+            create_qcow2(p, img, size);
         }
         let export = |name, img: &Path, size| {
             Export::new(d, name, img, size, transport)

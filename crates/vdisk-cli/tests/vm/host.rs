@@ -12,6 +12,14 @@ use super::peers::Peers;
 pub const CLEAN: &[i32] = &[0];
 pub const CLEAN_OR_LEAKS: &[i32] = &[0, 3];
 
+/// A fresh qcow2 image of `size` bytes made by `vdisk create`.
+pub fn create_qcow2(peers: &Peers, image: &Path, size: u64) {
+    run(Command::new(&peers.vdisk)
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(image)
+        .arg(size.to_string()));
+}
+
 /// Runs `qemu-img check` and insists on no corruption and an exit code in `allowed`.
 #[track_caller]
 pub fn qemu_img_check(peers: &Peers, image: &Path, allowed: &[i32]) {

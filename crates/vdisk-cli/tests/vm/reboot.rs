@@ -5,12 +5,10 @@
 //! the first wrote and goes on writing; after power-off the image checks clean and holds
 //! exactly that.
 
-use std::process::Command;
-
 use crate::disk::{Export, Transport};
 use crate::guest::{Script, Vm};
-use crate::host::{expect_contents, qemu_img_check, to_raw, CLEAN};
-use crate::kit::{kit, run};
+use crate::host::{create_qcow2, expect_contents, qemu_img_check, to_raw, CLEAN};
+use crate::kit::kit;
 use crate::pattern::{Fill, Layout};
 use crate::{scratch, KIB, MIB};
 
@@ -58,10 +56,7 @@ pub fn reboot_with_writes_in_flight(transport: Transport) {
     let dir = scratch("reboot");
     let d = dir.path();
     let img = d.join("disk.qcow2");
-    run(Command::new(&p.vdisk)
-        .args(["create", "-q", "-f", "qcow2"])
-        .arg(&img)
-        .arg(SIZE.to_string()));
+    create_qcow2(p, &img, SIZE);
     let served = Export::new(d, "disk", &img, SIZE, transport).serve(p);
 
     let mark = format!("/dev/vda {} {} {}", MARK.0, MARK.1, MARK.2);

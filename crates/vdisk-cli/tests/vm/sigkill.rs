@@ -4,13 +4,12 @@
 //! and can write more; `qemu-img check` finds no corruption at any point (leaked clusters, the
 //! price of a crash, are allowed).
 
-use std::process::Command;
 use std::time::Duration;
 
 use crate::disk::{Export, Transport};
 use crate::guest::{Script, Vm};
-use crate::host::{qemu_img_check, to_raw, Ext4, CLEAN_OR_LEAKS};
-use crate::kit::{kit, run};
+use crate::host::{create_qcow2, qemu_img_check, to_raw, Ext4, CLEAN_OR_LEAKS};
+use crate::kit::kit;
 use crate::pattern::Layout;
 use crate::{scratch, KIB, MIB};
 
@@ -42,10 +41,7 @@ pub fn sigkill_after_sync(transport: Transport) {
     let dir = scratch("sigkill");
     let d = dir.path();
     let img = d.join("disk.qcow2");
-    run(Command::new(&p.vdisk)
-        .args(["create", "-q", "-f", "qcow2"])
-        .arg(&img)
-        .arg(SIZE.to_string()));
+    create_qcow2(p, &img, SIZE);
     let export = Export::new(d, "disk", &img, SIZE, transport);
     let served = export.serve(p);
 
