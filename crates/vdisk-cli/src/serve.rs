@@ -9,7 +9,7 @@ use std::time::Duration;
 use vdisk::export::nbd::{
     stderr_sink, Address, Export, ExportOptions, Level, Limits, Logger, Server, ServerOptions,
 };
-use vdisk::export::vhost_user::{VhostUserBlk, VhostUserOptions};
+use vdisk::export::vhost_user::{self, VhostUserBlk, VhostUserOptions};
 use vdisk::io::Backend;
 use vdisk::{BlockDev, CacheMode, Format, Image, ImageOptions};
 
@@ -323,20 +323,28 @@ pub fn run(a: &Args) -> ExitCode {
         }
     }
     let mut vhost = Vec::new();
+    let mut vhost_stats = Vec::new();
     for (image, opts) in vhost_devices {
         let socket = opts.socket.display().to_string();
         match VhostUserBlk::start(a.cache.serve(image), opts) {
-            Ok(v) if verbose => {
-                message(format_args!("info: vhost-user-blk on {socket}"));
+            Ok(v) => {
+                if verbose {
+                    message(format_args!("info: vhost-user-blk on {socket}"));
+                }
+                vhost_stats.push((socket, v.stats()));
                 vhost.push(v);
             }
-            Ok(v) => vhost.push(v),
             Err(e) => {
                 vhost.into_iter().for_each(VhostUserBlk::shutdown);
                 server.shutdown();
                 return fail(format!("cannot serve vhost-user-blk on {socket}: {e}"), 1);
             }
         }
+    }
+    if !vhost_stats.is_empty() {
+        server.add_metrics(Arc::new(move |out: &mut String| {
+            vhost_user::render_metrics(&vhost_stats, out)
+        }));
     }
     if let Some(p) = a.pid_file.as_deref() {
         // Written once the sockets listen, so whoever waits for it can connect right away.

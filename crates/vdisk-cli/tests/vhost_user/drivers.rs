@@ -386,3 +386,56 @@ fn a_stopped_ring_first_answers_what_it_took() {
         );
     }
 }
+
+/// `--stats` serves the export's counters beside the NBD server's: front ends, requests by
+/// type, errors by status, bytes, and the path each transfer took.
+#[test]
+fn stats_count_what_the_driver_did() {
+    let Some(tools) = tools() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let image = new_image(&tools, dir.path(), "st.qcow2", "8M");
+    let stats = format!("unix:{}", dir.path().join("stats.sock").display());
+    let served = Served::start(&tools, &image, &["--stats", &stats]);
+    let (dev, mut queues) = served.connect(1);
+    let ram = dev.ram.clone();
+    let q = &mut queues[0];
+    let slots = Slots::new(q, 1, MIB as u32);
+    assert_eq!(write(&ram, q, &slots, 0, &pattern(1, 4096)), S_OK);
+    assert_eq!(write(&ram, q, &slots, MIB, &pattern(2, MIB as usize)), S_OK);
+    assert!(read(&ram, q, &slots, 0, 4096) == pattern(1, 4096));
+    assert_eq!(request(&ram, q, &slots, Op::Flush, 0, 0), S_OK);
+    // Past the end of the disk.
+    assert_eq!(request(&ram, q, &slots, Op::Read, 8 * MIB, 4096), S_IOERR);
+    let out = Command::new(&tools.vdisk)
+        .args(["stats", &stats])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    let socket = served.socket.display().to_string();
+    let value = |family: &str, label: &str| -> u64 {
+        let want = format!("{family}{{socket=\"{socket}\"{label}}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&want))
+            .unwrap_or_else(|| panic!("no {want} in:\n{text}"))
+            .parse()
+            .unwrap()
+    };
+    let requests = "vdisk_vhost_user_blk_requests_total";
+    assert_eq!(value("vdisk_vhost_user_blk_front_ends", ""), 1);
+    assert_eq!(value(requests, ",type=\"write\""), 2);
+    assert_eq!(value(requests, ",type=\"read\""), 2);
+    assert_eq!(value(requests, ",type=\"flush\""), 1);
+    let errors = "vdisk_vhost_user_blk_request_errors_total";
+    assert_eq!(value(errors, ",status=\"ioerr\""), 1);
+    let bytes = "vdisk_vhost_user_blk_bytes_total";
+    assert_eq!(value(bytes, ",op=\"write\""), 4096 + MIB);
+    assert_eq!(value(bytes, ",op=\"read\""), 4096);
+    let transfers = "vdisk_vhost_user_blk_transfers_total";
+    // The slots' buffers are page-aligned: small transfers move in place, 1 MiB on the pool.
+    assert_eq!(value(transfers, ",path=\"in_place\""), 2);
+    assert_eq!(value(transfers, ",path=\"pool\""), 1);
+    drop(queues);
+    drop(dev);
+    assert!(served.stop().success());
+}

@@ -9,5 +9,6 @@
 //! ```
 
 pub mod log;
+pub mod metrics;
 pub mod nbd;
 pub mod vhost_user;

@@ -3,49 +3,19 @@
 //! images, the storage's operations (syncs, allocations) and the engine's (copy-on-write bytes,
 //! allocations, commits).
 
-use std::fmt::Write as _;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use super::export::Export;
 use super::proto::command_name;
 use super::stats::{ConnectionStats, COMMANDS, REPLY_FORMS};
+use crate::export::metrics::Writer;
 use crate::io::IoCountersSnapshot;
 use crate::storage::IoStatsSnapshot;
 use crate::CountersSnapshot;
 
 /// A counter family read from a snapshot: name, help text, and the field.
 type Family<S> = (&'static str, &'static str, fn(&S) -> u64);
-
-struct Writer<'a> {
-    out: &'a mut String,
-}
-
-impl Writer<'_> {
-    fn head(&mut self, name: &str, kind: &str, help: &str) {
-        let _ = writeln!(self.out, "# HELP {name} {help}");
-        let _ = writeln!(self.out, "# TYPE {name} {kind}");
-    }
-
-    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: u64) {
-        let _ = write!(self.out, "{name}");
-        if !labels.is_empty() {
-            let body: Vec<String> = labels
-                .iter()
-                .map(|(k, v)| format!("{k}=\"{}\"", escape(v)))
-                .collect();
-            let _ = write!(self.out, "{{{}}}", body.join(","));
-        }
-        let _ = writeln!(self.out, " {value}");
-    }
-}
-
-/// Label values escape backslash, double quote and newline.
-fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
 
 /// Renders every counter of the server and its exports.
 pub fn render(exports: &[Arc<Export>], conns: &ConnectionStats) -> String {
@@ -302,14 +272,4 @@ pub fn render(exports: &[Arc<Export>], conns: &ConnectionStats) -> String {
         f.sample("vdisk_export_size_bytes", &[("export", e.name())], e.size());
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn labels_are_escaped() {
-        assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
-    }
 }

@@ -20,6 +20,7 @@ mod config;
 mod data;
 mod offload;
 mod request;
+mod stats;
 mod vring;
 mod worker;
 
@@ -38,6 +39,7 @@ use vmm_sys_util::epoll::EventSet;
 use self::backend::BlkBackend;
 use self::config::{Geometry, WriteCache};
 use self::offload::Offload;
+pub use self::stats::{render as render_metrics, VhostStats};
 use crate::blockdev::BlockDev;
 use crate::export::log::{log, Level, Logger, Throttle};
 use crate::io::{Backend, IoCounters};
@@ -95,6 +97,7 @@ struct Device {
     log: Logger,
     /// Warnings a driver (or a failing disk) can repeat without bound.
     noise: Throttle,
+    stats: Arc<VhostStats>,
 }
 
 impl Device {
@@ -121,6 +124,7 @@ pub struct VhostUserBlk {
     current: Arc<Current>,
     thread: Option<JoinHandle<()>>,
     offload: Arc<Offload>,
+    stats: Arc<VhostStats>,
 }
 
 /// How often the accept thread looks for a stop while no front end connects.
@@ -153,7 +157,9 @@ impl VhostUserBlk {
             write_cache: Default::default(),
             log: opts.log.clone(),
             noise: Throttle::default(),
+            stats: Arc::default(),
         });
+        let stats = device.stats.clone();
         let stop = Arc::new(AtomicBool::new(false));
         let current = Arc::new(Mutex::new(None));
         let offload = Offload::new(BLOCKING_THREADS);
@@ -167,7 +173,13 @@ impl VhostUserBlk {
             current,
             thread: Some(thread),
             offload,
+            stats,
         })
+    }
+
+    /// The export's counters (see [`render_metrics`]).
+    pub fn stats(&self) -> Arc<VhostStats> {
+        self.stats.clone()
     }
 
     /// Finishes the requests in flight (answering the driver), disconnects the front end and
@@ -271,6 +283,8 @@ fn connection(
         "vhost-user-blk: front end connected"
     );
     *lock(current) = Some((backend.clone(), daemon.shutdown_handle()));
+    device.stats.front_ends.fetch_add(1, Relaxed);
+    device.stats.connected.store(1, Relaxed);
     // A stop that came before the handle was published.
     if stop.load(Relaxed) {
         backend.drain(true);
@@ -278,6 +292,7 @@ fn connection(
     }
     let ended = daemon.wait();
     *lock(current) = None;
+    device.stats.connected.store(0, Relaxed);
     // Ends the worker threads (the handler's drop joins them), then the requests they left,
     // unanswered: the front end is gone, and the next resubmits them.
     drop(daemon);

@@ -22,6 +22,7 @@ use super::config::SECTOR;
 use super::data::Data;
 use super::offload::{Inbox, Offload};
 use super::request::*;
+use super::stats::Path;
 use super::vring::Vring;
 use super::Device;
 use crate::blockdev::BlockDev;
@@ -168,7 +169,11 @@ impl Worker {
                 taken += 1;
                 let head = chain.head_index();
                 let descs = chain.map(|d| (d.addr(), d.len(), d.is_write_only()));
-                match parse(&*mem, descs) {
+                let parsed = parse(&*mem, descs);
+                self.device
+                    .stats
+                    .request(parsed.as_ref().ok().map(|r| r.kind));
+                match parsed {
                     Ok(req) => self.start(mem_atomic, &mem, head, req, &mut answers),
                     Err(Malformed::NoStatus) => {
                         self.device
@@ -227,9 +232,14 @@ impl Worker {
                 let in_place = (len <= POOL_OVER || self.device.direct)
                     .then(|| Data::in_place(mem_atomic, segs))
                     .flatten();
+                let stats = &self.device.stats;
                 let buf = match in_place {
-                    Some(data) => data,
+                    Some(data) => {
+                        stats.transfer(write, len, Path::InPlace);
+                        data
+                    }
                     None if len > POOL_OVER => {
+                        stats.transfer(write, len, Path::Pool);
                         let segs = segs.clone();
                         return self.transfer_on_pool(
                             mem_atomic.clone(),
@@ -241,6 +251,7 @@ impl Worker {
                         );
                     }
                     None => {
+                        stats.transfer(write, len, Path::Buffer);
                         let mut buf = self.pool.take(len as usize);
                         if write && read_segments(mem, segs, &mut buf).is_err() {
                             return answers.push(refuse(S_IOERR));
@@ -445,6 +456,7 @@ impl Worker {
             return;
         }
         for a in &answers {
+            self.device.stats.answered(a.code, a.len.saturating_sub(1));
             if let Some(status) = a.status {
                 // A status byte outside guest memory is the driver's loss alone.
                 let _ = mem.write_obj(a.code, status);

@@ -34,6 +34,7 @@ use super::stream::{Address, Listener, Stream};
 use super::transmission::{self, Ended};
 use super::ConnError;
 use crate::export::log::{log, Level, Logger};
+use crate::export::metrics::MetricsSource;
 use poller::{Command, Poller, Role};
 
 mod epoll;
@@ -88,6 +89,8 @@ pub(crate) struct Inner {
     pub opts: ServerOptions,
     pub conns: ConnectionStats,
     pub poller: Poller,
+    /// Families of other exports the metrics endpoint serves too.
+    more_metrics: Mutex<Vec<MetricsSource>>,
     state: Mutex<State>,
     changed: Condvar,
 }
@@ -123,6 +126,7 @@ impl Server {
                 opts,
                 conns: ConnectionStats::default(),
                 poller,
+                more_metrics: Mutex::default(),
                 state: Mutex::new(State::default()),
                 changed: Condvar::new(),
             }),
@@ -168,7 +172,16 @@ impl Server {
 
     /// The metrics of the server and its exports, in Prometheus' text format.
     pub fn metrics(&self) -> String {
-        metrics::render(self.inner.exports.list(), &self.inner.conns)
+        self.inner.metrics()
+    }
+
+    /// Serves `source`'s families beside the server's own (another export's counters).
+    pub fn add_metrics(&self, source: MetricsSource) {
+        self.inner
+            .more_metrics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(source);
     }
 
     /// Connections open now, in every phase.
@@ -409,6 +422,19 @@ impl Inner {
         }
     }
 
+    fn metrics(&self) -> String {
+        let mut body = metrics::render(self.exports.list(), &self.conns);
+        for source in self
+            .more_metrics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            source(&mut body);
+        }
+        body
+    }
+
     /// Answers one connection to the metrics endpoint, on a thread of its own.
     pub fn answer_metrics(self: &Arc<Self>, stream: Stream) {
         let inner = self.clone();
@@ -436,7 +462,7 @@ impl Inner {
                 Ok(n) => request.extend_from_slice(&buf[..n]),
             }
         }
-        let body = metrics::render(self.exports.list(), &self.conns);
+        let body = self.metrics();
         let mut out = Vec::with_capacity(body.len() + 200);
         if request.starts_with(b"GET ") || request.starts_with(b"HEAD ") {
             let _ = write!(
