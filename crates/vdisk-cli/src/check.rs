@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use vdisk::formats::{Capability, CheckReport, Fix};
 use vdisk::storage::{FileStorage, LockUse, OpenOptions, Storage};
-use vdisk::{open_image, Error, Format};
+use vdisk::{open_image, Error, Format, ImageOptions};
 
 use crate::flags::{Described, ForceShare, Output, Quiet, ReadCache};
 use crate::open::metadata_options;
@@ -57,7 +57,7 @@ pub fn run(a: &Args) -> ExitCode {
         let why = vdisk::formats::FORCE_SHARE_READ_ONLY;
         return fail(format!("Could not open '{filename}': {why}"), 1);
     }
-    let opts = match metadata_options(filename, format, force_share) {
+    let opts = match check_options(filename, format, force_share) {
         Ok(o) => o,
         Err(e) => return fail(e, 1),
     };
@@ -159,7 +159,7 @@ fn run_repair(
         // QEMU makes an image unusable once it marked it corrupt: its second check fails.
         return Err(fail("Check failed: No medium found", 1));
     }
-    let opts = metadata_options(filename, Some(format.name()), false).map_err(|e| fail(e, 1))?;
+    let opts = check_options(filename, Some(format.name()), false).map_err(|e| fail(e, 1))?;
     let image = open_image(filename, &opts).map_err(|e| fail(e, 1))?;
     let mut report = match image.driver().check(&mut |m| eprintln!("{m}")) {
         Ok(r) => r,
@@ -168,6 +168,18 @@ fn run_repair(
     report.leaks_fixed = first.leaks_fixed;
     report.corruptions_fixed = first.corruptions_fixed;
     Ok(report)
+}
+
+/// Options for opening an image to check it: metadata only, and what only a check opens.
+fn check_options(
+    filename: &str,
+    format: Option<&str>,
+    force_share: bool,
+) -> vdisk::Result<ImageOptions> {
+    Ok(ImageOptions {
+        check: true,
+        ..metadata_options(filename, format, force_share)?
+    })
 }
 
 /// The strerror text qemu-img prints after "Check failed: ".

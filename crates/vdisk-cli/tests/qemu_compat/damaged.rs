@@ -217,6 +217,46 @@ const DAMAGES: &[Damage] = &[
         rc: 2,
         apply: |e| e.set_reftable(1, e.data_cluster(G0) * e.cluster_size),
     },
+    // No usable refcount table: only a rebuilt refcount structure repairs these (iotests 060
+    // and 108).
+    Damage {
+        name: "reftable_gone",
+        base: "base",
+        rc: 2,
+        apply: |e| {
+            e.set_u64(48, 0);
+            e.set_u32(56, 0);
+        },
+    },
+    Damage {
+        name: "reftable_clusters_zero",
+        base: "base",
+        rc: 2,
+        apply: |e| e.set_u32(56, 0),
+    },
+    Damage {
+        name: "reftable_beyond_eof",
+        base: "base",
+        rc: 2,
+        apply: |e| e.set_u64(48, 0x100_0000),
+    },
+    Damage {
+        name: "reftable_entry_garbage",
+        base: "base",
+        rc: 1,
+        apply: |e| e.set_reftable(0, 0xdead_beef_1234_5678),
+    },
+    // A refcount block at 64 GiB, taken in by growing the file (sparse), and a misaligned one
+    // covering it (iotest 060).
+    Damage {
+        name: "refblocks_far_and_misaligned",
+        base: "rc1",
+        rc: 2,
+        apply: |e| {
+            e.set_reftable(1, 0x10_0000_0000);
+            e.set_reftable(2, 0x200);
+        },
+    },
     Damage {
         name: "l1_table_beyond_eof",
         base: "base",

@@ -37,6 +37,9 @@ pub trait Opener {
     /// Whether the image is opened for writing.
     fn write(&self) -> bool;
 
+    /// Whether the image is opened to be checked (QEMU's BDRV_O_CHECK).
+    fn check(&self) -> bool;
+
     /// The image's backing file, which the image names `name`, of `format` if it names one;
     /// `None` where the caller asked for no backing file.
     fn open_backing(

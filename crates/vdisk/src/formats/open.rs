@@ -52,6 +52,9 @@ pub struct ImageOptions {
     /// Keep other processes from resizing the image (its backing files are never resized): an
     /// NBD export's size is fixed for its clients.
     pub fixed_size: bool,
+    /// The image is opened to be checked (QEMU's BDRV_O_CHECK): metadata too broken for any
+    /// other use, such as a missing refcount table, is left for the check to report.
+    pub check: bool,
 }
 
 /// Where the files an image names come from.
@@ -89,6 +92,10 @@ impl Opener for OpenContext<'_> {
         self.opts.write
     }
 
+    fn check(&self) -> bool {
+        self.opts.check
+    }
+
     /// A path relative to the image, opened read-only with its own chain.
     fn open_backing(
         &mut self,
@@ -115,6 +122,7 @@ impl Opener for OpenContext<'_> {
                     resize: false,
                     force_share: self.opts.force_share,
                     fixed_size: false,
+                    check: false,
                 };
                 let path = backing_path(self.filename, name);
                 let image = open_chain(&path, &opts, chain).map_err(|e| {

@@ -383,9 +383,6 @@ impl Header {
         if u64::from(self.l1_size) < self.l1_entries_needed() {
             return Err(Error::corrupt("L1 table is too small"));
         }
-        if self.refcount_table_clusters == 0 {
-            return Err(Error::corrupt("image has no refcount table"));
-        }
         table(
             "refcount table",
             self.refcount_table_offset,

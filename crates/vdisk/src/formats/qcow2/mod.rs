@@ -60,6 +60,12 @@ pub(crate) static FORMAT: FormatEntry = FormatEntry {
 /// Opens the qcow2 image in `file`, with the data file and backing file it names.
 fn open_driver(file: Arc<dyn Storage>, cx: &mut dyn Opener) -> Result<Box<dyn Driver>> {
     let header = read_header(&*file)?;
+    // Only a check opens such an image: it rebuilds the refcount structure (QEMU's words).
+    if header.refcount_table_clusters == 0 && !cx.check() {
+        return Err(Error::corrupt(
+            "Image does not contain a reference count table",
+        ));
+    }
     let data = match &header.data_file {
         Some(name) if header.incompatible & header::INCOMPAT_DATA_FILE != 0 => {
             Some(cx.open_data_file(name)?)

@@ -80,6 +80,11 @@ impl<'a> RefcountReader<'a> {
         let (_, bytes) = self.block.as_mut().expect("block just loaded");
         let entry = cluster % per_block;
         refcount::set(bytes, entry, self.order, value);
+        // Once the image is marked corrupt QEMU makes it unusable, and its corrections, made in
+        // its refcount block cache, are never written: the next repair finds them again.
+        if self.signal.as_ref().is_some_and(|s| s.signaled.get()) {
+            return Ok(());
+        }
         let first = ((entry << self.order) / 8) as usize;
         let width = (1usize << self.order).div_ceil(8);
         let at = block_offset + first as u64;
@@ -188,14 +193,18 @@ impl Checker<'_, '_> {
     /// the file holds is refused, so that a hostile table entry cannot make us allocate without
     /// bound (nor, with the largest offset an entry holds, wrap the length around to zero).
     fn grow_to_hold(&mut self, offset: u64) -> Result<()> {
-        let too_large = || Error::Io {
+        let refused = |errno| Error::Io {
             context: "growing the image file".into(),
-            source: std::io::Error::from_raw_os_error(libc::EFBIG),
+            source: std::io::Error::from_raw_os_error(errno),
         };
-        let bound = (self.refs.len() as u64 * 4).max(MAX_GROWN_CLUSTERS);
+        // QEMU's EINVAL for a length past what a file offset holds.
         let len = (offset.checked_add(self.cs))
-            .filter(|&len| len <= i64::MAX as u64 && len.div_ceil(self.cs) <= bound)
-            .ok_or_else(too_large)?;
+            .filter(|&len| len <= i64::MAX as u64)
+            .ok_or_else(|| refused(libc::EINVAL))?;
+        let bound = (self.refs.len() as u64 * 4).max(MAX_GROWN_CLUSTERS);
+        if len.div_ceil(self.cs) > bound {
+            return Err(refused(libc::EFBIG));
+        }
         let clusters = len.div_ceil(self.cs);
         let file = self.q.file();
         if file.len().context(|| "reading the image size".into())? < len {
@@ -397,13 +406,17 @@ impl Checker<'_, '_> {
     }
 }
 
-/// The strerror text QEMU prints for a failed refcount lookup.
+/// The strerror text QEMU prints for a failed step (C's `strerror`, without Rust's
+/// " (os error N)").
 pub(super) fn io_reason(e: &Error) -> String {
     match e {
-        Error::Io { source, .. } => match source.raw_os_error() {
-            Some(libc::EIO) => "Input/output error".into(),
-            _ => source.to_string(),
-        },
+        Error::Io { source, .. } => {
+            let text = source.to_string();
+            match text.rfind(" (os error ") {
+                Some(at) => text[..at].to_string(),
+                None => text,
+            }
+        }
         other => other.to_string(),
     }
 }

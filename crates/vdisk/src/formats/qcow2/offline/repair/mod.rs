@@ -9,7 +9,7 @@
 //! 2. Compare stored and counted refcounts. `-r leaks` lowers refcounts of clusters referenced
 //!    less than stored; `-r all` also raises refcounts that are too low. A referenced cluster
 //!    with a stored refcount of 0 (a lost refcount block, a refcount table entry that cannot be
-//!    used) needs the refcount structure rebuilt: `-r leaks` gives up, `-r all` writes new
+//!    used, no refcount table at all) needs the refcount structure rebuilt: `-r leaks` gives up, `-r all` writes new
 //!    self-describing refcount blocks and a new table into clusters no metadata uses, points the
 //!    header at them, counts again and frees the old structure as leaks.
 //! 3. Correct the COPIED flags of L1 and L2 entries (`-r all`; `-r leaks` only when nothing else
