@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use vdisk::formats::{Capability, CheckReport, Fix};
+use vdisk::formats::{Capability, CheckFailed, CheckReport, Fix};
 use vdisk::storage::{FileStorage, LockUse, OpenOptions, Storage};
 use vdisk::{open_image, Error, Format, ImageOptions};
 
@@ -74,7 +74,7 @@ pub fn run(a: &Args) -> ExitCode {
     let report = match fix {
         None => match image.driver().check(&mut |m| eprintln!("{m}")) {
             Ok(r) => r,
-            Err(failed) => return fail(format!("Check failed: {}", failed.error), 1),
+            Err(failed) => return check_failed(&failed),
         },
         Some(fix) => {
             // The read-only open above validated the image and gave qemu-img's errors; the
@@ -135,13 +135,7 @@ fn run_repair(
     };
     let repaired = match format.repair(&storage, fix, &mut |m| eprintln!("{m}")) {
         Ok(r) => r,
-        Err(failed) => {
-            if let Some(m) = &failed.message {
-                message(m);
-            }
-            let reason = error_reason(&failed.error);
-            return Err(fail(format!("Check failed: {reason}"), 1));
-        }
+        Err(failed) => return Err(check_failed(&failed)),
     };
     drop(storage);
     let first = repaired.report;
@@ -163,11 +157,21 @@ fn run_repair(
     let image = open_image(filename, &opts).map_err(|e| fail(e, 1))?;
     let mut report = match image.driver().check(&mut |m| eprintln!("{m}")) {
         Ok(r) => r,
-        Err(failed) => return Err(fail(format!("Check failed: {}", failed.error), 1)),
+        Err(failed) => return Err(check_failed(&failed)),
     };
     report.leaks_fixed = first.leaks_fixed;
     report.corruptions_fixed = first.corruptions_fixed;
     Ok(report)
+}
+
+/// qemu-img's report of a check that could not complete: the check's own error, if it has
+/// one, then why it failed.
+fn check_failed(failed: &CheckFailed) -> ExitCode {
+    if let Some(m) = &failed.message {
+        message(m);
+    }
+    let reason = error_reason(&failed.error);
+    fail(format!("Check failed: {reason}"), 1)
 }
 
 /// Options for opening an image to check it: metadata only, and what only a check opens.

@@ -299,6 +299,42 @@ const DAMAGES: &[Damage] = &[
             e.set_u64(at, e.u64_at(at) + 0x200);
         },
     },
+    // Snapshot tables QEMU opens only to check, and `check -r all` writes anew (iotest 261).
+    Damage {
+        name: "snapshot_extra_incomplete",
+        base: "snap",
+        rc: 2,
+        apply: |e| e.set_u32(e.first_snapshot_entry() + 36, 8),
+    },
+    Damage {
+        name: "snapshot_extra_too_large",
+        base: "snap",
+        rc: 1,
+        apply: |e| e.set_u32(e.first_snapshot_entry() + 36, 65536),
+    },
+    Damage {
+        name: "snapshot_count_too_large",
+        base: "snap",
+        rc: 1,
+        // Inside the file: past its end QEMU's new table overlaps the old one, which it then
+        // marks corrupt, where vdisk, not counting what lies past the end, writes it.
+        apply: |e| {
+            e.set_u32(60, 70_000);
+            e.set_len((e.snapshots_offset + 70_000 * 40).next_multiple_of(e.cluster_size));
+        },
+    },
+    Damage {
+        name: "snapshot_table_misaligned",
+        base: "snap",
+        rc: 1,
+        apply: |e| e.set_u64(64, e.snapshots_offset + 0x200),
+    },
+    Damage {
+        name: "snapshot_table_beyond_eof",
+        base: "snap",
+        rc: 2,
+        apply: |e| e.set_u64(64, 0x100_0000),
+    },
     Damage {
         name: "el2_alloc_and_zero_bits",
         base: "el2",

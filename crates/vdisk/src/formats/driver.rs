@@ -153,6 +153,7 @@ pub trait Driver: BlockDev {
         Err(Box::new(CheckFailed {
             report: CheckReport::default(),
             error: Error::unsupported("This image format does not support checks"),
+            message: None,
         }))
     }
 

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::driver::Driver;
-use super::info::{Fix, Messages, RepairFailed, RepairReport};
+use super::info::{CheckFailed, Fix, Messages, RepairReport};
 use crate::blockdev::BlockDev;
 use crate::error::Result;
 use crate::storage::{LockRole, Storage};
@@ -29,7 +29,7 @@ pub type OpenFn = fn(Arc<dyn Storage>, &mut dyn Opener) -> Result<Box<dyn Driver
 
 /// A format's repair (`vdisk check -r`), telling `say` each problem found and each correction.
 pub type RepairFn =
-    fn(&Arc<dyn Storage>, Fix, Messages) -> std::result::Result<RepairReport, Box<RepairFailed>>;
+    fn(&Arc<dyn Storage>, Fix, Messages) -> std::result::Result<RepairReport, Box<CheckFailed>>;
 
 /// What a format's open function may ask of whoever opens the image: the files its image names
 /// come from there, so the format never resolves paths or takes locks itself.

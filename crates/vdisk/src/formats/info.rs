@@ -45,11 +45,14 @@ pub struct CheckReport {
 /// as it goes). Streaming them keeps a check's memory independent of how many there are.
 pub type Messages<'a> = &'a mut dyn FnMut(String);
 
-/// Why a check could not complete; the report so far is kept.
+/// Why a check or repair could not complete; the report so far is kept.
 #[derive(Debug)]
 pub struct CheckFailed {
     pub report: CheckReport,
     pub error: Error,
+    /// What QEMU reports as an error of its own before "Check failed" (e.g. "ERROR writing
+    /// refblock: Input/output error"), to be printed with the program's prefix.
+    pub message: Option<String>,
 }
 
 /// Which repairs `vdisk check -r` makes (QEMU's BDRV_FIX_LEAKS and BDRV_FIX_ERRORS: `-r leaks`
@@ -74,16 +77,6 @@ pub struct RepairReport {
     /// A corruption event marked the image corrupt during the repair. QEMU then makes the image
     /// unusable, so its double check fails ("No medium found").
     pub marked_corrupt: bool,
-}
-
-/// Why a repair stopped; the report so far is kept.
-#[derive(Debug)]
-pub struct RepairFailed {
-    pub report: CheckReport,
-    pub error: Error,
-    /// What QEMU reports as an error of its own before "Check failed" (e.g. "ERROR writing
-    /// refblock: Input/output error"), to be printed with the program's prefix.
-    pub message: Option<String>,
 }
 
 /// The options `qemu-img amend -o` changes; `None` leaves one as it is.

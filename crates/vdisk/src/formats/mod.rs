@@ -33,7 +33,7 @@ pub use driver::{Capability, Driver};
 pub use image::Image;
 pub use info::{
     AmendOptions, BitmapInfo, CheckFailed, CheckReport, Fix, FormatInfo, InfoValue, Messages,
-    RepairFailed, RepairReport, SnapshotInfo,
+    RepairReport, SnapshotInfo,
 };
 pub use open::{
     backing_path, open_image, open_overlay, open_parts, open_storage, open_storage_with,

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::entry::FormatEntry;
-use super::info::{CheckReport, Fix, Messages, RepairFailed, RepairReport};
+use super::info::{CheckFailed, CheckReport, Fix, Messages, RepairReport};
 use super::{qcow2, raw, seqlog};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{LockRole, Storage};
@@ -48,10 +48,10 @@ impl Format {
         file: &Arc<dyn Storage>,
         fix: Fix,
         say: Messages,
-    ) -> std::result::Result<RepairReport, Box<RepairFailed>> {
+    ) -> std::result::Result<RepairReport, Box<CheckFailed>> {
         match self.0.repair {
             Some(repair) => repair(file, fix, say),
-            None => Err(Box::new(RepairFailed {
+            None => Err(Box::new(CheckFailed {
                 report: CheckReport::default(),
                 error: Error::unsupported("This image format does not support checks"),
                 message: None,

@@ -77,6 +77,11 @@ fn open_driver(file: Arc<dyn Storage>, cx: &mut dyn Opener) -> Result<Box<dyn Dr
         None => None,
     };
     let write = cx.write();
+    if cx.check() {
+        // As QEMU's BDRV_O_CHECK open: the check reads the snapshot table itself.
+        let q = Qcow2::open_with(file, header, data, backing, write, Default::default())?;
+        return Ok(Box::new(q));
+    }
     Ok(Box::new(Qcow2::open(file, header, data, backing, write)?))
 }
 
@@ -175,27 +180,11 @@ fn read_l1(file: &dyn Storage, header: &Header, offset: u64, entries: u32) -> Re
     read_table(file, offset, u64::from(entries), "L1 table")
 }
 
-fn read_snapshots(file: &dyn Storage, h: &Header) -> Result<(Vec<Snapshot>, u64)> {
-    if h.nb_snapshots == 0 {
-        return Ok((Vec::new(), 0));
-    }
-    let file_len = file.len().context(|| "reading the image size".into())?;
-    let avail = file_len.saturating_sub(h.snapshots_offset);
-    let mut want = avail.min(64 << 10);
-    loop {
-        let mut table = vec![0u8; want as usize];
-        file.read_at(h.snapshots_offset, &mut table)
-            .context(|| "reading the snapshot table".into())?;
-        if let Some(parsed) = snapshot::parse_table(&table, h.nb_snapshots)? {
-            return Ok(parsed);
-        }
-        if want >= avail {
-            return Err(Error::corrupt(
-                "snapshot table extends beyond the end of the image",
-            ));
-        }
-        want = (want * 4).min(avail);
-    }
+/// The snapshot table the header names, as an open reads it (QEMU's messages).
+fn read_snapshots(file: &dyn Storage, h: &Header) -> Result<snapshot::Table> {
+    snapshot::check_location(h.snapshots_offset, h.nb_snapshots, h.cluster_size())
+        .and_then(|()| snapshot::read_table(file, h.snapshots_offset, h.nb_snapshots, None))
+        .map_err(snapshot::TableError::into_error)
 }
 
 impl Qcow2 {
@@ -213,7 +202,24 @@ impl Qcow2 {
         } else {
             header
         };
-        let (snapshots, snapshot_table_bytes) = read_snapshots(&*file, &header)?;
+        let table = read_snapshots(&*file, &header)?;
+        Qcow2::open_with(file, header, data, backing, writable, table)
+    }
+
+    /// [`Qcow2::open`] with the snapshot table given: a check reads (and repairs) it itself, as
+    /// QEMU's does, and the image must open whatever is wrong with it.
+    fn open_with(
+        file: Arc<dyn Storage>,
+        header: Header,
+        data: Option<Arc<dyn Storage>>,
+        backing: Option<Arc<dyn BlockDev>>,
+        writable: bool,
+        table: snapshot::Table,
+    ) -> Result<Qcow2> {
+        let snapshot::Table {
+            snapshots,
+            bytes: snapshot_table_bytes,
+        } = table;
         let mut l1 = read_l1(&*file, &header, header.l1_table_offset, header.l1_size)?;
         bitmaps::check(&*file, &header)?;
         let mut bitmaps_in_use = Vec::new();
@@ -282,6 +288,14 @@ impl Qcow2 {
             .get_mut()
             .unwrap_or_else(|e| e.into_inner()) = None;
         Ok(())
+    }
+
+    /// The same image, read-only and without its backing file, with `table` as its snapshot
+    /// table: what a check works on once it has read that table.
+    fn view_with(&self, table: snapshot::Table) -> Result<Qcow2> {
+        let data = self.format.external_data.then(|| self.data.clone());
+        let header = self.header.clone();
+        Qcow2::open_with(self.file.clone(), header, data, None, false, table)
     }
 
     pub fn header(&self) -> &Header {

@@ -89,7 +89,7 @@ pub(super) struct Refcounts {
     /// unused (a leak, never a corruption), so each commit sizes it to about one commit's
     /// allocations; a clean close gives it back.
     pool: std::ops::Range<u64>,
-    /// Clusters the next refill of the pool takes.
+    /// Clusters the next refill of the pool takes; 0 keeps no pool (see [`Refcounts::first_fit`]).
     pool_refill: u64,
     /// Clusters handed out since the last commit: about what the next one will ask for.
     handed_out: u64,

@@ -85,6 +85,13 @@ impl Refcounts {
         Ok(first)
     }
 
+    /// Hands out exactly the clusters asked for, the first free run of them, and keeps no pool:
+    /// QEMU's allocation, for a tool whose few allocations should land where QEMU's would
+    /// (the snapshot table a repair writes).
+    pub fn first_fit(&mut self) {
+        self.pool_refill = 0;
+    }
+
     /// Gives the unused pool back (before a clean close, or a refill).
     pub fn release_pool(&mut self, file: &dyn Storage) -> Result<()> {
         let pool = std::mem::replace(&mut self.pool, 0..0);
@@ -101,7 +108,7 @@ impl Refcounts {
     /// caller, see `commit.rs`).
     pub fn prepare_pool(&mut self, file: &dyn Storage) -> Result<()> {
         let handed_out = std::mem::take(&mut self.handed_out);
-        if handed_out == 0 {
+        if handed_out == 0 || self.pool_refill == 0 {
             // Nothing allocated since the last commit: the pool stays as it is, so that writes
             // that allocate now and then (writethrough, one cluster in many commits) take their
             // clusters from it, without a barrier, and no commit rewrites refcounts for it.

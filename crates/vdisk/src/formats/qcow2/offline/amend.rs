@@ -198,7 +198,9 @@ impl Qcow2 {
             return Ok(());
         }
         let size = self.size;
-        let snapshots = self.snapshots.iter().map(|s| v3_entry(s, size)).collect();
+        let snapshots = (self.snapshots.iter())
+            .map(|s| s.with_full_extra(size))
+            .collect();
         self.write_snapshot_table(snapshots)
     }
 
@@ -224,23 +226,6 @@ fn flag(bits: u64, bit: u64, on: bool) -> u64 {
         bits | bit
     } else {
         bits & !bit
-    }
-}
-
-/// Snapshot `s` with at least the 24 bytes of extra data QEMU writes; a v2 entry without a
-/// disk size had the image's (`size`).
-fn v3_entry(s: &Snapshot, size: u64) -> Snapshot {
-    let disk_size = s.disk_size.unwrap_or(size);
-    let mut extra = Vec::with_capacity(s.extra.len().max(24));
-    extra.extend_from_slice(&s.info.vm_state_size.to_be_bytes());
-    extra.extend_from_slice(&disk_size.to_be_bytes());
-    extra.extend_from_slice(&s.info.icount.unwrap_or(-1).to_be_bytes());
-    extra.extend_from_slice(s.extra.get(24..).unwrap_or_default());
-    Snapshot {
-        disk_size: Some(disk_size),
-        extra_len: extra.len() as u32,
-        extra,
-        ..s.clone()
     }
 }
 
@@ -441,19 +426,20 @@ mod tests {
         s.disk_size = None;
         s.info.icount = None;
         s.info.vm_state_size = 5;
-        let v3 = v3_entry(&s, 20 << 20);
+        let v3 = s.with_full_extra(20 << 20);
         assert_eq!(v3.extra.len(), 24);
         assert_eq!(v3.disk_size, Some(20 << 20));
         let bytes = v3.to_bytes();
-        let (back, _) = crate::formats::qcow2::snapshot::parse_table(&bytes, 1)
+        let file = MemStorage::from_bytes(bytes);
+        let back = crate::formats::qcow2::snapshot::read_table(&file, 0, 1, None)
             .unwrap()
-            .unwrap();
+            .snapshots;
         assert_eq!(back[0].info.vm_state_size, 5);
         assert_eq!(back[0].disk_size, Some(20 << 20));
         assert_eq!(back[0].info.icount, None);
         // Extra data past the fields QEMU knows is kept.
         let mut long = s.clone();
         long.extra = (0..32).collect();
-        assert_eq!(&v3_entry(&long, 1).extra[24..], &long.extra[24..]);
+        assert_eq!(&long.with_full_extra(1).extra[24..], &long.extra[24..]);
     }
 }

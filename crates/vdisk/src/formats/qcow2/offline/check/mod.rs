@@ -38,9 +38,11 @@ const BITMAP_ALL_ZEROES: u64 = 0xffff_ffff_0000_0000;
 const MAX_GROWN_CLUSTERS: u64 = 1 << 24;
 
 mod refcounts;
+mod snapshots;
 
 use refcounts::io_reason;
 pub use refcounts::RefcountReader;
+pub(super) use snapshots::{add_counts, read_snapshot_table, SnapshotCheck};
 
 /// QEMU's `qcow2_detect_metadata_preallocation`: true when at least `threshold` host clusters
 /// have a refcount while the file occupies fewer, i.e. clusters were allocated in metadata only.
@@ -65,25 +67,27 @@ pub fn detect_metadata_preallocation(q: &Qcow2) -> Result<bool> {
 }
 
 /// Checks the image's metadata and refcounts (read-only), telling `say` each problem found.
+/// Like QEMU's, the check reads the snapshot table itself (an open for a check leaves it
+/// unread), first.
 pub fn check(q: &Qcow2, say: Messages) -> std::result::Result<CheckReport, Box<CheckFailed>> {
-    let mut c = match Checker::new(q, say, Fix::default(), None) {
-        Ok(c) => c,
-        Err(error) => {
-            return Err(Box::new(CheckFailed {
-                report: CheckReport::default(),
-                error,
-            }))
-        }
+    let snapshots = read_snapshot_table(&**q.file(), q.header(), Fix::default(), say)?;
+    let failed = |report: &CheckReport, error| {
+        let mut report = report.clone();
+        report.check_errors += 1;
+        Box::new(CheckFailed {
+            report,
+            error,
+            message: None,
+        })
     };
-    match c.run() {
+    let view = (q.view_with(snapshots.table)).map_err(|e| failed(&snapshots.report, e))?;
+    let mut c = (Checker::new(&view, say, Fix::default(), None))
+        .map_err(|e| failed(&snapshots.report, e))?;
+    let run = c.run();
+    add_counts(&mut c.report, &snapshots.report);
+    match run {
         Ok(()) => Ok(c.report),
-        Err(error) => {
-            c.report.check_errors += 1;
-            Err(Box::new(CheckFailed {
-                report: c.report,
-                error,
-            }))
-        }
+        Err(error) => Err(failed(&c.report, error)),
     }
 }
 
@@ -193,7 +197,6 @@ impl<'a, 's> Checker<'a, 's> {
     /// `fix`, repairing) tables on the way; `reftable` is the refcount table in use.
     pub(super) fn calculate(&mut self, reftable: &[u64]) -> Result<()> {
         let h = self.q.header().clone();
-        self.check_snapshot_entries();
         self.inc_refs(0, self.cs);
         self.check_l1(h.l1_table_offset, h.l1_size, true)?;
         let snapshots = self.q.snapshots().to_vec();
@@ -234,19 +237,6 @@ impl<'a, 's> Checker<'a, 's> {
         self.count_bitmaps()?;
         self.check_refblocks(reftable);
         Ok(())
-    }
-
-    fn check_snapshot_entries(&mut self) {
-        if self.q.header().version < 3 {
-            return;
-        }
-        let incomplete: Vec<usize> = (self.q.snapshots().iter().enumerate())
-            .filter(|(_, s)| s.extra_len < 16)
-            .map(|(i, _)| i)
-            .collect();
-        for i in incomplete {
-            self.corruption(format!("ERROR snapshot table entry {i} is incomplete"));
-        }
     }
 
     /// The L2 table at `offset`; `None` when it lies wholly beyond the end of the file (it

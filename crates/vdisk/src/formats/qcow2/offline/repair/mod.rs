@@ -1,20 +1,25 @@
 //! Repair of a qcow2 image, as `qemu-img check -r leaks|all` does it.
 //!
-//! A repair is a check (`check.rs`) that corrects what it finds, in QEMU's order
-//! (`qcow2_check_refcounts` with `BDRV_FIX_LEAKS`/`BDRV_FIX_ERRORS`), printing QEMU's messages:
+//! A repair is a check (`check/`) that corrects what it finds, in QEMU's order
+//! (`qcow2_co_check_locked` with `BDRV_FIX_LEAKS`/`BDRV_FIX_ERRORS`), printing QEMU's messages:
 //!
+//! 0. Read the snapshot table (`check/snapshots.rs`). With `-r all`, entries past QEMU's limits
+//!    are dropped (the header's count written at once) and extra data past its limit is cut,
+//!    in memory.
 //! 1. Count every reference from the metadata. With `-r all`, a preallocated zero cluster at a
 //!    misaligned offset becomes a plain zero cluster, and a refcount block beyond the end of the
 //!    file gets the file grown to hold it.
 //! 2. Compare stored and counted refcounts. `-r leaks` lowers refcounts of clusters referenced
 //!    less than stored; `-r all` also raises refcounts that are too low. A referenced cluster
 //!    with a stored refcount of 0 (a lost refcount block, a refcount table entry that cannot be
-//!    used, no refcount table at all) needs the refcount structure rebuilt: `-r leaks` gives up, `-r all` writes new
-//!    self-describing refcount blocks and a new table into clusters no metadata uses, points the
-//!    header at them, counts again and frees the old structure as leaks.
+//!    used, no refcount table at all) needs the refcount structure rebuilt: `-r leaks` gives up,
+//!    `-r all` writes new self-describing refcount blocks and a new table into clusters no
+//!    metadata uses, points the header at them, counts again and frees the old structure as
+//!    leaks.
 //! 3. Correct the COPIED flags of L1 and L2 entries (`-r all`; `-r leaks` only when nothing else
 //!    is wrong).
-//! 4. Clear the dirty and corrupt header bits when no error is left.
+//! 4. With `-r all`, write a snapshot table found wrong in step 0 anew (`snapshots.rs`).
+//! 5. Clear the dirty and corrupt header bits when no error is left.
 //!
 //! Crash safety: each step's writes are synced before the next step relies on them — refcount
 //! blocks before the refcount table, both before the header points at them, refcounts before
@@ -22,25 +27,26 @@
 //! any point leaves an image whose only problems are ones a second repair corrects (leaks, or
 //! the same damage as before), with the dirty bit still set where it was.
 //!
-//! Not repaired here, unlike QEMU: snapshot table entries (QEMU rewrites the snapshot table) and
-//! persistent bitmaps (QEMU rewrites bitmap directories whenever it opens an image writable).
+//! Not repaired here, unlike QEMU: persistent bitmaps (QEMU rewrites bitmap directories
+//! whenever it opens an image writable).
 
 use std::rc::Rc;
 use std::sync::Arc;
 
-use super::check::{Checker, RefcountReader};
+use super::check::{add_counts, read_snapshot_table, Checker, RefcountReader, SnapshotCheck};
 use super::signal::{eio, Signal};
 use crate::error::{Error, IoContext, Result};
-use crate::formats::info::{CheckReport, Fix, Messages, RepairFailed, RepairReport};
+use crate::formats::info::{CheckFailed, CheckReport, Fix, Messages, RepairReport};
 use crate::formats::qcow2::corrupt::write_incompatible;
 use crate::formats::qcow2::header::{Header, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE, INCOMPAT_DIRTY};
+use crate::formats::qcow2::snapshot::Table;
 use crate::formats::qcow2::{read_header, Qcow2};
 use crate::storage::Storage;
 
-type Failure = Box<RepairFailed>;
+type Failure = Box<CheckFailed>;
 
 fn failed(report: &CheckReport, error: Error, message: Option<String>) -> Failure {
-    Box::new(RepairFailed {
+    Box::new(CheckFailed {
         report: report.clone(),
         error,
         message,
@@ -54,15 +60,39 @@ pub fn repair(
     fix: Fix,
     say: Messages,
 ) -> std::result::Result<RepairReport, Failure> {
-    let q = open_view(file).map_err(|e| failed(&CheckReport::default(), e, None))?;
-    let signal = Signal::new(q.header());
-    let report = refcounts_pass(file, &q, fix, &signal, say)?;
+    let header = read_header(&**file).map_err(|e| failed(&CheckReport::default(), e, None))?;
+    let signal = Signal::new(&header);
+    let SnapshotCheck {
+        table,
+        report: mut snapshots,
+    } = read_snapshot_table(&**file, &header, fix, say)?;
+    let q = open_view(file, &table).map_err(|e| failed(&snapshots, e, None))?;
+    let mut report = refcounts_pass(file, &q, fix, &signal, say, &table).map_err(|mut f| {
+        add_counts(&mut f.report, &snapshots);
+        f
+    })?;
+    drop(q);
+    // Only now, with the refcounts right, can the table be written anew (it needs clusters).
+    if snapshots.corruptions > 0 && fix.errors {
+        if let Err(e) = rewrite_snapshot_table(file, &table, &signal, say) {
+            say(format!(
+                "ERROR failed to update snapshot table: {}",
+                strerror(&e)
+            ));
+            snapshots.check_errors += 1;
+            add_counts(&mut report, &snapshots);
+            return Err(failed(&report, e, None));
+        }
+        snapshots.corruptions_fixed += snapshots.corruptions;
+        snapshots.corruptions = 0;
+    }
+    add_counts(&mut report, &snapshots);
     // QEMU clears the dirty and corrupt bits only when nothing is left to repair: the dirty bit
     // is what makes the next writable open repair a lazy-refcounts image.
     if fix.any() && report.check_errors == 0 && report.corruptions == 0 {
         let bits = signal.incompatible.get();
         let clean = bits & !(INCOMPAT_DIRTY | INCOMPAT_CORRUPT);
-        if clean != bits && q.header().version >= 3 {
+        if clean != bits && header.version >= 3 {
             write_incompatible(&**file, clean).map_err(|e| failed(&report, e, None))?;
             signal.incompatible.set(clean);
         }
@@ -89,13 +119,14 @@ pub(in crate::formats::qcow2) fn repair_dirty(file: &Arc<dyn Storage>) -> Result
     read_header(&**file)
 }
 
-/// The image as the checker reads it: read-only, no backing file.
-fn open_view(file: &Arc<dyn Storage>) -> Result<Qcow2> {
+/// The image as the checker reads it: read-only, no backing file, with the snapshot table as
+/// the check read it.
+fn open_view(file: &Arc<dyn Storage>, table: &Table) -> Result<Qcow2> {
     let header = read_header(&**file)?;
     // A repair never reads guest data; it only needs to know that data clusters live in
     // another file (they have no refcounts here). The image file stands in for that file.
     let data = (header.incompatible & INCOMPAT_DATA_FILE != 0).then(|| file.clone());
-    Qcow2::open(file.clone(), header, data, None, false)
+    Qcow2::open_with(file.clone(), header, data, None, false, table.clone())
 }
 
 fn sync(file: &dyn Storage) -> Result<()> {
@@ -118,6 +149,7 @@ fn refcounts_pass(
     fix: Fix,
     signal: &Rc<Signal>,
     say: Messages,
+    snapshots: &Table,
 ) -> std::result::Result<CheckReport, Failure> {
     let mut reader = RefcountReader::for_repair(q, signal.clone())
         .map_err(|e| failed(&CheckReport::default(), e, None))?;
@@ -141,7 +173,8 @@ fn refcounts_pass(
         report.leaks = 0;
         let counted = c.refs.len();
         drop(c);
-        return after_rebuild(file, fix, signal, say, (report, old, counted, highest));
+        let state = (report, old, counted, highest);
+        return after_rebuild(file, fix, (signal, snapshots), say, state);
     }
     if fix.any() {
         if c.rebuild {
@@ -164,11 +197,11 @@ fn refcounts_pass(
 fn after_rebuild(
     file: &Arc<dyn Storage>,
     fix: Fix,
-    signal: &Rc<Signal>,
+    (signal, snapshots): (&Rc<Signal>, &Table),
     say: Messages,
     (report, old, counted, mut highest): (CheckReport, CheckReport, usize, u64),
 ) -> std::result::Result<CheckReport, Failure> {
-    let q = open_view(file).map_err(|e| failed(&report, e, None))?;
+    let q = open_view(file, snapshots).map_err(|e| failed(&report, e, None))?;
     let mut reader =
         RefcountReader::for_repair(&q, signal.clone()).map_err(|e| failed(&report, e, None))?;
     let mut c = Checker::new(&q, say, Fix::default(), Some(signal.clone()))
@@ -225,6 +258,8 @@ fn finish(
 // Rebuilding the refcount structure (QEMU's `rebuild_refcount_structure`).
 
 mod rebuild;
+mod snapshots;
 use rebuild::rebuild;
+use snapshots::rewrite_snapshot_table;
 #[cfg(test)]
 mod tests;
