@@ -126,6 +126,8 @@ fn amend(filename: &str, args: &Args) -> vdisk::Result<ExitCode> {
         format: image_format(filename, args.image.format.as_deref())?,
         write: true,
         resize: true,
+        // A dirty image is repaired first, saying so as qemu-img does (iotest 061).
+        messages: Some(|m| eprintln!("{m}")),
         ..ImageOptions::default()
     };
     let mut image = open_image(filename, &opts)?;

@@ -40,6 +40,9 @@ pub trait Opener {
     /// Whether the image is opened to be checked (QEMU's BDRV_O_CHECK).
     fn check(&self) -> bool;
 
+    /// Tells what the open does besides opening (QEMU prints it on stderr).
+    fn say(&mut self, message: String);
+
     /// The image's backing file, which the image names `name`, of `format` if it names one;
     /// `None` where the caller asked for no backing file.
     fn open_backing(

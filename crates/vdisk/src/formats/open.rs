@@ -55,6 +55,9 @@ pub struct ImageOptions {
     /// The image is opened to be checked (QEMU's BDRV_O_CHECK): metadata too broken for any
     /// other use, such as a missing refcount table, is left for the check to report.
     pub check: bool,
+    /// Where what the open does besides opening is told, as QEMU prints it on stderr: the
+    /// repair of an image left dirty, opened for writing. Unset, it is not told.
+    pub messages: Option<fn(String)>,
 }
 
 /// Where the files an image names come from.
@@ -96,6 +99,12 @@ impl Opener for OpenContext<'_> {
         self.opts.check
     }
 
+    fn say(&mut self, message: String) {
+        if let Some(say) = self.opts.messages {
+            say(message);
+        }
+    }
+
     /// A path relative to the image, opened read-only with its own chain.
     fn open_backing(
         &mut self,
@@ -123,6 +132,7 @@ impl Opener for OpenContext<'_> {
                     force_share: self.opts.force_share,
                     fixed_size: false,
                     check: false,
+                    messages: self.opts.messages,
                 };
                 let path = backing_path(self.filename, name);
                 let image = open_chain(&path, &opts, chain).map_err(|e| {

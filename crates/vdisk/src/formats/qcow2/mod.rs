@@ -59,12 +59,16 @@ pub(crate) static FORMAT: FormatEntry = FormatEntry {
 
 /// Opens the qcow2 image in `file`, with the data file and backing file it names.
 fn open_driver(file: Arc<dyn Storage>, cx: &mut dyn Opener) -> Result<Box<dyn Driver>> {
-    let header = read_header(&*file)?;
+    let mut header = read_header(&*file)?;
     // Only a check opens such an image: it rebuilds the refcount structure (QEMU's words).
     if header.refcount_table_clusters == 0 && !cx.check() {
         return Err(Error::corrupt(
             "Image does not contain a reference count table",
         ));
+    }
+    // Repaired here rather than in `Qcow2::open`, so that the repair's messages are told.
+    if cx.write() && !cx.check() && header.is_dirty() && !header.is_corrupt() {
+        header = offline::repair::repair_dirty(&file, &mut |m| cx.say(m))?;
     }
     let data = match &header.data_file {
         Some(name) if header.incompatible & header::INCOMPAT_DATA_FILE != 0 => {
@@ -198,7 +202,7 @@ impl Qcow2 {
         writable: bool,
     ) -> Result<Qcow2> {
         let header = if writable && header.is_dirty() && !header.is_corrupt() {
-            offline::repair::repair_dirty(&file)?
+            offline::repair::repair_dirty(&file, &mut |_| {})?
         } else {
             header
         };

@@ -104,14 +104,18 @@ pub fn repair(
 }
 
 /// Repairs an image left dirty (QEMU's lazy refcounts after a crash) before it is opened for
-/// writing, as QEMU does on every writable open, and returns its header as it is then.
-pub(in crate::formats::qcow2) fn repair_dirty(file: &Arc<dyn Storage>) -> Result<Header> {
+/// writing, as QEMU does on every writable open, telling `say` what it finds and corrects, and
+/// returns its header as it is then.
+pub(in crate::formats::qcow2) fn repair_dirty(
+    file: &Arc<dyn Storage>,
+    say: Messages,
+) -> Result<Header> {
     let all = Fix {
         leaks: true,
         errors: true,
     };
     let failure = |e: Error| e.prefixed("Could not repair dirty image: ");
-    match repair(file, all, &mut |_| {}) {
+    match repair(file, all, say) {
         Ok(r) if r.report.check_errors == 0 && !r.marked_corrupt => {}
         Ok(_) => return Err(failure(eio("the repair left errors"))),
         Err(f) => return Err(failure(f.error)),
