@@ -23,6 +23,8 @@ impl Qcow2 {
     /// Takes snapshot `name` of the active image.
     pub fn snapshot_create(&mut self, name: &str) -> Result<()> {
         self.writable_or_err("snapshot")?;
+        // The L1 copy goes where QEMU's would, as the table does (`write_snapshot_table`).
+        self.lock().refs().first_fit();
         if self.format.external_data {
             // As QEMU: clusters of an external data file have no refcounts to share.
             return Err(Error::unsupported("Operation not supported"));
@@ -271,6 +273,9 @@ impl Qcow2 {
     /// Writes `snapshots` as the new snapshot table in new clusters, commits its refcounts,
     /// points the header at it and frees the old table.
     pub(super) fn write_snapshot_table(&mut self, snapshots: Vec<Snapshot>) -> Result<()> {
+        // Where QEMU's would go (the first free run: an old table's clusters, once freed, are
+        // reused), so that the tools after this one find the layout QEMU's tests expect.
+        self.lock().refs().first_fit();
         let bytes: Vec<u8> = snapshots.iter().flat_map(Snapshot::to_bytes).collect();
         let cs = self.header.cluster_size();
         let offset = if bytes.is_empty() {

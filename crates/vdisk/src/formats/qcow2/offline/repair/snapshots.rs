@@ -1,8 +1,8 @@
 //! Writing a repaired snapshot table (QEMU's `qcow2_check_fix_snapshot_table`): once the
 //! refcounts are right, the table read for the check (entries dropped, extra data cut) is
 //! written anew the way QEMU's `qcow2_write_snapshots` writes every table: each entry with the
-//! extra data version 3 requires, into clusters the allocator hands out; the header then names
-//! it and the old table's clusters are freed.
+//! extra data version 3 requires, into the first free clusters; the header then names it and
+//! the old table's clusters are freed.
 
 use std::sync::Arc;
 
@@ -50,7 +50,6 @@ pub(super) fn rewrite_snapshot_table(
         old.bytes = 0;
     }
     let mut q = Qcow2::open_with(file.clone(), header, data, None, true, old)?;
-    q.lock().refs().first_fit();
     let entries = (table.snapshots.iter())
         .map(|s| s.with_full_extra(size))
         .collect();
