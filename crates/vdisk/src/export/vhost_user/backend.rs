@@ -15,8 +15,9 @@ use vmm_sys_util::event::{
 
 use super::config::{self, BLK_F_CONFIG_WCE};
 use super::offload::Offload;
+use super::request::Mem;
 use super::vring::Vring;
-use super::worker::{Mem, Worker, MAX_QUEUE_SIZE};
+use super::worker::{Worker, MAX_QUEUE_SIZE};
 use super::Device;
 use crate::export::log::{log, Level};
 

@@ -4,8 +4,7 @@
 
 use std::sync::Arc;
 
-use super::request::{guest_slices, Segment};
-use super::worker::{Mem, Memory};
+use super::request::{guest_slices, Mem, Memory, Segment};
 use crate::io::pool::Buf;
 use crate::io::IoBuf;
 

@@ -7,7 +7,12 @@
 //! and writable parts are interleaved, or that has no header or no status byte, is refused,
 //! and guest addresses are only checked when the data moves (by vm-memory, region by region).
 
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemory};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, GuestMemoryAtomic, GuestMemoryMmap};
+
+/// The guest's memory as the front end's table maps it, and the handle the crates share that
+/// always holds its current version.
+pub(super) type Memory = GuestMemoryMmap<()>;
+pub(super) type Mem = GuestMemoryAtomic<Memory>;
 
 // Request types and status values (virtio 1.2, 5.2.6).
 pub(super) const T_IN: u32 = 0;

@@ -10,7 +10,7 @@ use std::sync::{Arc, OnceLock};
 use vhost_user_backend::{VringRwLock, VringStateGuard, VringStateMutGuard, VringT};
 use virtio_queue::{Error as QueueError, QueueT};
 
-use super::worker::Mem;
+use super::request::Mem;
 
 type Hook = Box<dyn Fn() + Send + Sync>;
 

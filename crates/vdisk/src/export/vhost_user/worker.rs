@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use vhost_user_backend::VringT;
 use virtio_queue::QueueOwnedT;
-use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
 use super::config::SECTOR;
 use super::data::Data;
@@ -29,9 +29,6 @@ use crate::blockdev::BlockDev;
 use crate::export::log::{log, Level};
 use crate::io::pool::Pool;
 use crate::io::{Completion, Declined, Dir, IoBuf, IoQueue};
-
-pub(super) type Memory = GuestMemoryMmap<()>;
-pub(super) type Mem = GuestMemoryAtomic<Memory>;
 
 /// Descriptors a queue may hold (the driver chooses up to this).
 pub(super) const MAX_QUEUE_SIZE: usize = 1024;
