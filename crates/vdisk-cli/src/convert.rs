@@ -11,6 +11,7 @@
 //! there). `-S 0` writes every byte, allocating the whole target. Several sources
 //! are copied one after the other into one target, as qemu-img concatenates them.
 
+mod plan;
 mod sources;
 
 use std::path::Path;
@@ -26,10 +27,9 @@ use vdisk::{open_image, BlockDev, BlockStatus, CacheMode, Error, Format, Image, 
 
 use crate::flags::{parse_cache, ForceShare, ShowProgress};
 use crate::new_image::{create, NewImage};
-use crate::options::{check_option_lists, parse_options};
 use crate::report::fail;
-use crate::size::parse_size;
 use crate::text::Progress;
+use plan::{check_backing, Plan};
 use sources::{reads_from, Sources};
 
 /// Bytes one worker copies at a time.
@@ -113,94 +113,6 @@ impl Args {
     }
 }
 
-/// How the copy treats zeroes, and how many workers run it.
-#[derive(Clone, Copy)]
-struct Plan {
-    /// Zero runs at least this long are not written as data (0: every byte is written).
-    sparse: usize,
-    /// The target reads as zero before the copy: zero runs are skipped rather than zeroed.
-    zero_init: bool,
-    /// Copy only what the source's top layer holds (the target's backing file has the rest).
-    top_only: bool,
-    /// Where a new target's backing file ends: past it the target reads zero, and what the
-    /// source reads as zero there is left alone, as qemu-img leaves it.
-    backing_end: Option<u64>,
-    workers: usize,
-}
-
-impl Plan {
-    fn new(args: &Args) -> vdisk::Result<Plan> {
-        check_option_lists(&args.options).map_err(Error::invalid)?;
-        let sparse = match args.sparse.as_deref() {
-            None => SPARSE as u64,
-            Some(s) => match parse_size(s) {
-                Some(n) if n % 512 == 0 && n <= MAX_SPARSE => n,
-                _ => {
-                    return Err(Error::invalid(format!(
-                        "Invalid buffer size for sparse output specified. Valid sizes are \
-                         multiples of 512 up to {MAX_SPARSE}. Select 0 to disable sparse \
-                         detection (fully allocates output)."
-                    )))
-                }
-            },
-        };
-        let workers = match args.workers.as_deref() {
-            None => std::thread::available_parallelism()
-                .map_or(2, |n| n.get())
-                .min(8),
-            Some(m) => match m.parse::<usize>() {
-                Ok(n @ 1..=16) => n,
-                _ => {
-                    return Err(Error::invalid(
-                        "Invalid number of coroutines specified. Must be between 1 and 16.",
-                    ))
-                }
-            },
-        };
-        if args.no_create && !args.options.is_empty() {
-            return Err(Error::invalid(
-                "-o has no effect when skipping image creation",
-            ));
-        }
-        // The target's options as `create` reads them (a malformed list was refused above); a
-        // later value of an option replaces an earlier one.
-        let options = parse_options(&args.options);
-        let option = |key: &str| {
-            let found = options.iter().rev().find(|(k, _)| k == key);
-            found.map(|(_, v)| v.as_str())
-        };
-        if args.compress && option("preallocation").is_some_and(|v| v != "off") {
-            return Err(Error::invalid(
-                "Compression and preallocation not supported at the same time",
-            ));
-        }
-        if args.target_is_zero && !args.no_create {
-            return Err(Error::invalid("--target-is-zero requires use of -n flag"));
-        }
-        // `-o backing_file=` names the target's backing file as `-B` does, as in qemu-img.
-        let backed =
-            args.backing.is_some() || option("backing_file").is_some_and(|v| !v.is_empty());
-        if args.target_is_zero && backed {
-            return Err(Error::invalid(
-                "Cannot use --target-is-zero when the destination image has a backing file",
-            ));
-        }
-        if args.sources().len() > 1 && backed {
-            return Err(Error::invalid(
-                "Having a backing file for the target makes no sense when concatenating \
-                 multiple input images",
-            ));
-        }
-        Ok(Plan {
-            sparse: sparse as usize,
-            zero_init: (!args.no_create || args.target_is_zero) && !backed,
-            top_only: backed,
-            backing_end: None,
-            workers,
-        })
-    }
-}
-
 pub fn run(args: &Args) -> ExitCode {
     let plan = match Plan::new(args) {
         Ok(p) => p,
@@ -221,6 +133,9 @@ pub fn run(args: &Args) -> ExitCode {
             format!("{context}: Failed to get \"write\" lock\nIs another process using the image [{t}]?"),
             1,
         );
+    }
+    if let Err(e) = check_backing(args) {
+        return fail(e, 1);
     }
     let result = match args.output_format.as_str() {
         "raw" if !args.compress && args.options.is_empty() && args.backing.is_none() => {

@@ -11,7 +11,7 @@ use vdisk::{open_image, BlockDev, Error, Format, Image};
 
 use crate::flags::{ForceShare, ImageFormat, Output, Report};
 use crate::open::read_options;
-use crate::options::{check_option_lists, snapshot_param, typed_options, Kind, Value};
+use crate::options::{check_option_lists, creation_option, snapshot_param, typed_options, Value};
 use crate::qjson::{to_pretty, Dict};
 use crate::report::{fail, message};
 use crate::size::cvtnum;
@@ -117,32 +117,11 @@ fn print(m: &Measure, output: Output) {
     }
 }
 
-/// The `-o` options a target format takes and the type QEMU parses each value as; like
-/// qemu-img, measure accepts every creation option of the format and of the file under it, and
-/// uses only the few that change the layout.
-fn option_kind(format: Format, key: &str) -> Option<Kind> {
-    let common = match key {
-        "size" | "extent_size_hint" => Some(Kind::Size),
-        "preallocation" => Some(Kind::Text),
-        "nocow" => Some(Kind::Bool),
-        _ => None,
-    };
-    match (format.name(), key) {
-        ("qcow2", "cluster_size") => Some(Kind::Size),
-        ("qcow2", "refcount_bits") => Some(Kind::Number),
-        ("qcow2", "compat" | "backing_file" | "backing_fmt" | "data_file" | "compression_type") => {
-            Some(Kind::Text)
-        }
-        ("qcow2", "lazy_refcounts" | "extended_l2" | "data_file_raw") => Some(Kind::Bool),
-        _ => common,
-    }
-}
-
 /// The options as QEMU's option parser checks them (names and value types), the last of a
 /// repeated key winning.
 fn read_target_options(format: Format, options: &[String]) -> Result<Opts, String> {
     let mut opts = Opts::default();
-    for (k, value) in typed_options(options, |k| option_kind(format, k))? {
+    for (k, value) in typed_options(options, |k| creation_option(format, k))? {
         opts.0.retain(|(key, _)| *key != k);
         opts.0.push((k, value));
     }

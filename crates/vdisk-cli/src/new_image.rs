@@ -9,7 +9,7 @@ use vdisk::Preallocation;
 use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 
 use crate::options::{parse_bool, parse_options};
-use crate::size::{option_size, parse_size};
+use crate::size::{option_number, option_size, parse_size};
 
 /// An image to make: its format, file, size and backing file, as `create` takes them.
 pub struct NewImage<'a> {
@@ -62,9 +62,7 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
             ("qcow2", "lazy_refcounts") => o.lazy_refcounts = on_off(&k, &v)?,
             ("qcow2", "extended_l2") => o.extended_l2 = on_off(&k, &v)?,
             ("qcow2", "refcount_bits") => {
-                o.refcount_bits = v
-                    .parse()
-                    .map_err(|_| Error::invalid("Invalid refcount width"))?
+                o.refcount_bits = option_number(&k, &v).map_err(Error::invalid)?
             }
             ("qcow2", "compression_type") => {
                 o.compression = match v.as_str() {
@@ -352,7 +350,22 @@ fn backing_size(filename: &str, o: &CreateOptions) -> vdisk::Result<u64> {
             force_share: true,
             ..ImageOptions::default()
         },
-    )?;
+    )
+    .map_err(|e| {
+        // QEMU's bdrv_open names the file once, where opening an image names it twice, and
+        // qemu-img hints at what failed on a line of its own.
+        let text = e.to_string();
+        let named = format!("Could not open '{path}': ");
+        let reason = text.strip_prefix(&named).unwrap_or(&text);
+        Error::invalid(format!("{reason}\nCould not open backing image."))
+    })?;
+    // Checked once the backing file opened, as QEMU checks it, which names what it probed.
+    if format.is_none() {
+        return Err(Error::invalid(format!(
+            "Backing file specified without backing format\nDetected format of {}.",
+            image.format().name()
+        )));
+    }
     Ok(image.size())
 }
 

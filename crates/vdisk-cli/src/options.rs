@@ -1,9 +1,9 @@
 //! The `-o` option lists of qemu-img's commands, read as QEMU's option parser reads them, and
 //! the snapshot parameter of `-l`.
 
-use vdisk::{Error, Image};
+use vdisk::{Error, Format, Image};
 
-use crate::size::{option_size, parse_number};
+use crate::size::{option_number, option_size};
 
 /// qemu-img's check of each `-o` argument as it reads it: not empty, not starting with a
 /// comma, not ending in an odd number of commas (",," is a comma inside a value).
@@ -77,6 +77,27 @@ pub enum Kind {
     Text,
 }
 
+/// The type QEMU parses a creation option of `format` as (`-o` of create, convert and
+/// measure), the file's own (extent_size_hint, nocow) included; `None` for an option the
+/// format does not take.
+pub fn creation_option(format: Format, key: &str) -> Option<Kind> {
+    let common = match key {
+        "size" | "extent_size_hint" => Some(Kind::Size),
+        "preallocation" => Some(Kind::Text),
+        "nocow" => Some(Kind::Bool),
+        _ => None,
+    };
+    match (format.name(), key) {
+        ("qcow2", "cluster_size") => Some(Kind::Size),
+        ("qcow2", "refcount_bits") => Some(Kind::Number),
+        ("qcow2", "compat" | "backing_file" | "backing_fmt" | "data_file" | "compression_type") => {
+            Some(Kind::Text)
+        }
+        ("qcow2", "lazy_refcounts" | "extended_l2" | "data_file_raw") => Some(Kind::Bool),
+        _ => common,
+    }
+}
+
 pub enum Value {
     Number(u64),
     Bool(bool),
@@ -93,9 +114,7 @@ pub fn typed_options(
     for (k, v) in parse_options(options) {
         let value = match kind_of(&k).ok_or_else(|| format!("Invalid parameter '{k}'"))? {
             Kind::Size => Value::Number(option_size(&k, &v)?),
-            Kind::Number => Value::Number(
-                parse_number(&v).ok_or_else(|| format!("Parameter '{k}' expects a number"))?,
-            ),
+            Kind::Number => Value::Number(option_number(&k, &v)?),
             Kind::Bool => Value::Bool(parse_bool(&k, &v)?),
             Kind::Text => Value::Text(v),
         };

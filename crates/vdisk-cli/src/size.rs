@@ -61,19 +61,45 @@ pub fn cvtnum_in(what: &str, text: &str, min: u64, max: u64) -> Result<u64, Stri
     }
 }
 
-/// A number option's value as QEMU's `qemu_strtou64` with base 0 reads it: decimal, 0x
-/// hexadecimal or 0 octal, nothing after it; a minus sign wraps, as strtoull's does.
+/// A number option's value as QEMU's `qemu_strtou64` with base 0 reads it: white space, a
+/// sign, then decimal, 0x hexadecimal or 0 octal, nothing after it; a minus sign wraps, as
+/// strtoull's does.
 pub fn parse_number(text: &str) -> Option<u64> {
-    if let Some(positive) = text.strip_prefix('-') {
-        return parse_number(positive).map(u64::wrapping_neg);
+    let text = text.trim_start_matches(|c: char| c.is_ascii_whitespace());
+    let (negative, text) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text.strip_prefix('+').unwrap_or(text)),
+    };
+    // from_str_radix would take a second sign.
+    if text.starts_with(['+', '-']) {
+        return None;
     }
-    if let Some(hex) = text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
+    let n = if let Some(hex) = text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
         u64::from_str_radix(hex, 16).ok()
     } else if text.len() > 1 && text.starts_with('0') {
         u64::from_str_radix(&text[1..], 8).ok()
     } else {
         text.parse().ok()
-    }
+    }?;
+    Some(if negative { n.wrapping_neg() } else { n })
+}
+
+/// qemu's `parse_option_number`: the value of a number option (`-o key=value`), or its
+/// message, which tells digits too many for 64 bits from what is no number.
+pub fn option_number(key: &str, value: &str) -> Result<u64, String> {
+    parse_number(value).ok_or_else(|| {
+        let digits = value.trim_start_matches(|c: char| c.is_ascii_whitespace());
+        let digits = digits.strip_prefix(['-', '+']).unwrap_or(digits);
+        let (digits, radix) = match digits.strip_prefix("0x").or(digits.strip_prefix("0X")) {
+            Some(hex) => (hex, 16),
+            None if digits.starts_with('0') => (digits, 8),
+            None => (digits, 10),
+        };
+        match !digits.is_empty() && digits.chars().all(|c| c.is_digit(radix)) {
+            true => format!("Value '{value}' is too large for parameter '{key}'"),
+            false => format!("Parameter '{key}' expects a number"),
+        }
+    })
 }
 
 /// qemu's `parse_option_size`: the value of a size option (`-o key=value`), or its message.

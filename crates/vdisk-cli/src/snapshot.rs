@@ -8,7 +8,7 @@ use vdisk::{open_image, Error, ImageOptions};
 
 use crate::flags::{ForceShare, ImageFormat, Quiet};
 use crate::open::{image_format, metadata_options};
-use crate::report::{fail, usage_fail, warn_probed_raw};
+use crate::report::{fail, message, usage_fail, warn_probed_raw};
 use crate::text::snapshot_list;
 
 #[derive(clap::Args)]
@@ -99,8 +99,26 @@ fn act(filename: &str, format: Option<&str>, action: Action, force_share: bool) 
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => fail(format!("Could not {verb} snapshot '{name}': {e}"), 1),
+        Err(e) => fail(
+            format!("Could not {verb} snapshot '{name}': {}", applied(verb, e)),
+            1,
+        ),
     }
+}
+
+/// Why applying failed, as qemu-img says it: QEMU's snapshot_goto reports a bad snapshot L1
+/// table on a line of its own and fails the load with the errno of its check.
+fn applied(verb: &str, e: Error) -> String {
+    let text = e.to_string();
+    if verb != "apply" || !text.starts_with("Snapshot L1 table") {
+        return text;
+    }
+    message(&text);
+    let errno = match text.ends_with("too large") {
+        true => "File too large",
+        false => "Invalid argument",
+    };
+    format!("Failed to load snapshot: {errno}")
 }
 
 fn list(filename: &str, format: Option<&str>, force_share: bool) -> ExitCode {

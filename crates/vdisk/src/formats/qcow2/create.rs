@@ -53,11 +53,32 @@ impl Default for CreateOptions {
 }
 
 impl CreateOptions {
-    /// Refuses combinations QEMU refuses, with QEMU's messages.
+    /// Refuses combinations QEMU refuses, with QEMU's messages, in the order its
+    /// bdrv_img_create and qcow2_co_create check them.
     pub fn validate(&self) -> Result<()> {
-        if self.backing_format.is_some() && self.backing_file.is_none() {
+        if self.backing_file.is_some() && self.backing_format.is_none() {
             return Err(Error::invalid(
-                "Backing format cannot be used without backing file",
+                "Backing file specified without backing format",
+            ));
+        }
+        let v3_only = |what: &str| {
+            Error::invalid(format!(
+                "{what} only supported with compatibility level 1.1 and above (use version=v3 \
+                 or greater)"
+            ))
+        };
+        if self.extended_l2 && self.version < 3 {
+            return Err(v3_only("Extended L2 entries are"));
+        }
+        let cs = self.cluster_size;
+        if !cs.is_power_of_two() || !(512..=2 << 20).contains(&cs) {
+            return Err(Error::invalid(
+                "Cluster size must be a power of two between 512 and 2048k",
+            ));
+        }
+        if self.extended_l2 && cs < 16384 {
+            return Err(Error::invalid(
+                "Extended L2 entries are only supported with cluster sizes of at least 16384 bytes",
             ));
         }
         // Preallocated clusters would read as zero and hide the backing file; only subclusters
@@ -71,41 +92,23 @@ impl CreateOptions {
                  is on",
             ));
         }
-        let cs = self.cluster_size;
-        if !cs.is_power_of_two() || !(512..=2 << 20).contains(&cs) {
+        if self.backing_format.is_some() && self.backing_file.is_none() {
             return Err(Error::invalid(
-                "Cluster size must be a power of two between 512 and 2048k",
+                "Backing format cannot be used without backing file",
             ));
+        }
+        if self.lazy_refcounts && self.version < 3 {
+            return Err(v3_only("Lazy refcounts"));
         }
         if !self.refcount_bits.is_power_of_two() || self.refcount_bits > 64 {
             return Err(Error::invalid(
                 "Refcount width must be a power of two and may not exceed 64 bits",
             ));
         }
-        if self.version == 2 {
-            let v3_only = [
-                (self.lazy_refcounts, "Lazy refcounts"),
-                (
-                    self.refcount_bits != 16,
-                    "Different refcount widths than 16 bits",
-                ),
-                (self.extended_l2, "Extended L2 entries"),
-                (self.data_file.is_some(), "External data files"),
-                (
-                    self.compression != Compression::Zlib,
-                    "Compression types other than zlib",
-                ),
-            ];
-            if let Some((_, what)) = v3_only.iter().find(|(on, _)| *on) {
-                return Err(Error::invalid(format!(
-                    "{what} are only supported with compatibility level 1.1 and above (use \
-                     compat=1.1 or greater)"
-                )));
-            }
-        }
-        if self.extended_l2 && cs < 16384 {
+        if self.refcount_bits != 16 && self.version < 3 {
             return Err(Error::invalid(
-                "Extended L2 entries are only supported with cluster sizes of at least 16384 bytes",
+                "Different refcount widths than 16 bits require compatibility level 1.1 or \
+                 above (use version=v3 or greater)",
             ));
         }
         if self.data_file_raw && self.data_file.is_none() {
@@ -116,9 +119,13 @@ impl CreateOptions {
                 "Backing file and data-file-raw cannot be used at the same time",
             ));
         }
-        if self.backing_file.is_some() && self.backing_format.is_none() {
+        if self.data_file.is_some() && self.version < 3 {
+            return Err(v3_only("External data files are"));
+        }
+        if self.compression != Compression::Zlib && self.version < 3 {
             return Err(Error::invalid(
-                "Backing file specified without backing format",
+                "Non-zlib compression type is only supported with compatibility level 1.1 and \
+                 above (use version=v3 or greater)",
             ));
         }
         Ok(())

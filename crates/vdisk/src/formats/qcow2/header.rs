@@ -317,9 +317,16 @@ impl Header {
                 EXT_BACKING_FORMAT => self.backing_format = name(),
                 EXT_DATA_FILE => self.data_file = name(),
                 EXT_FEATURE_TABLE => {
-                    for entry in data.chunks_exact(48) {
+                    // QEMU reads the table into zeroed memory and stops at the first entry
+                    // with no name: a short last entry counts, its missing bytes zero.
+                    for entry in data.chunks(48) {
+                        let mut entry = entry.to_vec();
+                        entry.resize(48, 0);
                         let name = &entry[2..];
                         let name = &name[..name.iter().position(|&c| c == 0).unwrap_or(46)];
+                        if name.is_empty() {
+                            break;
+                        }
                         let name = String::from_utf8_lossy(name).into_owned();
                         self.feature_names.push((entry[0], entry[1], name));
                     }
@@ -334,21 +341,24 @@ impl Header {
         Ok(())
     }
 
+    /// QEMU's report_unsupported_feature: the table's names of unknown incompatible bits in
+    /// the table's order, then the bits it does not name, as one mask.
     fn check_features(&self) -> Result<()> {
-        let unknown = self.incompatible & !INCOMPAT_KNOWN;
+        let mut unknown = self.incompatible & !INCOMPAT_KNOWN;
         if unknown == 0 {
             return Ok(());
         }
-        let names: Vec<String> = (0..64)
-            .filter(|bit| unknown & (1 << bit) != 0)
-            .map(|bit| {
-                self.feature_names
-                    .iter()
-                    .find(|(t, b, _)| *t == 0 && u64::from(*b) == bit)
-                    .map(|(_, _, n)| n.clone())
-                    .unwrap_or_else(|| format!("Unknown incompatible feature: {:x}", 1u64 << bit))
-            })
-            .collect();
+        let mut names = Vec::new();
+        for (kind, bit, name) in &self.feature_names {
+            let mask = 1u64.checked_shl(u32::from(*bit)).unwrap_or(0);
+            if *kind == 0 && unknown & mask != 0 {
+                names.push(name.clone());
+                unknown &= !mask;
+            }
+        }
+        if unknown != 0 {
+            names.push(format!("Unknown incompatible feature: {unknown:x}"));
+        }
         Err(Error::unsupported(format!(
             "Unsupported qcow2 feature(s): {}",
             names.join(", ")
@@ -380,6 +390,10 @@ impl Header {
             self.l1_bytes(),
             MAX_L1_BYTES,
         )?;
+        // QEMU's limit on the L1 index of the VM state, which follows the disk.
+        if self.l1_entries_needed() > i32::MAX as u64 {
+            return Err(Error::unsupported("Image is too big"));
+        }
         if u64::from(self.l1_size) < self.l1_entries_needed() {
             return Err(Error::corrupt("L1 table is too small"));
         }

@@ -184,6 +184,25 @@ fn read_l1(file: &dyn Storage, header: &Header, offset: u64, entries: u32) -> Re
     read_table(file, offset, u64::from(entries), "L1 table")
 }
 
+/// Reads a snapshot's L1 table, first checked as QEMU's qcow2_validate_table checks it before
+/// it loads, applies, deletes or expands the snapshot, with its messages.
+pub(crate) fn read_snapshot_l1(
+    file: &dyn Storage,
+    header: &Header,
+    s: &Snapshot,
+) -> Result<Vec<u64>> {
+    let bytes = u64::from(s.l1_size) * 8;
+    if bytes > header::MAX_L1_BYTES {
+        return Err(Error::corrupt("Snapshot L1 table too large"));
+    }
+    // QEMU bounds tables by INT64_MAX, as its offsets are signed.
+    let end = s.l1_table_offset.checked_add(bytes);
+    if s.l1_table_offset % header.cluster_size() != 0 || end.is_none_or(|e| e > i64::MAX as u64) {
+        return Err(Error::corrupt("Snapshot L1 table offset invalid"));
+    }
+    read_table(file, s.l1_table_offset, u64::from(s.l1_size), "L1 table")
+}
+
 /// The snapshot table the header names, as an open reads it (QEMU's messages).
 fn read_snapshots(file: &dyn Storage, h: &Header) -> Result<snapshot::Table> {
     snapshot::check_location(h.snapshots_offset, h.nb_snapshots, h.cluster_size())
@@ -283,7 +302,8 @@ impl Qcow2 {
         if self.writable {
             return Err(Error::unsupported("snapshots are loaded read-only"));
         }
-        let l1 = read_l1(&*self.file, &self.header, s.l1_table_offset, s.l1_size)?;
+        let l1 = read_snapshot_l1(&*self.file, &self.header, s)
+            .map_err(|e| e.prefixed("Failed to load snapshot: "))?;
         let meta = self.meta.get_mut().unwrap_or_else(|e| e.into_inner());
         meta.tables.replace_l1(l1, false);
         meta.tables.clear();

@@ -23,7 +23,7 @@ use crate::formats::qcow2::l2::{
 use crate::formats::qcow2::meta::Meta;
 use crate::formats::qcow2::offset::Host;
 use crate::formats::qcow2::overlap::overlap_message;
-use crate::formats::qcow2::{read_l1, Qcow2};
+use crate::formats::qcow2::{read_snapshot_l1, Qcow2};
 use crate::storage::zero_range;
 
 /// Changed L2 tables held in memory before they are committed.
@@ -35,7 +35,7 @@ impl Qcow2 {
     fn l1_table_of(&self, n: usize) -> Result<Vec<u64>> {
         match n.checked_sub(1).map(|i| &self.snapshots[i]) {
             None => Ok(self.lock().tables.l1().to_vec()),
-            Some(s) => read_l1(&*self.file, &self.header, s.l1_table_offset, s.l1_size),
+            Some(s) => read_snapshot_l1(&*self.file, &self.header, s),
         }
     }
 

@@ -17,7 +17,7 @@ use crate::formats::prealloc::Preallocation;
 use crate::formats::qcow2::l2::{L2Entry, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
 use crate::formats::qcow2::offset::Host;
 use crate::formats::qcow2::snapshot::Snapshot;
-use crate::formats::qcow2::{read_l1, Qcow2};
+use crate::formats::qcow2::{read_snapshot_l1, Qcow2};
 
 impl Qcow2 {
     /// Takes snapshot `name` of the active image.
@@ -83,12 +83,13 @@ impl Qcow2 {
                 "Failed to load snapshot: No such file or directory",
             ));
         };
+        // Checked first, as QEMU checks it: a bad entry fails before anything changed.
+        let mut l1 = read_snapshot_l1(&*self.file, &self.header, &sn)?;
         self.flush_impl()?;
         let size = sn.disk_size.unwrap_or(self.size);
         if u64::from(sn.l1_size) > u64::from(self.header.l1_size) {
             self.resize(size.max(self.size), Preallocation::Off)?;
         }
-        let mut l1 = read_l1(&*self.file, &self.header, sn.l1_table_offset, sn.l1_size)?;
         l1.resize(self.header.l1_size as usize, 0);
         self.add_references(&mut self.lock(), &l1, 1)?;
         self.flush_impl()?;
@@ -116,11 +117,12 @@ impl Qcow2 {
         let Some(index) = self.snapshots.iter().position(|s| s.info.name == name) else {
             return Err(Error::invalid("snapshot not found"));
         };
+        // Read (and checked) before the table changes, so that a bad entry stays as it was.
+        let l1 = read_snapshot_l1(&*self.file, &self.header, &self.snapshots[index])?;
         self.flush_impl()?;
         let mut snapshots = self.snapshots.clone();
         let sn = snapshots.remove(index);
         self.write_snapshot_table(snapshots)?;
-        let l1 = read_l1(&*self.file, &self.header, sn.l1_table_offset, sn.l1_size)?;
         {
             let mut meta = self.lock();
             self.add_references(&mut meta, &l1, -1)?;
@@ -196,13 +198,8 @@ impl Qcow2 {
             let r = refs.get(&*self.file, c)?;
             match r.checked_add_signed(delta).filter(|&v| v <= max) {
                 Some(v) => new.push((c, v)),
-                None => {
-                    return Err(Error::invalid(format!(
-                        "Invalid argument (the refcount of cluster {c} would leave the range \
-                         its {}-bit width holds)",
-                        max.count_ones()
-                    )))
-                }
+                // QEMU's words (EINVAL) for a refcount its width cannot hold.
+                None => return Err(Error::invalid("Invalid argument")),
             }
         }
         for (c, v) in new {

@@ -1,0 +1,131 @@
+//! What `vdisk convert` makes of its flags before it copies: the plan of the copy, and the
+//! refusals qemu-img makes of a command line, in its words.
+
+use vdisk::{Error, Format};
+
+use super::{Args, MAX_SPARSE, SPARSE};
+use crate::options::{check_option_lists, creation_option, parse_options, typed_options};
+use crate::size::parse_size;
+
+/// How the copy treats zeroes, and how many workers run it.
+#[derive(Clone, Copy)]
+pub(super) struct Plan {
+    /// Zero runs at least this long are not written as data (0: every byte is written).
+    pub(super) sparse: usize,
+    /// The target reads as zero before the copy: zero runs are skipped rather than zeroed.
+    pub(super) zero_init: bool,
+    /// Copy only what the source's top layer holds (the target's backing file has the rest).
+    pub(super) top_only: bool,
+    /// Where a new target's backing file ends: past it the target reads zero, and what the
+    /// source reads as zero there is left alone, as qemu-img leaves it.
+    pub(super) backing_end: Option<u64>,
+    pub(super) workers: usize,
+}
+
+impl Plan {
+    pub(super) fn new(args: &Args) -> vdisk::Result<Plan> {
+        check_option_lists(&args.options).map_err(Error::invalid)?;
+        let sparse = match args.sparse.as_deref() {
+            None => SPARSE as u64,
+            Some(s) => match parse_size(s) {
+                Some(n) if n % 512 == 0 && n <= MAX_SPARSE => n,
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "Invalid buffer size for sparse output specified. Valid sizes are \
+                         multiples of 512 up to {MAX_SPARSE}. Select 0 to disable sparse \
+                         detection (fully allocates output)."
+                    )))
+                }
+            },
+        };
+        let workers = match args.workers.as_deref() {
+            None => std::thread::available_parallelism()
+                .map_or(2, |n| n.get())
+                .min(8),
+            Some(m) => match m.parse::<usize>() {
+                Ok(n @ 1..=16) => n,
+                _ => {
+                    return Err(Error::invalid(
+                        "Invalid number of coroutines specified. Must be between 1 and 16.",
+                    ))
+                }
+            },
+        };
+        if args.no_create && !args.options.is_empty() {
+            return Err(Error::invalid(
+                "-o has no effect when skipping image creation",
+            ));
+        }
+        // The target's options as `create` reads them (a malformed list was refused above); a
+        // later value of an option replaces an earlier one.
+        let options = parse_options(&args.options);
+        let option = |key: &str| {
+            let found = options.iter().rev().find(|(k, _)| k == key);
+            found.map(|(_, v)| v.as_str())
+        };
+        if args.compress && option("preallocation").is_some_and(|v| v != "off") {
+            return Err(Error::invalid(
+                "Compression and preallocation not supported at the same time",
+            ));
+        }
+        if args.target_is_zero && !args.no_create {
+            return Err(Error::invalid("--target-is-zero requires use of -n flag"));
+        }
+        // `-o backing_file=` names the target's backing file as `-B` does, as in qemu-img.
+        let backed =
+            args.backing.is_some() || option("backing_file").is_some_and(|v| !v.is_empty());
+        if args.target_is_zero && backed {
+            return Err(Error::invalid(
+                "Cannot use --target-is-zero when the destination image has a backing file",
+            ));
+        }
+        if args.sources().len() > 1 && backed {
+            return Err(Error::invalid(
+                "Having a backing file for the target makes no sense when concatenating \
+                 multiple input images",
+            ));
+        }
+        Ok(Plan {
+            sparse: sparse as usize,
+            zero_init: (!args.no_create || args.target_is_zero) && !backed,
+            top_only: backed,
+            backing_end: None,
+            workers,
+        })
+    }
+}
+
+/// qemu-img convert's checks of the new target's backing file, which it makes once the sources
+/// are open, before it creates the target (so its words, not the creation's).
+pub(super) fn check_backing(args: &Args) -> vdisk::Result<()> {
+    if args.no_create {
+        return Ok(());
+    }
+    let format = &args.output_format;
+    // The options are read first, as qemu-img reads them; seqlog's are create's to check.
+    let parsed = Format::parse(format).ok();
+    if let Some(f) = parsed.filter(|f| [Format::RAW, Format::QCOW2].contains(f)) {
+        typed_options(&args.options, |k| creation_option(f, k)).map_err(Error::invalid)?;
+    }
+    let backed_format = parsed == Some(Format::QCOW2);
+    if args.backing.is_some() && !backed_format {
+        return Err(Error::unsupported(format!(
+            "Backing file not supported for file format '{format}'"
+        )));
+    }
+    if args.backing_format.is_some() && !backed_format {
+        return Err(Error::unsupported(format!(
+            "Backing file format not supported for file format '{format}'"
+        )));
+    }
+    // A backing file named by -B or by -o, even empty, wants its format named too.
+    let options = parse_options(&args.options);
+    let given = |key: &str| options.iter().any(|(k, _)| k == key);
+    let backed = args.backing.is_some() || given("backing_file");
+    if backed && args.backing_format.is_none() && !given("backing_fmt") {
+        return Err(Error::invalid(
+            "Use of backing file requires explicit backing format",
+        ));
+    }
+    Ok(())
+}
