@@ -12,6 +12,7 @@
 //! are copied one after the other into one target, as qemu-img concatenates them.
 
 mod plan;
+mod progress;
 mod sources;
 
 use std::path::Path;
@@ -29,7 +30,8 @@ use crate::flags::{parse_cache, ForceShare, ShowProgress};
 use crate::new_image::{create, NewImage};
 use crate::report::fail;
 use crate::text::Progress;
-use plan::{check_backing, Plan};
+use plan::{check_target, Plan};
+use progress::CopyProgress;
 use sources::{reads_from, Sources};
 
 /// Bytes one worker copies at a time.
@@ -118,10 +120,23 @@ pub fn run(args: &Args) -> ExitCode {
         Ok(p) => p,
         Err(e) => return fail(e, 1),
     };
-    let source = match Sources::open(args) {
-        Ok(s) => s,
-        Err(e) => return fail(e, 1),
-    };
+    // As qemu-img, the line starts before anything is opened, and ends whatever happens.
+    let line = args.progress.shown().then(|| Progress::new(0));
+    match convert(args, &plan, line.as_ref()) {
+        Ok(()) => {
+            line.inspect(Progress::finish);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            let code = fail(e, 1);
+            line.inspect(Progress::end);
+            code
+        }
+    }
+}
+
+fn convert(args: &Args, plan: &Plan, line: Option<&Progress>) -> vdisk::Result<()> {
+    let source = Sources::open(args)?;
     if source.images.iter().any(|i| reads_from(i, args.target())) {
         // QEMU's own words: the source holds the file and its lock refuses the writer.
         let t = args.target();
@@ -129,32 +144,30 @@ pub fn run(args: &Args) -> ExitCode {
             true => format!("Could not open '{t}'"),
             false => format!("{t}: error while converting {}", args.output_format),
         };
-        return fail(
-            format!("{context}: Failed to get \"write\" lock\nIs another process using the image [{t}]?"),
-            1,
-        );
+        return Err(Error::invalid(format!(
+            "{context}: Failed to get \"write\" lock\nIs another process using the image [{t}]?"
+        )));
     }
-    if let Err(e) = check_backing(args) {
-        return fail(e, 1);
-    }
-    let result = match args.output_format.as_str() {
+    check_target(args)?;
+    match args.output_format.as_str() {
         "raw" if !args.compress && args.options.is_empty() && args.backing.is_none() => {
-            to_raw(&source, args, &plan)
+            to_raw(&source, args, plan, line)
         }
-        "raw" | "qcow2" | "seqlog" => to_image(&source, args, &plan),
+        "raw" | "qcow2" | "seqlog" => to_image(&source, args, plan, line),
         other => Err(Error::invalid(format!(
             "output format '{other}' is not supported (raw, qcow2 and seqlog are)"
         ))),
-    };
-    if let Err(e) = result {
-        return fail(e, 1);
     }
-    ExitCode::SUCCESS
 }
 
 /// Converts into a raw file written through its storage (the fast path: no format layer to go
 /// through).
-fn to_raw(source: &Sources, args: &Args, plan: &Plan) -> vdisk::Result<()> {
+fn to_raw(
+    source: &Sources,
+    args: &Args,
+    plan: &Plan,
+    line: Option<&Progress>,
+) -> vdisk::Result<()> {
     let path = Path::new(args.target());
     let create_error = |e: std::io::Error| Error::Io {
         context: format!("Could not create '{}'", args.target()),
@@ -189,12 +202,7 @@ fn to_raw(source: &Sources, args: &Args, plan: &Plan) -> vdisk::Result<()> {
         })?;
         target
     };
-    copy(
-        source,
-        &Target::File(&target, Mutex::new(())),
-        plan,
-        args.progress.shown(),
-    )?;
+    copy(source, &Target::File(&target, Mutex::new(())), plan, line)?;
     if args.sync() {
         target.sync().map_err(|e| Error::Io {
             context: format!("error while syncing '{}'", args.target()),
@@ -205,7 +213,12 @@ fn to_raw(source: &Sources, args: &Args, plan: &Plan) -> vdisk::Result<()> {
 }
 
 /// Converts into a new image created like `vdisk create` would, written through the engine.
-fn to_image(source: &Sources, args: &Args, plan: &Plan) -> vdisk::Result<()> {
+fn to_image(
+    source: &Sources,
+    args: &Args,
+    plan: &Plan,
+    line: Option<&Progress>,
+) -> vdisk::Result<()> {
     if args.compress && args.output_format != "qcow2" {
         return Err(Error::unsupported(
             "Compression not supported for this file format",
@@ -247,12 +260,7 @@ fn to_image(source: &Sources, args: &Args, plan: &Plan) -> vdisk::Result<()> {
             .flatten(),
         ..*plan
     };
-    let copied = copy(
-        source,
-        &Target::Image(&target, args.compress),
-        &plan,
-        args.progress.shown(),
-    );
+    let copied = copy(source, &Target::Image(&target, args.compress), &plan, line);
     // Closing commits the metadata: always, so that the image is consistent whatever happened.
     let closed = target.close();
     copied?;
@@ -270,18 +278,23 @@ enum Target<'a> {
 }
 
 /// Copies all guest data of `source` into `target` with the plan's workers.
-fn copy(source: &Sources, target: &Target, plan: &Plan, show_progress: bool) -> vdisk::Result<()> {
+fn copy(
+    source: &Sources,
+    target: &Target,
+    plan: &Plan,
+    line: Option<&Progress>,
+) -> vdisk::Result<()> {
     let size = source.size();
     let next = AtomicU64::new(0);
-    let done = AtomicU64::new(0);
     let stop = AtomicBool::new(false);
     let first_error = Mutex::new(None);
-    let workers = plan.workers;
-    let progress = show_progress.then(|| Progress::new(size));
+    let progress = match line {
+        Some(line) => Some(CopyProgress::new(line, source, plan, target)?),
+        None => None,
+    };
     std::thread::scope(|s| {
-        for worker in 0..workers {
-            let (next, done, stop, first_error, progress) =
-                (&next, &done, &stop, &first_error, &progress);
+        for _ in 0..plan.workers {
+            let (next, stop, first_error, progress) = (&next, &stop, &first_error, &progress);
             s.spawn(move || {
                 // Aligned, so that -T none reads the source with O_DIRECT.
                 let mut buf = AlignedBuf::zeroed(CHUNK as usize);
@@ -299,21 +312,17 @@ fn copy(source: &Sources, target: &Target, plan: &Plan, show_progress: bool) -> 
                             .get_or_insert(e);
                         break;
                     }
-                    let total = done.fetch_add(end - start, Ordering::Relaxed) + (end - start);
-                    if let Some(p) = progress.as_ref().filter(|_| worker == 0) {
-                        p.show(total);
+                    if let Some(p) = progress {
+                        p.copied(start, end);
                     }
                 }
             });
         }
     });
-    if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        return Err(e);
+    match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
     }
-    if let Some(p) = progress {
-        p.finish();
-    }
-    Ok(())
 }
 
 /// qemu-img convert's messages for failed transfers.

@@ -171,8 +171,8 @@ fn keep_contents(
 /// entries its cache holds (a whole table, or 4 KiB of entries when its default 32 MiB cache
 /// cannot hold every table). qemu-img rebase compares an extent at a time, and where a run of
 /// differing clusters is cut decides whether its part past the old backing file's end is
-/// written as data or made zero.
-fn status_span(cluster: u64, subcluster: u64, size: u64) -> u64 {
+/// written as data or made zero; qemu-img convert's progress counts extents too.
+pub(crate) fn status_span(cluster: u64, subcluster: u64, size: u64) -> u64 {
     let entry = if subcluster < cluster { 16 } else { 8 };
     let all_tables = (size.div_ceil(cluster) * entry).next_multiple_of(cluster);
     let slice = match all_tables > 32 << 20 {

@@ -71,40 +71,68 @@ pub fn local_date(secs: u32) -> String {
     )
 }
 
-/// qemu-img's progress line, redrawn in place ("    (12.34/100%)"), at most once per percent.
+/// qemu-img's progress line, redrawn in place ("    (12.34/100%)\r"), as QEMU's
+/// qemu-progress.c draws it: in single precision, and only when it moved more than `min_skip`
+/// points since it was last drawn, or reached 0 or 100.
 pub struct Progress {
+    /// What `show` counts to (the commands that count bytes).
     total: u64,
-    last: std::sync::atomic::AtomicU64,
+    min_skip: f32,
+    /// The current value and the one last drawn.
+    state: std::sync::Mutex<(f32, f32)>,
 }
 
 impl Progress {
+    /// Starts the line at 0 (qemu_progress_init, then qemu_progress_print(0, 100)), moving at
+    /// least a point at a time, as most of qemu-img's commands have it.
     pub fn new(total: u64) -> Self {
         let p = Progress {
             total,
-            last: std::sync::atomic::AtomicU64::new(u64::MAX),
+            min_skip: 1.0,
+            state: std::sync::Mutex::new((0.0, 0.0)),
         };
-        p.show(0);
+        p.print(0.0, 100.0);
         p
     }
 
-    pub fn show(&self, done: u64) {
+    /// qemu_progress_print: with `max` 0, `delta` is the new value; else the value moves by
+    /// `delta` percent of `max`.
+    pub fn print(&self, delta: f32, max: f32) {
         use std::io::Write;
-        use std::sync::atomic::Ordering;
-        let pct = if self.total == 0 {
-            100.0
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let (current, last) = &mut *state;
+        let next = if max == 0.0 {
+            delta
         } else {
-            done as f64 * 100.0 / self.total as f64
+            *current + delta / 100.0 * max
         };
-        if self.last.swap(pct as u64, Ordering::Relaxed) == pct as u64 && done < self.total {
-            return;
+        *current = next.min(100.0);
+        let moved = *current > *last + self.min_skip || *current < *last - self.min_skip;
+        if moved || *current == 100.0 || *current == 0.0 {
+            *last = *current;
+            print!("    ({:.2}/100%)\r", f64::from(*current));
+            let _ = std::io::stdout().flush();
         }
-        print!("    ({pct:.2}/100%)\r");
-        let _ = std::io::stdout().flush();
     }
 
-    pub fn finish(&self) {
-        self.show(self.total);
+    /// Draws `done` of the total given to [`Progress::new`].
+    pub fn show(&self, done: u64) {
+        let pct = match self.total {
+            0 => 100.0,
+            total => 100.0 * done as f64 / total as f64,
+        };
+        self.print(pct as f32, 0.0);
+    }
+
+    /// Ends the line, as qemu_progress_end does also after a failure.
+    pub fn end(&self) {
         println!();
+    }
+
+    /// Draws 100 and ends the line.
+    pub fn finish(&self) {
+        self.print(100.0, 0.0);
+        self.end();
     }
 }
 

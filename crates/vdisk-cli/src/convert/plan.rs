@@ -56,35 +56,10 @@ impl Plan {
                 "-o has no effect when skipping image creation",
             ));
         }
-        // The target's options as `create` reads them (a malformed list was refused above); a
-        // later value of an option replaces an earlier one.
-        let options = parse_options(&args.options);
-        let option = |key: &str| {
-            let found = options.iter().rev().find(|(k, _)| k == key);
-            found.map(|(_, v)| v.as_str())
-        };
-        if args.compress && option("preallocation").is_some_and(|v| v != "off") {
-            return Err(Error::invalid(
-                "Compression and preallocation not supported at the same time",
-            ));
-        }
         if args.target_is_zero && !args.no_create {
             return Err(Error::invalid("--target-is-zero requires use of -n flag"));
         }
-        // `-o backing_file=` names the target's backing file as `-B` does, as in qemu-img.
-        let backed =
-            args.backing.is_some() || option("backing_file").is_some_and(|v| !v.is_empty());
-        if args.target_is_zero && backed {
-            return Err(Error::invalid(
-                "Cannot use --target-is-zero when the destination image has a backing file",
-            ));
-        }
-        if args.sources().len() > 1 && backed {
-            return Err(Error::invalid(
-                "Having a backing file for the target makes no sense when concatenating \
-                 multiple input images",
-            ));
-        }
+        let backed = backed(args);
         Ok(Plan {
             sparse: sparse as usize,
             zero_init: (!args.no_create || args.target_is_zero) && !backed,
@@ -95,12 +70,45 @@ impl Plan {
     }
 }
 
-/// qemu-img convert's checks of the new target's backing file, which it makes once the sources
-/// are open, before it creates the target (so its words, not the creation's).
-pub(super) fn check_backing(args: &Args) -> vdisk::Result<()> {
-    if args.no_create {
-        return Ok(());
+/// Whether the target gets a backing file: `-o backing_file=` names it as `-B` does, as in
+/// qemu-img.
+fn backed(args: &Args) -> bool {
+    let options = parse_options(&args.options);
+    let named = options.iter().rev().find(|(k, _)| k == "backing_file");
+    args.backing.is_some() || named.is_some_and(|(_, v)| !v.is_empty())
+}
+
+/// qemu-img convert's checks of the target, which it makes once the sources are open, before
+/// it creates the target (so its words, not the creation's), in its order.
+pub(super) fn check_target(args: &Args) -> vdisk::Result<()> {
+    let backed = backed(args);
+    if !args.no_create {
+        check_new_backing(args)?;
     }
+    if args.target_is_zero && backed {
+        return Err(Error::invalid(
+            "Cannot use --target-is-zero when the destination image has a backing file",
+        ));
+    }
+    if args.sources().len() > 1 && backed {
+        return Err(Error::invalid(
+            "Having a backing file for the target makes no sense when concatenating multiple \
+             input images",
+        ));
+    }
+    // A later value of an option replaces an earlier one.
+    let options = parse_options(&args.options);
+    let preallocation = options.iter().rev().find(|(k, _)| k == "preallocation");
+    if args.compress && preallocation.is_some_and(|(_, v)| v != "off") {
+        return Err(Error::invalid(
+            "Compression and preallocation not supported at the same time",
+        ));
+    }
+    Ok(())
+}
+
+/// The new target's options, then its backing file against its format.
+fn check_new_backing(args: &Args) -> vdisk::Result<()> {
     let format = &args.output_format;
     // The options are read first, as qemu-img reads them; seqlog's are create's to check.
     let parsed = Format::parse(format).ok();

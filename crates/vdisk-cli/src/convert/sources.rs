@@ -5,6 +5,7 @@ use vdisk::{open_image, BlockDev, Error, Image, ImageOptions};
 use super::Args;
 use crate::open::read_options;
 use crate::options::snapshot_param;
+use crate::rebase::status_span;
 
 /// The source images read as one disk, each after the one before it.
 pub(super) struct Sources {
@@ -59,6 +60,21 @@ impl Sources {
         let image = &self.images[i];
         let at = pos - self.starts[i];
         (image, at, image.size() - at)
+    }
+
+    /// The image holding byte `pos` as qemu-img's status walk sees it: where it starts in the
+    /// whole, the alignment its runs keep (its cluster size, else a sector), and how far one
+    /// of QEMU's extents may reach in it (a cached slice of a qcow2 L2 table; a raw image's
+    /// may reach its end).
+    pub(super) fn part(&self, pos: u64) -> (u64, u64, u64) {
+        let (image, at, _) = self.locate(pos);
+        let driver = image.driver();
+        let (align, span) = match (driver.cluster_size(), driver.subcluster_size()) {
+            (Some(c), Some(sc)) => (c, status_span(c, sc, image.size())),
+            (Some(c), None) => (c, u64::MAX),
+            _ => (512, u64::MAX),
+        };
+        (pos - at, align, span)
     }
 
     /// Block status of `[pos, pos + len)`, which ends at the end of the image it starts in.
