@@ -16,7 +16,7 @@ pub struct Args {
     format: String,
     /// Format options, comma separated (repeatable): cluster_size, compat, lazy_refcounts,
     /// extended_l2, refcount_bits, preallocation, compression_type, data_file,
-    /// data_file_raw, backing_file, backing_fmt, size.
+    /// data_file_raw, backing_file, backing_fmt, size; the file's extent_size_hint, nocow.
     #[arg(short = 'o', long = "options")]
     options: Vec<String>,
     #[arg(short = 'b', long = "backing")]
@@ -129,6 +129,16 @@ const SIZE_OPTION: OptionHelp = ("size", "size", "Virtual disk size");
 /// Options of the file underneath the format, which qemu-img lists only when it knows the file.
 const FILE_OPTIONS: &[OptionHelp] = &[
     (
+        "extent_size_hint",
+        "size",
+        "Extent size hint for the image file, 0 to disable",
+    ),
+    (
+        "nocow",
+        "bool (on/off)",
+        "Turn off copy-on-write (valid only on btrfs)",
+    ),
+    (
         "preallocation",
         "str",
         "Preallocation mode (allowed values: off, falloc, full)",
@@ -137,7 +147,7 @@ const FILE_OPTIONS: &[OptionHelp] = &[
 ];
 
 /// qemu-img's `print_block_option_help`, listing only the options vdisk takes (none of qcow2's
-/// encryption, nor the file's extent_size_hint and nocow).
+/// encryption).
 fn option_help(format: &str, with_file: bool) -> ExitCode {
     let Ok(parsed) = Format::parse(format) else {
         return fail(format!("Unknown file format '{format}'"), 1);

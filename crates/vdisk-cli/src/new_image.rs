@@ -9,6 +9,7 @@ use vdisk::Preallocation;
 use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 
 use crate::options::{parse_bool, parse_options};
+use crate::report::message;
 use crate::size::{option_number, option_size, parse_size};
 
 /// An image to make: its format, file, size and backing file, as `create` takes them.
@@ -38,6 +39,7 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
         return create_seqlog(args, format);
     }
     let mut o = CreateOptions::default();
+    let mut file_options = FileOptions::default();
     let mut shown: Vec<(String, String)> = Vec::new();
     let mut backing = args.backing.map(str::to_string);
     let mut backing_format = args.backing_format.map(str::to_string);
@@ -45,6 +47,10 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
         match (format.name(), k.as_str()) {
             (_, "size") => o.size = option_size(&k, &v).map_err(Error::invalid)?,
             (_, "preallocation") => o.preallocation = Preallocation::parse(&v)?,
+            (_, "extent_size_hint") => {
+                file_options.extent_size_hint = Some(option_size(&k, &v).map_err(Error::invalid)?)
+            }
+            (_, "nocow") => file_options.nocow = on_off(&k, &v)?,
             ("qcow2", "cluster_size") => {
                 o.cluster_size = option_size(&k, &v).map_err(Error::invalid)?
             }
@@ -98,6 +104,10 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
     if !args.quiet {
         println!("{}", formatting_line(args.filename, format, &o, &shown));
     }
+    // QEMU's file driver refuses this as it makes the file, before the format checks its own.
+    if file_options.extent_size_hint > Some(u32::MAX.into()) {
+        return Err(Error::invalid("Extent size hint is too large"));
+    }
     // Disks are whole sectors (the line above shows the size as asked, like qemu-img); a size
     // rounded past 2^64 is past every limit below as well.
     o.size = o.size.checked_next_multiple_of(512).unwrap_or(u64::MAX);
@@ -136,6 +146,7 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
     // Only now, with both files known to take their lengths, is anything in them given up
     // (qcow2's create cuts the data file).
     file.cut()?;
+    file_options.apply(&file.storage);
     let made = match format.name() {
         "raw" => raw::create(&file.storage, o.size, o.preallocation),
         _ => create_qcow2(
@@ -255,6 +266,34 @@ fn refuse_backing(args: &NewImage, format: Format) -> vdisk::Result<()> {
         )));
     }
     Ok(())
+}
+
+/// The options of the file under the format (QEMU's file driver), which it applies to the new
+/// (empty) file: tuning whose failure is at most warned about.
+#[derive(Default)]
+struct FileOptions {
+    extent_size_hint: Option<u64>,
+    nocow: bool,
+}
+
+impl FileOptions {
+    fn apply(&self, file: &FileStorage) {
+        if self.nocow {
+            let _ = file.set_nocow();
+        }
+        // QEMU asks for 1 MiB extents unless told otherwise, and warns only of a hint it was
+        // given; the size was checked to fit.
+        let hint = self.extent_size_hint.unwrap_or(1 << 20);
+        if let Err(e) = file.set_extent_size_hint(hint as u32) {
+            if self.extent_size_hint.is_some_and(|h| h > 0) {
+                let why = Error::Io {
+                    context: "Failed to set extent size hint".into(),
+                    source: e,
+                };
+                message(format!("warning: {why}"));
+            }
+        }
+    }
 }
 
 /// A file opened (made if missing) and locked for a new image, not yet cut.
@@ -416,13 +455,19 @@ fn formatting_line(
                 flag("lazy_refcounts", o.lazy_refcounts),
             ));
             parts.push(("refcount_bits".into(), o.refcount_bits.to_string()));
+            parts.extend(given("nocow").map(|v| ("nocow".into(), v)));
         }
         _ => {
             parts.push(("size".into(), o.size.to_string()));
+            parts.extend(given("nocow").map(|v| ("nocow".into(), v)));
             if let Some(p) = given("preallocation") {
                 parts.push(("preallocation".into(), p));
             }
         }
+    }
+    // The file's extent size hint comes last, as the number it was read as.
+    if let Some(h) = given("extent_size_hint").and_then(|v| option_size("", &v).ok()) {
+        parts.push(("extent_size_hint".into(), h.to_string()));
     }
     let opts: Vec<String> = parts.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
     format!(

@@ -160,6 +160,59 @@ impl FileStorage {
         &self.file
     }
 
+    /// Asks the file system to allocate the (empty) file in extents of `bytes` (XFS's extent
+    /// size hint, FS_IOC_FSSETXATTR), as QEMU's file driver asks for new images; 0 clears it.
+    pub fn set_extent_size_hint(&self, bytes: u32) -> io::Result<()> {
+        /// `struct fsxattr` of linux/fs.h, which the libc crate does not have.
+        #[repr(C)]
+        #[derive(Default)]
+        struct FsXattr {
+            xflags: u32,
+            extsize: u32,
+            nextents: u32,
+            projid: u32,
+            cowextsize: u32,
+            pad: [u8; 8],
+        }
+        const FS_IOC_FSGETXATTR: libc::Ioctl = 0x801c_581f_u32 as libc::Ioctl;
+        const FS_IOC_FSSETXATTR: libc::Ioctl = 0x401c_5820_u32 as libc::Ioctl;
+        const FS_XFLAG_EXTSIZE: u32 = 0x800;
+        let fd = self.file.as_raw_fd();
+        let mut attr = FsXattr::default();
+        // SAFETY: the ioctl writes one `struct fsxattr`, which `attr` is; the descriptor is
+        // open.
+        if unsafe { libc::ioctl(fd, FS_IOC_FSGETXATTR, &mut attr) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        attr.xflags |= FS_XFLAG_EXTSIZE;
+        attr.extsize = bytes;
+        // SAFETY: the ioctl reads one `struct fsxattr`, which `attr` is; the descriptor is
+        // open.
+        if unsafe { libc::ioctl(fd, FS_IOC_FSSETXATTR, &attr) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Turns copy-on-write off for the file (btrfs's NOCOW flag), as QEMU's `nocow` option
+    /// does; it only works while the file is empty.
+    pub fn set_nocow(&self) -> io::Result<()> {
+        const FS_NOCOW_FL: libc::c_int = 0x0080_0000;
+        let fd = self.file.as_raw_fd();
+        // The kernel reads and writes an int, whatever the ioctl's number says.
+        let mut flags: libc::c_int = 0;
+        // SAFETY: the ioctl writes one int, which `flags` is; the descriptor is open.
+        if unsafe { libc::ioctl(fd, libc::FS_IOC_GETFLAGS, &mut flags) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        flags |= FS_NOCOW_FL;
+        // SAFETY: the ioctl reads one int, which `flags` is; the descriptor is open.
+        if unsafe { libc::ioctl(fd, libc::FS_IOC_SETFLAGS, &flags) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// Takes QEMU's locks of the file in `role` for `usage` (see `lock.rs`); fails, with
     /// QEMU's message alone, if another process uses the file in a way that excludes this use.
     pub fn lock(&self, path: &Path, role: LockRole, usage: LockUse) -> crate::Result<()> {
