@@ -46,7 +46,8 @@ use clap::{Parser, Subcommand};
     // As getopt_long, which qemu-img uses: unambiguous prefixes of long options, and a
     // repeated option takes its last value.
     infer_long_args = true,
-    args_override_self = true
+    args_override_self = true,
+    after_help = supported_formats()
 )]
 struct Cli {
     #[command(subcommand)]
@@ -93,6 +94,13 @@ enum Command {
     /// Copy an image block by block into a new one (like `qemu-img dd`): operands if=INPUT
     /// of=OUTPUT [bs=BLOCK_SIZE] [count=BLOCKS] [skip=BLOCKS].
     Dd(dd::Args),
+}
+
+/// The end of qemu-img's help, in its form, where scripts look for the formats it takes.
+fn supported_formats() -> String {
+    let mut names: Vec<&str> = vdisk::Format::all().map(vdisk::Format::name).collect();
+    names.sort_unstable();
+    format!("Supported image formats:\n\n  {}", names.join(" "))
 }
 
 fn main() -> ExitCode {

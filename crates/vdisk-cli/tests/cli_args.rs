@@ -337,3 +337,44 @@ fn messages_name_the_program_as_it_was_run() {
     }
     f.finish();
 }
+
+/// `qemu-img --help` ends with the formats it takes, which scripts look for; vdisk's help ends
+/// the same way with its own (those QEMU has too among them).
+#[test]
+fn help_lists_the_supported_formats_as_qemu_img_does() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "cli-formats");
+    let mut f = Failures::new("cli-formats", &wd);
+    // The heading, the blank line after it, and the names on the indented lines that follow.
+    let formats = |help: &str| -> Option<(String, Vec<String>)> {
+        let mut lines = help.lines().skip_while(|l| !l.starts_with("Supported"));
+        let heading = format!("{}|{}", lines.next()?, lines.next()?);
+        let names = lines
+            .take_while(|l| l.starts_with("  "))
+            .flat_map(|l| l.split_whitespace().map(String::from))
+            .collect();
+        Some((heading, names))
+    };
+    for flag in ["--help", "-h"] {
+        let (q, v) = (wd.qemu_img(&[flag]), wd.vdisk(&[flag]));
+        let (Some((qh, qn)), Some((vh, vn))) = (formats(&q.stdout), formats(&v.stdout)) else {
+            f.add(flag, "formats", format!("no list in\n{}", v.stdout));
+            continue;
+        };
+        f.same_text(flag, "heading", &qh, &vh);
+        let shared: Vec<&String> = vn.iter().filter(|n| qn.contains(n)).collect();
+        f.same_text(
+            flag,
+            "qcow2 and raw listed",
+            "[\"qcow2\", \"raw\"]",
+            &format!("{shared:?}"),
+        );
+        f.same_text(
+            flag,
+            "status",
+            &format!("{:?}", q.code),
+            &format!("{:?}", v.code),
+        );
+    }
+    f.finish();
+}

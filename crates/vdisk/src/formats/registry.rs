@@ -28,6 +28,11 @@ impl Format {
         self.0.name
     }
 
+    /// Every format vdisk has.
+    pub fn all() -> impl Iterator<Item = Format> {
+        FORMATS.iter().map(|&f| Format(f))
+    }
+
     /// The format called `name`; QEMU's error for any other.
     pub fn parse(name: &str) -> Result<Format> {
         FORMATS
