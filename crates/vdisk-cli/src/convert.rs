@@ -13,6 +13,7 @@
 
 mod plan;
 mod progress;
+mod salvage;
 mod sources;
 
 use std::path::Path;
@@ -31,7 +32,7 @@ use crate::new_image::{create, NewImage};
 use crate::report::fail;
 use crate::text::Progress;
 use plan::{check_target, Plan};
-use progress::CopyProgress;
+use progress::{first_pass, CopyProgress};
 use sources::{reads_from, Sources};
 
 /// Bytes one worker copies at a time.
@@ -89,8 +90,16 @@ pub struct Args {
     /// Out-of-order writes (vdisk always allows them).
     #[arg(short = 'W', long = "oob-writes")]
     out_of_order: bool,
-    /// The source images (several are copied one after the other), then the target.
-    #[arg(required = true, num_args = 2.., value_name = "FILE")]
+    /// Copy offloading: the source's data is copied as it is, all-zero blocks included, as
+    /// qemu-img's copy_range copies it.
+    #[arg(short = 'C', long = "copy-range-offloading")]
+    copy_offload: bool,
+    /// Go on past read errors: what cannot be read is written as zeroes, with a warning.
+    #[arg(long)]
+    salvage: bool,
+    /// The source images (several are copied one after the other), then the target. Options
+    /// may come between them, as getopt lets qemu-img take them.
+    #[arg(value_name = "FILE")]
     files: Vec<String>,
 }
 
@@ -288,10 +297,14 @@ fn copy(
     let next = AtomicU64::new(0);
     let stop = AtomicBool::new(false);
     let first_error = Mutex::new(None);
-    let progress = match line {
-        Some(line) => Some(CopyProgress::new(line, source, plan, target)?),
-        None => None,
+    // qemu-img walks the source's status before it copies, to count what it will copy: the
+    // progress line needs that count, and a salvaging copy warns there first of statuses it
+    // cannot read, as qemu-img's does.
+    let chunks = match line.is_some() || plan.salvage {
+        true => first_pass(source, plan, target)?,
+        false => Vec::new(),
     };
+    let progress = line.map(|line| CopyProgress::new(line, &chunks));
     std::thread::scope(|s| {
         for _ in 0..plan.workers {
             let (next, stop, first_error, progress) = (&next, &stop, &first_error, &progress);
@@ -347,7 +360,7 @@ fn copy_range(
     }
     let mut pos = start;
     while pos < end {
-        let st = status(source, plan, pos, end).map_err(reading(pos))?;
+        let st = salvage::status(source, plan, pos, end)?;
         let len = st.len;
         if left_to_backing(plan, pos, &st) {
             // Ranges no layer defines (depth 0, not present: no backing file, or past its
@@ -358,8 +371,13 @@ fn copy_range(
             }
         } else {
             let data = &mut buf[..len as usize];
-            source.read(pos, data).map_err(reading(pos))?;
-            write_sparse(target, plan, pos, data).map_err(writing(pos))?;
+            salvage::read(source, plan, pos, data)?;
+            // Copy offloading copies data as it is, zeroes and all.
+            let written = match plan.copy_offload {
+                true => write(target, pos, data),
+                false => write_sparse(target, plan, pos, data),
+            };
+            written.map_err(writing(pos))?;
         }
         pos += len;
     }
@@ -379,7 +397,7 @@ fn copy_compressed(
 ) -> vdisk::Result<()> {
     let cs = target.driver().cluster_size().unwrap_or(CHUNK) as usize;
     let data = &mut buf[..(end - start) as usize];
-    source.read(start, data).map_err(reading(start))?;
+    salvage::read(source, plan, start, data)?;
     for (k, cluster) in data.chunks(cs).enumerate() {
         let at = start + (k * cs) as u64;
         if plan.top_only && all_left_to_backing(source, plan, at, cluster.len() as u64)? {
@@ -419,7 +437,7 @@ fn left_to_backing(plan: &Plan, pos: u64, st: &BlockStatus) -> bool {
 fn all_left_to_backing(source: &Sources, plan: &Plan, at: u64, len: u64) -> vdisk::Result<bool> {
     let mut pos = at;
     while pos < at + len {
-        let st = status(source, plan, pos, at + len).map_err(reading(pos))?;
+        let st = salvage::status(source, plan, pos, at + len)?;
         if !left_to_backing(plan, pos, &st) {
             return Ok(false);
         }

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{tools, Failures, Workdir};
+use common::{tools, Failures, Qcow2Edit, Workdir};
 
 /// Option sets for the target.
 const CASES: &[&str] = &[
@@ -100,6 +100,21 @@ fn convert_flags_match_qemu() {
     );
     wd.setup_img(&["create", "-q", "-f", "qcow2", "flat.qcow2", "4M"]);
     wd.setup_io("flat.qcow2", Some("qcow2"), &["write -P 3 1M 64k"]);
+    wd.setup_img(&["snapshot", "-c", "s", "flat.qcow2"]);
+    wd.setup_io("flat.qcow2", Some("qcow2"), &["write -P 8 1M 4k"]);
+    // Compressed clusters whose data does not inflate: reads there fail (--salvage).
+    wd.setup_img(&["create", "-q", "-f", "qcow2", "bad.qcow2", "4M"]);
+    let writes = [
+        "write -c -P 7 0 64k",
+        "write -P 1 64k 64k",
+        "write -c -P 9 3M 64k",
+    ];
+    wd.setup_io("bad.qcow2", Some("qcow2"), &writes);
+    let bad = Qcow2Edit::open(&wd.abs("bad.qcow2"));
+    for guest in [0, 3 << 20] {
+        let host = bad.l2(guest) & ((1 << (62 - (bad.cluster_bits - 8))) - 1);
+        bad.write(host, &[0xff; 64]);
+    }
     // An overlay larger than its backing file (iotest 122), over L2 tables of 2 MiB each.
     wd.setup_img(&["create", "-q", "-f", "qcow2", "short.qcow2", "2M"]);
     wd.setup_io("short.qcow2", Some("qcow2"), &["write -P 4 1984k 64k"]);
@@ -289,6 +304,77 @@ fn convert_flags_match_qemu() {
             &["-l", "s", "-O", "qcow2"],
             "qcow2",
         ),
+        // Options after the first file name, as getopt lets qemu-img take them (iotest 058).
+        (
+            "options after the source",
+            "flat.qcow2 -l s -O qcow2",
+            &[],
+            "qcow2",
+        ),
+        (
+            "options between sources",
+            "flat.qcow2 -O raw top.qcow2 -q",
+            &[],
+            "raw",
+        ),
+        ("no target", "", &["-O", "raw", "flat.qcow2"], "raw"),
+        ("no file", "", &["-O", "raw"], "raw"),
+        // Copy offloading copies data as it is, zeroes and all; it excludes -c, -S, --salvage.
+        (
+            "copy offloading raw",
+            "top.qcow2",
+            &["-C", "-O", "raw"],
+            "raw",
+        ),
+        (
+            "copy offloading qcow2",
+            "top.qcow2",
+            &["-C", "-O", "qcow2"],
+            "qcow2",
+        ),
+        (
+            "copy offloading existing",
+            "top.qcow2",
+            &["--copy-range-offloading", "-n", "-O", "raw"],
+            "large",
+        ),
+        (
+            "copy offloading -c",
+            "top.qcow2",
+            &["-C", "-c", "-O", "qcow2"],
+            "qcow2",
+        ),
+        (
+            "copy offloading -S",
+            "top.qcow2",
+            &["-C", "-S", "4k", "-O", "raw"],
+            "raw",
+        ),
+        (
+            "copy offloading salvage",
+            "top.qcow2",
+            &["-C", "--salvage"],
+            "raw",
+        ),
+        // Unreadable sectors become zeroes, each warned about (in order: one worker).
+        (
+            "salvage",
+            "bad.qcow2",
+            &["--salvage", "-m", "1", "-O", "raw"],
+            "raw",
+        ),
+        (
+            "salvage quietly",
+            "bad.qcow2",
+            &["--salvage", "-q", "-O", "raw"],
+            "raw",
+        ),
+        (
+            "salvage compressed",
+            "bad.qcow2",
+            &["--salvage", "-m", "1", "-c", "-O", "qcow2"],
+            "qcow2",
+        ),
     ];
     for (name, source, flags, kind) in cases {
         let mut outs = Vec::new();
@@ -302,7 +388,7 @@ fn convert_flags_match_qemu() {
                 }
                 _ => {}
             }
-            let sources: Vec<&str> = source.split(' ').collect();
+            let sources: Vec<&str> = source.split_whitespace().collect();
             let args = [&["convert"][..], flags, &sources, &[&out]].concat();
             let outcome = if who == "q" {
                 wd.qemu_img(&args)

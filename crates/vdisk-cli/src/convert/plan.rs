@@ -20,6 +20,11 @@ pub(super) struct Plan {
     /// source reads as zero there is left alone, as qemu-img leaves it.
     pub(super) backing_end: Option<u64>,
     pub(super) workers: usize,
+    /// Copy data as it is, without looking for zeroes in it (`-C`).
+    pub(super) copy_offload: bool,
+    /// Go on past read errors (`--salvage`), warning of each unless `quiet`.
+    pub(super) salvage: bool,
+    pub(super) quiet: bool,
 }
 
 impl Plan {
@@ -51,6 +56,22 @@ impl Plan {
                 }
             },
         };
+        // qemu-img's refusals of -C, in its order, after those of the flags' values.
+        if args.copy_offload && args.compress {
+            return Err(Error::invalid(
+                "Cannot enable copy offloading when -c is used",
+            ));
+        }
+        if args.copy_offload && args.sparse.is_some() {
+            return Err(Error::invalid(
+                "Cannot enable copy offloading when -S is used",
+            ));
+        }
+        if args.copy_offload && args.salvage {
+            return Err(Error::invalid(
+                "Cannot use copy offloading in salvaging mode",
+            ));
+        }
         if args.no_create && !args.options.is_empty() {
             return Err(Error::invalid(
                 "-o has no effect when skipping image creation",
@@ -59,6 +80,9 @@ impl Plan {
         if args.target_is_zero && !args.no_create {
             return Err(Error::invalid("--target-is-zero requires use of -n flag"));
         }
+        if args.files.len() < 2 {
+            return Err(Error::invalid("Must specify image file name"));
+        }
         let backed = backed(args);
         Ok(Plan {
             sparse: sparse as usize,
@@ -66,6 +90,9 @@ impl Plan {
             top_only: backed,
             backing_end: None,
             workers,
+            copy_offload: args.copy_offload,
+            salvage: args.salvage,
+            quiet: args.progress.messages.quiet,
         })
     }
 }

@@ -8,7 +8,8 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use super::{left_to_backing, status, Plan, Sources, Target};
+use super::salvage::status;
+use super::{left_to_backing, Plan, Sources, Target};
 use crate::text::Progress;
 
 /// QEMU's largest request (BDRV_REQUEST_MAX_SECTORS), which bounds one block status query.
@@ -42,37 +43,19 @@ struct Done {
 }
 
 impl<'a> CopyProgress<'a> {
-    /// qemu-img's chunks of `source` copied into `target` with `plan`.
-    pub(super) fn new(
-        line: &'a Progress,
-        source: &Sources,
-        plan: &Plan,
-        target: &Target,
-    ) -> vdisk::Result<CopyProgress<'a>> {
-        // qemu-img's buffer: 2 MiB, or a larger target cluster (up to 16 MiB); a compressed
-        // target's cluster, one at a time.
-        let (buffer, compress_cluster) = match target {
-            Target::Image(image, compress) => {
-                let cluster = image.driver().cluster_size().unwrap_or(512);
-                match compress {
-                    true => (cluster, Some(cluster)),
-                    false => (cluster.clamp(2 << 20, 16 << 20), None),
-                }
-            }
-            Target::File(..) => (2 << 20, None),
-        };
-        let chunks = chunks(source, plan, buffer, compress_cluster)?;
+    /// The progress of a copy of `chunks` (from [`first_pass`]).
+    pub(super) fn new(line: &'a Progress, chunks: &[(u64, u64)]) -> CopyProgress<'a> {
         let total = chunks.last().map_or(0, |c| c.1);
         // In QEMU's arithmetic: sectors, a double, then a float.
         let marks = chunks
             .iter()
             .map(|&(end, sectors)| (end, (100.0 * sectors as f64 / total as f64) as f32))
             .collect();
-        Ok(CopyProgress {
+        CopyProgress {
             line,
             marks,
             done: Mutex::new(Done::default()),
-        })
+        }
     }
 
     /// Counts `[start, end)` as copied and draws the chunks that are now copied whole.
@@ -91,6 +74,28 @@ impl<'a> CopyProgress<'a> {
             done.next += 1;
         }
     }
+}
+
+/// qemu-img's walk of the source's status before it copies (convert_do_copy): the chunks it
+/// will count for copying `source` into `target` with `plan`.
+pub(super) fn first_pass(
+    source: &Sources,
+    plan: &Plan,
+    target: &Target,
+) -> vdisk::Result<Vec<(u64, u64)>> {
+    // qemu-img's buffer: 2 MiB, or a larger target cluster (up to 16 MiB); a compressed
+    // target's cluster, one at a time.
+    let (buffer, compress_cluster) = match target {
+        Target::Image(image, compress) => {
+            let cluster = image.driver().cluster_size().unwrap_or(512);
+            match compress {
+                true => (cluster, Some(cluster)),
+                false => (cluster.clamp(2 << 20, 16 << 20), None),
+            }
+        }
+        Target::File(..) => (2 << 20, None),
+    };
+    chunks(source, plan, buffer, compress_cluster)
 }
 
 /// The status at `pos` and how far it holds before `limit`, as one of QEMU's extents: vdisk's
