@@ -10,7 +10,7 @@ use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 
 use crate::flags::{bad_cache, ImageFormat, ShowProgress, WriteCache};
 use crate::open::image_format;
-use crate::report::{fail, usage_fail};
+use crate::report::{fail, usage_fail, warn_probed_raw};
 use crate::text::Progress;
 
 #[derive(clap::Args)]
@@ -30,6 +30,9 @@ pub struct Args {
     /// Accepted for qemu-img compatibility.
     #[arg(short = 'T', long = "backing-cache")]
     source_cache: Option<String>,
+    /// Compress the clusters copied into the image (qcow2), as `qemu-img rebase -c` does.
+    #[arg(short = 'c', long = "compress")]
+    compress: bool,
     #[command(flatten)]
     progress: ShowProgress,
     filename: String,
@@ -72,6 +75,13 @@ fn rebase(args: &Args) -> vdisk::Result<()> {
         ..ImageOptions::default()
     };
     let mut image = open_image(filename, &opts)?;
+    warn_probed_raw(filename, args.image.format.as_deref(), &image);
+    // As qemu-img, which can write compressed only where the format can.
+    if args.compress && image.format() != Format::QCOW2 {
+        return Err(Error::unsupported(
+            "Compression not supported for this file format",
+        ));
+    }
     if !image.driver().supports(Capability::Rebase) {
         return Err(Error::unsupported(format!(
             "Could not change the backing file to '{}': Operation not supported",
@@ -96,7 +106,12 @@ fn rebase(args: &Args) -> vdisk::Result<()> {
             }
             None => None,
         };
-        keep_contents(&image, new_backing.as_ref(), args.progress.shown())?;
+        keep_contents(
+            &image,
+            new_backing.as_ref(),
+            args.compress,
+            args.progress.shown(),
+        )?;
     }
     let d = image.driver_mut();
     let result = d.set_backing(new, new.and(backing_format));
@@ -113,18 +128,22 @@ const CHUNK: u64 = 2 << 20;
 
 /// Copies into `image` what it does not hold itself and what reads differently under
 /// `new_backing` (zeroes without one), as qemu-img rebase does: runs of (sub)clusters that
-/// differ are written with the data they read before, or, past the end of the old backing
-/// file, made zero (QEMU's write_zeroes, zero clusters where the image has them).
+/// differ are written with the data they read before (with `compress`, a compressed cluster
+/// at a time), or, past the end of the old backing file, made zero (QEMU's write_zeroes, zero
+/// clusters where the image has them).
 fn keep_contents(
     image: &vdisk::Image,
     new_backing: Option<&vdisk::Image>,
+    compress: bool,
     progress: bool,
 ) -> vdisk::Result<()> {
     let size = image.size();
     let driver = image.driver();
-    // Whole (sub)clusters, so that no write needs copy-on-write.
-    let align = driver.subcluster_size().unwrap_or(65536);
-    let span = status_span(driver.cluster_size().unwrap_or(65536), align, size);
+    // Whole (sub)clusters, so that no write needs copy-on-write; whole clusters to compress.
+    let cluster = driver.cluster_size().unwrap_or(65536);
+    let subcluster = driver.subcluster_size().unwrap_or(65536);
+    let align = if compress { cluster } else { subcluster };
+    let span = status_span(cluster, subcluster, size);
     let old_end = image.backing().map_or(0, |b| b.size());
     let progress = progress.then(|| Progress::new(size));
     let mut old = vec![0u8; CHUNK as usize];
@@ -147,11 +166,14 @@ fn keep_contents(
             while done < old.len() {
                 let (differs, len) = same_run(&old[done..], &new[done..], align as usize);
                 let at = offset + done as u64;
-                if differs && old_eof {
-                    image.write_zeroes(at, len as u64)?;
-                } else if differs {
-                    image.write(at, &old[done..done + len])?;
-                }
+                let data = &old[done..done + len];
+                let written = match (differs, old_eof, compress) {
+                    (false, ..) => Ok(()),
+                    (true, true, _) => image.write_zeroes(at, len as u64),
+                    (true, false, false) => image.write(at, data),
+                    (true, false, true) => write_compressed(image, at, data, align),
+                };
+                written.map_err(|e| e.prefixed("Error while writing to COW image: "))?;
                 done += len;
                 old_eof |= offset + done as u64 >= old_end;
             }
@@ -163,6 +185,17 @@ fn keep_contents(
     }
     if let Some(p) = progress {
         p.finish();
+    }
+    Ok(())
+}
+
+/// Writes `data` (whole clusters of `cluster` bytes, the last one perhaps cut by the end of the
+/// image) at `at` as compressed clusters, one at a time as QEMU writes them.
+fn write_compressed(image: &vdisk::Image, at: u64, data: &[u8], cluster: u64) -> vdisk::Result<()> {
+    for (i, chunk) in data.chunks(cluster as usize).enumerate() {
+        image
+            .driver()
+            .write_compressed(at + i as u64 * cluster, chunk)?;
     }
     Ok(())
 }

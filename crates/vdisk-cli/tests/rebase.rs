@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{tools, Failures, Workdir};
+use common::{tools, Failures, Outcome, Workdir};
 
 /// Iotest 252: where the old backing file ends (or there is none) the overlay read zeroes; where
 /// the new one has data there, qemu-img rebase makes zero clusters of them (v3), not clusters of
@@ -76,5 +76,104 @@ fn rebase_past_the_old_backing_end_matches_qemu() {
             }
         }
     }
+    failures.finish();
+}
+
+/// `qemu-img map --output=json` of `image` without host offsets (where clusters land depends
+/// on the order of allocation), compressed clusters included.
+fn map_without_offsets(wd: &Workdir, image: &str) -> String {
+    let out = wd.qemu_img(&["map", "--output=json", image]);
+    let mut text = String::new();
+    for line in out.stdout.lines() {
+        let cut = line.find(", \"offset\"").unwrap_or(line.len());
+        text.push_str(line[..cut].trim_end_matches(['}', ']', ',']));
+        text.push('\n');
+    }
+    text
+}
+
+/// `rebase -c`: what the overlay must keep is written in compressed clusters (whole clusters,
+/// the last one cut by the end of the image), as qemu-img writes it; zeroes past the old
+/// backing file's end stay zero clusters; formats that cannot compress are refused.
+#[test]
+fn compressed_rebase_matches_qemu() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "rebase-compressed");
+    let mut failures = Failures::new("rebase-compressed", &wd);
+    let cases = [
+        ("cluster_size=65536", "", "1200k"),
+        ("cluster_size=65536", "-u", "1200k"),
+        ("cluster_size=4096", "", "1M"),
+        ("compat=0.10", "", "1M"),
+        ("data_file=DATA", "", "1M"),
+    ];
+    for (options, flag, size) in cases {
+        let name = format!("{options} {flag} {size}");
+        let mut runs = Vec::new();
+        for who in ["q", "v"] {
+            let [old, new, top, copy] = ["old", "new", "top", "copy"].map(|n| format!("{who}-{n}"));
+            let options = options.replace("DATA", &format!("{who}-data"));
+            wd.setup_img(&["create", "-q", "-f", "qcow2", &old, "640k"]);
+            wd.setup_io(&old, None, &["write -P 1 0 512k", "write -P 0 512k 64k"]);
+            wd.setup_img(&["create", "-q", "-f", "qcow2", &new, "1M"]);
+            wd.setup_io(&new, None, &["write -P 1 0 128k", "write -P 2 896k 128k"]);
+            let backed = ["-b", &old, "-F", "qcow2", "-o", &options];
+            wd.setup_img(&[&["create", "-q", "-f", "qcow2"], &backed[..], &[&top, size]].concat());
+            wd.setup_io(&top, None, &["write -P 3 64k 64k"]);
+            wd.setup_img(&["convert", "-O", "raw", &top, &copy]);
+            let mut args = vec!["rebase", "-c", "-b", &new, "-F", "qcow2", &top];
+            if !flag.is_empty() {
+                args.insert(1, flag);
+            }
+            let out = match who {
+                "q" => wd.qemu_img(&args),
+                _ => wd.vdisk(&args),
+            };
+            let kept = wd
+                .qemu_img(&["compare", "-F", "raw", &top, &copy])
+                .success();
+            let check = wd.qemu_img(&["check", &top]);
+            runs.push((out, map_without_offsets(&wd, &top), kept, check.stdout));
+        }
+        let ((q, q_map, q_kept, q_check), (v, v_map, v_kept, v_check)) = (&runs[0], &runs[1]);
+        let v = Outcome {
+            stderr: v.stderr.replace("v-", "q-"),
+            ..v.clone()
+        };
+        failures.same_outcome(&name, "rebase -c", q, &v);
+        failures.same_text(
+            &name,
+            "contents kept",
+            &q_kept.to_string(),
+            &v_kept.to_string(),
+        );
+        failures.same_text(&name, "map", q_map, &v_map.replace("v-", "q-"));
+        failures.same_text(&name, "check", q_check, v_check);
+    }
+    // A raw image cannot hold compressed clusters.
+    for who in ["q", "v"] {
+        wd.setup_img(&["create", "-q", "-f", "raw", &format!("{who}.raw"), "1M"]);
+    }
+    let args = |who: &str| {
+        [
+            "rebase",
+            "-c",
+            "-u",
+            "-b",
+            "x",
+            "-F",
+            "raw",
+            &format!("{who}.raw"),
+        ]
+        .map(String::from)
+    };
+    let (qa, va) = (args("q"), args("v"));
+    let q = wd.qemu_img(&qa.iter().map(String::as_str).collect::<Vec<_>>());
+    let v = wd.vdisk(&va.iter().map(String::as_str).collect::<Vec<_>>());
+    let v = Outcome {
+        stderr: v.stderr.replace("v.raw", "q.raw"),
+        ..v
+    };
+    failures.same_outcome("raw", "rebase -c", &q, &v);
     failures.finish();
 }
