@@ -96,8 +96,10 @@ fn check_of_a_huge_bitmap_directory_is_fast() {
         "{:?}",
         out.check
     );
+    // A bound on the pathology, not a benchmark: 34 s before the fix, well under a second
+    // since; up to 13 s here with both cores busy with other builds.
     assert!(
-        out.elapsed < Duration::from_secs(5),
+        out.elapsed < Duration::from_secs(25),
         "check took {:?}",
         out.elapsed
     );
