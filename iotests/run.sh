@@ -67,7 +67,10 @@ while (($#)); do
         --quick) quick=1 ;;
         --update-expected) update_expected=1 ;;
         --format)
-            case ${2:-} in qcow2 | raw) formats=("$2") ;; *) die "--format takes qcow2 or raw" ;; esac
+            case ${2:-} in
+                qcow2 | raw) formats=("$2") ;;
+                *) die "--format takes qcow2 or raw" ;;
+            esac
             full=0; shift ;;
         --tests) tests=${2:?--tests needs test names}; full=0; shift ;;
         --group) group=${2:?--group needs a group name}; full=0; shift ;;
@@ -98,8 +101,9 @@ fi
 # The peers, all QEMU's but qemu-img's stand-in. A missing one is exit 2, which the Rust test
 # turns into a skip (outside CI).
 arch=$(uname -m)
+# ss (iproute2): the NBD tests look for free ports with it.
 for tool in qemu-img qemu-io qemu-nbd qemu-storage-daemon "qemu-system-$arch" python3 \
-    curl xz tar timeout; do
+    curl xz tar timeout ss; do
     command -v "$tool" >/dev/null || die "$tool not found (see docs/testing.md, \"QEMU's iotests\")"
 done
 
@@ -159,6 +163,8 @@ sweep() {
 # failures' .out.bad files and the per-test results. The sockets' directory must be short:
 # check appends <fmt>-file-<test>/ and the tests add socket names, within the 107 bytes a unix
 # socket path may have.
+# Runs' directories accumulate under the cache: keep the ten newest, this one included.
+for old in $(ls -dt "$cache"/run-* 2>/dev/null | tail -n +10); do rm -rf "$old"; done
 run=$(mktemp -d "$cache/run-$(date +%Y%m%d-%H%M%S)-XXXX")
 sock=$(mktemp -d /tmp/vdisk-iot.XXXXXX)
 cleanup() {
@@ -230,11 +236,14 @@ run_one() {
 # Runs a test, and once more if it fails or hangs: QEMU under tcg on a loaded machine has
 # flaky tests (a VM test now and then hangs, whatever the qemu-img). The second result counts;
 # the first one's log is kept as <name>.1.log. Prints "<status> <seconds> <first status or ->".
+# The quick form runs again only the tests it expects to pass: another failure says nothing.
 run_twice() {
     local impl=$1 fmt=$2 test=$3 status elapsed first=- f
     local base=$run/logs/$impl-$fmt-$test
     read -r status elapsed < <(run_one "$impl" "$fmt" "$test")
-    if [ "$status" = fail ] || [ "$status" = hang ]; then
+    if ((quick)) && ! grep -qxF "$test" "$here/expected-$fmt.txt" 2>/dev/null; then
+        :
+    elif [ "$status" = fail ] || [ "$status" = hang ]; then
         first=$status
         for f in log out.bad; do
             [ ! -e "$base.$f" ] || mv "$base.$f" "$base.1.$f"
