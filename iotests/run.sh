@@ -277,6 +277,11 @@ run_test() {
     printf '%-6s %-28s%s\n' "$fmt" "$test" "$line"
 }
 
+# The results name the commit, the binary's when it is this repository's build.
+built=
+if [ "$vdisk" = "$root/target/release/vdisk" ] || [ "$vdisk" = "$root/target/debug/vdisk" ]; then
+    built=" (built from $(git -C "$root" describe --always --dirty 2>/dev/null || echo '?'))"
+fi
 echo "QEMU $orig iotests from $iotests" >&2
 echo "vdisk: $vdisk ($("$vdisk" --version 2>/dev/null | head -1))" >&2
 echo "run directory: $run; ${#selected[@]} tests x ${formats[*]} x ${impls[*]}," \
@@ -306,7 +311,7 @@ echo "ran in $((seconds / 60)) min $((seconds % 60)) s" >&2
 
 # The comparison: the table, and for --quick the verdict against the expected lists.
 report=(python3 "$here/report.py" --run "$run" --lists "$here" --seconds "$seconds"
-    --qemu "$orig" --vdisk-version "$("$vdisk" --version 2>/dev/null | head -1)")
+    --qemu "$orig" --vdisk-version "$("$vdisk" --version 2>/dev/null | head -1)$built")
 if ((quick)); then
     ((update_expected == 0)) || report+=(--update-expected)
     "${report[@]}" --quick --out "${out:-$run/results.md}"
