@@ -8,7 +8,7 @@ use vdisk::formats::{AmendOptions, Capability};
 use vdisk::{open_image, BlockDev, Error, ImageOptions};
 
 use crate::flags::{bad_cache, ImageFormat, ShowProgress};
-use crate::open::image_format;
+use crate::open::image_options;
 use crate::options::{asks_help, check_option_lists, typed_options, Kind, Value};
 use crate::report::{fail, usage_fail, warn_probed_raw};
 use crate::text::Progress;
@@ -123,15 +123,14 @@ pub fn run(args: &Args) -> ExitCode {
 
 fn amend(filename: &str, args: &Args) -> vdisk::Result<ExitCode> {
     let opts = ImageOptions {
-        format: image_format(filename, args.image.format.as_deref())?,
         write: true,
         resize: true,
         // A dirty image is repaired first, saying so as qemu-img does (iotest 061).
         messages: Some(|m| eprintln!("{m}")),
-        ..ImageOptions::default()
+        ..image_options(filename, &args.image)?
     };
     let mut image = open_image(filename, &opts)?;
-    warn_probed_raw(filename, args.image.format.as_deref(), &image);
+    warn_probed_raw(filename, &image);
     if asks_help(&args.options) {
         return Ok(option_help(image.format().name()));
     }

@@ -24,7 +24,8 @@ use vdisk::bytes::AlignedBuf;
 use vdisk::io::{Backend, Completion, Declined, Dir, IoCounters, IoCountersSnapshot, IoQueue};
 use vdisk::{open_image, BlockDev, CacheMode, Image, ImageOptions, WithCache};
 
-use crate::open::image_format;
+use crate::flags::ImageFormat;
+use crate::open::image_options;
 use crate::report::{fail, warn_probed_raw};
 use crate::size::parse_size;
 
@@ -36,6 +37,7 @@ const INT_MAX: u64 = i32::MAX as u64;
 pub struct Args {
     #[arg(short = 'f', long = "format")]
     format: Option<String>,
+    /// The file name is a QEMU option string: driver=qcow2,file.filename=x.qcow2.
     #[arg(long = "image-opts")]
     image_opts: bool,
     /// Cache mode: none, writeback (default), writethrough, directsync, unsafe.
@@ -134,9 +136,6 @@ fn plan(a: &Args) -> Result<Plan, String> {
 }
 
 pub fn run(a: &Args) -> ExitCode {
-    if a.image_opts {
-        return fail("--image-opts is not supported", 1);
-    }
     let plan = match plan(a) {
         Ok(p) => p,
         Err(msg) => return fail(msg, 1),
@@ -163,22 +162,25 @@ pub fn run(a: &Args) -> ExitCode {
             1,
         );
     }
-    let opts = ImageOptions {
-        format: match image_format(&a.filename, a.format.as_deref()) {
-            Ok(f) => f,
-            Err(e) => return fail(e, 1),
+    let named = ImageFormat {
+        format: a.format.clone(),
+        image_opts: a.image_opts,
+    };
+    let opts = match image_options(&a.filename, &named) {
+        Ok(o) => ImageOptions {
+            write: plan.write,
+            direct: mode.direct(),
+            force_share: a.force_share,
+            ..o
         },
-        write: plan.write,
-        direct: mode.direct(),
-        force_share: a.force_share,
-        ..ImageOptions::default()
+        Err(e) => return fail(e, 1),
     };
     let image = match open_image(&a.filename, &opts) {
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };
     if plan.write {
-        warn_probed_raw(&a.filename, a.format.as_deref(), &image);
+        warn_probed_raw(&a.filename, &image);
     }
     println!(
         "Sending {} {} requests, {} bytes each, {} in parallel (starting at offset {}, step size {})",

@@ -10,7 +10,7 @@ use vdisk::formats::{Capability, CheckFailed, CheckReport, Fix};
 use vdisk::storage::{FileStorage, LockUse, OpenOptions, Storage};
 use vdisk::{open_image, Error, Format, ImageOptions};
 
-use crate::flags::{Described, ForceShare, Output, Quiet, ReadCache};
+use crate::flags::{Described, ForceShare, ImageFormat, Output, Quiet, ReadCache};
 use crate::open::metadata_options;
 use crate::qjson::{self, Dict};
 use crate::report::{fail, message, usage_fail, warn_probed_raw};
@@ -35,7 +35,7 @@ pub struct Args {
 const NO_CHECK: u8 = 63;
 
 pub fn run(a: &Args) -> ExitCode {
-    let (filename, format) = (&a.filename, a.described.image.format.as_deref());
+    let filename = &a.filename;
     let (output, quiet) = (a.described.report.output, a.messages.quiet);
     let (repair_mode, force_share) = (a.repair.as_deref(), a.share.force_share);
     let fix = match repair_mode {
@@ -57,7 +57,7 @@ pub fn run(a: &Args) -> ExitCode {
         let why = vdisk::formats::FORCE_SHARE_READ_ONLY;
         return fail(format!("Could not open '{filename}': {why}"), 1);
     }
-    let opts = match check_options(filename, format, force_share) {
+    let opts = match check_options(filename, &a.described.image, force_share) {
         Ok(o) => o,
         Err(e) => return fail(e, 1),
     };
@@ -67,7 +67,7 @@ pub fn run(a: &Args) -> ExitCode {
     };
     if !image.driver().supports(Capability::Check) {
         if fix.is_some() {
-            warn_probed_raw(filename, format, &image);
+            warn_probed_raw(filename, &image);
         }
         return fail("This image format does not support checks", NO_CHECK);
     }
@@ -78,10 +78,16 @@ pub fn run(a: &Args) -> ExitCode {
         },
         Some(fix) => {
             // The read-only open above validated the image and gave qemu-img's errors; the
-            // repair writes through a writable handle of its own, with nothing else open on it.
+            // repair writes through a writable handle of its own, with nothing else open on it,
+            // of the file the name led to.
             let format = image.format();
+            let Some(path) = image.file_node().filter(|f| f.driver == "file") else {
+                let why = "vdisk repairs images held in files only";
+                return fail(format!("Could not open '{filename}': {why}"), 1);
+            };
+            let path = path.name.clone();
             drop(image);
-            match run_repair(filename, format, fix, output, quiet) {
+            match run_repair(filename, &path, format, fix, output, quiet) {
                 Ok(r) => r,
                 Err(code) => return code,
             }
@@ -105,10 +111,11 @@ pub fn run(a: &Args) -> ExitCode {
     })
 }
 
-/// Repairs, then (when anything was fixed) checks again, as qemu-img does: the report printed
-/// is the second check's, with the first one's fixed counts.
+/// Repairs the image in the file `path`, then (when anything was fixed) checks again, as
+/// qemu-img does: the report printed is the second check's, with the first one's fixed counts.
 fn run_repair(
     filename: &str,
+    path: &str,
     format: Format,
     fix: Fix,
     output: Output,
@@ -118,9 +125,9 @@ fn run_repair(
         write: true,
         ..OpenOptions::default()
     };
-    let storage: Arc<dyn Storage> = match FileStorage::open(Path::new(filename), writable) {
+    let storage: Arc<dyn Storage> = match FileStorage::open(Path::new(path), writable) {
         Ok(s) => {
-            if let Err(e) = s.lock(Path::new(filename), format.lock_role(), LockUse::WRITER) {
+            if let Err(e) = s.lock(Path::new(path), format.lock_role(), LockUse::WRITER) {
                 return Err(fail(format!("Could not open '{filename}': {e}"), 1));
             }
             Arc::new(s)
@@ -153,8 +160,12 @@ fn run_repair(
         // QEMU makes an image unusable once it marked it corrupt: its second check fails.
         return Err(fail("Check failed: No medium found", 1));
     }
-    let opts = check_options(filename, Some(format.name()), false).map_err(|e| fail(e, 1))?;
-    let image = open_image(filename, &opts).map_err(|e| fail(e, 1))?;
+    let named = ImageFormat {
+        format: Some(format.name().into()),
+        image_opts: false,
+    };
+    let opts = check_options(path, &named, false).map_err(|e| fail(e, 1))?;
+    let image = open_image(path, &opts).map_err(|e| fail(e, 1))?;
     let mut report = match image.driver().check(&mut |m| eprintln!("{m}")) {
         Ok(r) => r,
         Err(failed) => return Err(check_failed(&failed)),
@@ -177,12 +188,12 @@ fn check_failed(failed: &CheckFailed) -> ExitCode {
 /// Options for opening an image to check it: metadata only, and what only a check opens.
 fn check_options(
     filename: &str,
-    format: Option<&str>,
+    image: &ImageFormat,
     force_share: bool,
 ) -> vdisk::Result<ImageOptions> {
     Ok(ImageOptions {
         check: true,
-        ..metadata_options(filename, format, force_share)?
+        ..metadata_options(filename, image, force_share)?
     })
 }
 

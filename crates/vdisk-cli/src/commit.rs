@@ -50,10 +50,12 @@ fn commit(args: &Args) -> vdisk::Result<()> {
     // Read without locks: the base below is written through a descriptor of its own, which
     // the read lock of this one would refuse. The writer's lock on the base keeps others out of
     // the chain.
-    let format = args.image.format.as_deref();
-    let top = open_image(&args.filename, &read_options(&args.filename, format, true)?)?;
+    let top = open_image(
+        &args.filename,
+        &read_options(&args.filename, &args.image, true)?,
+    )?;
     // QEMU opens the top for writing.
-    warn_probed_raw(&args.filename, format, &top);
+    warn_probed_raw(&args.filename, &top);
     // The chain below the top, with each layer's depth.
     let mut chain: Vec<&Image> = Vec::new();
     let mut layer = top.backing();
@@ -139,8 +141,10 @@ fn commit(args: &Args) -> vdisk::Result<()> {
             no_backing: true,
             ..ImageOptions::default()
         };
+        // By the name the open gave it: the same image, whatever named it first.
+        let top_name = top.filename.clone();
         drop(top);
-        let mut top = open_image(&args.filename, &opts)?;
+        let mut top = open_image(&top_name, &opts)?;
         top.driver_mut().make_empty()?;
         top.close()?;
     }

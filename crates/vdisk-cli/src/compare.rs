@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use vdisk::{open_image, BlockDev, Image};
 
-use crate::flags::{ForceShare, ReadCache, ShowProgress};
+use crate::flags::{ForceShare, ImageFormat, ReadCache, ShowProgress};
 use crate::open::read_options;
 use crate::report::fail;
 use crate::text::Progress;
@@ -20,6 +20,9 @@ pub struct Args {
     format1: Option<String>,
     #[arg(short = 'F', long = "b-format")]
     format2: Option<String>,
+    /// Both file names are QEMU option strings: driver=qcow2,file.filename=x.qcow2.
+    #[arg(long = "image-opts")]
+    image_opts: bool,
     /// Strict mode: also fail when one image has data allocated where the other has not.
     #[arg(short = 's', long = "strict")]
     strict: bool,
@@ -33,18 +36,20 @@ pub struct Args {
     image2: String,
 }
 
-fn open(name: &str, format: Option<&str>, force_share: bool) -> Result<Image, ExitCode> {
-    read_options(name, format, force_share)
+fn open(name: &str, format: &Option<String>, args: &Args) -> Result<Image, ExitCode> {
+    let image = ImageFormat {
+        format: format.clone(),
+        image_opts: args.image_opts,
+    };
+    read_options(name, &image, args.share.force_share)
         .and_then(|o| open_image(name, &o))
         .map_err(|e| fail(e, 2))
 }
 
 pub fn run(args: &Args) -> ExitCode {
-    let force_share = args.share.force_share;
-    let (format1, format2) = (args.format1.as_deref(), args.format2.as_deref());
     // The second is not opened when the first fails: one error, as qemu-img prints.
-    let opened = open(&args.image1, format1, force_share)
-        .and_then(|a| Ok((a, open(&args.image2, format2, force_share)?)));
+    let opened = open(&args.image1, &args.format1, args)
+        .and_then(|a| Ok((a, open(&args.image2, &args.format2, args)?)));
     let (a, b) = match opened {
         Ok(pair) => pair,
         Err(code) => return code,

@@ -16,18 +16,15 @@ mod progress;
 mod salvage;
 mod sources;
 
-use std::path::Path;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use vdisk::bytes::AlignedBuf;
-use vdisk::formats::raw;
-use vdisk::storage::{FileStorage, OpenOptions, Storage};
-use vdisk::Preallocation;
+use vdisk::storage::Storage;
 use vdisk::{open_image, BlockDev, BlockStatus, CacheMode, Error, Format, Image, ImageOptions};
 
-use crate::flags::{parse_cache, ForceShare, ShowProgress};
+use crate::flags::{parse_cache, ForceShare, ImageFormat, ShowProgress};
 use crate::new_image::{create, NewImage};
 use crate::report::fail;
 use crate::text::Progress;
@@ -46,8 +43,16 @@ const MAX_SPARSE: u64 = 16 << 20;
 pub struct Args {
     #[arg(short = 'f', long = "source-format")]
     format: Option<String>,
-    #[arg(short = 'O', long = "target-format", default_value = "raw")]
-    output_format: String,
+    /// The sources' file names are QEMU option strings: driver=qcow2,file.filename=x.qcow2.
+    #[arg(long = "image-opts")]
+    image_opts: bool,
+    /// The target's file name is a QEMU option string (with -n); its driver is the format
+    /// unless -O names one.
+    #[arg(long = "target-image-opts")]
+    target_image_opts: bool,
+    /// The target's format; raw when neither this nor --target-image-opts names one.
+    #[arg(short = 'O', long = "target-format")]
+    output_format: Option<String>,
     /// Read this internal snapshot ("ID", "NAME" or "snapshot.id=ID,snapshot.name=NAME").
     #[arg(short = 'l', long = "source-snapshot")]
     snapshot: Option<String>,
@@ -113,6 +118,31 @@ impl Args {
         &self.files[self.files.len() - 1]
     }
 
+    fn output_format(&self) -> &str {
+        self.output_format.as_deref().unwrap_or("raw")
+    }
+
+    /// How the sources are named: `-f` and `--image-opts`.
+    pub(crate) fn source_naming(&self) -> ImageFormat {
+        ImageFormat {
+            format: self.format.clone(),
+            image_opts: self.image_opts,
+        }
+    }
+
+    /// How an existing target (`-n`) is opened: in the format -O names (else, with
+    /// --target-image-opts, the one its options name), as the name or options say.
+    fn target_options(&self) -> vdisk::Result<ImageOptions> {
+        let named = self.output_format.is_some() || !self.target_image_opts;
+        let format = named.then(|| Format::parse(self.output_format()));
+        Ok(ImageOptions {
+            format: format.transpose()?,
+            image_opts: self.target_image_opts,
+            write: true,
+            ..ImageOptions::default()
+        })
+    }
+
     /// Make the target durable before returning.
     fn sync(&self) -> bool {
         self.cache != CacheMode::Unsafe
@@ -151,14 +181,18 @@ fn convert(args: &Args, plan: &Plan, line: Option<&Progress>) -> vdisk::Result<(
         let t = args.target();
         let context = match args.no_create {
             true => format!("Could not open '{t}'"),
-            false => format!("{t}: error while converting {}", args.output_format),
+            false => format!("{t}: error while converting {}", args.output_format()),
         };
         return Err(Error::invalid(format!(
             "{context}: Failed to get \"write\" lock\nIs another process using the image [{t}]?"
         )));
     }
     check_target(args)?;
-    match args.output_format.as_str() {
+    match args.output_format() {
+        // The target's options name its format.
+        _ if args.target_image_opts && args.output_format.is_none() => {
+            to_image(&source, args, plan, line)
+        }
         "raw" if !args.compress && args.options.is_empty() && args.backing.is_none() => {
             to_raw(&source, args, plan, line)
         }
@@ -177,41 +211,10 @@ fn to_raw(
     plan: &Plan,
     line: Option<&Progress>,
 ) -> vdisk::Result<()> {
-    let path = Path::new(args.target());
-    let create_error = |e: std::io::Error| Error::Io {
-        context: format!("Could not create '{}'", args.target()),
-        source: e,
-    };
-    let writable = OpenOptions {
-        write: true,
-        ..OpenOptions::default()
-    };
-    let target = if args.no_create {
-        let target = FileStorage::open(path, writable).map_err(|e| Error::Io {
-            context: format!("Could not open '{}'", args.target()),
-            source: e,
-        })?;
-        // A disk has whole sectors: a file's tail rounds up, as QEMU's raw driver sees it.
-        let len = target.len().map_err(create_error)?;
-        if len.next_multiple_of(512) < source.size() {
-            return Err(Error::invalid("output file is smaller than input file"));
-        }
-        target
-    } else {
-        let create = OpenOptions {
-            create: true,
-            ..writable
-        };
-        let target = FileStorage::open(path, create).map_err(create_error)?;
-        // Sized, with the first 4 KiB written, as `create -f raw` and qemu-img make it; a
-        // failure named as the file's creation, as qemu-img names it.
-        raw::create(&target, source.size(), Preallocation::Off).map_err(|e| match e {
-            Error::Io { source, .. } => create_error(source),
-            other => other,
-        })?;
-        target
-    };
-    copy(source, &Target::File(&target, Mutex::new(())), plan, line)?;
+    // Whatever the name leads to (a file, an NBD export), written beneath the raw format; a
+    // disk has whole sectors, so a file's tail rounds up, as QEMU's raw driver sees it.
+    let target = open_target(source, args)?.file().clone();
+    copy(source, &Target::File(&*target, Mutex::new(())), plan, line)?;
     if args.sync() {
         target.sync().map_err(|e| Error::Io {
             context: format!("error while syncing '{}'", args.target()),
@@ -228,41 +231,12 @@ fn to_image(
     plan: &Plan,
     line: Option<&Progress>,
 ) -> vdisk::Result<()> {
-    if args.compress && args.output_format != "qcow2" {
+    if args.compress && args.output_format() != "qcow2" {
         return Err(Error::unsupported(
             "Compression not supported for this file format",
         ));
     }
-    let size = source.size().to_string();
-    let target_error = |e: Error| {
-        e.prefixed(&format!(
-            "{}: error while converting {}: ",
-            args.target(),
-            args.output_format
-        ))
-    };
-    if !args.no_create {
-        create(&NewImage {
-            format: &args.output_format,
-            options: &args.options,
-            backing: args.backing.as_deref(),
-            backing_format: args.backing_format.as_deref(),
-            unsafe_backing: false,
-            quiet: true,
-            filename: args.target(),
-            size: Some(&size),
-        })
-        .map_err(target_error)?;
-    }
-    let opts = ImageOptions {
-        format: Some(Format::parse(&args.output_format)?),
-        write: true,
-        ..ImageOptions::default()
-    };
-    let target = open_image(args.target(), &opts)?;
-    if target.size() < source.size() {
-        return Err(Error::invalid("output file is smaller than input file"));
-    }
+    let target = open_target(source, args)?;
     let plan = Plan {
         backing_end: (plan.top_only && !args.no_create)
             .then(|| target.backing().map(|b| b.size()))
@@ -274,6 +248,31 @@ fn to_image(
     let closed = target.close();
     copied?;
     closed
+}
+
+/// The target, made as `create` makes images unless `-n`, then opened by its name.
+fn open_target(source: &Sources, args: &Args) -> vdisk::Result<Image> {
+    if !args.no_create {
+        create(&NewImage {
+            format: args.output_format(),
+            options: &args.options,
+            backing: args.backing.as_deref(),
+            backing_format: args.backing_format.as_deref(),
+            unsafe_backing: false,
+            quiet: true,
+            filename: args.target(),
+            size: Some(&source.size().to_string()),
+        })
+        .map_err(|e| {
+            let (t, f) = (args.target(), args.output_format());
+            e.prefixed(&format!("{t}: error while converting {f}: "))
+        })?;
+    }
+    let target = open_image(args.target(), &args.target_options()?)?;
+    if target.size() < source.size() {
+        return Err(Error::invalid("output file is smaller than input file"));
+    }
+    Ok(target)
 }
 
 /// Where converted data goes.

@@ -70,7 +70,7 @@ pub fn run(args: &Args) -> ExitCode {
 }
 
 fn copy(args: &Args, o: &Operands, input: &str, output: &str) -> vdisk::Result<()> {
-    let opts = read_options(input, args.image.format.as_deref(), args.share.force_share)?;
+    let opts = read_options(input, &args.image, args.share.force_share)?;
     let source = open_image(input, &opts)?;
     let format = match args.output_format.as_str() {
         "raw" | "qcow2" => Format::parse(&args.output_format)?,

@@ -9,12 +9,17 @@ use vdisk::CacheMode;
 
 use crate::report::fail;
 
-/// `-f`: the format of the image named on the command line; probed from its contents when
-/// absent.
-#[derive(clap::Args)]
+/// `-f` and `--image-opts`: how to read the image named on the command line. `-f` names its
+/// format (probed from its contents when absent); with `--image-opts` the name is QEMU's
+/// block options instead (`driver=qcow2,file.filename=x.qcow2`), which name the format
+/// themselves.
+#[derive(clap::Args, Clone, Default)]
 pub struct ImageFormat {
     #[arg(short = 'f', long = "format")]
     pub format: Option<String>,
+    /// The file name is a QEMU option string: driver=qcow2,file.filename=x.qcow2.
+    #[arg(long = "image-opts")]
+    pub image_opts: bool,
 }
 
 /// `-U`.

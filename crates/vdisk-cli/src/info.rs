@@ -3,9 +3,9 @@
 use std::process::ExitCode;
 
 use vdisk::formats::{InfoValue, SnapshotInfo};
-use vdisk::{open_image, BlockDev, Image, ImageOptions};
+use vdisk::{open_image, BlockDev, Format, Image, ImageOptions};
 
-use crate::flags::{Described, ForceShare, Output};
+use crate::flags::{Described, ForceShare, ImageFormat, Output};
 use crate::open::metadata_options;
 use crate::qjson::{self, Dict, Value};
 use crate::report::fail;
@@ -23,13 +23,9 @@ pub struct Args {
 }
 
 pub fn run(a: &Args) -> ExitCode {
-    let (filename, format) = (&a.filename, a.described.image.format.as_deref());
-    let (output, chain, force_share) = (
-        a.described.report.output,
-        a.backing_chain,
-        a.share.force_share,
-    );
-    let images = match open_chain(filename, format, chain, force_share) {
+    let output = a.described.report.output;
+    let chain = a.backing_chain;
+    let images = match open_chain(&a.filename, &a.described.image, chain, a.share.force_share) {
         Ok(images) => images,
         Err(e) => return fail(e, 1),
     };
@@ -49,17 +45,19 @@ pub fn run(a: &Args) -> ExitCode {
 }
 
 /// Opens the image and, with `chain`, each image below it, one at a time and without its own
-/// backing file, as qemu-img does: a broken link fails on the image that is missing.
+/// backing file, as qemu-img does: a broken link fails on the image that is missing. Backing
+/// names are resolved against the name the image above was opened by (its path, for a
+/// `json:` or `--image-opts` name of a file).
 fn open_chain(
     filename: &str,
-    format: Option<&str>,
+    named: &ImageFormat,
     chain: bool,
     force_share: bool,
 ) -> vdisk::Result<Vec<Image>> {
     let mut images: Vec<Image> = Vec::new();
     let mut seen = Vec::new();
-    let mut next = Some((filename.to_string(), format.map(str::to_string)));
-    while let Some((name, fmt)) = next.take() {
+    let mut next = Some((filename.to_string(), named.clone()));
+    while let Some((name, named)) = next.take() {
         let canonical = std::fs::canonicalize(&name).ok();
         if canonical.is_some() && seen.contains(&canonical) {
             return Err(vdisk::Error::corrupt(format!(
@@ -70,12 +68,19 @@ fn open_chain(
         let opts = ImageOptions {
             no_backing: true,
             data_file_optional: true,
-            ..metadata_options(&name, fmt.as_deref(), force_share)?
+            ..metadata_options(&name, &named, force_share)?
         };
         let image = open_image(&name, &opts)?;
         if chain {
             let backing = image.driver().info().backing;
-            next = backing.map(|(file, fmt)| (vdisk::backing_path(&name, &file), fmt));
+            next = backing.map(|(file, format)| {
+                let path = vdisk::backing_path(&image.filename, &file);
+                let named = ImageFormat {
+                    format,
+                    image_opts: false,
+                };
+                (path, named)
+            });
         }
         images.push(image);
     }
@@ -87,9 +92,15 @@ struct Info {
     filename: String,
     format: &'static str,
     virtual_size: u64,
-    actual_size: u64,
+    /// Bytes the file takes on the host; `None` where its protocol cannot tell (NBD).
+    actual_size: Option<u64>,
     file_length: u64,
-    file_actual: u64,
+    /// The protocol node under the format (name, driver); `None` for a protocol node opened
+    /// as the image.
+    file: Option<(String, &'static str)>,
+    /// Whether QEMU's `bdrv_get_info` answers for the image, which `dirty-flag` comes from:
+    /// not for raw over anything but a file, nor for protocols other than file.
+    has_info: bool,
     cluster_size: Option<u64>,
     dirty: bool,
     backing: Option<(String, String, Option<String>)>,
@@ -100,14 +111,19 @@ struct Info {
 impl Info {
     fn of(image: &Image) -> Info {
         let file_length = image.file().len().unwrap_or(0);
-        let file_actual = image.file().allocated_bytes().unwrap_or(0);
+        let file_actual = image.file().allocated_bytes().ok();
+        let file = image.file_node().map(|f| (f.name.clone(), f.driver));
+        let protocol = file.as_ref().map_or(image.format().name(), |f| f.1);
+        let has_info =
+            protocol == "file" || !(image.format().is_protocol() || image.format() == Format::RAW);
         let mut info = Info {
             filename: image.filename.clone(),
             format: image.format().name(),
             virtual_size: image.size(),
             actual_size: file_actual,
             file_length: file_length.next_multiple_of(512),
-            file_actual,
+            file,
+            has_info,
             cluster_size: None,
             dirty: false,
             backing: None,
@@ -130,19 +146,14 @@ impl Info {
         info
     }
 
-    fn file_child(&self) -> Value {
-        let mut specific = Dict::new();
-        specific
-            .put("type", "file")
-            .put("data", Dict::new().build());
+    /// The protocol node under the format, as QEMU describes it.
+    fn file_child(&self, name: &str, driver: &'static str) -> Value {
         let mut file = Dict::new();
-        file.put("filename", self.filename.as_str())
-            .put("format", "file")
-            .put("dirty-flag", false)
-            .put("actual-size", self.file_actual)
-            .put("virtual-size", self.file_length)
-            .put("format-specific", specific.build())
-            .put("children", Value::Array(Vec::new()));
+        file.put("filename", name).put("format", driver);
+        protocol_facts(&mut file, driver, self.actual_size);
+        file.put("virtual-size", self.file_length);
+        file_specific(&mut file, driver);
+        file.put("children", Value::Array(Vec::new()));
         let mut child = Dict::new();
         child.put("name", "file").put("info", file.build());
         child.build()
@@ -153,10 +164,18 @@ impl Info {
     fn json(&self) -> Value {
         let mut d = Dict::new();
         d.put("filename", self.filename.as_str())
-            .put("format", self.format)
-            .put("dirty-flag", self.dirty)
-            .put("actual-size", self.actual_size)
-            .put("virtual-size", self.virtual_size);
+            .put("format", self.format);
+        if self.file.is_none() {
+            protocol_facts(&mut d, self.format, self.actual_size);
+        } else {
+            if self.has_info {
+                d.put("dirty-flag", self.dirty);
+            }
+            if let Some(size) = self.actual_size {
+                d.put("actual-size", size);
+            }
+        }
+        d.put("virtual-size", self.virtual_size);
         if let Some(cs) = self.cluster_size {
             d.put("cluster-size", cs);
         }
@@ -176,8 +195,14 @@ impl Info {
             fs.put("type", self.format)
                 .put("data", Value::Dict(spec.clone()));
             d.put("format-specific", fs.build());
+        } else if self.file.is_none() {
+            file_specific(&mut d, self.format);
         }
-        d.put("children", Value::Array(vec![self.file_child()]));
+        let children = self
+            .file
+            .iter()
+            .map(|(name, driver)| self.file_child(name, driver));
+        d.put("children", Value::Array(children.collect()));
         d.build()
     }
 
@@ -188,7 +213,7 @@ impl Info {
             self.format,
             size_to_str(self.virtual_size),
             self.virtual_size,
-            size_to_str(self.actual_size)
+            disk_size(self.actual_size)
         );
         if let Some(cs) = self.cluster_size {
             s += &format!("cluster_size: {cs}\n");
@@ -211,14 +236,43 @@ impl Info {
             s += "Format specific information:\n";
             qjson::dump_human(&mut s, 1, &Value::Dict(spec.clone()));
         }
-        s += &format!(
-            "Child node '/file':\n    filename: {}\n    protocol type: file\n    file length: {} ({} bytes)\n    disk size: {}\n",
-            self.filename,
-            size_to_str(self.file_length),
-            self.file_length,
-            size_to_str(self.file_actual)
-        );
+        if let Some((name, driver)) = &self.file {
+            s += &format!(
+                "Child node '/file':\n    filename: {name}\n    protocol type: {driver}\n    file \
+                 length: {} ({} bytes)\n    disk size: {}\n",
+                size_to_str(self.file_length),
+                self.file_length,
+                disk_size(self.actual_size)
+            );
+        }
         s
+    }
+}
+
+/// "disk size" as QEMU prints it.
+fn disk_size(bytes: Option<u64>) -> String {
+    bytes.map_or("unavailable".into(), size_to_str)
+}
+
+/// What QEMU says of a protocol node's state: the file driver answers `bdrv_get_info` (a
+/// dirty flag); NBD cannot tell its disk usage.
+fn protocol_facts(d: &mut Dict, driver: &str, actual_size: Option<u64>) {
+    if driver == "file" {
+        d.put("dirty-flag", false);
+    }
+    if let Some(size) = actual_size {
+        d.put("actual-size", size);
+    }
+}
+
+/// The file driver's (empty) format-specific information; other protocols have none.
+fn file_specific(d: &mut Dict, driver: &str) {
+    if driver == "file" {
+        let mut specific = Dict::new();
+        specific
+            .put("type", "file")
+            .put("data", Dict::new().build());
+        d.put("format-specific", specific.build());
     }
 }
 

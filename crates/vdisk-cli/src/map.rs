@@ -88,10 +88,10 @@ fn entry_at(image: &Image, offset: u64, len: u64) -> vdisk::Result<Entry> {
 }
 
 pub fn run(a: &Args) -> ExitCode {
-    let (filename, format) = (&a.filename, a.described.image.format.as_deref());
+    let filename = &a.filename;
     let (output, start, max_length) = (a.described.report.output, a.start_offset, a.max_length);
     let force_share = a.share.force_share;
-    let image = match metadata_options(filename, format, force_share)
+    let image = match metadata_options(filename, &a.described.image, force_share)
         .and_then(|o| open_image(filename, &o))
     {
         Ok(i) => i,

@@ -87,7 +87,7 @@ pub fn run(args: &Args) -> ExitCode {
 }
 
 fn open(name: &str, args: &Args) -> vdisk::Result<Image> {
-    let opts = read_options(name, args.image.format.as_deref(), args.share.force_share)?;
+    let opts = read_options(name, &args.image, args.share.force_share)?;
     let mut image = open_image(name, &opts)?;
     if let Some(param) = args.snapshot.as_deref() {
         let snapshot = snapshot_param(&image, param)?;

@@ -1,10 +1,13 @@
 //! New images, made as `qemu-img create` makes them: `create` makes the one its command line
 //! describes, `convert` and `dd` their targets.
 
+use std::sync::Arc;
+
 use vdisk::formats::qcow2::create::{create as create_qcow2, CreateOptions};
 use vdisk::formats::qcow2::header::Compression;
 use vdisk::formats::{raw, seqlog};
-use vdisk::storage::{FileStorage, LockRole, LockUse, OpenOptions, Storage};
+use vdisk::spec::Protocol;
+use vdisk::storage::{FileStorage, LockRole, LockUse, NbdStorage, OpenOptions, Storage};
 use vdisk::Preallocation;
 use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 
@@ -35,8 +38,10 @@ fn on_off(key: &str, v: &str) -> Result<bool, Error> {
 pub fn create(args: &NewImage) -> vdisk::Result<()> {
     let format = Format::parse(args.format)
         .map_err(|_| Error::unsupported(format!("Unknown file format '{}'", args.format)))?;
+    // Where the image goes is known (or refused) before anything is said of it.
+    let target = new_target(args.filename)?;
     if format.name() == "seqlog" {
-        return create_seqlog(args, format);
+        return create_seqlog(args, format, target);
     }
     let mut o = CreateOptions::default();
     let mut file_options = FileOptions::default();
@@ -128,11 +133,12 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
             )))
         }
     };
-    let file = NewFile::open(args.filename, image_len, format, false)?;
+    let file = NewFile::open(args.filename, target, image_len, format, false)?;
     let data = match &o.data_file {
         // qcow2's create cuts the data file whatever it holds: probing it costs nothing more.
         Some(name) => {
-            Some(NewFile::open(name, o.size, format, true).inspect_err(|_| file.remove_if_made())?)
+            let made = new_target(name).and_then(|t| NewFile::open(name, t, o.size, format, true));
+            Some(made.inspect_err(|_| file.remove_if_made())?)
         }
         None => None,
     };
@@ -146,14 +152,12 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
     // Only now, with both files known to take their lengths, is anything in them given up
     // (qcow2's create cuts the data file).
     file.cut()?;
-    file_options.apply(&file.storage);
+    if let Some(f) = &file.file {
+        file_options.apply(f);
+    }
     let made = match format.name() {
-        "raw" => raw::create(&file.storage, o.size, o.preallocation),
-        _ => create_qcow2(
-            &file.storage,
-            data.as_ref().map(|d| &d.storage as &dyn Storage),
-            &o,
-        ),
+        "raw" => raw::create(&*file.storage, o.size, o.preallocation),
+        _ => create_qcow2(&*file.storage, data.as_ref().map(|d| &*d.storage), &o),
     };
     made.map_err(|e| {
         // As qemu-img, which deletes a qcow2 image (and data file) it failed to make; vdisk
@@ -180,7 +184,7 @@ fn image_size(s: &str) -> vdisk::Result<u64> {
 
 /// A seqlog image (`-o size=,block_size=,segment_size=,spare=,cleaner=`): checked whole before the
 /// file is made or cut.
-fn create_seqlog(args: &NewImage, format: Format) -> vdisk::Result<()> {
+fn create_seqlog(args: &NewImage, format: Format, target: Protocol) -> vdisk::Result<()> {
     refuse_backing(args, format)?;
     let mut o = seqlog::CreateOptions::default();
     let mut size_given = false;
@@ -227,9 +231,9 @@ fn create_seqlog(args: &NewImage, format: Format) -> vdisk::Result<()> {
             o.size
         );
     }
-    let file = NewFile::open(args.filename, 0, format, false)?;
+    let file = NewFile::open(args.filename, target, 0, format, false)?;
     file.cut()?;
-    seqlog::create(&file.storage, &o).inspect_err(|_| file.remove_if_made())
+    seqlog::create(&*file.storage, &o).inspect_err(|_| file.remove_if_made())
 }
 
 /// A file system's refusal of a file's length (EFBIG), in qemu-img's words.
@@ -296,18 +300,53 @@ impl FileOptions {
     }
 }
 
-/// A file opened (made if missing) and locked for a new image, not yet cut.
+/// Where a new image goes, opened (a file made if missing, and locked), not yet cut.
 struct NewFile {
     name: String,
-    storage: FileStorage,
+    storage: Arc<dyn Storage>,
+    /// The same storage when it is a file, which takes the file driver's options.
+    file: Option<Arc<FileStorage>>,
     /// Whether this create made the file, which it may then delete on failure.
     made: bool,
 }
 
 impl NewFile {
-    /// Opens `name` and checks that the file system takes `len` bytes in it, leaving what the
-    /// file holds untouched; an empty file only if `even_empty`.
-    fn open(name: &str, len: u64, format: Format, even_empty: bool) -> vdisk::Result<NewFile> {
+    /// Opens `target` (named `name`) for a new image of `len` bytes: a file, or an existing
+    /// NBD export, which must hold `len` bytes.
+    fn open(
+        name: &str,
+        target: Protocol,
+        len: u64,
+        format: Format,
+        even_empty: bool,
+    ) -> vdisk::Result<NewFile> {
+        let target = match target {
+            Protocol::File { filename } => {
+                return NewFile::open_file(&filename, len, format, even_empty)
+            }
+            Protocol::Nbd(target) => NbdStorage::connect(&target, true).map_err(|e| {
+                e.prefixed(
+                    "Protocol driver 'nbd' does not support creating new images, so an \
+                     existing image must be selected as the target; however, opening the \
+                     given target as an existing image failed: ",
+                )
+            })?,
+            Protocol::Null { .. } => return Err(null_creates_nothing()),
+        };
+        if len > target.len().map_err(|e| create_error(name, e))? {
+            return Err(Error::invalid("Cannot grow NBD nodes"));
+        }
+        Ok(NewFile {
+            name: name.to_string(),
+            storage: Arc::new(target),
+            file: None,
+            made: false,
+        })
+    }
+
+    /// Opens the file `name` and checks that the file system takes `len` bytes in it, leaving
+    /// what the file holds untouched; an empty file only if `even_empty`.
+    fn open_file(name: &str, len: u64, format: Format, even_empty: bool) -> vdisk::Result<NewFile> {
         let opts = OpenOptions {
             write: true,
             create: true,
@@ -315,48 +354,27 @@ impl NewFile {
         };
         let made = std::fs::symlink_metadata(name).is_err();
         let file = FileStorage::open(name.as_ref(), opts).map_err(|e| create_error(name, e))?;
+        let probed = probe(name, &file, len, format, even_empty);
+        let file = Arc::new(file);
         let new = NewFile {
             name: name.to_string(),
-            storage: file,
+            storage: file.clone(),
+            file: Some(file),
             made,
         };
-        new.probe(len, format, even_empty)
-            .inspect_err(|_| new.remove_if_made())?;
+        probed.inspect_err(|_| new.remove_if_made())?;
         Ok(new)
     }
 
-    fn probe(&self, len: u64, format: Format, even_empty: bool) -> vdisk::Result<()> {
-        // Before anything changes: never over an image another process uses.
-        self.storage
-            .lock(self.name.as_ref(), LockRole::Format, LockUse::WRITER)?;
-        let io = |e| create_error(&self.name, e);
-        let old = self.storage.len().map_err(io)?;
-        // A length the file system cannot hold (EFBIG) is found by growing a file that holds
-        // something, which then keeps its bytes: the image is refused with nothing lost. An
-        // empty file has nothing to lose, and growing and cutting it would cost a writeback at
-        // close on ext4 (see `cut`); it learns its limit when the image is made.
-        if (old > 0 || even_empty) && len > old {
-            self.storage
-                .set_len(len)
-                .map_err(|e| too_large(io(e), format))?;
-            self.storage.set_len(old).map_err(io)?;
-        }
-        Ok(())
-    }
-
-    /// Empties the file for the new image.
+    /// Empties the file for the new image; storage of a fixed size (a device, an NBD export)
+    /// keeps its length.
     fn cut(&self) -> vdisk::Result<()> {
         // Only a file that holds something is cut: ext4 starts writing back all the data of a
         // file truncated to length zero (even one that was empty) when it is closed
         // (auto_da_alloc), so the writer of a new image would spend its close waiting for it.
-        if !self
-            .storage
-            .is_empty()
-            .map_err(|e| create_error(&self.name, e))?
-        {
-            self.storage
-                .set_len(0)
-                .map_err(|e| create_error(&self.name, e))?;
+        let io = |e| create_error(&self.name, e);
+        if !self.storage.fixed_size() && !self.storage.is_empty().map_err(io)? {
+            self.storage.set_len(0).map_err(io)?;
         }
         Ok(())
     }
@@ -366,6 +384,42 @@ impl NewFile {
             let _ = std::fs::remove_file(&self.name);
         }
     }
+}
+
+/// Where a new image named `name` goes, as QEMU's `bdrv_create_file` finds it: a file
+/// (`file:` prefix or none) or an NBD export; other protocols make no images.
+fn new_target(name: &str) -> vdisk::Result<Protocol> {
+    match vdisk::spec::create_target(name)? {
+        Protocol::Null { .. } => Err(null_creates_nothing()),
+        target => Ok(target),
+    }
+}
+
+fn null_creates_nothing() -> Error {
+    Error::unsupported("Protocol driver 'null-co' does not support image creation")
+}
+
+/// Locks a file for a new image and checks that it can be `len` bytes long.
+fn probe(
+    name: &str,
+    file: &FileStorage,
+    len: u64,
+    format: Format,
+    even_empty: bool,
+) -> vdisk::Result<()> {
+    // Before anything changes: never over an image another process uses.
+    file.lock(name.as_ref(), LockRole::Format, LockUse::WRITER)?;
+    let io = |e| create_error(name, e);
+    let old = file.len().map_err(io)?;
+    // A length the file system cannot hold (EFBIG) is found by growing a file that holds
+    // something, which then keeps its bytes: the image is refused with nothing lost. An
+    // empty file has nothing to lose, and growing and cutting it would cost a writeback at
+    // close on ext4 (see `cut`); it learns its limit when the image is made.
+    if (old > 0 || even_empty) && len > old {
+        file.set_len(len).map_err(|e| too_large(io(e), format))?;
+        file.set_len(old).map_err(io)?;
+    }
+    Ok(())
 }
 
 fn create_error(name: &str, source: std::io::Error) -> Error {

@@ -3,6 +3,8 @@
 
 use vdisk::{Error, Format, Image};
 
+pub use vdisk::spec::parse_bool;
+
 use crate::size::{option_number, option_size};
 
 /// qemu-img's check of each `-o` argument as it reads it: not empty, not starting with a
@@ -49,15 +51,6 @@ pub fn parse_options(options: &[String]) -> Vec<(String, String)> {
             None => (item, "on".to_string()),
         })
         .collect()
-}
-
-/// A boolean option's value as QEMU's option parser reads it (`qapi_bool_parse`).
-pub fn parse_bool(key: &str, v: &str) -> Result<bool, String> {
-    match v {
-        "on" | "yes" | "true" | "y" => Ok(true),
-        "off" | "no" | "false" | "n" => Ok(false),
-        _ => Err(format!("Parameter '{key}' expects 'on' or 'off'")),
-    }
 }
 
 /// Whether an item of the `-o` lists is `help` or `?`, which asks for the option list.

@@ -8,6 +8,9 @@
 
 use std::fmt::Write;
 
+pub use vdisk::spec::json::qdict_order;
+use vdisk::spec::json::quote as escape;
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum Value {
     Int(i128),
@@ -76,51 +79,6 @@ impl Dict {
     pub fn build(self) -> Value {
         Value::Dict(self.0)
     }
-}
-
-/// QEMU's `tdb_hash` (qobject/qdict.c).
-fn tdb_hash(name: &str) -> u32 {
-    let bytes = name.as_bytes();
-    let mut value = 0x238F_13AFu32.wrapping_mul(bytes.len() as u32);
-    for (i, &c) in bytes.iter().enumerate() {
-        value = value.wrapping_add(u32::from(c) << ((i as u32 * 5) % 24));
-    }
-    1_103_515_243u32.wrapping_mul(value).wrapping_add(12345)
-}
-
-/// The order QEMU iterates a QDict's members in.
-pub fn qdict_order(members: &[(String, Value)]) -> Vec<&(String, Value)> {
-    let mut ordered: Vec<(u32, usize, &(String, Value))> = members
-        .iter()
-        .enumerate()
-        .map(|(i, m)| (tdb_hash(&m.0) % 512, i, m))
-        .collect();
-    // Within a bucket the newest member comes first.
-    ordered.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
-    ordered.into_iter().map(|(_, _, m)| m).collect()
-}
-
-fn escape(out: &mut String, s: &str) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\u{8}' => out.push_str("\\b"),
-            '\u{c}' => out.push_str("\\f"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 || (c as u32) >= 0x7f => {
-                let mut units = [0u16; 2];
-                for u in c.encode_utf16(&mut units) {
-                    let _ = write!(out, "\\u{u:04X}");
-                }
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
 }
 
 fn write_value(out: &mut String, v: &Value, level: usize) {

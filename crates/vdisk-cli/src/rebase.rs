@@ -9,7 +9,7 @@ use vdisk::formats::Capability;
 use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 
 use crate::flags::{bad_cache, ImageFormat, ShowProgress, WriteCache};
-use crate::open::image_format;
+use crate::open::image_options;
 use crate::report::{fail, usage_fail, warn_probed_raw};
 use crate::text::Progress;
 
@@ -60,7 +60,7 @@ fn rebase(args: &Args) -> vdisk::Result<()> {
     let filename = &args.filename;
     let backing = args.backing.as_deref().unwrap_or("");
     let backing_format = args.backing_format.as_deref();
-    let format = image_format(filename, args.image.format.as_deref())?;
+    let named = image_options(filename, &args.image)?;
     let new = (!backing.is_empty()).then_some(backing);
     if new.is_some() && backing_format.is_none() {
         return Err(Error::invalid(format!(
@@ -69,13 +69,12 @@ fn rebase(args: &Args) -> vdisk::Result<()> {
         )));
     }
     let opts = ImageOptions {
-        format,
         write: true,
         no_backing: args.unsafe_,
-        ..ImageOptions::default()
+        ..named
     };
     let mut image = open_image(filename, &opts)?;
-    warn_probed_raw(filename, args.image.format.as_deref(), &image);
+    warn_probed_raw(filename, &image);
     // As qemu-img, which can write compressed only where the format can.
     if args.compress && image.format() != Format::QCOW2 {
         return Err(Error::unsupported(
@@ -91,7 +90,7 @@ fn rebase(args: &Args) -> vdisk::Result<()> {
     if !args.unsafe_ {
         let new_backing = match new {
             Some(name) => {
-                let path = vdisk::backing_path(filename, name);
+                let path = vdisk::backing_path(&image.filename, name);
                 let opts = ImageOptions {
                     format: backing_format.map(Format::parse).transpose()?,
                     ..ImageOptions::default()

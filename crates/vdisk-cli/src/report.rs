@@ -54,8 +54,8 @@ pub fn usage_fail(command: &str, msg: impl std::fmt::Display) -> ExitCode {
 }
 
 /// qemu-img's warning when an image it opens for writing was probed as raw.
-pub fn warn_probed_raw(filename: &str, format: Option<&str>, image: &Image) {
-    if format.is_none() && image.format() == Format::RAW {
+pub fn warn_probed_raw(filename: &str, image: &Image) {
+    if image.probed() && image.format() == Format::RAW {
         eprintln!(
             "WARNING: Image format was not specified for '{filename}' and probing guessed raw.\n         \
              Automatically detecting the format is dangerous for raw images, write operations \

@@ -7,7 +7,7 @@ use vdisk::Preallocation;
 use vdisk::{open_image, BlockDev, ImageOptions};
 
 use crate::flags::{ImageFormat, Quiet};
-use crate::open::image_format;
+use crate::open::image_options;
 use crate::report::{fail, message, warn_probed_raw};
 use crate::size::parse_size;
 
@@ -37,7 +37,7 @@ shrunken image's end. Before performing such an operation, make sure there is no
 data there.";
 
 pub fn run(args: &Args) -> ExitCode {
-    let (filename, format) = (&args.filename, args.image.format.as_deref());
+    let filename = &args.filename;
     let (preallocation, size) = (args.preallocation.as_deref(), args.size.as_str());
     let prealloc = match preallocation.map(Preallocation::parse) {
         None => Preallocation::Off,
@@ -55,20 +55,19 @@ pub fn run(args: &Args) -> ExitCode {
     let Some(amount) = parse_size(number) else {
         return fail(SIZE_HELP, 1);
     };
-    let opts = ImageOptions {
-        format: match image_format(filename, format) {
-            Ok(f) => f,
-            Err(e) => return fail(e, 1),
+    let opts = match image_options(filename, &args.image) {
+        Ok(o) => ImageOptions {
+            write: true,
+            resize: true,
+            ..o
         },
-        write: true,
-        resize: true,
-        ..ImageOptions::default()
+        Err(e) => return fail(e, 1),
     };
     let mut image = match open_image(filename, &opts) {
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };
-    warn_probed_raw(filename, format, &image);
+    warn_probed_raw(filename, &image);
     let old = image.size();
     let new = match sign {
         1 => old.checked_add(amount),

@@ -11,6 +11,7 @@ use vdisk::export::nbd::{
 };
 use vdisk::export::vhost_user::{self, VhostUserBlk, VhostUserOptions};
 use vdisk::io::Backend;
+use vdisk::spec::ImageSpec;
 use vdisk::{BlockDev, CacheMode, Format, Image, ImageOptions};
 
 use crate::flags::parse_cache;
@@ -23,6 +24,10 @@ pub struct Args {
     images: Vec<String>,
     #[arg(short = 'f')]
     format: Option<String>,
+    /// Each IMG is a QEMU option string (driver=qcow2,file.filename=x.qcow2), as qemu-nbd's
+    /// --image-opts; name exports with -x then.
+    #[arg(long = "image-opts")]
+    image_opts: bool,
     /// Serve NBD on unix:PATH or tcp:HOST:PORT (repeatable).
     #[arg(long)]
     nbd: Vec<String>,
@@ -113,12 +118,15 @@ impl ServerArgs {
     }
 }
 
-/// Splits `IMG=NAME`; a path that exists as given is an image name even with a `=` in it.
+/// Splits `IMG=NAME`; a path that exists as given is an image name even with a `=` in it, and
+/// so is a name that only reads as one whole (`nbd+unix:///e?socket=/s`, `json:{...}`).
 fn split_spec(spec: &str) -> (&str, Option<&str>) {
     if Path::new(spec).exists() {
         return (spec, None);
     }
+    let reads = |name: &str| ImageSpec::from_filename(name, None).is_ok();
     match spec.rsplit_once('=') {
+        Some((path, _)) if !reads(path) && reads(spec) => (spec, None),
         Some((path, name)) if !path.is_empty() => (path, Some(name)),
         _ => (spec, None),
     }
@@ -201,6 +209,9 @@ pub fn run(a: &Args) -> ExitCode {
         Some("native") => Some(Backend::LinuxAio),
         _ => Some(Backend::IoUring),
     };
+    if a.image_opts && a.format.is_some() {
+        return fail("--image-opts and --format are mutually exclusive", 1);
+    }
     let format = match a.format.as_deref().map(Format::parse).transpose() {
         Ok(f) => f,
         Err(e) => return fail(e, 1),
@@ -223,7 +234,10 @@ pub fn run(a: &Args) -> ExitCode {
     let mut exports = Vec::new();
     let mut vhost_opts = Vec::new();
     for spec in &a.images {
-        let (path, name) = split_spec(spec);
+        let (path, name) = match a.image_opts {
+            true => (spec.as_str(), None),
+            false => split_spec(spec),
+        };
         let name = match (name, a.export_name.as_deref()) {
             (Some(n), _) | (None, Some(n)) => n.to_string(),
             (None, None) if a.images.len() == 1 => String::new(),
@@ -233,6 +247,7 @@ pub fn run(a: &Args) -> ExitCode {
         };
         let opts = ImageOptions {
             format,
+            image_opts: a.image_opts,
             write: !a.read_only,
             direct: a.cache.direct(),
             fixed_size: true,

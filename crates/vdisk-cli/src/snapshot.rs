@@ -7,7 +7,7 @@ use vdisk::formats::Capability;
 use vdisk::{open_image, Error, ImageOptions};
 
 use crate::flags::{ForceShare, ImageFormat, Quiet};
-use crate::open::{image_format, metadata_options};
+use crate::open::{image_options, metadata_options};
 use crate::report::{fail, message, usage_fail, warn_probed_raw};
 use crate::text::snapshot_list;
 
@@ -55,28 +55,26 @@ pub fn run(a: &Args) -> ExitCode {
         (_, _, Some(n)) => Action::Delete(n),
         _ => Action::List,
     };
-    let format = a.image.format.as_deref();
-    act(&a.filename, format, action, a.share.force_share)
+    act(&a.filename, &a.image, action, a.share.force_share)
 }
 
-fn act(filename: &str, format: Option<&str>, action: Action, force_share: bool) -> ExitCode {
+fn act(filename: &str, format: &ImageFormat, action: Action, force_share: bool) -> ExitCode {
     let (name, verb) = match action {
         Action::List => return list(filename, format, force_share),
         Action::Create(n) => (n, "create"),
         Action::Apply(n) => (n, "apply"),
         Action::Delete(n) => (n, "delete"),
     };
-    let opts = image_format(filename, format).map(|format| ImageOptions {
-        format,
+    let opts = image_options(filename, format).map(|o| ImageOptions {
         write: true,
         force_share,
-        ..ImageOptions::default()
+        ..o
     });
     let mut image = match opts.and_then(|o| open_image(filename, &o)) {
         Ok(i) => i,
         Err(e) => return fail(e, 1),
     };
-    warn_probed_raw(filename, format, &image);
+    warn_probed_raw(filename, &image);
     let result = if image.driver().supports(Capability::Snapshots) {
         // Creating or deleting a snapshot changes no guest data, and applying one is refused
         // before it changes any where there are bitmaps: they stay right.
@@ -121,7 +119,7 @@ fn applied(verb: &str, e: Error) -> String {
     format!("Failed to load snapshot: {errno}")
 }
 
-fn list(filename: &str, format: Option<&str>, force_share: bool) -> ExitCode {
+fn list(filename: &str, format: &ImageFormat, force_share: bool) -> ExitCode {
     let image = match metadata_options(filename, format, force_share)
         .and_then(|o| open_image(filename, &o))
     {

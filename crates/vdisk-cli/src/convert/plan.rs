@@ -80,6 +80,11 @@ impl Plan {
         if args.target_is_zero && !args.no_create {
             return Err(Error::invalid("--target-is-zero requires use of -n flag"));
         }
+        if args.target_image_opts && !args.no_create {
+            return Err(Error::invalid(
+                "--target-image-opts requires use of -n flag",
+            ));
+        }
         if args.files.len() < 2 {
             return Err(Error::invalid("Must specify image file name"));
         }
@@ -136,7 +141,7 @@ pub(super) fn check_target(args: &Args) -> vdisk::Result<()> {
 
 /// The new target's options, then its backing file against its format.
 fn check_new_backing(args: &Args) -> vdisk::Result<()> {
-    let format = &args.output_format;
+    let format = args.output_format();
     // The options are read first, as qemu-img reads them; seqlog's are create's to check.
     let parsed = Format::parse(format).ok();
     if let Some(f) = parsed.filter(|f| [Format::RAW, Format::QCOW2].contains(f)) {

@@ -19,7 +19,7 @@ impl Sources {
     pub(super) fn open(args: &Args) -> vdisk::Result<Sources> {
         let mut images = Vec::with_capacity(args.sources().len());
         for name in args.sources() {
-            let opts = read_options(name, args.format.as_deref(), args.share.force_share)?;
+            let opts = read_options(name, &args.source_naming(), args.share.force_share)?;
             let opts = ImageOptions {
                 direct: args.direct_source(),
                 ..opts

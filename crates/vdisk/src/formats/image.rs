@@ -7,14 +7,34 @@ use super::registry::Format;
 use crate::blockdev::{BlockDev, BlockStatus, StartedRead, StartedWrite};
 use crate::error::Result;
 
-/// An open image: the driver of its format, the file name it was opened by (as given, or as
-/// derived from the image above it in a backing chain, the way QEMU spells it), and the image
-/// the driver reads as its backing file, if any.
+/// An open image: the driver of its format, its name (QEMU's: the path of its file, the URL
+/// of its NBD export, or `json:` and its options; derived from the image above it in a backing
+/// chain the way QEMU spells it), its file node, and the image the driver reads as its backing
+/// file, if any. The name opens the same image again.
 pub struct Image {
     pub filename: String,
     format: Format,
     driver: Box<dyn Driver>,
     backing: Option<Arc<Image>>,
+    file_node: Option<FileNode>,
+    probed: bool,
+}
+
+/// The protocol node under an image's format, as `qemu-img info` lists it.
+#[derive(Debug, Clone)]
+pub struct FileNode {
+    pub name: String,
+    /// The protocol driver: "file", "nbd", "null-co".
+    pub driver: &'static str,
+}
+
+impl FileNode {
+    pub(crate) fn new(name: &str, driver: &'static str) -> FileNode {
+        FileNode {
+            name: name.to_string(),
+            driver,
+        }
+    }
 }
 
 impl Image {
@@ -23,13 +43,29 @@ impl Image {
         format: Format,
         driver: Box<dyn Driver>,
         backing: Option<Arc<Image>>,
+        file_node: Option<FileNode>,
+        probed: bool,
     ) -> Image {
         Image {
             filename: filename.to_string(),
             format,
             driver,
             backing,
+            file_node,
+            probed,
         }
+    }
+
+    /// Whether the format was probed from the file's contents rather than named (`-f`, a
+    /// `driver` option, the image above naming its backing file's format).
+    pub fn probed(&self) -> bool {
+        self.probed
+    }
+
+    /// The protocol node under the format; `None` for a protocol node opened as the image
+    /// itself (`"driver": "file"`), which has no child.
+    pub fn file_node(&self) -> Option<&FileNode> {
+        self.file_node.as_ref()
     }
 
     pub fn format(&self) -> Format {

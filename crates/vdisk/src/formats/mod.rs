@@ -30,7 +30,7 @@ use crate::error::{IoContext, Result};
 use crate::storage::Storage;
 
 pub use driver::{Capability, Driver};
-pub use image::Image;
+pub use image::{FileNode, Image};
 pub use info::{
     AmendOptions, BitmapInfo, CheckFailed, CheckReport, Fix, FormatInfo, InfoValue, Messages,
     RepairReport, SnapshotInfo,

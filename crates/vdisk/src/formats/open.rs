@@ -1,5 +1,6 @@
-//! Opening images: by path (probing the format, taking QEMU's locks, following backing chains
-//! and external data files), or from storage the caller already has.
+//! Opening images: by name (a path, a protocol, `json:` or `--image-opts` options, read by
+//! [`crate::spec`]; probing the format, taking QEMU's locks, following backing chains and
+//! external data files), or from storage the caller already has.
 //!
 //! A format's open function gets an [`OpenContext`], through which it asks for the files its
 //! image names (a backing file, an external data file): the context decides where they come
@@ -10,13 +11,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::entry::Opener;
-use super::image::Image;
+use super::image::{FileNode, Image};
 use super::registry::{probe, Format};
 use crate::blockdev::BlockDev;
 use crate::error::{Error, IoContext, Result};
+use crate::spec::{check_format_options, Backing, ImageSpec, Node, Protocol};
 use crate::storage::{
-    Fault, FaultStorage, FileStorage, LockRole, LockUse, MemStorage, OpKind, OpenOptions, Storage,
-    When,
+    Fault, FaultStorage, FileStorage, LockRole, LockUse, MemStorage, NbdStorage, NullStorage,
+    OpKind, OpenOptions, Storage, When,
 };
 
 /// Why a write open with `-U` is refused (QEMU's words).
@@ -58,6 +60,8 @@ pub struct ImageOptions {
     /// Where what the open does besides opening is told, as QEMU prints it on stderr: the
     /// repair of an image left dirty, opened for writing. Unset, it is not told.
     pub messages: Option<fn(String)>,
+    /// The name is an `--image-opts` option string, not a file name.
+    pub image_opts: bool,
 }
 
 /// Where the files an image names come from.
@@ -86,6 +90,8 @@ struct OpenContext<'a> {
     filename: &'a str,
     opts: &'a ImageOptions,
     source: Source<'a>,
+    /// What the image's options say of its backing file.
+    backing_spec: &'a Backing,
     /// The backing image the format asked for, kept for [`Image::backing`].
     backing: Option<Arc<Image>>,
 }
@@ -133,15 +139,17 @@ impl Opener for OpenContext<'_> {
                     fixed_size: false,
                     check: false,
                     messages: self.opts.messages,
+                    image_opts: false,
                 };
-                let path = backing_path(self.filename, name);
-                let image = open_chain(&path, &opts, chain).map_err(|e| {
-                    if chain.refused {
-                        e
-                    } else {
-                        in_backing(e)
-                    }
-                })?;
+                // Trust: the image names its backing file, so opening it may open what the
+                // user did not name. As QEMU, a name may be `json:` options or a protocol
+                // (`nbd://`), opened read-only like a path, and loops of files are refused.
+                let image = match self.backing_spec {
+                    Backing::None => return Ok(None),
+                    Backing::Node { node, .. } => open_node(node, &opts, chain),
+                    Backing::Named => open_named(&backing_path(self.filename, name), &opts, chain),
+                };
+                let image = image.map_err(|e| if chain.refused { e } else { in_backing(e) })?;
                 Arc::new(image)
             }
         };
@@ -167,10 +175,13 @@ impl Opener for OpenContext<'_> {
 }
 
 /// Resolves a backing file name relative to the image that names it, spelled as QEMU's
-/// `path_combine` does: absolute names stay as they are; relative ones get the image name's
-/// text up to its last '/'.
+/// `path_combine` does: absolute names and names with a protocol (`json:`, `nbd:`) stay as
+/// they are; relative ones get the image name's text up to its last '/'.
 pub fn backing_path(image: &str, name: &str) -> String {
-    if name.starts_with('/') {
+    let has_protocol = name
+        .find([':', '/'])
+        .is_some_and(|at| name[at..].starts_with(':'));
+    if name.starts_with('/') || has_protocol {
         return name.to_string();
     }
     match image.rfind('/') {
@@ -179,11 +190,18 @@ pub fn backing_path(image: &str, name: &str) -> String {
     }
 }
 
-/// Opens the image at `path` and, unless told not to, its whole backing chain. Errors read as
-/// QEMU's do: "Could not open 'top.qcow2': Could not open backing file: ...".
-pub fn open_image(path: &str, opts: &ImageOptions) -> Result<Image> {
-    open_chain(path, opts, &mut Chain::default())
-        .map_err(|e| e.prefixed(&format!("Could not open '{path}': ")))
+/// Opens the image `name` names (a path, a protocol such as `nbd://`, `json:{...}`, or with
+/// [`ImageOptions::image_opts`] an option string) and, unless told not to, its whole backing
+/// chain. Errors read as QEMU's do: "Could not open 'top.qcow2': Could not open backing file:
+/// ...".
+pub fn open_image(name: &str, opts: &ImageOptions) -> Result<Image> {
+    let chain = &mut Chain::default();
+    let opened = match opts.image_opts {
+        true => ImageSpec::from_image_opts(name, opts.format)
+            .and_then(|spec| open_spec(&spec, opts, chain)),
+        false => open_named(name, opts, chain),
+    };
+    opened.map_err(|e| e.prefixed(&format!("Could not open '{name}': ")))
 }
 
 /// Opens an image held in `storage` by itself, read-only: no backing file and no external data
@@ -228,6 +246,7 @@ pub fn open_parts(
     name: &str,
     write: bool,
 ) -> Result<Image> {
+    let probed = format.is_none();
     let format = match format {
         Some(f) => f,
         None => probe(&*storage)?,
@@ -240,10 +259,19 @@ pub fn open_parts(
         filename: name,
         opts: &opts,
         source: Source::Given { backing, data },
+        backing_spec: &Backing::Named,
         backing: None,
     };
     let driver = (format.entry().open)(storage, &mut cx)?;
-    Ok(Image::new(name, format, driver, cx.backing))
+    let file = FileNode::new(name, "file");
+    Ok(Image::new(
+        name,
+        format,
+        driver,
+        cx.backing,
+        Some(file),
+        probed,
+    ))
 }
 
 fn open_file(path: &Path, opts: &ImageOptions) -> Result<FileStorage> {
@@ -299,14 +327,145 @@ fn absent_storage() -> Arc<dyn Storage> {
     Arc::new(absent)
 }
 
-fn open_chain(filename: &str, opts: &ImageOptions, chain: &mut Chain) -> Result<Image> {
+/// Opens what `spec` describes, its options applied to `opts`.
+fn open_spec(spec: &ImageSpec, opts: &ImageOptions, chain: &mut Chain) -> Result<Image> {
+    open_node(&spec.node, &with_spec(spec, opts)?, chain)
+}
+
+/// Opens the image a file name names.
+fn open_named(name: &str, opts: &ImageOptions, chain: &mut Chain) -> Result<Image> {
+    open_spec(&ImageSpec::from_filename(name, opts.format)?, opts, chain)
+}
+
+/// `opts` with what the spec's options say of locking, caching and writing.
+fn with_spec(spec: &ImageSpec, opts: &ImageOptions) -> Result<ImageOptions> {
+    if spec.read_only && opts.write {
+        return Err(Error::invalid("Block node is read-only"));
+    }
+    Ok(ImageOptions {
+        force_share: opts.force_share || spec.force_share,
+        direct: opts.direct || spec.direct,
+        ..opts.clone()
+    })
+}
+
+/// Opens a node and, through its format, its backing chain. Backing chains recurse through
+/// here, so what does not recurse is done in [`prepare`], keeping each level's stack small.
+fn open_node(node: &Node, opts: &ImageOptions, chain: &mut Chain) -> Result<Image> {
+    let p = prepare(node, opts, chain)?;
+    let mut cx = OpenContext {
+        filename: &p.name,
+        opts,
+        source: Source::Paths { chain },
+        backing_spec: p.backing,
+        backing: None,
+    };
+    let driver = (p.format.entry().open)(p.storage, &mut cx)?;
+    let backing = cx.backing;
+    Ok(Image::new(
+        &p.name,
+        p.format,
+        driver,
+        backing,
+        p.file_node,
+        p.probed,
+    ))
+}
+
+/// A node with its storage open and locked and its format known, ready for the format's
+/// open function.
+struct Prepared<'a> {
+    format: Format,
+    storage: Arc<dyn Storage>,
+    name: String,
+    file_node: Option<FileNode>,
+    probed: bool,
+    backing: &'a Backing,
+}
+
+fn prepare<'a>(node: &'a Node, opts: &ImageOptions, chain: &mut Chain) -> Result<Prepared<'a>> {
     if opts.force_share && opts.write {
         return Err(Error::invalid(FORCE_SHARE_READ_ONLY));
     }
-    let path = Path::new(filename);
-    // Trust: an image names its backing file, so opening an image may open files the user did
-    // not name. Like QEMU we follow plain paths only, read-only, and refuse loops.
-    let canonical = path
+    let (protocol, format, backing) = match node {
+        Node::Format {
+            format,
+            file,
+            backing,
+            ..
+        } => (file, *format, backing),
+        // A protocol node alone is its own disk, with no child node and no backing file.
+        Node::Protocol(p) => (p, Some(Format::protocol(p.driver())), &Backing::None),
+    };
+    let opened = open_protocol(protocol, opts, chain)?;
+    let format = match format {
+        Some(f) => f,
+        None => probe(opened.storage())?,
+    };
+    // Opened without backing files (`info`), QEMU takes no options for one.
+    if let (true, Backing::Node { option, .. }) = (opts.no_backing, backing) {
+        return Err(Error::invalid(format!(
+            "Block format '{}' does not support the option '{option}'",
+            format.name()
+        )));
+    }
+    let (name, file_node) = match node {
+        Node::Format { extra, .. } => {
+            check_format_options(format, extra)?;
+            let file_node = FileNode::new(&protocol.name(), protocol.driver());
+            (Node::format_name(format, protocol), Some(file_node))
+        }
+        Node::Protocol(p) => (p.name(), None),
+    };
+    Ok(Prepared {
+        format,
+        storage: opened.locked(format.entry().lock_role, opts)?,
+        name,
+        file_node,
+        probed: matches!(node, Node::Format { format: None, .. }),
+        backing,
+    })
+}
+
+/// A protocol node's storage, before the format is known: a file is locked only then, with
+/// the locks of its format.
+enum Opened {
+    File(FileStorage, PathBuf),
+    Other(Arc<dyn Storage>),
+}
+
+impl Opened {
+    fn storage(&self) -> &dyn Storage {
+        match self {
+            Opened::File(f, _) => f,
+            Opened::Other(s) => &**s,
+        }
+    }
+
+    fn locked(self, role: LockRole, opts: &ImageOptions) -> Result<Arc<dyn Storage>> {
+        match self {
+            Opened::File(f, path) => locked(f, &path, role, opts),
+            // Not files: QEMU takes no locks on them either.
+            Opened::Other(s) => Ok(s),
+        }
+    }
+}
+
+fn open_protocol(node: &Protocol, opts: &ImageOptions, chain: &mut Chain) -> Result<Opened> {
+    Ok(match node {
+        Protocol::File { filename } => {
+            visit(chain, filename)?;
+            let path = Path::new(filename);
+            Opened::File(open_file(path, opts)?, path.to_path_buf())
+        }
+        Protocol::Nbd(target) => Opened::Other(Arc::new(NbdStorage::connect(target, opts.write)?)),
+        Protocol::Null { size, .. } => Opened::Other(Arc::new(NullStorage::new(*size))),
+    })
+}
+
+/// Records a file of the backing chain, refusing loops and chains too deep.
+fn visit(chain: &mut Chain, filename: &str) -> Result<()> {
+    let canonical = Path::new(filename)
         .canonicalize()
         .context(|| format!("Could not open '{filename}'"))?;
     if chain.seen.contains(&canonical) {
@@ -324,18 +483,5 @@ fn open_chain(filename: &str, opts: &ImageOptions, chain: &mut Chain) -> Result<
         )));
     }
     chain.seen.push(canonical);
-    let file = open_file(path, opts)?;
-    let format = match opts.format {
-        Some(f) => f,
-        None => probe(&file)?,
-    };
-    let file = locked(file, path, format.entry().lock_role, opts)?;
-    let mut cx = OpenContext {
-        filename,
-        opts,
-        source: Source::Paths { chain },
-        backing: None,
-    };
-    let driver = (format.entry().open)(file, &mut cx)?;
-    Ok(Image::new(filename, format, driver, cx.backing))
+    Ok(())
 }

@@ -20,6 +20,24 @@ pub(crate) static FORMAT: FormatEntry = FormatEntry {
     repair: None,
 };
 
+/// Protocol nodes opened as images (see [`crate::Format::protocol`]): raw under their
+/// drivers' names, and never probed.
+pub(crate) static PROTOCOLS: [FormatEntry; 3] = [
+    protocol_entry("file"),
+    protocol_entry("nbd"),
+    protocol_entry("null-co"),
+];
+
+const fn protocol_entry(name: &'static str) -> FormatEntry {
+    FormatEntry {
+        name,
+        lock_role: LockRole::Raw,
+        probe: |_| false,
+        open: |storage, cx| Ok(Box::new(Raw::open(storage, !cx.write())?)),
+        repair: None,
+    }
+}
+
 pub struct Raw {
     storage: Arc<dyn Storage>,
     /// The file's length rounded up to whole sectors; it changes with [`BlockDev::set_size`].

@@ -33,6 +33,19 @@ impl Format {
         FORMATS.iter().map(|&f| Format(f))
     }
 
+    /// A protocol node opened as the image itself (QEMU's `"driver": "file"`, `"nbd"`,
+    /// `"null-co"`): its bytes are the disk, as raw, under the protocol's name. Not a format
+    /// `-f` names or `create` makes.
+    pub fn protocol(driver: &str) -> Format {
+        let entry = raw::PROTOCOLS.iter().find(|f| f.name == driver);
+        Format(entry.unwrap_or(&raw::PROTOCOLS[0]))
+    }
+
+    /// Whether this is a protocol node opened as the image (see [`Format::protocol`]).
+    pub fn is_protocol(self) -> bool {
+        raw::PROTOCOLS.iter().any(|f| std::ptr::eq(f, self.0))
+    }
+
     /// The format called `name`; QEMU's error for any other.
     pub fn parse(name: &str) -> Result<Format> {
         FORMATS

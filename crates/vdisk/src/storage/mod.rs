@@ -11,7 +11,9 @@
 //!           ├─ MemStorage  (in memory, for tests)
 //!           ├─ CrashStorage (in memory; records syncs and produces every post-crash disk)
 //!           ├─ FaultStorage (wraps any Storage; fails chosen calls with EIO, ENOSPC, short writes)
-//!           └─ DiskStorage  (a BlockDev as storage: one format on another)
+//!           ├─ DiskStorage  (a BlockDev as storage: one format on another)
+//!           ├─ NbdStorage   (an export of an NBD server, as QEMU's nbd driver reads it)
+//!           └─ NullStorage  (QEMU's null-co: reads zeroes, drops writes)
 //! ```
 //!
 //! A caller with many transfers in flight from few threads runs them through the engine's I/O
@@ -23,6 +25,8 @@ mod fault;
 mod file;
 mod lock;
 mod memory;
+mod nbd;
+mod null;
 mod on_disk;
 mod stats;
 
@@ -34,6 +38,8 @@ pub use fault::{Fault, FaultStorage, OpKind, When};
 pub use file::{FileStorage, OpenOptions};
 pub use lock::{LockRole, LockUse};
 pub use memory::MemStorage;
+pub use nbd::{NbdServer, NbdStorage, NbdTarget};
+pub use null::NullStorage;
 pub use on_disk::DiskStorage;
 pub use stats::{IoStats, IoStatsSnapshot};
 
