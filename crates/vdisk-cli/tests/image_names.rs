@@ -215,6 +215,43 @@ fn null_co_reads_as_in_qemu() {
     f.finish();
 }
 
+/// qcow2's `data-file` option names the external data file: also of an image whose name for
+/// it `amend -o data_file=` dropped, which then opens only so.
+#[test]
+fn data_file_options_name_the_data_file_as_in_qemu() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "image-names-data-file");
+    let mut f = Failures::new("image-names-data-file", &wd);
+    let mut infos = Vec::new();
+    for tool in ["q", "v"] {
+        let (image, data) = (format!("{tool}.qcow2"), format!("{tool}.data"));
+        let o = format!("data_file={data}");
+        wd.setup_img(&["create", "-q", "-f", "qcow2", "-o", &o, &image, "1M"]);
+        wd.setup_io(&image, None, &["write -P 3 0 64k"]);
+        let opts = format!("data-file.filename={data},file.filename={image}");
+        let amend = ["amend", "-o", "data_file=", "--image-opts", &opts];
+        let out = if tool == "q" {
+            wd.qemu_img(&amend)
+        } else {
+            wd.vdisk(&amend)
+        };
+        assert!(out.success(), "{out:?}");
+        let info = wd.qemu_img(&["info", "--image-opts", &opts]).stdout;
+        infos.push(info.replace(&image, "IMAGE").replace(&data, "DATA"));
+        for args in [
+            &["info", "--image-opts", &opts][..],
+            &["map", "--output=json", "--image-opts", &opts],
+            &["compare", "--image-opts", &opts, &opts],
+            &["info", &image],
+            &["map", &image],
+        ] {
+            same(&mut f, &wd, &image, args);
+        }
+    }
+    f.same_text("amend -o data_file=", "info", &infos[0], &infos[1]);
+    f.finish();
+}
+
 /// qemu-nbd serving one image, until dropped.
 struct QemuNbd(Child);
 

@@ -51,6 +51,7 @@ pub trait Opener {
         format: Option<&str>,
     ) -> Result<Option<Arc<dyn BlockDev>>>;
 
-    /// The external data file `name` holding the image's guest data.
-    fn open_data_file(&mut self, name: &str) -> Result<Arc<dyn Storage>>;
+    /// The external data file holding the image's guest data, which the image names `name`
+    /// (`None`: it names none, and only the options it was opened with can).
+    fn open_data_file(&mut self, name: Option<&str>) -> Result<Arc<dyn Storage>>;
 }

@@ -92,6 +92,8 @@ struct OpenContext<'a> {
     source: Source<'a>,
     /// What the image's options say of its backing file.
     backing_spec: &'a Backing,
+    /// The external data file the image's options name instead of the image's.
+    data_file: Option<&'a Protocol>,
     /// The backing image the format asked for, kept for [`Image::backing`].
     backing: Option<Arc<Image>>,
 }
@@ -159,13 +161,23 @@ impl Opener for OpenContext<'_> {
 
     /// Like QEMU it is opened by its name as stored, relative to the current directory rather
     /// than the image's.
-    fn open_data_file(&mut self, name: &str) -> Result<Arc<dyn Storage>> {
+    fn open_data_file(&mut self, name: Option<&str>) -> Result<Arc<dyn Storage>> {
         if let Source::Given { data, .. } = &self.source {
             return data
                 .clone()
                 .ok_or_else(|| Error::unsupported("an external data file needs a path to open"));
         }
-        let path = Path::new(name);
+        let path = match (self.data_file, name) {
+            (Some(Protocol::File { filename }), _) => Path::new(filename),
+            // Not files: no locks, as in QEMU.
+            (Some(other), _) => {
+                let opened = open_protocol(other, self.opts, &mut Chain::default())?;
+                return opened.locked(LockRole::DataFile, self.opts);
+            }
+            (None, Some(name)) => Path::new(name),
+            (None, None) if self.opts.data_file_optional => return Ok(absent_storage()),
+            (None, None) => return Err(Error::invalid("'data-file' is required for this image")),
+        };
         match open_file(path, self.opts) {
             Ok(f) => locked(f, path, LockRole::DataFile, self.opts),
             Err(_) if self.opts.data_file_optional => Ok(absent_storage()),
@@ -260,6 +272,7 @@ pub fn open_parts(
         opts: &opts,
         source: Source::Given { backing, data },
         backing_spec: &Backing::Named,
+        data_file: None,
         backing: None,
     };
     let driver = (format.entry().open)(storage, &mut cx)?;
@@ -358,6 +371,7 @@ fn open_node(node: &Node, opts: &ImageOptions, chain: &mut Chain) -> Result<Imag
         opts,
         source: Source::Paths { chain },
         backing_spec: p.backing,
+        data_file: p.data_file,
         backing: None,
     };
     let driver = (p.format.entry().open)(p.storage, &mut cx)?;
@@ -381,21 +395,23 @@ struct Prepared<'a> {
     file_node: Option<FileNode>,
     probed: bool,
     backing: &'a Backing,
+    data_file: Option<&'a Protocol>,
 }
 
 fn prepare<'a>(node: &'a Node, opts: &ImageOptions, chain: &mut Chain) -> Result<Prepared<'a>> {
     if opts.force_share && opts.write {
         return Err(Error::invalid(FORCE_SHARE_READ_ONLY));
     }
-    let (protocol, format, backing) = match node {
+    let (protocol, format, backing, data_file) = match node {
         Node::Format {
             format,
             file,
             backing,
+            data_file,
             ..
-        } => (file, *format, backing),
+        } => (file, *format, backing, data_file.as_ref()),
         // A protocol node alone is its own disk, with no child node and no backing file.
-        Node::Protocol(p) => (p, Some(Format::protocol(p.driver())), &Backing::None),
+        Node::Protocol(p) => (p, Some(Format::protocol(p.driver())), &Backing::None, None),
     };
     let opened = open_protocol(protocol, opts, chain)?;
     let format = match format {
@@ -424,6 +440,7 @@ fn prepare<'a>(node: &'a Node, opts: &ImageOptions, chain: &mut Chain) -> Result
         file_node,
         probed: matches!(node, Node::Format { format: None, .. }),
         backing,
+        data_file,
     })
 }
 

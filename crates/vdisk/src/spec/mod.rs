@@ -53,6 +53,8 @@ pub enum Node {
         format: Option<Format>,
         file: Protocol,
         backing: Backing,
+        /// qcow2's `data-file`: the external data file instead of the one the image names.
+        data_file: Option<Protocol>,
         extra: Options,
     },
     /// A protocol node alone (`"driver": "file"`): its bytes are the disk.
@@ -219,10 +221,17 @@ fn node(
             ))
         }
     };
+    // Its options stay in `extra` too: only qcow2 takes them, which the format decides.
+    let data_file = match o.get("data-file") {
+        Some(Leaf::Str(name)) => return Err(no_node(name)),
+        _ if o.has_child("data-file") => Some(file_child(spec, o.clone().take_child("data-file"))?),
+        _ => None,
+    };
     Ok(Node::Format {
         format,
         file,
         backing,
+        data_file,
         extra: o,
     })
 }
@@ -347,7 +356,10 @@ fn common(spec: &mut ImageSpec, o: &mut Options) -> Result<()> {
 pub fn check_format_options(format: Format, extra: &Options) -> Result<()> {
     let mut rest = extra.clone();
     if format == Format::QCOW2 {
-        rest.drop_where(|k| QCOW2_IGNORED.contains(&k) || k.starts_with("overlap-check."));
+        rest.drop_where(|k| {
+            let child = |c: &str| k.strip_prefix(c).is_some_and(|r| r.starts_with('.'));
+            QCOW2_IGNORED.contains(&k) || child("overlap-check") || child("data-file")
+        });
     }
     rest.refuse_rest(format.name(), false)
 }

@@ -19,6 +19,7 @@ fn format_node(format: Option<Format>, file: Protocol, backing: Backing) -> Node
         format,
         file,
         backing,
+        data_file: None,
         extra: Options::default(),
     }
 }
@@ -95,6 +96,24 @@ fn protocols_resolve_with_their_options() {
     assert_eq!(
         nbd,
         format_node(None, Protocol::Nbd(target), Backing::Named)
+    );
+}
+
+#[test]
+fn a_data_file_child_is_qcow2s() {
+    let s = named(r#"json:{"file.filename": "x", "data-file.filename": "d"}"#).unwrap();
+    let Node::Format {
+        data_file, extra, ..
+    } = &s.node
+    else {
+        panic!()
+    };
+    assert_eq!(data_file, &Some(file("d")));
+    assert!(check_format_options(Format::QCOW2, extra).is_ok());
+    let e = check_format_options(Format::RAW, extra).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "Block format 'raw' does not support the option 'data-file.filename'"
     );
 }
 

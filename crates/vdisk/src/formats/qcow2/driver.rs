@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use super::header::INCOMPAT_DATA_FILE;
 use super::Qcow2;
 use crate::counters::CountersSnapshot;
 use crate::error::Result;
@@ -123,6 +124,9 @@ impl Driver for Qcow2 {
         if h.version >= 3 {
             if let Some(df) = &h.data_file {
                 d.push(("data-file", text(df)));
+            }
+            // Whenever the image has a data file, named or not (an amend can drop its name).
+            if h.incompatible & INCOMPAT_DATA_FILE != 0 {
                 d.push(("data-file-raw", InfoValue::Bool(h.data_file_raw())));
             }
             d.push(("corrupt", InfoValue::Bool(h.is_corrupt())));

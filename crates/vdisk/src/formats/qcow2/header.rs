@@ -256,11 +256,6 @@ impl Header {
                 "extended L2 entries need a cluster size of at least 16 KiB",
             ));
         }
-        if h.incompatible & INCOMPAT_DATA_FILE != 0 && h.data_file.is_none() {
-            return Err(Error::unsupported(
-                "image uses an external data file but does not name it",
-            ));
-        }
         if h.data_file_raw() && h.incompatible & INCOMPAT_DATA_FILE == 0 {
             return Err(Error::corrupt(
                 "data-file-raw set without an external data file",

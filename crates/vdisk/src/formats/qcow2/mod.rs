@@ -70,11 +70,9 @@ fn open_driver(file: Arc<dyn Storage>, cx: &mut dyn Opener) -> Result<Box<dyn Dr
     if cx.write() && !cx.check() && header.is_dirty() && !header.is_corrupt() {
         header = offline::repair::repair_dirty(&file, &mut |m| cx.say(m))?;
     }
-    let data = match &header.data_file {
-        Some(name) if header.incompatible & header::INCOMPAT_DATA_FILE != 0 => {
-            Some(cx.open_data_file(name)?)
-        }
-        _ => None,
+    let data = match header.incompatible & header::INCOMPAT_DATA_FILE != 0 {
+        true => Some(cx.open_data_file(header.data_file.as_deref())?),
+        false => None,
     };
     let backing = match &header.backing_file {
         Some(name) => cx.open_backing(name, header.backing_format.as_deref())?,

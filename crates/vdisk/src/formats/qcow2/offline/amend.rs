@@ -55,8 +55,10 @@ impl Qcow2 {
         if let Some(raw) = o.data_file_raw {
             h.autoclear = flag(h.autoclear, AUTOCLEAR_DATA_FILE_RAW, raw);
         }
+        // An empty name drops it, as in QEMU: the image then opens only with a `data-file`
+        // option.
         if let Some(name) = &o.data_file {
-            h.data_file = Some(name.clone());
+            h.data_file = (!name.is_empty()).then(|| name.clone());
         }
         match plan.refcount_order {
             Some(order) => self.change_refcount_order(h, order)?,
@@ -82,13 +84,6 @@ impl Qcow2 {
         if o.data_file.is_some() && !has_data_file {
             return Err(Error::invalid(
                 "data-file can only be set for images that use an external data file",
-            ));
-        }
-        if o.data_file.as_deref() == Some("") {
-            // QEMU drops the name; vdisk could not open the image again.
-            return Err(Error::unsupported(
-                "data-file must name the external data file: vdisk cannot open an image whose \
-                 data file has no name",
             ));
         }
         if o.data_file_raw == Some(true) && !h.data_file_raw() {
