@@ -151,31 +151,38 @@ pub fn create_target(name: &str) -> Result<Protocol> {
     from_filename(name)
 }
 
+/// What the options every node has say, gathered from all of them (a child's `read-only`
+/// makes the image read-only too).
+#[derive(Default)]
+struct Flags {
+    read_only: bool,
+    force_share: bool,
+    direct: bool,
+}
+
 /// What `o` (and `filename`, the name given when it is not options) describe.
 fn resolve(mut o: Options, filename: Option<&str>, format: Option<Format>) -> Result<ImageSpec> {
-    let mut spec = ImageSpec {
-        node: Node::Protocol(Protocol::File {
-            filename: String::new(),
-        }),
-        read_only: false,
-        force_share: false,
-        direct: false,
-    };
+    let mut flags = Flags::default();
     let driver = o.take_str("driver");
     let driver = format.map(|f| f.name().to_string()).or(driver);
-    spec.node = node(&mut spec, o, filename, driver.as_deref())?;
-    Ok(spec)
+    let node = node(&mut flags, o, filename, driver.as_deref())?;
+    Ok(ImageSpec {
+        node,
+        read_only: flags.read_only,
+        force_share: flags.force_share,
+        direct: flags.direct,
+    })
 }
 
 /// A node with `driver` (probed when `None`), its options `o`, named `filename` if it was
 /// named and not given as options.
 fn node(
-    spec: &mut ImageSpec,
+    flags: &mut Flags,
     mut o: Options,
     filename: Option<&str>,
     driver: Option<&str>,
 ) -> Result<Node> {
-    common(spec, &mut o)?;
+    common(flags, &mut o)?;
     if let Some(d) = driver.filter(|d| PROTOCOLS.contains(d)) {
         return protocol(d, o, filename).map(Node::Protocol);
     }
@@ -189,7 +196,7 @@ fn node(
             ));
         }
         Some(Leaf::Str(name)) => return Err(no_node(&name)),
-        _ if o.has_child("file") => file_child(spec, o.take_child("file"))?,
+        _ if o.has_child("file") => file_child(flags, o.take_child("file"))?,
         _ => match filename {
             Some(name) => from_filename(name)?,
             None if format.is_none() => {
@@ -207,7 +214,7 @@ fn node(
             let mut b = o.take_child("backing");
             let option = b.first_key_under("backing").unwrap_or_default();
             let driver = b.take_str("driver");
-            let node = Box::new(node(spec, b, None, driver.as_deref())?);
+            let node = Box::new(node(flags, b, None, driver.as_deref())?);
             Backing::Node { node, option }
         }
         None => Backing::Named,
@@ -224,7 +231,9 @@ fn node(
     // Its options stay in `extra` too: only qcow2 takes them, which the format decides.
     let data_file = match o.get("data-file") {
         Some(Leaf::Str(name)) => return Err(no_node(name)),
-        _ if o.has_child("data-file") => Some(file_child(spec, o.clone().take_child("data-file"))?),
+        _ if o.has_child("data-file") => {
+            Some(file_child(flags, o.clone().take_child("data-file"))?)
+        }
         _ => None,
     };
     Ok(Node::Format {
@@ -245,10 +254,10 @@ fn no_node(name: &str) -> Error {
 
 /// The `file` child of a format node: a protocol node. A child without a driver is a file,
 /// its name taken as it is (no protocol prefix is read there, as in QEMU).
-fn file_child(spec: &mut ImageSpec, mut o: Options) -> Result<Protocol> {
+fn file_child(flags: &mut Flags, mut o: Options) -> Result<Protocol> {
     match o.take_str("driver") {
         Some(d) if PROTOCOLS.contains(&d.as_str()) => {
-            common(spec, &mut o)?;
+            common(flags, &mut o)?;
             protocol(&d, o, None)
         }
         Some(d) => {
@@ -260,7 +269,7 @@ fn file_child(spec: &mut ImageSpec, mut o: Options) -> Result<Protocol> {
         // As `bdrv_fill_options`: only a string names the file.
         None => match o.get("filename") {
             Some(Leaf::Str(_)) => {
-                common(spec, &mut o)?;
+                common(flags, &mut o)?;
                 protocol("file", o, None)
             }
             _ => Err(Error::invalid("Must specify either driver or file")),
@@ -324,7 +333,7 @@ fn protocol(driver: &str, mut o: Options, filename: Option<&str>) -> Result<Prot
 }
 
 /// Takes the options every node has (`bdrv_runtime_opts`), checked as QEMU checks them.
-fn common(spec: &mut ImageSpec, o: &mut Options) -> Result<()> {
+fn common(flags: &mut Flags, o: &mut Options) -> Result<()> {
     if let Some(name) = o.take_text("node-name") {
         let mut chars = name.chars();
         let well_formed = chars.next().is_some_and(|c| c.is_ascii_alphabetic())
@@ -333,9 +342,9 @@ fn common(spec: &mut ImageSpec, o: &mut Options) -> Result<()> {
             return Err(Error::invalid(format!("Invalid node-name: '{name}'")));
         }
     }
-    spec.read_only |= o.take_bool("read-only")?.unwrap_or(false);
-    spec.force_share |= o.take_bool("force-share")?.unwrap_or(false);
-    spec.direct |= o.take_bool("cache.direct")?.unwrap_or(false);
+    flags.read_only |= o.take_bool("read-only")?.unwrap_or(false);
+    flags.force_share |= o.take_bool("force-share")?.unwrap_or(false);
+    flags.direct |= o.take_bool("cache.direct")?.unwrap_or(false);
     for key in COMMON_IGNORED {
         o.take_bool(key)?;
     }
