@@ -492,14 +492,16 @@ fn formatting_line(
             if let Some(c) = given("compat") {
                 parts.push(("compat".into(), c));
             }
+            // Text options print as QemuOpts writes them, a comma doubled (`json:` names).
+            let text = |v: &String| v.replace(',', ",,");
             if let Some(b) = &o.backing_file {
-                parts.push(("backing_file".into(), b.clone()));
+                parts.push(("backing_file".into(), text(b)));
             }
             if let Some(f) = &o.backing_format {
-                parts.push(("backing_fmt".into(), f.clone()));
+                parts.push(("backing_fmt".into(), text(f)));
             }
             if let Some(d) = &o.data_file {
-                parts.push(("data_file".into(), d.clone()));
+                parts.push(("data_file".into(), text(d)));
             }
             if let Some(raw) = given("data_file_raw") {
                 parts.push(("data_file_raw".into(), raw));

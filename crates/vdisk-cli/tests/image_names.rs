@@ -78,6 +78,20 @@ fn json_and_option_names_read_as_in_qemu() {
         same(&mut f, &wd, o, &["snapshot", "-l", "--image-opts", o]);
         same(&mut f, &wd, o, &["measure", "-O", "raw", "--image-opts", o]);
     }
+    // An image whose backing file it names by json: (as iotest 020 makes one), made by each.
+    let backing = r#"json:{"driver":"qcow2","file":{"driver":"file","filename":"base.qcow2"}}"#;
+    let create = |image| ["create", "-f", "qcow2", "-b", backing, "-F", "qcow2", image];
+    let (q, v) = (
+        wd.qemu_img(&create("jq.qcow2")),
+        wd.vdisk(&create("jv.qcow2")),
+    );
+    let (q, v) = (q.stdout.replace("jq.", "j."), v.stdout.replace("jv.", "j."));
+    f.same_text("create -b json:", "stdout", &q, &v);
+    for image in ["jq.qcow2", "jv.qcow2"] {
+        same(&mut f, &wd, image, &["info", "--backing-chain", image]);
+        same(&mut f, &wd, image, &["map", "--output=json", image]);
+        same(&mut f, &wd, image, &["compare", image, "base.qcow2"]);
+    }
     let pair = [
         "driver=qcow2,file.filename=top.qcow2",
         "driver=qcow2,file.filename=base.qcow2",
