@@ -105,6 +105,47 @@ fn json_and_option_names_read_as_in_qemu() {
     f.finish();
 }
 
+/// `cache.direct=on` (iotest 253): with O_DIRECT QEMU answers block status in whole blocks, so
+/// data ending at the end of a file of a partial last sector covers that sector.
+#[test]
+fn cache_direct_maps_as_in_qemu() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "image-names-direct");
+    let mut f = Failures::new("image-names-direct", &wd);
+    wd.write_file("u.raw", &[]);
+    let size = (1 << 20) - 1;
+    std::fs::File::options()
+        .write(true)
+        .open(wd.abs("u.raw"))
+        .and_then(|file| file.set_len(size))
+        .unwrap();
+    let write = [
+        "-f",
+        "raw",
+        "-t",
+        "none",
+        "-c",
+        "write 983040 65535",
+        "u.raw",
+    ];
+    assert!(wd.run(&tools.qemu_io, &write).success());
+    std::fs::File::options()
+        .write(true)
+        .open(wd.abs("u.raw"))
+        .and_then(|file| file.set_len(size))
+        .unwrap();
+    for o in ["", ",cache.direct=on"] {
+        let name = format!("driver=raw,file.driver=file,file.filename=u.raw{o}");
+        same(
+            &mut f,
+            &wd,
+            &name,
+            &["map", "--output=json", "--image-opts", &name],
+        );
+    }
+    f.finish();
+}
+
 #[test]
 fn refused_names_fail_as_in_qemu() {
     let Some(tools) = tools() else { return };

@@ -513,7 +513,13 @@ impl Storage for FileStorage {
             return Ok((false, (data - offset).min(len)));
         }
         let hole = self.seek(offset, libc::SEEK_HOLE)?.unwrap_or(file_len);
-        Ok((true, (hole - offset).clamp(1, len.max(1)).min(len)))
+        let mut run = hole - offset;
+        // As QEMU's file driver with O_DIRECT, which answers in whole blocks of the direct
+        // alignment: data that ends at the end of the file covers its partial last block.
+        if self.direct.is_some() && hole == file_len {
+            run = run.next_multiple_of(self.align.0);
+        }
+        Ok((true, run.clamp(1, len.max(1)).min(len)))
     }
 
     fn async_write_fd(&self, offset: u64, buf: &[u8]) -> Option<RawFd> {
