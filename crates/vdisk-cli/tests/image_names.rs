@@ -426,6 +426,8 @@ fn nbd_exports_read_as_in_qemu() {
         "compare",
         &["compare", "-U", "-f", "raw", "r.raw", &export],
     );
+    let into_read_only = ["convert", "-n", "-O", "raw", "-U", "base.qcow2", &tcp];
+    same(&mut f, &wd, "read-only export", &into_read_only);
     same(
         &mut f,
         &wd,

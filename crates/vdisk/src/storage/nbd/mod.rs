@@ -84,8 +84,12 @@ impl NbdStorage {
             )),
             HandshakeError::Protocol(m) => Error::invalid(m),
         })?;
+        // QEMU's words for a read-only export opened for writing.
         if write && info.flags & FLAG_READ_ONLY != 0 {
-            return Err(Error::invalid("Block node is read-only"));
+            return Err(Error::Io {
+                context: "Could not open image".into(),
+                source: io::Error::from_raw_os_error(libc::EACCES),
+            });
         }
         Ok(NbdStorage {
             conn: Mutex::new(Conn { socket, cookie: 0 }),
