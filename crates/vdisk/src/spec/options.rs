@@ -142,9 +142,7 @@ impl Options {
 
     pub fn take_number(&mut self, key: &str) -> Result<Option<u64>> {
         self.take_text(key)
-            .map(|v| {
-                option_number(key, &v).map_err(Error::invalid)
-            })
+            .map(|v| option_number(key, &v).map_err(Error::invalid))
             .transpose()
     }
 
