@@ -257,6 +257,10 @@ impl Storage for FaultStorage {
         self.inner.extent_at(offset, len)
     }
 
+    fn is_allocated(&self, offset: u64, len: u64) -> io::Result<bool> {
+        self.inner.is_allocated(offset, len)
+    }
+
     fn stats(&self) -> &IoStats {
         &self.stats
     }

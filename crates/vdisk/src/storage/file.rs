@@ -522,6 +522,13 @@ impl Storage for FileStorage {
         Ok((true, run.clamp(1, len.max(1)).min(len)))
     }
 
+    fn is_allocated(&self, offset: u64, len: u64) -> io::Result<bool> {
+        match super::fiemap::allocated(&self.file, offset, len)? {
+            Some(allocated) => Ok(allocated),
+            None => Ok(matches!(self.extent_at(offset, len)?, (true, n) if n == len)),
+        }
+    }
+
     fn async_write_fd(&self, offset: u64, buf: &[u8]) -> Option<RawFd> {
         // Only direct writes: a buffered one completes in the page cache, as fast synchronously.
         let fd = self

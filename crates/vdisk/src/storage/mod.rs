@@ -22,6 +22,7 @@
 
 mod crash;
 mod fault;
+mod fiemap;
 mod file;
 mod lock;
 mod memory;
@@ -113,6 +114,14 @@ pub trait Storage: Send + Sync {
     fn extent_at(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
         let _ = offset;
         Ok((true, len))
+    }
+
+    /// Whether every byte of `[offset, offset + len)` has space reserved (written or
+    /// preallocated), so that writing there allocates nothing. Storage that cannot tell says
+    /// it has.
+    fn is_allocated(&self, offset: u64, len: u64) -> io::Result<bool> {
+        let _ = (offset, len);
+        Ok(true)
     }
 
     /// The descriptor to which an asynchronous write of `buf` at `offset` (on the I/O queue)

@@ -312,3 +312,50 @@ fn a_table_moved_by_the_pool_is_durable_before_the_header() {
         }
     }
 }
+
+/// An image made with preallocation=metadata maps every cluster to a hole in the file: the
+/// first write into a cluster reserves all of it (so that later direct writes there run side by
+/// side), and leaves the clusters it did not write holes.
+#[test]
+fn first_writes_reserve_their_clusters_in_a_metadata_preallocated_file() {
+    use vdisk::storage::{FileStorage, OpenOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let opts = OpenOptions {
+        write: true,
+        create: true,
+        ..OpenOptions::default()
+    };
+    let file = Arc::new(FileStorage::open(&dir.path().join("p.qcow2"), opts).unwrap());
+    let o = CreateOptions {
+        size: 4 << 20,
+        preallocation: vdisk::Preallocation::Metadata,
+        ..CreateOptions::default()
+    };
+    create(&*file, None, &o).unwrap();
+    let cs = 65536u64;
+    let host_of = |image: &vdisk::Image, guest: u64| {
+        let status = image.block_status(guest, cs).unwrap();
+        status.offset.expect("preallocated clusters are mapped")
+    };
+    let storage: Arc<dyn Storage> = file.clone();
+    let image = open_storage_with(storage, Some(Format::QCOW2), "p", true).unwrap();
+    let (written, untouched) = (host_of(&image, 3 * cs), host_of(&image, 5 * cs));
+    assert!(
+        !file.is_allocated(written, cs).unwrap(),
+        "a hole before the write"
+    );
+    image.write(3 * cs + 8192, &[7u8; 4096]).unwrap();
+    image.flush().unwrap();
+    assert!(
+        file.is_allocated(written, cs).unwrap(),
+        "the whole cluster is reserved"
+    );
+    assert!(
+        !file.is_allocated(untouched, cs).unwrap(),
+        "others stay holes"
+    );
+    let mut back = vec![1u8; cs as usize];
+    image.read(3 * cs, &mut back).unwrap();
+    assert!(back[..8192].iter().all(|&b| b == 0) && back[8192..12288].iter().all(|&b| b == 7));
+    assert!(back[12288..].iter().all(|&b| b == 0));
+}

@@ -142,7 +142,7 @@ impl Qcow2 {
     /// (unwritten extents read as zero, as the hole did) they run side by side. Only a
     /// speed-up: a failure leaves the hole.
     fn allocate_holes(&self, host: Host, cs: u64) {
-        if !matches!(self.data.extent_at(host.0, cs), Ok((true, n)) if n == cs) {
+        if !self.data.is_allocated(host.0, cs).unwrap_or(true) {
             let _ = self.data.allocate(host.0, cs);
         }
     }
