@@ -16,6 +16,7 @@ pub mod entry;
 mod image;
 pub mod info;
 pub mod open;
+pub mod pcow;
 pub mod prealloc;
 pub mod qcow2;
 pub mod raw;

@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use super::entry::FormatEntry;
 use super::info::{CheckFailed, CheckReport, Fix, Messages, RepairReport};
-use super::{qcow2, raw, seqlog};
+use super::{pcow, qcow2, raw, seqlog};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{LockRole, Storage};
 
 /// Every format, in probing order.
-static FORMATS: &[&FormatEntry] = &[&qcow2::FORMAT, &seqlog::FORMAT, &raw::FORMAT];
+static FORMATS: &[&FormatEntry] = &[&qcow2::FORMAT, &seqlog::FORMAT, &pcow::FORMAT, &raw::FORMAT];
 
 /// Bytes of a file that probing looks at.
 const PROBE_BYTES: usize = 68;
