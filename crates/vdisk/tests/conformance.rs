@@ -17,7 +17,8 @@
 //! | `crash.rs`      | every crash state of two workloads (CrashStorage, torn writes in one)   |
 //! | `fault.rs`      | EIO, ENOSPC, short writes on every storage of the disk (FaultStorage)   |
 //!
-//! Around them: `subject.rs` (the subjects and the [`subject::Disk`] they open as),
+//! Around them: `subject.rs` (the subjects and the [`subject::Disk`] they open as; pcow's in
+//! `subject_pcow.rs`),
 //! `model.rs` (the byte model and the data written), `workload.rs` (requests of every size
 //! class), `history.rs` (what a disk may hold after a crash or a failure).
 //!
@@ -166,4 +167,13 @@ subjects! {
         Backend::Memory,
         true
     );
+    pcow_64k => pcow("pcow", 64 << 10, 0, 0, false);
+    pcow_2m => pcow("pcow 2 MiB clusters (wide bitmaps)", 2 << 20, 0, 0, false);
+    pcow_snapshot => pcow("pcow over a snapshot", 64 << 10, 0, 1 << 40, true);
+    pcow_wide_snapshot =>
+        pcow("pcow 256 KiB clusters over a snapshot", 256 << 10, 0, 1 << 40, true);
+    // 4 KiB clusters: 504 to a segment, 503 of them filled, so new clusters start segments.
+    pcow_segments => pcow("pcow past a segment", 4096, 4 << 20, 503 * 4096, false);
+    pcow_over_raw => pcow_over_raw("pcow over raw", 64 << 10);
+    pcow_over_pcow_over_raw => pcow_over_pcow_over_raw("pcow over pcow over pcow over raw");
 }

@@ -19,6 +19,10 @@ use vdisk::{
 
 use super::model::{backing_byte, pattern};
 
+#[path = "subject_pcow.rs"]
+mod pcow_subjects;
+pub use pcow_subjects::{pcow, pcow_over_pcow_over_raw, pcow_over_raw};
+
 /// The storages a disk lives on: the image first, then any data file.
 pub type Storages = Vec<Arc<dyn Storage>>;
 
