@@ -196,9 +196,9 @@ fn convert(args: &Args, plan: &Plan, line: Option<&Progress>) -> vdisk::Result<(
         "raw" if !args.compress && args.options.is_empty() && args.backing.is_none() => {
             to_raw(&source, args, plan, line)
         }
-        "raw" | "qcow2" | "seqlog" => to_image(&source, args, plan, line),
+        "raw" | "qcow2" | "seqlog" | "pcow" => to_image(&source, args, plan, line),
         other => Err(Error::invalid(format!(
-            "output format '{other}' is not supported (raw, qcow2 and seqlog are)"
+            "output format '{other}' is not supported (raw, qcow2, seqlog and pcow are)"
         ))),
     }
 }

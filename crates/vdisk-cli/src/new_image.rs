@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use vdisk::formats::qcow2::create::{create as create_qcow2, CreateOptions};
 use vdisk::formats::qcow2::header::Compression;
-use vdisk::formats::{raw, seqlog};
+use vdisk::formats::{pcow, raw, seqlog};
 use vdisk::spec::Protocol;
 use vdisk::storage::{FileStorage, LockRole, LockUse, NbdStorage, OpenOptions, Storage};
 use vdisk::Preallocation;
@@ -42,6 +42,9 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
     let target = new_target(args.filename)?;
     if format.name() == "seqlog" {
         return create_seqlog(args, format, target);
+    }
+    if format.name() == "pcow" {
+        return create_pcow(args, format, target);
     }
     let mut o = CreateOptions::default();
     let mut file_options = FileOptions::default();
@@ -234,6 +237,66 @@ fn create_seqlog(args: &NewImage, format: Format, target: Protocol) -> vdisk::Re
     let file = NewFile::open(args.filename, target, 0, format, false)?;
     file.cut()?;
     seqlog::create(&*file.storage, &o).inspect_err(|_| file.remove_if_made())
+}
+
+/// A pcow image (`-o size=,cluster_size=,backing_file=,backing_fmt=`, or `-b`/`-F`): checked
+/// whole before the file is made or cut; the base's size is the default size, as for qcow2.
+fn create_pcow(args: &NewImage, format: Format, target: Protocol) -> vdisk::Result<()> {
+    let mut o = pcow::CreateOptions::default();
+    let mut size_given = false;
+    let mut backing = args.backing.map(str::to_string);
+    let mut backing_format = args.backing_format.map(str::to_string);
+    for (k, v) in parse_options(args.options) {
+        let size = || option_size(&k, &v).map_err(Error::invalid);
+        match k.as_str() {
+            "size" => {
+                o.size = size()?;
+                size_given = true;
+            }
+            "cluster_size" => o.cluster_size = size()?,
+            "backing_file" => backing = Some(v),
+            "backing_fmt" => backing_format = Some(v),
+            _ => return Err(Error::invalid(format!("Invalid parameter '{k}'"))),
+        }
+    }
+    // The backing file is looked at as qcow2's create looks at it.
+    let named = CreateOptions {
+        backing_file: backing.clone(),
+        backing_format: backing_format.clone(),
+        ..CreateOptions::default()
+    };
+    match args.size {
+        Some(s) => o.size = image_size(s)?,
+        None if backing.is_some() && !args.unsafe_backing => {
+            o.size = backing_size(args.filename, &named)?
+        }
+        None if size_given => {}
+        None => return Err(Error::invalid("Image creation needs a size parameter")),
+    }
+    if let (Some(_), false, Some(_)) = (&backing, args.unsafe_backing, args.size) {
+        backing_size(args.filename, &named)?;
+    }
+    o.base = backing.clone().map(|name| pcow::Base {
+        name,
+        format: backing_format.clone(),
+    });
+    o.superblock()?;
+    if !args.quiet {
+        let mut line = format!(
+            "Formatting '{}', fmt=pcow cluster_size={} size={}",
+            args.filename, o.cluster_size, o.size
+        );
+        if let Some(b) = &backing {
+            line += &format!(" backing_file={b}");
+        }
+        if let Some(f) = &backing_format {
+            line += &format!(" backing_fmt={f}");
+        }
+        println!("{line}");
+    }
+    let file = NewFile::open(args.filename, target, 0, format, false)?;
+    file.cut()?;
+    pcow::create(&*file.storage, &o).inspect_err(|_| file.remove_if_made())
 }
 
 /// A file system's refusal of a file's length (EFBIG), in qemu-img's words.
