@@ -44,6 +44,12 @@ impl Pcow {
             self.data_written.store(true, SeqCst);
             return Err(e);
         }
+        let metadata = plan.metadata.iter().map(|(_, b)| b.len()).sum::<usize>()
+            + 4 * (plan.counters.len() + usize::from(plan.segments.is_some()));
+        if metadata > 0 {
+            self.counters.metadata_written(metadata as u64);
+            self.counters.committed();
+        }
         let mut st = self.state.write().unwrap_or_else(|e| e.into_inner());
         for seg in &mut st.writable_mut().segments {
             seg.committed = seg.slots.len() as u32;

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use super::Pcow;
+use crate::counters::CountersSnapshot;
 use crate::error::Result;
 use crate::formats::driver::{Capability, Driver};
 use crate::formats::info::{
@@ -13,6 +14,10 @@ use crate::storage::Storage;
 impl Driver for Pcow {
     fn file(&self) -> &Arc<dyn Storage> {
         &self.storage
+    }
+
+    fn counters(&self) -> CountersSnapshot {
+        self.counters.snapshot()
     }
 
     fn cluster_size(&self) -> Option<u64> {

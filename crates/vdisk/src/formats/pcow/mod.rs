@@ -36,6 +36,7 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use super::entry::{FormatEntry, Opener};
 use super::{read_mapped, status_mapped, Holes, Layer, Mapping};
 use crate::blockdev::{check_range, BlockDev, BlockStatus};
+use crate::counters::Counters;
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{LockRole, Storage};
 use layout::{Super, MAGIC, SUPER_READ};
@@ -65,6 +66,8 @@ pub struct Pcow {
     /// clear has no completed write to sync).
     data_written: AtomicBool,
     read_only: bool,
+    /// Clusters appended, pages copied on write, metadata written, commits.
+    counters: Counters,
 }
 
 /// Reads and decodes the super cluster.
@@ -109,6 +112,7 @@ impl Pcow {
             alloc: Mutex::new(()),
             data_written: AtomicBool::new(false),
             read_only: !cx.write(),
+            counters: Counters::default(),
         })
     }
 

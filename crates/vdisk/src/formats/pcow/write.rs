@@ -107,6 +107,10 @@ impl Pcow {
             let at = (to - from) as usize;
             read_mapped(self, base + to, &mut span[at..])?;
         }
+        // The pages filled from below: the first and the last, which may be one page.
+        let copied = (within - from) + (until - to);
+        let filled = u64::from(from < within) + u64::from(until > to);
+        let filled = filled - u64::from(filled == 2 && end - first == 1);
         span[(within - from) as usize..(to - from) as usize].copy_from_slice(data);
         let host = match &target {
             Target::Held(host, _) => *host,
@@ -117,6 +121,7 @@ impl Pcow {
                 self.storage
                     .allocate(at, len)
                     .context(|| format!("allocating clusters at {at:#x}"))?;
+                self.counters.allocated(plan.end - old_end);
                 plan.host
             }
         };
@@ -125,6 +130,9 @@ impl Pcow {
             .write_at(at, &span)
             .context(|| format!("writing guest data at host offset {at:#x}"))?;
         self.data_written.store(true, SeqCst);
+        if copied > 0 {
+            self.counters.cow(copied, filled * PAGE);
+        }
         let mut st = self.state.write().unwrap_or_else(|e| e.into_inner());
         let committed = st.committed_segments;
         match target {

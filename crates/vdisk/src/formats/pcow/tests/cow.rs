@@ -33,6 +33,7 @@ fn a_page_write_copies_nothing_else() {
         stats.bytes_read, stats0.bytes_read,
         "a page covered wholly is not copied"
     );
+    assert_eq!(disk.counters.snapshot().cow_ops, 0);
     disk.write(2 * cs + 5 * 4096 + 100, &[8; 100]).unwrap();
     let after = storage.stats().snapshot();
     assert_eq!(
@@ -40,6 +41,12 @@ fn a_page_write_copies_nothing_else() {
         4096,
         "one page copied"
     );
+    let c = disk.counters.snapshot();
+    assert_eq!(
+        (c.cow_ops, c.cow_bytes_read, c.cow_bytes_written),
+        (1, 3996, 4096)
+    );
+    assert_eq!(c.clusters_allocated, 1);
     assert_eq!(len(&storage), len0 + cs, "the same cluster");
     disk.flush().unwrap();
     let mut want = old[2 * cs as usize..3 * cs as usize].to_vec();
