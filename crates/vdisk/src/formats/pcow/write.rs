@@ -133,12 +133,22 @@ impl Pcow {
         if copied > 0 {
             self.counters.cow(copied, filled * PAGE);
         }
+        self.record_pages(n, first, end, target);
+        Ok(())
+    }
+
+    /// Records pages `first..end` of logical cluster `n`, written to `target`: reads find them
+    /// from now on, and the next flush commits their entry.
+    fn record_pages(&self, n: u32, first: u64, end: u64, target: Target) {
         let mut st = self.state.write().unwrap_or_else(|e| e.into_inner());
         let committed = st.committed_segments;
         match target {
             Target::Held(..) => {
                 let part = st.writable_mut();
-                let e = part.entries.get_mut(&n).expect("held above");
+                let e = part
+                    .entries
+                    .get_mut(&n)
+                    .expect("the entry found under `alloc`");
                 e.pages.add(first, end);
                 let key = (e.segment, e.slot);
                 if part.segments[key.0 as usize].number < committed {
@@ -180,7 +190,6 @@ impl Pcow {
                 st.end = plan.end;
             }
         }
-        Ok(())
     }
 }
 
