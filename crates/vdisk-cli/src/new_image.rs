@@ -7,7 +7,9 @@ use vdisk::formats::qcow2::create::{create as create_qcow2, CreateOptions};
 use vdisk::formats::qcow2::header::Compression;
 use vdisk::formats::{pcow, raw, seqlog};
 use vdisk::spec::Protocol;
-use vdisk::storage::{FileStorage, LockRole, LockUse, NbdStorage, OpenOptions, Storage};
+use vdisk::storage::{
+    FileStorage, LockRole, LockUse, NbdStorage, OpenOptions, RbdStorage, RbdTarget, Storage,
+};
 use vdisk::Preallocation;
 use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 
@@ -394,6 +396,7 @@ impl NewFile {
                      given target as an existing image failed: ",
                 )
             })?,
+            Protocol::Rbd(target) => return NewFile::open_rbd(name, &target, len),
             Protocol::Null { .. } => return Err(null_creates_nothing()),
         };
         if len > target.len().map_err(|e| create_error(name, e))? {
@@ -402,6 +405,20 @@ impl NewFile {
         Ok(NewFile {
             name: name.to_string(),
             storage: Arc::new(target),
+            file: None,
+            made: false,
+        })
+    }
+
+    /// Makes the RBD image `target` names, `len` bytes (in whole sectors, as QEMU's rbd
+    /// driver makes it), and opens it. It is left in place if the create fails later, as
+    /// QEMU leaves it.
+    fn open_rbd(name: &str, target: &RbdTarget, len: u64) -> vdisk::Result<NewFile> {
+        let len = len.checked_next_multiple_of(512).unwrap_or(len);
+        RbdStorage::create(target, len).map_err(|e| e.prefixed(&format!("{name}: ")))?;
+        Ok(NewFile {
+            name: name.to_string(),
+            storage: Arc::new(RbdStorage::open(target, true, true)?),
             file: None,
             made: false,
         })

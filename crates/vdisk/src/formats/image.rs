@@ -96,9 +96,15 @@ impl Image {
         self.driver.file()
     }
 
-    /// The name of the file guest data lives in: the image, or its external data file.
+    /// The name of the file guest data lives in: the image's protocol node (named as the
+    /// image is, except where QEMU names a format over it by `json:`, as over RBD), or its
+    /// external data file.
     pub fn data_filename(&self) -> &str {
-        self.driver.data_file_name().unwrap_or(&self.filename)
+        let file = self.file_node.as_ref().map(|f| f.name.as_str());
+        self.driver
+            .data_file_name()
+            .or(file)
+            .unwrap_or(&self.filename)
     }
 
     /// The format's counters (all zero for formats that allocate nothing).

@@ -18,7 +18,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::spec::{check_format_options, Backing, ImageSpec, Node, Protocol};
 use crate::storage::{
     Fault, FaultStorage, FileStorage, LockRole, LockUse, MemStorage, NbdStorage, NullStorage,
-    OpKind, OpenOptions, Storage, When,
+    OpKind, OpenOptions, RbdStorage, Storage, When,
 };
 
 /// Why a write open with `-U` is refused (QEMU's words).
@@ -476,6 +476,12 @@ fn open_protocol(node: &Protocol, opts: &ImageOptions, chain: &mut Chain) -> Res
             Opened::File(open_file(path, opts)?, path.to_path_buf())
         }
         Protocol::Nbd(target) => Opened::Other(Arc::new(NbdStorage::connect(target, opts.write)?)),
+        // librbd's cache as in QEMU: on unless the image bypasses host caches.
+        Protocol::Rbd(target) => Opened::Other(Arc::new(RbdStorage::open(
+            target,
+            opts.write,
+            !opts.direct,
+        )?)),
         Protocol::Null { size, .. } => Opened::Other(Arc::new(NullStorage::new(*size))),
     })
 }

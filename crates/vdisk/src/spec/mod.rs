@@ -5,12 +5,13 @@
 //! ```text
 //!   "x.qcow2", "file:x.qcow2"                        a file, format probed
 //!   "nbd://h:p/e", "nbd+unix:///e?socket=s", "nbd:…"  an NBD export, format probed
+//!   "rbd:pool/image[@snap][:conf=…][:id=…]"           an RBD image of a Ceph cluster
 //!   "null-co://"                                      reads zeroes, 1 GiB
 //!   "json:{...}"                                      QEMU's block options as JSON
 //!   --image-opts "driver=qcow2,file.filename=x"       the same options as a QemuOpts string
-//!        │ options.rs (flat dict), json.rs, nbd.rs
+//!        │ options.rs (flat dict), json.rs, nbd.rs, rbd.rs
 //!        ▼
-//!   ImageSpec: a format over a protocol node (file, nbd, null-co), or a protocol node alone,
+//!   ImageSpec: a format over a protocol node (file, nbd, rbd, null-co), or a protocol node alone,
 //!   with what the options say of the backing file and of read-only, locking and caching
 //! ```
 //!
@@ -19,6 +20,7 @@
 pub mod json;
 mod nbd;
 mod options;
+mod rbd;
 mod values;
 
 pub use options::{Leaf, Options};
@@ -26,7 +28,7 @@ pub use values::{option_number, option_size, parse_bool, parse_number, strtosz, 
 
 use crate::error::{Error, Result};
 use crate::formats::Format;
-use crate::storage::NbdTarget;
+use crate::storage::{NbdTarget, RbdTarget};
 use json::Json;
 
 /// The size of a `null-co` node without a `size` option, as in QEMU.
@@ -68,6 +70,8 @@ pub enum Protocol {
         filename: String,
     },
     Nbd(NbdTarget),
+    /// An RBD image (librbd).
+    Rbd(Box<RbdTarget>),
     /// Reads zeroes, drops writes. `given` holds the options QEMU names it by.
     Null {
         size: u64,
@@ -89,7 +93,7 @@ pub enum Backing {
 }
 
 /// Protocol drivers, by the name `driver` gives them.
-const PROTOCOLS: &[&str] = &["file", "nbd", "null-co", "null-aio"];
+const PROTOCOLS: &[&str] = &["file", "nbd", "rbd", "null-co", "null-aio"];
 
 /// Options of every node (QEMU's `bdrv_runtime_opts`) that change nothing vdisk does.
 const COMMON_IGNORED: &[&str] = &["auto-read-only", "cache.no-flush", "active"];
@@ -281,7 +285,7 @@ fn file_child(flags: &mut Flags, mut o: Options) -> Result<Protocol> {
 fn from_filename(name: &str) -> Result<Protocol> {
     let driver = match protocol_prefix(name) {
         None => "file",
-        Some(p @ ("file" | "nbd" | "null-co" | "null-aio")) => p,
+        Some(p @ ("file" | "nbd" | "rbd" | "null-co" | "null-aio")) => p,
         Some("nbd+tcp" | "nbd+unix") => "nbd",
         Some(p) => return Err(Error::unsupported(format!("Unknown protocol '{p}'"))),
     };
@@ -307,6 +311,7 @@ fn protocol(driver: &str, mut o: Options, filename: Option<&str>) -> Result<Prot
             Protocol::File { filename }
         }
         "nbd" => return nbd::target(o, filename).map(Protocol::Nbd),
+        "rbd" => return rbd::target(o, filename).map(|t| Protocol::Rbd(Box::new(t))),
         _ => {
             let only = format!("{driver}://");
             if filename.is_some_and(|f| f != only) {
@@ -379,25 +384,32 @@ impl Protocol {
         match self {
             Protocol::File { .. } => "file",
             Protocol::Nbd(_) => "nbd",
+            Protocol::Rbd(_) => "rbd",
             Protocol::Null { .. } => "null-co",
         }
     }
 
     /// The name QEMU gives the node (`bdrv_refresh_filename`): the path, the NBD URL,
-    /// `null-co://` when no option shapes it, else `json:` and its options.
+    /// `null-co://` when no option shapes it, else (always for RBD) `json:` and its options.
     pub fn name(&self) -> String {
         match self {
             Protocol::File { filename } => filename.clone(),
             Protocol::Nbd(t) => t.uri(),
             Protocol::Null { given, .. } if given.is_empty() => "null-co://".into(),
-            Protocol::Null { .. } => format!("json:{}", self.options().compact()),
+            Protocol::Null { .. } | Protocol::Rbd(_) => {
+                format!("json:{}", self.options().compact())
+            }
         }
     }
 
     /// Whether the name is a plain one QEMU can reopen the node by, so that a format node
     /// above it is named by it too.
     fn exact(&self) -> bool {
-        !matches!(self, Protocol::Null { given, .. } if !given.is_empty())
+        match self {
+            Protocol::Null { given, .. } => given.is_empty(),
+            Protocol::Rbd(_) => false,
+            Protocol::File { .. } | Protocol::Nbd(_) => true,
+        }
     }
 
     /// The node's options as QEMU lists them in a `json:` name.
@@ -408,6 +420,7 @@ impl Protocol {
                 members.push(("filename".into(), Json::Str(filename.clone())));
             }
             Protocol::Nbd(t) => members.extend(nbd::options(t)),
+            Protocol::Rbd(t) => members.extend(rbd::options(t)),
             Protocol::Null { given, .. } => members.extend(given.iter().cloned()),
         }
         Json::Dict(members)

@@ -13,6 +13,7 @@
 //!           ├─ FaultStorage (wraps any Storage; fails chosen calls with EIO, ENOSPC, short writes)
 //!           ├─ DiskStorage  (a BlockDev as storage: one format on another)
 //!           ├─ NbdStorage   (an export of an NBD server, as QEMU's nbd driver reads it)
+//!           ├─ RbdStorage   (an RBD image of a Ceph cluster, through librbd)
 //!           └─ NullStorage  (QEMU's null-co: reads zeroes, drops writes)
 //! ```
 //!
@@ -29,6 +30,7 @@ mod memory;
 mod nbd;
 mod null;
 mod on_disk;
+mod rbd;
 mod stats;
 
 pub use crate::bytes::DIRECT_ALIGN;
@@ -42,6 +44,7 @@ pub use memory::MemStorage;
 pub use nbd::{NbdServer, NbdStorage, NbdTarget};
 pub use null::NullStorage;
 pub use on_disk::DiskStorage;
+pub use rbd::{RbdStorage, RbdTarget};
 pub use stats::{IoStats, IoStatsSnapshot};
 
 use std::io;

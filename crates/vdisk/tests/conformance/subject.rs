@@ -166,12 +166,15 @@ pub fn into_memory(bytes: Vec<Vec<u8>>) -> Storages {
         .collect()
 }
 
-/// Where a raw disk lives.
+/// Where a disk lives.
 #[derive(Clone, Copy)]
 pub enum Backend {
     Memory,
     /// A host file in a temporary directory (real holes, real syncs).
     File,
+    /// Fresh, empty storage from this function (an RBD image in `rbd_conformance.rs`).
+    #[allow(dead_code)] // made by rbd_conformance.rs only
+    Made(fn() -> Arc<dyn Storage>),
 }
 
 /// At least `min`, at least four clusters, in whole clusters.
@@ -250,6 +253,7 @@ fn raw_stack(file: Arc<dyn Storage>, write: bool) -> vdisk::Result<Arc<dyn Stora
 fn backend_storage(backend: Backend, name: &str) -> (Arc<dyn Storage>, Option<tempfile::TempDir>) {
     match backend {
         Backend::Memory => (Arc::new(MemStorage::new()), None),
+        Backend::Made(make) => (make(), None),
         Backend::File => {
             let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
             let opts = OpenOptions {
@@ -272,14 +276,19 @@ fn qcow2_unit(o: &CreateOptions) -> u64 {
     }
 }
 
-/// A qcow2 image alone, made with `o` (its size is the setup's).
+/// A qcow2 image alone, made with `o` (its size is the setup's), in memory.
 pub fn qcow2(name: &'static str, o: CreateOptions) -> Subject {
+    qcow2_on(name, o, Backend::Memory)
+}
+
+/// A qcow2 image alone, made with `o` on `backend`.
+pub fn qcow2_on(name: &'static str, o: CreateOptions, backend: Backend) -> Subject {
     Subject {
         name,
         create: Box::new(move |min| {
             let size = disk_size(min, o.cluster_size);
             let o = CreateOptions { size, ..o.clone() };
-            let storage: Arc<dyn Storage> = Arc::new(MemStorage::new());
+            let (storage, dir) = backend_storage(backend, "disk.qcow2");
             create(&*storage, None, &o).expect("create qcow2");
             Setup {
                 name,
@@ -294,7 +303,7 @@ pub fn qcow2(name: &'static str, o: CreateOptions) -> Subject {
                         open_storage_with(s[0].clone(), Some(Format::QCOW2), "disk.qcow2", write)?;
                     Ok(Box::new(image))
                 }),
-                _dir: None,
+                _dir: dir,
             }
         }),
     }

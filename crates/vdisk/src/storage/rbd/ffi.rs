@@ -1,0 +1,157 @@
+//! The few functions of librados and librbd vdisk calls, loaded with `dlopen` at the first use
+//! of an `rbd:` image rather than linked: vdisk then runs on machines without Ceph, and only a
+//! name that needs librbd says that it is missing. The declarations follow
+//! `/usr/include/rados/librados.h` and `/usr/include/rbd/librbd.h` (Ceph 16, stable C ABI).
+//! Every call returns a negative errno on failure; [`check`] turns it into an `io::Error`.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::io;
+use std::sync::OnceLock;
+
+/// `rados_t`, `rados_ioctx_t`, `rbd_image_t`: opaque handles.
+pub type Handle = *mut c_void;
+
+/// `rbd_diff_iterate2`'s callback: offset, length, whether the extent exists, argument.
+pub type DiffCallback = extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int;
+
+/// `rbd_image_info_t`.
+#[repr(C)]
+pub struct ImageInfo {
+    pub size: u64,
+    pub obj_size: u64,
+    pub num_objs: u64,
+    pub order: c_int,
+    pub block_name_prefix: [c_char; 24],
+    pub parent_pool: i64,
+    pub parent_name: [c_char; 96],
+}
+
+/// `RBD_FEATURE_FAST_DIFF`, `RBD_FEATURE_STRIPINGV2` (rbd/features.h).
+pub const FEATURE_FAST_DIFF: u64 = 1 << 4;
+pub const FEATURE_STRIPINGV2: u64 = 1 << 1;
+/// `RBD_FLAG_FAST_DIFF_INVALID` (rbd/librbd.h).
+pub const FLAG_FAST_DIFF_INVALID: u64 = 1 << 1;
+
+/// The library QEMU's rbd driver uses too (from Debian's librbd1, which qemu-block-extra
+/// brings); librados comes with it as its dependency, and `dlsym` finds its functions there.
+const LIBRARY: &CStr = c"librbd.so.1";
+
+macro_rules! functions {
+    ($($name:ident: fn($($arg:ty),*) $(-> $ret:ty)?;)*) => {
+        /// librbd and librados, loaded.
+        pub struct Lib {
+            $(pub $name: unsafe extern "C" fn($($arg),*) $(-> $ret)?,)*
+        }
+
+        impl Lib {
+            fn load(handle: *mut c_void) -> Result<Lib, String> {
+                Ok(Lib {
+                    $($name: {
+                        let name = concat!(stringify!($name), "\0");
+                        let at = symbol(handle, name)?;
+                        // SAFETY: the symbol is the C function of this name, whose signature
+                        // is the one declared here (from Ceph's headers).
+                        unsafe {
+                            std::mem::transmute::<
+                                *mut c_void,
+                                unsafe extern "C" fn($($arg),*) $(-> $ret)?,
+                            >(at)
+                        }
+                    },)*
+                })
+            }
+        }
+    };
+}
+
+functions! {
+    rados_create: fn(*mut Handle, *const c_char) -> c_int;
+    rados_conf_read_file: fn(Handle, *const c_char) -> c_int;
+    rados_conf_set: fn(Handle, *const c_char, *const c_char) -> c_int;
+    rados_connect: fn(Handle) -> c_int;
+    rados_shutdown: fn(Handle);
+    rados_ioctx_create: fn(Handle, *const c_char, *mut Handle) -> c_int;
+    rados_ioctx_destroy: fn(Handle);
+    rados_ioctx_set_namespace: fn(Handle, *const c_char);
+    rbd_create: fn(Handle, *const c_char, u64, *mut c_int) -> c_int;
+    rbd_remove: fn(Handle, *const c_char) -> c_int;
+    rbd_open: fn(Handle, *const c_char, *mut Handle, *const c_char) -> c_int;
+    rbd_open_read_only: fn(Handle, *const c_char, *mut Handle, *const c_char) -> c_int;
+    rbd_close: fn(Handle) -> c_int;
+    rbd_stat: fn(Handle, *mut ImageInfo, usize) -> c_int;
+    rbd_get_size: fn(Handle, *mut u64) -> c_int;
+    rbd_resize: fn(Handle, u64) -> c_int;
+    rbd_get_features: fn(Handle, *mut u64) -> c_int;
+    rbd_get_flags: fn(Handle, *mut u64) -> c_int;
+    rbd_get_parent_info: fn(Handle, *mut c_char, usize, *mut c_char, usize, *mut c_char, usize)
+        -> c_int;
+    rbd_read2: fn(Handle, u64, usize, *mut c_char, c_int) -> isize;
+    rbd_write2: fn(Handle, u64, usize, *const c_char, c_int) -> isize;
+    rbd_write_zeroes: fn(Handle, u64, usize, c_int, c_int) -> isize;
+    rbd_flush: fn(Handle) -> c_int;
+    rbd_diff_iterate2: fn(Handle, *const c_char, u64, u64, u8, u8, DiffCallback, *mut c_void)
+        -> c_int;
+}
+
+/// The address of `name` (NUL-terminated) in the library.
+fn symbol(handle: *mut c_void, name: &str) -> Result<*mut c_void, String> {
+    // SAFETY: `handle` is a live handle from dlopen and `name` ends with NUL.
+    let at = unsafe { libc::dlsym(handle, name.as_ptr().cast()) };
+    match at.is_null() {
+        true => Err(format!(
+            "librbd has no {} (too old?)",
+            name.trim_end_matches('\0')
+        )),
+        false => Ok(at),
+    }
+}
+
+/// The loaded library, or why it could not be loaded ("librbd is not installed").
+pub fn lib() -> io::Result<&'static Lib> {
+    static LIB: OnceLock<Result<Lib, String>> = OnceLock::new();
+    let loaded = LIB.get_or_init(|| {
+        // SAFETY: dlopen with a NUL-terminated name; the handle is never closed, so the
+        // functions stay valid for the life of the process.
+        let handle = unsafe { libc::dlopen(LIBRARY.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        if handle.is_null() {
+            return Err(format!(
+                "librbd is not installed ({}); install librbd1 (Debian: apt-get install librbd1)",
+                dlerror()
+            ));
+        }
+        Lib::load(handle)
+    });
+    loaded
+        .as_ref()
+        .map_err(|why| io::Error::new(io::ErrorKind::Unsupported, why.clone()))
+}
+
+/// The text of the last dlopen failure.
+fn dlerror() -> String {
+    // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next dl* call on
+    // this thread; it is copied at once.
+    let text = unsafe { libc::dlerror() };
+    if text.is_null() {
+        return "not found".into();
+    }
+    // SAFETY: non-null, NUL-terminated (above).
+    unsafe { CStr::from_ptr(text) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// A librados/librbd return value: negative is `-errno`.
+pub fn check(r: c_int) -> io::Result<()> {
+    match r < 0 {
+        true => Err(io::Error::from_raw_os_error(r.saturating_neg())),
+        false => Ok(()),
+    }
+}
+
+/// A byte count returned by a transfer, or `-errno`.
+pub fn check_len(r: isize) -> io::Result<usize> {
+    usize::try_from(r).map_err(|_| {
+        let errno = c_int::try_from(r.saturating_neg()).unwrap_or(libc::EIO);
+        io::Error::from_raw_os_error(errno)
+    })
+}

@@ -1,0 +1,68 @@
+//! The `BlockDev` conformance suite (`conformance.rs`) on RBD images of a real one-node Ceph
+//! cluster, started for this binary by `scripts/ceph-cluster.sh`: raw on RBD, and qcow2 on RBD.
+//! Each disk is a new image. Without Ceph the tests pass at once with a note, except under
+//! `CI=true`, where they fail.
+
+#[path = "ceph/mod.rs"]
+mod ceph;
+#[path = "conformance/crash.rs"]
+mod crash;
+#[path = "conformance/durability.rs"]
+mod durability;
+#[path = "conformance/fault.rs"]
+mod fault;
+#[path = "conformance/history.rs"]
+mod history;
+#[path = "conformance/io.rs"]
+mod io;
+// This binary runs two of the subjects, so much of these is unused here.
+#[allow(dead_code)]
+#[path = "conformance/model.rs"]
+mod model;
+#[path = "conformance/started.rs"]
+mod started;
+#[path = "conformance/status.rs"]
+mod status;
+#[allow(dead_code)]
+#[path = "conformance/subject.rs"]
+mod subject;
+#[macro_use]
+#[path = "conformance/suite.rs"]
+mod suite;
+#[path = "conformance/workload.rs"]
+mod workload;
+#[path = "conformance/zeroes.rs"]
+mod zeroes;
+
+use std::sync::Arc;
+
+use vdisk::formats::qcow2::create::CreateOptions;
+use vdisk::formats::seqlog::Policy;
+use vdisk::storage::{RbdStorage, RbdTarget, Storage};
+
+/// The size of the disks the tests ask for (as in `conformance.rs`).
+const MIN_SIZE: u64 = 1 << 20;
+
+/// A new, empty image in the pool `rbd`, open for writing with librbd's cache (as QEMU opens
+/// it by default).
+fn new_image() -> Arc<dyn Storage> {
+    let cluster = ceph::cluster().expect("the cluster (checked by available())");
+    let target = RbdTarget {
+        pool: "rbd".into(),
+        image: ceph::image_name("conformance"),
+        conf: Some(cluster.conf.clone()),
+        ..RbdTarget::default()
+    };
+    RbdStorage::create(&target, 0).expect("create an RBD image");
+    Arc::new(RbdStorage::open(&target, true, true).expect("open the RBD image"))
+}
+
+fn ceph_ready() -> bool {
+    ceph::cluster().is_some()
+}
+
+subjects! {
+    raw_rbd => raw("raw on RBD", Backend::Made(super::new_image)), if super::ceph_ready();
+    qcow2_rbd => qcow2_on("qcow2 on RBD", CreateOptions::default(), Backend::Made(super::new_image)),
+        if super::ceph_ready();
+}
