@@ -98,6 +98,9 @@ struct Info {
     /// The protocol node under the format (name, driver); `None` for a protocol node opened
     /// as the image.
     file: Option<(String, &'static str)>,
+    /// The protocol node's cluster size, where its driver answers `bdrv_get_info` with one
+    /// (rbd: the object size).
+    file_cluster: Option<u64>,
     /// Whether QEMU's `bdrv_get_info` answers for the image, which `dirty-flag` comes from:
     /// not for raw over anything but a file, nor for protocols other than file.
     has_info: bool,
@@ -114,8 +117,9 @@ impl Info {
         let file_actual = image.file().allocated_bytes().ok();
         let file = image.file_node().map(|f| (f.name.clone(), f.driver));
         let protocol = file.as_ref().map_or(image.format().name(), |f| f.1);
-        let has_info =
-            protocol == "file" || !(image.format().is_protocol() || image.format() == Format::RAW);
+        let file_cluster = image.file().cluster_size();
+        let has_info = matches!(protocol, "file" | "rbd")
+            || !(image.format().is_protocol() || image.format() == Format::RAW);
         let mut info = Info {
             filename: image.filename.clone(),
             format: image.format().name(),
@@ -123,6 +127,7 @@ impl Info {
             actual_size: file_actual,
             file_length: file_length.next_multiple_of(512),
             file,
+            file_cluster,
             has_info,
             cluster_size: None,
             dirty: false,
@@ -131,7 +136,11 @@ impl Info {
             specific: None,
         };
         let f = image.driver().info();
-        info.cluster_size = f.cluster_size;
+        // raw passes bdrv_get_info on to its file.
+        info.cluster_size = match image.format() == Format::RAW {
+            true => f.cluster_size.or(file_cluster),
+            false => f.cluster_size,
+        };
         info.dirty = f.dirty;
         info.snapshots = image.driver().snapshots();
         info.backing = f.backing.map(|(name, fmt)| {
@@ -152,6 +161,9 @@ impl Info {
         file.put("filename", name).put("format", driver);
         protocol_facts(&mut file, driver, self.actual_size);
         file.put("virtual-size", self.file_length);
+        if let Some(cs) = self.file_cluster {
+            file.put("cluster-size", cs);
+        }
         file_specific(&mut file, driver);
         file.put("children", Value::Array(Vec::new()));
         let mut child = Dict::new();
@@ -244,6 +256,9 @@ impl Info {
                 self.file_length,
                 disk_size(self.actual_size)
             );
+            if let Some(cs) = self.file_cluster {
+                s += &format!("    cluster_size: {cs}\n");
+            }
         }
         s
     }
@@ -254,10 +269,10 @@ fn disk_size(bytes: Option<u64>) -> String {
     bytes.map_or("unavailable".into(), size_to_str)
 }
 
-/// What QEMU says of a protocol node's state: the file driver answers `bdrv_get_info` (a
-/// dirty flag); NBD cannot tell its disk usage.
+/// What QEMU says of a protocol node's state: the file and rbd drivers answer `bdrv_get_info`
+/// (a dirty flag); NBD and RBD cannot tell their disk usage.
 fn protocol_facts(d: &mut Dict, driver: &str, actual_size: Option<u64>) {
-    if driver == "file" {
+    if matches!(driver, "file" | "rbd") {
         d.put("dirty-flag", false);
     }
     if let Some(size) = actual_size {
@@ -265,12 +280,12 @@ fn protocol_facts(d: &mut Dict, driver: &str, actual_size: Option<u64>) {
     }
 }
 
-/// The file driver's (empty) format-specific information; other protocols have none.
-fn file_specific(d: &mut Dict, driver: &str) {
-    if driver == "file" {
+/// The file and rbd drivers' (empty) format-specific information; other protocols have none.
+fn file_specific(d: &mut Dict, driver: &'static str) {
+    if matches!(driver, "file" | "rbd") {
         let mut specific = Dict::new();
         specific
-            .put("type", "file")
+            .put("type", driver)
             .put("data", Dict::new().build());
         d.put("format-specific", specific.build());
     }

@@ -112,6 +112,12 @@ pub trait Storage: Send + Sync {
         false
     }
 
+    /// The allocation unit QEMU's protocol driver for this storage reports as its cluster size
+    /// (`bdrv_get_info`; an RBD image's object size); `None` where it reports none.
+    fn cluster_size(&self) -> Option<u64> {
+        None
+    }
+
     /// Whether `[offset, offset + len)` starts with data or with a hole, and how far that lasts
     /// (at most `len`). Storage that cannot tell reports data.
     fn extent_at(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {

@@ -132,11 +132,6 @@ impl RbdStorage {
         Cluster::connect(t, false)?.remove_image(t)
     }
 
-    /// The size of the image's objects (QEMU's `cluster_size` of an rbd node).
-    pub fn object_size(&self) -> u64 {
-        self.object_size
-    }
-
     fn resize(&self, len: u64) -> io::Result<()> {
         // SAFETY: an open image.
         check(unsafe { (self.cluster.lib.rbd_resize)(self.image, len) })?;
@@ -266,6 +261,11 @@ impl Storage for RbdStorage {
     /// Not known to a client: `qemu-img info` says "unavailable".
     fn allocated_bytes(&self) -> io::Result<u64> {
         Err(io::Error::from_raw_os_error(libc::ENOTSUP))
+    }
+
+    /// The object size, as QEMU's rbd driver reports it.
+    fn cluster_size(&self) -> Option<u64> {
+        Some(self.object_size)
     }
 
     fn extent_at(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
