@@ -412,13 +412,17 @@ impl NewFile {
 
     /// Makes the RBD image `target` names, `len` bytes (in whole sectors, as QEMU's rbd
     /// driver makes it), and opens it. It is left in place if the create fails later, as
-    /// QEMU leaves it.
+    /// QEMU leaves it. A snapshot in the name is ignored, as qemu-img ignores it.
     fn open_rbd(name: &str, target: &RbdTarget, len: u64) -> vdisk::Result<NewFile> {
         let len = len.checked_next_multiple_of(512).unwrap_or(len);
-        RbdStorage::create(target, len).map_err(|e| e.prefixed(&format!("{name}: ")))?;
+        let target = RbdTarget {
+            snapshot: None,
+            ..target.clone()
+        };
+        RbdStorage::create(&target, len)?;
         Ok(NewFile {
             name: name.to_string(),
-            storage: Arc::new(RbdStorage::open(target, true, true)?),
+            storage: Arc::new(RbdStorage::open(&target, true, true)?),
             file: None,
             made: false,
         })

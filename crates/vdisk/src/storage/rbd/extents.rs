@@ -88,7 +88,7 @@ pub fn extent_at(s: &RbdStorage, offset: u64, len: u64) -> io::Result<(bool, u64
         return Ok((true, len));
     }
     let head = offset & (s.object_size - 1);
-    let bytes = n + head;
+    let bytes = n.saturating_add(head);
     let mut req = Req {
         offs: offset - head,
         bytes: 0,
