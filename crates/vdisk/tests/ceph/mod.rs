@@ -32,6 +32,7 @@ fn start() -> Option<Cluster> {
     let base = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/tmp");
     let dir = base.join(format!("ceph-{}", std::process::id()));
     let _ = std::fs::create_dir_all(&base);
+    stop_stale(&base);
     let out = Command::new(script())
         .arg("start")
         .arg(&dir)
@@ -51,6 +52,27 @@ fn start() -> Option<Cluster> {
     unsafe { libc::atexit(stop_at_exit) };
     let conf = dir.join("ceph.conf").to_string_lossy().into_owned();
     Some(Cluster { conf })
+}
+
+/// Stops the clusters of test binaries that were killed before they could stop their own
+/// (`ceph-PID` where no process PID runs any more), so that they do not keep their memory.
+fn stop_stale(base: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(base) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let pid = name.to_str().and_then(|n| n.strip_prefix("ceph-"));
+        let Some(pid) = pid.and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = Command::new(script())
+                .arg("stop")
+                .arg(entry.path())
+                .status();
+        }
+    }
 }
 
 static STOP_DIR: OnceLock<PathBuf> = OnceLock::new();

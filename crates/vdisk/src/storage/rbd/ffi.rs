@@ -109,21 +109,23 @@ fn symbol(handle: *mut c_void, name: &str) -> Result<*mut c_void, String> {
 /// The loaded library, or why it could not be loaded ("librbd is not installed").
 pub fn lib() -> io::Result<&'static Lib> {
     static LIB: OnceLock<Result<Lib, String>> = OnceLock::new();
-    let loaded = LIB.get_or_init(|| {
-        // SAFETY: dlopen with a NUL-terminated name; the handle is never closed, so the
-        // functions stay valid for the life of the process.
-        let handle = unsafe { libc::dlopen(LIBRARY.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        if handle.is_null() {
-            return Err(format!(
-                "librbd is not installed ({}); install librbd1 (Debian: apt-get install librbd1)",
-                dlerror()
-            ));
-        }
-        Lib::load(handle)
-    });
-    loaded
+    LIB.get_or_init(|| load(LIBRARY))
         .as_ref()
         .map_err(|why| io::Error::new(io::ErrorKind::Unsupported, why.clone()))
+}
+
+/// Loads the library `name` and finds its functions; the handle is never closed, so they
+/// stay valid for the life of the process.
+fn load(name: &CStr) -> Result<Lib, String> {
+    // SAFETY: dlopen with a NUL-terminated name.
+    let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if handle.is_null() {
+        return Err(format!(
+            "librbd is not installed ({}); install librbd1 (Debian: apt-get install librbd1)",
+            dlerror()
+        ));
+    }
+    Lib::load(handle)
 }
 
 /// The text of the last dlopen failure.
@@ -154,4 +156,33 @@ pub fn check_len(r: isize) -> io::Result<usize> {
         let errno = c_int::try_from(r.saturating_neg()).unwrap_or(libc::EIO);
         io::Error::from_raw_os_error(errno)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_library_is_named_and_not_fatal() {
+        let Err(why) = load(c"libvdisk-test-no-such-rbd.so.1") else {
+            panic!("loaded a library that does not exist");
+        };
+        assert!(why.starts_with("librbd is not installed ("), "{why}");
+        assert!(why.contains("libvdisk-test-no-such-rbd.so.1"), "{why}");
+    }
+
+    #[test]
+    fn errors_carry_the_errno() {
+        assert_eq!(
+            check(-libc::ENOENT).unwrap_err().raw_os_error(),
+            Some(libc::ENOENT)
+        );
+        assert!(check(0).is_ok());
+        assert_eq!(check_len(-5).unwrap_err().raw_os_error(), Some(5));
+        assert_eq!(
+            check_len(isize::MIN).unwrap_err().raw_os_error(),
+            Some(libc::EIO)
+        );
+        assert_eq!(check_len(7).unwrap(), 7);
+    }
 }
