@@ -198,6 +198,18 @@ mod tests {
         assert!(named("rbd:a/\\").is_ok());
     }
 
+    proptest::proptest! {
+        /// Any text after `rbd:` is read without a panic, escapes and multi-byte characters
+        /// included, and a name that parses keeps its pool and image whole.
+        #[test]
+        fn any_name_parses_or_fails_cleanly(rest in "[a-z/@:=\\\\é]{0,24}") {
+            let name = format!("rbd:{rest}");
+            if let Ok(t) = named(&name) {
+                proptest::prop_assert!(!t.pool.contains('/') || rest.contains('\\'));
+            }
+        }
+    }
+
     #[test]
     fn options_need_pool_and_image() {
         let mut o = Options::default();
