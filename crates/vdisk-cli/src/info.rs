@@ -101,6 +101,8 @@ struct Info {
     /// The protocol node's cluster size, where its driver answers `bdrv_get_info` with one
     /// (rbd: the object size).
     file_cluster: Option<u64>,
+    /// Snapshots the protocol node keeps itself (RBD's), which QEMU lists under it.
+    file_snapshots: Vec<SnapshotInfo>,
     /// Whether QEMU's `bdrv_get_info` answers for the image, which `dirty-flag` comes from:
     /// not for raw over anything but a file, nor for protocols other than file.
     has_info: bool,
@@ -128,6 +130,7 @@ impl Info {
             file_length: file_length.next_multiple_of(512),
             file,
             file_cluster,
+            file_snapshots: storage_snapshots(&**image.file()),
             has_info,
             cluster_size: None,
             dirty: false,
@@ -143,6 +146,10 @@ impl Info {
         };
         info.dirty = f.dirty;
         info.snapshots = image.driver().snapshots();
+        // And its snapshot list (RBD's, for raw over RBD).
+        if image.format() == Format::RAW && info.snapshots.is_empty() {
+            info.snapshots = info.file_snapshots.clone();
+        }
         info.backing = f.backing.map(|(name, fmt)| {
             let full = vdisk::backing_path(&image.filename, &name);
             (name, full, fmt)
@@ -163,6 +170,10 @@ impl Info {
         file.put("virtual-size", self.file_length);
         if let Some(cs) = self.file_cluster {
             file.put("cluster-size", cs);
+        }
+        if !self.file_snapshots.is_empty() {
+            let snaps = self.file_snapshots.iter().map(snapshot_json).collect();
+            file.put("snapshots", Value::Array(snaps));
         }
         file_specific(&mut file, driver);
         file.put("children", Value::Array(Vec::new()));
@@ -259,9 +270,27 @@ impl Info {
             if let Some(cs) = self.file_cluster {
                 s += &format!("    cluster_size: {cs}\n");
             }
+            for line in snapshot_list(&self.file_snapshots).lines() {
+                s += &format!("    {line}\n");
+            }
         }
         s
     }
+}
+
+/// The snapshots a storage keeps, as QEMU's rbd driver describes them: the name as id and
+/// tag, the size as the VM state size, no date, clock or instructions.
+fn storage_snapshots(storage: &dyn vdisk::storage::Storage) -> Vec<SnapshotInfo> {
+    let snapshot = |s: vdisk::storage::StorageSnapshot| SnapshotInfo {
+        id: s.name.clone(),
+        name: s.name,
+        date_sec: 0,
+        date_nsec: 0,
+        vm_clock_nsec: 0,
+        vm_state_size: s.size,
+        icount: Some(0),
+    };
+    storage.snapshots().into_iter().map(snapshot).collect()
 }
 
 /// "disk size" as QEMU prints it.

@@ -52,6 +52,14 @@ use std::os::fd::RawFd;
 
 use crate::bytes::ZEROES;
 
+/// A snapshot kept by the storage below a format (an RBD snapshot): its name and the
+/// storage's size when it was taken.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorageSnapshot {
+    pub name: String,
+    pub size: u64,
+}
+
 /// Positioned byte storage. Methods take `&self` and are safe to call from many threads at once.
 pub trait Storage: Send + Sync {
     /// Reads `buf.len()` bytes at `offset`. Bytes beyond the end of the storage read as zero, the
@@ -116,6 +124,12 @@ pub trait Storage: Send + Sync {
     /// (`bdrv_get_info`; an RBD image's object size); `None` where it reports none.
     fn cluster_size(&self) -> Option<u64> {
         None
+    }
+
+    /// Snapshots the storage itself keeps (an RBD image's), which QEMU's protocol driver lists
+    /// as the node's; none for most storage.
+    fn snapshots(&self) -> Vec<StorageSnapshot> {
+        Vec::new()
     }
 
     /// Whether `[offset, offset + len)` starts with data or with a hole, and how far that lasts

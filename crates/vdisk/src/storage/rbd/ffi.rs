@@ -26,6 +26,14 @@ pub struct ImageInfo {
     pub parent_name: [c_char; 96],
 }
 
+/// `rbd_snap_info_t`.
+#[repr(C)]
+pub struct SnapInfo {
+    pub id: u64,
+    pub size: u64,
+    pub name: *const c_char,
+}
+
 /// `RBD_FEATURE_FAST_DIFF`, `RBD_FEATURE_STRIPINGV2` (rbd/features.h).
 pub const FEATURE_FAST_DIFF: u64 = 1 << 4;
 pub const FEATURE_STRIPINGV2: u64 = 1 << 1;
@@ -85,6 +93,8 @@ functions! {
     rbd_get_flags: fn(Handle, *mut u64) -> c_int;
     rbd_get_parent_info: fn(Handle, *mut c_char, usize, *mut c_char, usize, *mut c_char, usize)
         -> c_int;
+    rbd_snap_list: fn(Handle, *mut SnapInfo, *mut c_int) -> c_int;
+    rbd_snap_list_end: fn(*mut SnapInfo);
     rbd_read2: fn(Handle, u64, usize, *mut c_char, c_int) -> isize;
     rbd_write2: fn(Handle, u64, usize, *const c_char, c_int) -> isize;
     rbd_write_zeroes: fn(Handle, u64, usize, c_int, c_int) -> isize;

@@ -14,13 +14,14 @@
 mod cluster;
 mod extents;
 mod ffi;
+mod snapshots;
 
 use std::io;
 use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use super::{IoStats, Storage};
+use super::{IoStats, Storage, StorageSnapshot};
 use crate::error::{Error, Result};
 use cluster::{c_string, failed, Cluster};
 use ffi::{check, check_len, Handle};
@@ -266,6 +267,10 @@ impl Storage for RbdStorage {
     /// The object size, as QEMU's rbd driver reports it.
     fn cluster_size(&self) -> Option<u64> {
         Some(self.object_size)
+    }
+
+    fn snapshots(&self) -> Vec<StorageSnapshot> {
+        snapshots::list(self)
     }
 
     fn extent_at(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
