@@ -139,15 +139,16 @@ impl Info {
             specific: None,
         };
         let f = image.driver().info();
-        // raw passes bdrv_get_info on to its file.
-        info.cluster_size = match image.format() == Format::RAW {
+        // raw passes bdrv_get_info on to its file; a protocol node is the file.
+        let file_answers = image.format() == Format::RAW || image.format().is_protocol();
+        info.cluster_size = match file_answers {
             true => f.cluster_size.or(file_cluster),
             false => f.cluster_size,
         };
         info.dirty = f.dirty;
         info.snapshots = image.driver().snapshots();
         // And its snapshot list (RBD's, for raw over RBD).
-        if image.format() == Format::RAW && info.snapshots.is_empty() {
+        if file_answers && info.snapshots.is_empty() {
             info.snapshots = info.file_snapshots.clone();
         }
         info.backing = f.backing.map(|(name, fmt)| {

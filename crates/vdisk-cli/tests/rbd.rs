@@ -157,6 +157,12 @@ fn images_qemu_made_on_rbd_read_the_same_in_vdisk() {
         assert!(ceph_tool(&env, &["snap", "create", &spec]).status.success());
     }
     same_info_and_map(&env, &raw);
+    // The rbd node alone as the image.
+    let name = raw.trim_start_matches("rbd:rbd/");
+    same_info_and_map(
+        &env,
+        &format!(r#"json:{{"driver":"rbd","pool":"rbd","image":"{name}"}}"#),
+    );
 }
 
 #[test]

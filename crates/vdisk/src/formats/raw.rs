@@ -22,9 +22,10 @@ pub(crate) static FORMAT: FormatEntry = FormatEntry {
 
 /// Protocol nodes opened as images (see [`crate::Format::protocol`]): raw under their
 /// drivers' names, and never probed.
-pub(crate) static PROTOCOLS: [FormatEntry; 3] = [
+pub(crate) static PROTOCOLS: [FormatEntry; 4] = [
     protocol_entry("file"),
     protocol_entry("nbd"),
+    protocol_entry("rbd"),
     protocol_entry("null-co"),
 ];
 
