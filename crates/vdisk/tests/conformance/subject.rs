@@ -21,6 +21,8 @@ use super::model::{backing_byte, pattern};
 
 #[path = "subject_pcow.rs"]
 mod pcow_subjects;
+// Not every binary that includes the subjects runs the pcow ones.
+#[allow(unused_imports)]
 pub use pcow_subjects::{pcow, pcow_over_pcow_over_raw, pcow_over_raw};
 
 /// The storages a disk lives on: the image first, then any data file.
