@@ -5,7 +5,7 @@
 use std::process::ExitCode;
 
 use vdisk::formats::{AmendOptions, Capability};
-use vdisk::{open_image, BlockDev, Error, ImageOptions};
+use vdisk::{open_image, Error, ImageOptions};
 
 use crate::flags::{bad_cache, ImageFormat, ShowProgress};
 use crate::open::image_options;
@@ -142,18 +142,11 @@ fn amend(filename: &str, args: &Args) -> vdisk::Result<ExitCode> {
     }
     let o = amend_options(&args.options)?;
     let progress = args.progress.shown().then(|| Progress::new(100));
-    let old_size = image.size();
     let result = image.driver_mut().amend(&o);
     if let Some(p) = progress {
         p.finish();
     }
-    // Only a new size changes what persistent bitmaps describe.
-    let closed = if image.size() == old_size {
-        image.driver().close_unchanged()
-    } else {
-        image.close()
-    };
-    result.and(closed).map(|()| ExitCode::SUCCESS)
+    result.and(image.close()).map(|()| ExitCode::SUCCESS)
 }
 
 /// Reads the `-o` lists as QEMU's option parser does for amend (names, then value types),

@@ -11,6 +11,7 @@
 //! there). `-S 0` writes every byte, allocating the whole target. Several sources
 //! are copied one after the other into one target, as qemu-img concatenates them.
 
+mod bitmaps;
 mod plan;
 mod progress;
 mod salvage;
@@ -102,6 +103,12 @@ pub struct Args {
     /// Go on past read errors: what cannot be read is written as zeroes, with a warning.
     #[arg(long)]
     salvage: bool,
+    /// Copy the source's persistent bitmaps too.
+    #[arg(long)]
+    bitmaps: bool,
+    /// With --bitmaps: leave out bitmaps in use (warned about) instead of failing.
+    #[arg(long = "skip-broken-bitmaps")]
+    skip_broken_bitmaps: bool,
     /// The source images (several are copied one after the other), then the target. Options
     /// may come between them, as getopt lets qemu-img take them.
     #[arg(value_name = "FILE")]
@@ -188,12 +195,20 @@ fn convert(args: &Args, plan: &Plan, line: Option<&Progress>) -> vdisk::Result<(
         )));
     }
     check_target(args)?;
+    if args.bitmaps {
+        bitmaps::check(&source.images, args.skip_broken_bitmaps)?;
+    }
     match args.output_format() {
         // The target's options name its format.
         _ if args.target_image_opts && args.output_format.is_none() => {
             to_image(&source, args, plan, line)
         }
-        "raw" if !args.compress && args.options.is_empty() && args.backing.is_none() => {
+        "raw"
+            if !args.compress
+                && args.options.is_empty()
+                && args.backing.is_none()
+                && !args.bitmaps =>
+        {
             to_raw(&source, args, plan, line)
         }
         "raw" | "qcow2" | "seqlog" | "pcow" => to_image(&source, args, plan, line),
@@ -236,14 +251,20 @@ fn to_image(
             "Compression not supported for this file format",
         ));
     }
-    let target = open_target(source, args)?;
+    let mut target = open_target(source, args)?;
+    if args.bitmaps {
+        bitmaps::check_target(&target)?;
+    }
     let plan = Plan {
         backing_end: (plan.top_only && !args.no_create)
             .then(|| target.backing().map(|b| b.size()))
             .flatten(),
         ..*plan
     };
-    let copied = copy(source, &Target::Image(&target, args.compress), &plan, line);
+    let mut copied = copy(source, &Target::Image(&target, args.compress), &plan, line);
+    if args.bitmaps && copied.is_ok() {
+        copied = bitmaps::copy(&source.images[0], &mut target, args.skip_broken_bitmaps);
+    }
     // Closing commits the metadata: always, so that the image is consistent whatever happened.
     let closed = target.close();
     copied?;

@@ -9,6 +9,7 @@
 // Subcommands.
 mod amend;
 mod bench;
+mod bitmap;
 mod check;
 mod commit;
 mod compare;
@@ -82,6 +83,9 @@ enum Command {
     Measure(measure::Args),
     /// Change the virtual size of an image (like `qemu-img resize`): SIZE, +SIZE or -SIZE.
     Resize(resize::Args),
+    /// Change the persistent dirty bitmaps of a qcow2 image (like `qemu-img bitmap`): --add,
+    /// --remove, --clear, --enable, --disable, --merge SOURCE, done in order.
+    Bitmap(bitmap::Args),
     /// Manage internal snapshots (like `qemu-img snapshot`): list (-l, the default), create
     /// (-c), apply (-a) or delete (-d).
     Snapshot(snapshot::Args),
@@ -127,6 +131,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Measure(a) => measure::run(a),
         Command::Resize(a) => resize::run(a),
+        Command::Bitmap(a) => bitmap::run(a),
         Command::Snapshot(a) => snapshot::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Stats(a) => stats::run(a),

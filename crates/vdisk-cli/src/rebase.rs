@@ -114,12 +114,7 @@ fn rebase(args: &Args) -> vdisk::Result<()> {
     }
     let d = image.driver_mut();
     let result = d.set_backing(new, new.and(backing_format));
-    // Without copying, no guest data changed: persistent bitmaps stay right.
-    let closed = match args.unsafe_ {
-        true => d.close_unchanged(),
-        false => d.close(),
-    };
-    result.and(closed)
+    result.and(d.close())
 }
 
 /// qemu-img rebase's buffer: an unallocated region is compared this much at a time.

@@ -76,10 +76,6 @@ fn act(filename: &str, format: &ImageFormat, action: Action, force_share: bool) 
     };
     warn_probed_raw(filename, &image);
     let result = if image.driver().supports(Capability::Snapshots) {
-        // Creating or deleting a snapshot changes no guest data, and applying one is refused
-        // before it changes any where there are bitmaps: they stay right.
-        let bitmaps = image.driver().bitmaps().is_some_and(|b| !b.is_empty());
-        let keep = !matches!(action, Action::Apply(_)) || bitmaps;
         let d = image.driver_mut();
         let result = match action {
             Action::Create(n) => d.snapshot_create(n),
@@ -87,11 +83,7 @@ fn act(filename: &str, format: &ImageFormat, action: Action, force_share: bool) 
             Action::Delete(n) => d.snapshot_delete(n),
             Action::List => unreachable!("handled above"),
         };
-        let closed = match keep {
-            true => d.close_unchanged(),
-            false => d.close(),
-        };
-        result.and(closed)
+        result.and(d.close())
     } else {
         Err(Error::unsupported("Operation not supported"))
     };

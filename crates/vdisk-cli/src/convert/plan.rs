@@ -56,6 +56,11 @@ impl Plan {
                 }
             },
         };
+        if args.skip_broken_bitmaps && !args.bitmaps {
+            return Err(Error::invalid(
+                "Use of --skip-broken-bitmaps requires --bitmaps",
+            ));
+        }
         // qemu-img's refusals of -C, in its order, after those of the flags' values.
         if args.copy_offload && args.compress {
             return Err(Error::invalid(

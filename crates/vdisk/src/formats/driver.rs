@@ -12,6 +12,7 @@
 
 use std::sync::Arc;
 
+use super::dirty_bitmap::DirtyBitmap;
 use super::info::{
     AmendOptions, BitmapInfo, CheckFailed, CheckReport, FormatInfo, Messages, SnapshotInfo,
 };
@@ -58,12 +59,6 @@ pub trait Driver: BlockDev {
     /// Makes everything written durable and leaves the image consistent on disk.
     fn close(&self) -> Result<()> {
         self.flush()
-    }
-
-    /// [`Driver::close`] after a command that changed no guest data (creating or deleting a
-    /// snapshot, `rebase -u`): what tracks guest writes (persistent bitmaps) stays valid.
-    fn close_unchanged(&self) -> Result<()> {
-        self.close()
     }
 
     /// The format's counters: allocations, copy-on-write work, metadata written, commits.
@@ -169,4 +164,39 @@ pub trait Driver: BlockDev {
     fn bitmaps(&self) -> Option<Vec<BitmapInfo>> {
         None
     }
+
+    /// Does `action` to persistent bitmap `name` (`vdisk bitmap`).
+    fn bitmap(&mut self, name: &str, action: BitmapAction<'_>) -> Result<()> {
+        Err(match action {
+            BitmapAction::Add { .. } => Error::unsupported(format!(
+                "Can't store persistent bitmaps to {}: Operation not supported",
+                super::dirty_bitmap::NODE
+            )),
+            _ => Error::invalid(format!("Dirty bitmap '{name}' not found")),
+        })
+    }
+
+    /// The bits of persistent bitmap `name`, to merge into another.
+    fn bitmap_copy(&self, name: &str) -> Result<DirtyBitmap> {
+        Err(Error::invalid(format!("Dirty bitmap '{name}' not found")))
+    }
+}
+
+/// What `vdisk bitmap` does to a bitmap: qemu-img's actions.
+pub enum BitmapAction<'a> {
+    /// A new bitmap, of `granularity` bytes per bit (by default the cluster size, within 4 and
+    /// 64 KiB); a disabled one does not track writes.
+    Add {
+        granularity: Option<u32>,
+        disabled: bool,
+    },
+    Remove,
+    Clear,
+    Enable,
+    Disable,
+    /// Sets dirty what bitmap `source` (its bits, or why they could not be had) has dirty.
+    Merge {
+        source: &'a str,
+        bits: Result<DirtyBitmap>,
+    },
 }

@@ -11,6 +11,7 @@
 //! the backing chain where a layer has nothing. Block status is derived the same way
 //! ([`status_mapped`]), so `read` and `block_status` cannot disagree.
 
+pub mod dirty_bitmap;
 pub mod driver;
 pub mod entry;
 mod image;
@@ -30,7 +31,8 @@ use crate::blockdev::{BlockDev, BlockStatus};
 use crate::error::{IoContext, Result};
 use crate::storage::Storage;
 
-pub use driver::{Capability, Driver};
+pub use dirty_bitmap::DirtyBitmap;
+pub use driver::{BitmapAction, Capability, Driver};
 pub use image::{FileNode, Image};
 pub use info::{
     AmendOptions, BitmapInfo, CheckFailed, CheckReport, Fix, FormatInfo, InfoValue, Messages,
@@ -160,6 +162,14 @@ pub(crate) fn status_mapped(layer: &dyn Layer, offset: u64, len: u64) -> Result<
                     .extent_at(host, n)
                     .context(|| format!("querying holes at host offset {host:#x}"))?;
                 let data = is_data || holes == Holes::ZeroData;
+                let storage = layer.data_storage();
+                if !data && !storage.holes_read_as_zero() {
+                    return Ok(BlockStatus {
+                        len: run,
+                        present: false,
+                        ..here(false, false, None, false)
+                    });
+                }
                 BlockStatus {
                     len: run,
                     ..here(data, !is_data, Some(host), false)

@@ -57,16 +57,19 @@ pub fn target(mut o: Options, filename: Option<&str>) -> Result<NbdTarget> {
         }
     };
     let export = o.take_text("export");
-    for unsupported in ["tls-creds", "x-dirty-bitmap"] {
-        if o.get(unsupported).is_some() {
-            return Err(Error::unsupported(format!(
-                "the nbd option '{unsupported}' is not supported"
-            )));
-        }
+    let dirty_bitmap = o.take_text("x-dirty-bitmap");
+    if o.get("tls-creds").is_some() {
+        return Err(Error::unsupported(
+            "the nbd option 'tls-creds' is not supported",
+        ));
     }
     o.drop_where(|k| IGNORED.contains(&k));
     o.refuse_rest("nbd", true)?;
-    Ok(NbdTarget { server, export })
+    Ok(NbdTarget {
+        server,
+        export,
+        dirty_bitmap,
+    })
 }
 
 /// The options of `t` as QEMU lists them in a `json:` name.

@@ -92,6 +92,7 @@ fn protocols_resolve_with_their_options() {
     let target = NbdTarget {
         server: NbdServer::Unix("/s".into()),
         export: Some("e".into()),
+        dirty_bitmap: None,
     };
     assert_eq!(
         nbd,

@@ -147,6 +147,13 @@ pub trait Storage: Send + Sync {
         Ok(true)
     }
 
+    /// Whether the holes [`Storage::extent_at`] reports read as zero. Not those of an NBD
+    /// export read through a dirty bitmap (QEMU's `x-dirty-bitmap`), which are its dirty
+    /// ranges: QEMU reports them as neither data nor zero.
+    fn holes_read_as_zero(&self) -> bool {
+        true
+    }
+
     /// The descriptor to which an asynchronous write of `buf` at `offset` (on the I/O queue)
     /// may go, counted here as a write (and again by `write_at` if the transfer is retried
     /// with a blocking call); `None` where this storage writes only through `write_at`.

@@ -250,11 +250,14 @@ impl Qcow2 {
             return Ok(());
         }
         self.lock().refs().release_pool(&*self.file)?;
+        // As QEMU's close: the bitmaps are stored before the last commit. The header naming
+        // them is written here; nothing reads this handle's copy of it after the close.
+        self.store_bitmaps(&self.header)?;
         if self.lock().refs().is_dirty() {
             self.flush_impl()?;
         }
         let mut meta = self.lock();
-        let packed_end = meta.packed.end;
+        let (packed_end, short_tail) = (meta.packed.end, meta.short_tail);
         {
             let refs = meta.refs();
             // Compressed data may end inside the last cluster: the file ends with it, at a
@@ -263,6 +266,11 @@ impl Qcow2 {
             let cs = self.header.cluster_size();
             if packed_end + cs > trim && packed_end < trim {
                 trim = packed_end.next_multiple_of(512).max(refs.opened_len());
+            }
+            // So does metadata shorter than its cluster (a bitmap directory, a snapshot
+            // table), as QEMU writes no more than it holds.
+            if short_tail + cs > trim && short_tail < trim {
+                trim = short_tail.max(refs.opened_len());
             }
             if self
                 .file

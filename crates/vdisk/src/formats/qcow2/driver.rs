@@ -6,12 +6,13 @@ use super::header::INCOMPAT_DATA_FILE;
 use super::Qcow2;
 use crate::counters::CountersSnapshot;
 use crate::error::Result;
-use crate::formats::driver::{Capability, Driver};
+use crate::formats::driver::{BitmapAction, Capability, Driver};
 use crate::formats::info::{
     AmendOptions, BitmapInfo, CheckFailed, CheckReport, FormatInfo, InfoValue, Messages,
     SnapshotInfo,
 };
 use crate::formats::prealloc::Preallocation;
+use crate::formats::DirtyBitmap;
 use crate::storage::Storage;
 
 impl Driver for Qcow2 {
@@ -29,10 +30,6 @@ impl Driver for Qcow2 {
 
     fn close(&self) -> Result<()> {
         Qcow2::close(self)
-    }
-
-    fn close_unchanged(&self) -> Result<()> {
-        self.close_keeping_bitmaps()
     }
 
     fn counters(&self) -> CountersSnapshot {
@@ -90,7 +87,16 @@ impl Driver for Qcow2 {
     }
 
     fn write_compressed(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.mark_dirty(offset, data.len() as u64);
         Qcow2::write_compressed(self, offset, data)
+    }
+
+    fn bitmap(&mut self, name: &str, action: BitmapAction<'_>) -> Result<()> {
+        Qcow2::bitmap(self, name, action)
+    }
+
+    fn bitmap_copy(&self, name: &str) -> Result<DirtyBitmap> {
+        Qcow2::bitmap_copy(self, name)
     }
 
     /// Version 3 images can hold persistent bitmaps; a directory that cannot be read is for

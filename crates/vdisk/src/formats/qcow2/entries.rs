@@ -13,6 +13,7 @@ use crate::formats::read_backing;
 impl Qcow2 {
     /// Allocates `n` contiguous clusters and counts it.
     pub(super) fn alloc_clusters(&self, meta: &mut Meta, n: u64) -> Result<u64> {
+        meta.short_tail = 0;
         let refs = meta.refs();
         let first = match refs.alloc(&*self.file, n) {
             Ok(first) => first,
@@ -20,6 +21,16 @@ impl Qcow2 {
         };
         self.counters.allocated(n);
         Ok(first)
+    }
+
+    /// Writes metadata `bytes` (`what`) at `at` in clusters just allocated, and counts it.
+    pub(super) fn write_metadata(&self, at: u64, bytes: &[u8], what: &str) -> Result<()> {
+        self.file
+            .write_at(at, bytes)
+            .context(|| format!("writing the {what} at {at:#x}"))?;
+        self.counters.metadata_written(bytes.len() as u64);
+        self.lock().short_tail = at + bytes.len() as u64;
+        Ok(())
     }
 
     /// The current guest content of bytes `[from, from + buf.len())` of the cluster at `guest`,

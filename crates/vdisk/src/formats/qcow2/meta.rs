@@ -21,6 +21,9 @@ pub(super) struct Meta {
     pub pending: PendingMap,
     pub txn: Txn,
     pub packed: Packed,
+    /// The end of the last metadata write that ended inside its cluster, if no allocation
+    /// came after it: where QEMU's file would end, were that cluster the last (see `close`).
+    pub short_tail: u64,
 }
 
 impl Meta {
@@ -31,6 +34,7 @@ impl Meta {
             pending: PendingMap::new(),
             txn: Txn::default(),
             packed: Packed::default(),
+            short_tail: 0,
         }
     }
 

@@ -28,6 +28,7 @@ mod tables;
 mod write;
 mod zero;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use self::header::Header;
@@ -54,7 +55,7 @@ pub(crate) static FORMAT: FormatEntry = FormatEntry {
             && head.get(4..8).is_some_and(|v| v >= &2u32.to_be_bytes()[..])
     },
     open: open_driver,
-    repair: Some(offline::repair::repair),
+    repair: Some(offline::repair::repair_and_close),
 };
 
 /// Opens the qcow2 image in `file`, with the data file and backing file it names.
@@ -115,8 +116,11 @@ pub struct Qcow2 {
     snapshots: Vec<Snapshot>,
     /// Bytes the snapshot table occupies, as parsed.
     snapshot_table_bytes: u64,
-    /// Which persistent bitmaps were in use when the image was opened for writing.
-    bitmaps_in_use: Vec<bool>,
+    /// The persistent bitmaps of an image open for writing (see `bitmaps/`).
+    bitmaps: Mutex<bitmaps::Set>,
+    /// Whether writes set bits: one enabled bitmap with known bits. Only then does a write
+    /// take the bitmaps' lock.
+    tracking: AtomicBool,
     backing: Option<Arc<dyn BlockDev>>,
     /// The last decompressed cluster, by L2 entry: sequential reads of a compressed cluster
     /// decode it once.
@@ -243,10 +247,10 @@ impl Qcow2 {
         } = table;
         let mut l1 = read_l1(&*file, &header, header.l1_table_offset, header.l1_size)?;
         bitmaps::check(&*file, &header)?;
-        let mut bitmaps_in_use = Vec::new();
+        let mut set = bitmaps::Set::default();
         let refs = if writable {
             write::check_writable(&*file, &header)?;
-            bitmaps_in_use = bitmaps::mark_in_use(&*file, &header)?;
+            set = bitmaps::load(&*file, &header)?;
             l1.resize(header.l1_size as usize, 0);
             let mut refs = alloc::Refcounts::load(&*file, &header)?;
             let layout = overlap::Layout::build(
@@ -281,7 +285,8 @@ impl Qcow2 {
             counters: Counters::default(),
             snapshots,
             snapshot_table_bytes,
-            bitmaps_in_use,
+            tracking: AtomicBool::new(set.tracking()),
+            bitmaps: Mutex::new(set),
             backing,
             last_compressed: Mutex::new(None),
             data_holes: OnceLock::new(),
@@ -354,12 +359,13 @@ impl Qcow2 {
         bitmaps::location(&self.header).is_some_and(|l| l.entries > 0)
     }
 
-    /// Closes the image after a command that changed no guest data (creating or deleting a
-    /// snapshot, `rebase -u`): its persistent bitmaps are still right, and lose the in-use
-    /// mark the open gave them, as QEMU's close clears it.
-    pub fn close_keeping_bitmaps(&self) -> Result<()> {
-        self.close()?;
-        bitmaps::restore_in_use(&*self.file, &self.header, &self.bitmaps_in_use)
+    /// Marks `[offset, offset + len)` dirty in the enabled bitmaps, as QEMU does for every
+    /// write, zeroing and discard; an image without such bitmaps pays one atomic load.
+    fn mark_dirty(&self, offset: u64, len: u64) {
+        if self.tracking.load(Ordering::Relaxed) {
+            let mut set = self.bitmaps.lock().unwrap_or_else(|e| e.into_inner());
+            set.mark(offset, len);
+        }
     }
 
     pub fn snapshot_table_bytes(&self) -> u64 {
@@ -390,6 +396,7 @@ impl BlockDev for Qcow2 {
 
     fn write(&self, offset: u64, buf: &[u8]) -> Result<()> {
         check_range(self.size, offset, buf.len() as u64)?;
+        self.mark_dirty(offset, buf.len() as u64);
         self.write_impl(offset, buf)
     }
 
@@ -420,6 +427,7 @@ impl BlockDev for Qcow2 {
 
     fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
         check_range(self.size, offset, len as u64)?;
+        self.mark_dirty(offset, len as u64);
         match self.gate.try_enter() {
             Some(pass) => self.start_write_impl(pass, offset, len).map(Some),
             None => Ok(None),
@@ -432,11 +440,13 @@ impl BlockDev for Qcow2 {
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         check_range(self.size, offset, len)?;
+        self.mark_dirty(offset, len);
         self.zero_impl(offset, len, zero::Zeroing::Discard)
     }
 
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
         check_range(self.size, offset, len)?;
+        self.mark_dirty(offset, len);
         self.zero_impl(offset, len, zero::Zeroing::Zeroes)
     }
 
@@ -455,6 +465,7 @@ impl BlockDev for Qcow2 {
                 "zeroing this range would write zeroes: parts of clusters, a version 2 image or a raw data file",
             ));
         }
+        self.mark_dirty(offset, len);
         self.zero_impl(offset, len, zero::Zeroing::Zeroes)
     }
 

@@ -30,6 +30,10 @@ pub enum NbdServer {
 pub struct NbdTarget {
     pub server: NbdServer,
     pub export: Option<String>,
+    /// QEMU's `x-dirty-bitmap`: block status from this metadata context (a bitmap a server
+    /// exports, `qemu:dirty-bitmap:NAME`) instead of `base:allocation`; its dirty ranges are
+    /// reported as holes that do not read as zero, as QEMU reports them.
+    pub dirty_bitmap: Option<String>,
 }
 
 impl NbdTarget {
@@ -53,6 +57,7 @@ impl<T: Read + Write + Send> Socket for T {}
 pub struct NbdStorage {
     conn: Mutex<Conn>,
     info: Negotiated,
+    dirty_bitmap: Option<String>,
     stats: IoStats,
 }
 
@@ -74,7 +79,8 @@ impl NbdStorage {
     pub fn connect(target: &NbdTarget, write: bool) -> Result<NbdStorage> {
         let mut socket = connect(&target.server)?;
         let export = target.export.as_deref().unwrap_or("");
-        let info = wire::handshake(&mut socket, export).map_err(|e| match e {
+        let context = target.dirty_bitmap.as_deref();
+        let info = wire::handshake(&mut socket, export, context).map_err(|e| match e {
             HandshakeError::Io(e) => Error::Io {
                 context: "Failed to read initial magic".into(),
                 source: e,
@@ -84,6 +90,13 @@ impl NbdStorage {
             )),
             HandshakeError::Protocol(m) => Error::invalid(m),
         })?;
+        // QEMU's words when the server has no such bitmap.
+        if context.is_some() && info.allocation.is_none() {
+            return Err(Error::Io {
+                context: "Could not open image".into(),
+                source: io::Error::from_raw_os_error(libc::EINVAL),
+            });
+        }
         // QEMU's words for a read-only export opened for writing.
         if write && info.flags & FLAG_READ_ONLY != 0 {
             return Err(Error::Io {
@@ -94,6 +107,7 @@ impl NbdStorage {
         Ok(NbdStorage {
             conn: Mutex::new(Conn { socket, cookie: 0 }),
             info,
+            dirty_bitmap: target.dirty_bitmap.clone(),
             stats: IoStats::default(),
         })
     }
@@ -267,6 +281,7 @@ impl Storage for NbdStorage {
             &mut [],
         )?;
         Ok(match reply.status {
+            // A dirty bit has the place of the hole flag.
             Some((run, flags)) if run > 0 => (flags & STATE_HOLE == 0, u64::from(run).min(len)),
             _ => (true, len),
         })
@@ -274,5 +289,9 @@ impl Storage for NbdStorage {
 
     fn stats(&self) -> &IoStats {
         &self.stats
+    }
+
+    fn holes_read_as_zero(&self) -> bool {
+        self.dirty_bitmap.is_none()
     }
 }

@@ -14,7 +14,8 @@ pub struct Negotiated {
     pub size: u64,
     pub flags: u16,
     pub structured: bool,
-    /// The id the server gave `base:allocation`.
+    /// The id the server gave the block status context (`base:allocation`, or the one asked
+    /// for).
     pub allocation: Option<u32>,
 }
 
@@ -86,8 +87,14 @@ fn with_len(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(s.as_bytes());
 }
 
-/// Negotiates `export` on a fresh connection.
-pub fn handshake(s: &mut (impl Read + Write), export: &str) -> Result<Negotiated, HandshakeError> {
+/// Negotiates `export` on a fresh connection, with block status from `context` (by default
+/// `base:allocation`).
+pub fn handshake(
+    s: &mut (impl Read + Write),
+    export: &str,
+    context: Option<&str>,
+) -> Result<Negotiated, HandshakeError> {
+    let context = context.unwrap_or(CONTEXT_BASE_ALLOCATION);
     let h: [u8; 18] = read_exact(s)?;
     if be64(&h[0..8]) != NBDMAGIC || be64(&h[8..16]) != IHAVEOPT {
         return Err(HandshakeError::Protocol(
@@ -111,12 +118,12 @@ pub fn handshake(s: &mut (impl Read + Write), export: &str) -> Result<Negotiated
         let mut data = Vec::new();
         with_len(&mut data, export);
         data.extend_from_slice(&1u32.to_be_bytes());
-        with_len(&mut data, CONTEXT_BASE_ALLOCATION);
+        with_len(&mut data, context);
         send_option(s, OPT_SET_META_CONTEXT, &data)?;
         loop {
             let (kind, data) = option_reply(s, OPT_SET_META_CONTEXT)?;
             if kind == REP_META_CONTEXT && data.len() >= 4 {
-                if &data[4..] == CONTEXT_BASE_ALLOCATION.as_bytes() {
+                if &data[4..] == context.as_bytes() {
                     allocation = Some(be32(&data[0..4]));
                 }
                 continue;

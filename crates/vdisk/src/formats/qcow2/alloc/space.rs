@@ -245,6 +245,22 @@ impl Refcounts {
         Ok(())
     }
 
+    /// Drops a reference to `cluster` now (the metadata that named it is no longer reachable
+    /// from the header); with `discard`, a cluster left unreferenced gives its space back, as
+    /// QEMU discards what it frees with QCOW2_DISCARD_ALWAYS (the data of a bitmap): it then
+    /// reads as zero.
+    pub fn release(&mut self, file: &dyn Storage, cluster: u64, discard: bool) -> Result<()> {
+        let r = self.get(file, cluster)?.saturating_sub(1);
+        self.set(file, cluster, r)?;
+        if r == 0 && discard {
+            let cs = self.cs();
+            if file.punch_hole(cluster * cs, cs).is_ok() {
+                self.punched.insert(cluster, cluster + 1);
+            }
+        }
+        Ok(())
+    }
+
     /// Refuses to write into, or count a reference to, mapped cluster `c` when it starts past
     /// the end of the file as opened and of everything allocated since. QEMU's check counts
     /// such a mapping as a corruption whatever the refcounts say; following it would grow the

@@ -27,6 +27,7 @@ impl Qcow2 {
             return Err(Error::ReadOnly("resize".into()));
         }
         self.check_resize(new_size, prealloc, self.header.version)?;
+        self.check_bitmaps_resizable()?;
         // Snapshots keep their own L1 tables and sizes; clusters they share with the active
         // image lose one reference when it drops them.
         if new_size < self.size {
@@ -94,6 +95,8 @@ impl Qcow2 {
             refs.drop_empty_blocks(&*self.file)?;
             refs.cut_after_last_used(&*self.file)?;
         }
+        // Last: the zeroes that unveiled the new area are no guest write, as in QEMU.
+        self.resize_bitmaps(new_size);
         Ok(())
     }
 

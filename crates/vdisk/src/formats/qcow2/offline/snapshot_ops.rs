@@ -281,10 +281,8 @@ impl Qcow2 {
             let mut meta = self.lock();
             let clusters = (bytes.len() as u64).div_ceil(cs);
             let at = self.alloc_clusters(&mut meta, clusters)? << self.header.cluster_bits;
-            self.file
-                .write_at(at, &bytes)
-                .context(|| format!("writing the snapshot table at {at:#x}"))?;
-            self.counters.metadata_written(bytes.len() as u64);
+            drop(meta);
+            self.write_metadata(at, &bytes, "snapshot table")?;
             at
         };
         // The table and its refcounts are durable before the header names them.

@@ -9,7 +9,7 @@ impl Qcow2 {
     /// Writes header `h` and syncs it, then commits what it freed. The refcount table's place
     /// comes from the refcounts, not from `h` (a copy of the header as opened may be older than
     /// a move of the table); a moved table is made durable first.
-    pub(super) fn write_header(&self, h: &mut Header) -> Result<()> {
+    pub(in crate::formats::qcow2) fn write_header(&self, h: &mut Header) -> Result<()> {
         {
             let mut meta = self.lock();
             let refs = meta.refs();

@@ -37,6 +37,7 @@ use super::check::{add_counts, read_snapshot_table, Checker, RefcountReader, Sna
 use super::signal::{eio, Signal};
 use crate::error::{Error, IoContext, Result};
 use crate::formats::info::{CheckFailed, CheckReport, Fix, Messages, RepairReport};
+use crate::formats::qcow2::bitmaps;
 use crate::formats::qcow2::corrupt::write_incompatible;
 use crate::formats::qcow2::header::{Header, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE, INCOMPAT_DIRTY};
 use crate::formats::qcow2::snapshot::Table;
@@ -101,6 +102,28 @@ pub fn repair(
         report,
         marked_corrupt: signal.signaled.get(),
     })
+}
+
+/// `check -r`: the repair, then what the close of QEMU's writable open does: a clean image's
+/// persistent bitmaps are stored anew (those found in use stay as they are).
+pub fn repair_and_close(
+    file: &Arc<dyn Storage>,
+    fix: Fix,
+    say: Messages,
+) -> std::result::Result<RepairReport, Failure> {
+    let r = repair(file, fix, say)?;
+    let clean = r.report.corruptions == 0 && r.report.check_errors == 0 && !r.marked_corrupt;
+    if fix.any() && clean {
+        let stored = read_header(&**file).and_then(|h| {
+            if bitmaps::location(&h).is_none_or(|l| l.entries == 0) {
+                return Ok(());
+            }
+            let data = (h.incompatible & INCOMPAT_DATA_FILE != 0).then(|| file.clone());
+            Qcow2::open(file.clone(), h, data, None, true)?.close()
+        });
+        stored.map_err(|e| failed(&r.report, e, None))?;
+    }
+    Ok(r)
 }
 
 /// Repairs an image left dirty (QEMU's lazy refcounts after a crash) before it is opened for

@@ -53,7 +53,7 @@ pub(super) fn rewrite_snapshot_table(
     let entries = (table.snapshots.iter())
         .map(|s| s.with_full_extra(size))
         .collect();
-    let written = (q.write_snapshot_table(entries)).and_then(|()| q.close_keeping_bitmaps());
+    let written = (q.write_snapshot_table(entries)).and_then(|()| q.close());
     let event = q.corruption.get().cloned();
     drop(q);
     if let Some(what) = &event {
