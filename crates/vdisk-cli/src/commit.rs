@@ -66,7 +66,10 @@ fn commit(args: &Args) -> vdisk::Result<()> {
     let (depth, base) = match args.base.as_deref() {
         None => match chain.first() {
             Some(b) => (1, *b),
-            None => return Err(vdisk::Error::invalid("Image does not have a backing file")),
+            None => {
+                close_writable(top)?;
+                return Err(vdisk::Error::invalid("Image does not have a backing file"));
+            }
         },
         // As QEMU's bdrv_find_backing_image: a relative name is taken relative to the image
         // whose backing file is being compared, not to the working directory.
@@ -135,20 +138,36 @@ fn commit(args: &Args) -> vdisk::Result<()> {
         p.finish();
     }
     if !args.keep && args.base.is_none() {
-        let opts = ImageOptions {
-            format: Some(top.format()),
-            write: true,
-            no_backing: true,
-            ..ImageOptions::default()
-        };
-        // By the name the open gave it: the same image, whatever named it first.
-        let top_name = top.filename.clone();
-        drop(top);
-        let mut top = open_image(&top_name, &opts)?;
+        let mut top = reopen_writable(top)?;
         top.driver_mut().make_empty()?;
         top.close()?;
+    } else {
+        close_writable(top)?;
     }
     Ok(())
+}
+
+/// `top` opened again for writing, without its backing chain, as QEMU has it open.
+fn reopen_writable(top: Image) -> vdisk::Result<Image> {
+    let opts = ImageOptions {
+        format: Some(top.format()),
+        write: true,
+        no_backing: true,
+        ..ImageOptions::default()
+    };
+    // By the name the open gave it: the same image, whatever named it first.
+    let top_name = top.filename.clone();
+    drop(top);
+    open_image(&top_name, &opts)
+}
+
+/// What QEMU's close of the top it opened for writing does where nothing else changes it:
+/// its persistent bitmaps are stored anew.
+fn close_writable(top: Image) -> vdisk::Result<()> {
+    match top.driver().bitmaps().is_some_and(|b| !b.is_empty()) {
+        true => reopen_writable(top)?.close(),
+        false => Ok(()),
+    }
 }
 
 /// Whether two names reach the same file (compared by canonical path, else by name).

@@ -171,10 +171,10 @@ impl DirtyBitmap {
     }
 
     /// Sets every bit that cluster `k` of the serialized bitmap covers (a table entry that
-    /// says "all ones").
+    /// says "all ones"): as QEMU's, whole 64-bit words, past the end of the disk in the last.
     pub fn fill_cluster(&mut self, k: u64, cluster_size: u64) {
         let per = cluster_size * 8;
-        let to = ((k + 1) * per).min(self.bits());
+        let to = ((k + 1) * per).min(self.bits().next_multiple_of(64));
         self.set_bits((k * per).min(to), to);
     }
 }

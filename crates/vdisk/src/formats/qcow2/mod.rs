@@ -247,6 +247,9 @@ impl Qcow2 {
         } = table;
         let mut l1 = read_l1(&*file, &header, header.l1_table_offset, header.l1_size)?;
         bitmaps::check(&*file, &header)?;
+        if !writable {
+            bitmaps::check_tables(&*file, &header)?;
+        }
         let mut set = bitmaps::Set::default();
         let refs = if writable {
             write::check_writable(&*file, &header)?;

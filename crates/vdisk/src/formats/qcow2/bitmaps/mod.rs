@@ -215,6 +215,15 @@ pub fn load(file: &dyn Storage, h: &Header) -> Result<Set> {
     Ok(set)
 }
 
+/// What an open for reading checks, as QEMU's loads the bitmaps read-only: the table of each
+/// bitmap not in use, refused in QEMU's words (its bits are read when asked for).
+pub fn check_tables(file: &dyn Storage, h: &Header) -> Result<()> {
+    for e in dir::read(file, h)?.iter().filter(|e| !e.in_use()) {
+        table_of(file, h, e)?;
+    }
+    Ok(())
+}
+
 /// The bits of bitmap `name` of an image open read-only: `None` when there is none.
 pub fn read_one(file: &dyn Storage, h: &Header, name: &[u8]) -> Result<Option<DirtyBitmap>> {
     let entries = dir::read(file, h)?;
@@ -230,23 +239,33 @@ pub fn read_one(file: &dyn Storage, h: &Header, name: &[u8]) -> Result<Option<Di
     }
 }
 
-/// Reads the bits of entry `e`, refused in QEMU's words (`load_bitmap`).
-fn read_bits(file: &dyn Storage, h: &Header, e: &Entry) -> Result<DirtyBitmap> {
+/// The table of entry `e`, refused in QEMU's words (`load_bitmap`) when an entry is invalid or
+/// the table does not fit the disk.
+fn table_of(file: &dyn Storage, h: &Header, e: &Entry) -> Result<Vec<u64>> {
     let name = String::from_utf8_lossy(&e.name);
     let table = read_table(file, h, e).map_err(|_| {
         Error::corrupt(format!(
             "Could not read bitmap_table table from image for bitmap '{name}': Invalid argument"
         ))
     })?;
-    let cs = h.cluster_size();
     let size = h.size & !511;
-    // Checked before the bits take memory: a valid entry's table bounds them.
-    let clusters = size.div_ceil(1 << e.granularity_bits).div_ceil(cs * 8);
+    let clusters = size
+        .div_ceil(1 << e.granularity_bits)
+        .div_ceil(h.cluster_size() * 8);
     if clusters != u64::from(e.table_size) {
         return Err(Error::corrupt(format!(
             "Could not read bitmap '{name}' from image: Invalid argument"
         )));
     }
+    Ok(table)
+}
+
+/// Reads the bits of entry `e` (see [`table_of`]).
+fn read_bits(file: &dyn Storage, h: &Header, e: &Entry) -> Result<DirtyBitmap> {
+    let name = String::from_utf8_lossy(&e.name);
+    // Checked before the bits take memory: a valid entry's table bounds them.
+    let table = table_of(file, h, e)?;
+    let (cs, size) = (h.cluster_size(), h.size & !511);
     let mut bits = DirtyBitmap::new(size, e.granularity_bits);
     let mut buf = vec![0u8; cs as usize];
     for (k, &entry) in table.iter().enumerate() {
