@@ -276,7 +276,7 @@ impl Qcow2 {
             external_data: data.is_some(),
         };
         let tables = (L2_CACHE_BYTES >> header.cluster_bits).max(16) as usize;
-        Ok(Qcow2 {
+        let mut q = Qcow2 {
             data: data.unwrap_or_else(|| file.clone()),
             file,
             format,
@@ -295,7 +295,11 @@ impl Qcow2 {
             data_holes: OnceLock::new(),
             corruption: OnceLock::new(),
             header,
-        })
+        };
+        if writable {
+            q.drop_stale_bitmaps()?;
+        }
+        Ok(q)
     }
 
     /// Reads internal snapshot `want` (an id, else a name) instead of the active image. Like

@@ -5,9 +5,9 @@
 //! only then are the old directory and tables freed: a crash leaks clusters at worst.
 
 use super::dir::{self, Entry};
-use super::{location, Set, FLAG_AUTO, FLAG_IN_USE};
+use super::{location, Set, EXTENSION, FLAG_AUTO, FLAG_IN_USE};
 use crate::error::{Error, IoContext, Result};
-use crate::formats::qcow2::header::Header;
+use crate::formats::qcow2::header::{Header, UnknownExtension};
 use crate::formats::qcow2::Qcow2;
 use crate::formats::DirtyBitmap;
 
@@ -42,6 +42,21 @@ impl Qcow2 {
             self.free_table(e)?;
         }
         Ok(Some(h))
+    }
+
+    /// As QEMU's writable open: a bitmap extension the autoclear bit no longer vouches for (a
+    /// program without bitmap support wrote the image) is dropped from the header; the
+    /// clusters it named are left leaked, for `check -r`.
+    pub(in crate::formats::qcow2) fn drop_stale_bitmaps(&mut self) -> Result<()> {
+        let stale = |e: &UnknownExtension| e.kind == EXTENSION;
+        if location(&self.header).is_some() || !self.header.unknown_extensions.iter().any(stale) {
+            return Ok(());
+        }
+        let mut h = self.header.clone();
+        h.unknown_extensions.retain(|e| !stale(e));
+        self.write_header(&mut h)?;
+        self.header = h;
+        Ok(())
     }
 
     /// Writes the data clusters of `bits` that have a dirty bit, then its table; returns the

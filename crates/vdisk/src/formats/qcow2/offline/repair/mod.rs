@@ -104,8 +104,9 @@ pub fn repair(
     })
 }
 
-/// `check -r`: the repair, then what the close of QEMU's writable open does: a clean image's
-/// persistent bitmaps are stored anew (those found in use stay as they are).
+/// `check -r`: the repair, then what QEMU's writable open and close do: a clean image's
+/// persistent bitmaps are stored anew (those found in use stay as they are), a bitmap
+/// extension the autoclear bit no longer vouches for is dropped.
 pub fn repair_and_close(
     file: &Arc<dyn Storage>,
     fix: Fix,
@@ -115,7 +116,12 @@ pub fn repair_and_close(
     let clean = r.report.corruptions == 0 && r.report.check_errors == 0 && !r.marked_corrupt;
     if fix.any() && clean {
         let stored = read_header(&**file).and_then(|h| {
-            if bitmaps::location(&h).is_none_or(|l| l.entries == 0) {
+            // Any bitmap extension: one the autoclear bit no longer vouches for is dropped.
+            if !h
+                .unknown_extensions
+                .iter()
+                .any(|e| e.kind == bitmaps::EXTENSION)
+            {
                 return Ok(());
             }
             let data = (h.incompatible & INCOMPAT_DATA_FILE != 0).then(|| file.clone());
