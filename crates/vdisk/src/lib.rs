@@ -14,6 +14,7 @@ pub mod export;
 pub mod formats;
 mod gate;
 pub mod io;
+pub mod pmem;
 pub mod spec;
 pub mod storage;
 

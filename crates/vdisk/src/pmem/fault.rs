@@ -1,0 +1,244 @@
+//! The SIGSEGV handler: write faults on read-only file-backed pages of a region, handed to the
+//! region's monitor thread.
+//!
+//! userfaultfd cannot register regular-file (or DAX) mappings, so a write to a read-only cluster
+//! arrives as SIGSEGV (`SEGV_ACCERR`) on the writing thread. The handler is async-signal-safe: it
+//! allocates nothing and takes no lock. It finds the region in a fixed table of atomics, writes
+//! the address of a request that lives on its own stack into the region's pipe (8 bytes, one
+//! atomic pipe write), and sleeps on a futex in that request until the monitor marks it done.
+//! Then it returns and the store is retried, now on a writable page. A fault the region does not
+//! claim (outside every region, or not a protection fault, or the monitor says it is not one of
+//! its read-only pages) goes to the handler that was installed before ours, or, where that was
+//! the default action, the default is restored and the access retried, which ends the process
+//! with SIGSEGV exactly as without us.
+
+use std::io;
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+/// `si_code` of a write to a page mapped without write permission (`<asm-generic/siginfo.h>`).
+const SEGV_ACCERR: libc::c_int = 2;
+
+/// Regions a process may have at once.
+pub(super) const MAX_REGIONS: usize = 64;
+
+struct Entry {
+    start: AtomicUsize,
+    end: AtomicUsize,
+    pipe: AtomicI32,
+}
+
+static REGIONS: [Entry; MAX_REGIONS] = [const {
+    Entry {
+        start: AtomicUsize::new(0),
+        end: AtomicUsize::new(0),
+        pipe: AtomicI32::new(-1),
+    }
+}; MAX_REGIONS];
+
+/// The SIGSEGV action before ours, set once before ours is installed and only read after.
+static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
+
+/// What the monitor answers a request with.
+pub(super) const PENDING: u32 = 0;
+pub(super) const HANDLED: u32 = 1;
+pub(super) const NOT_OURS: u32 = 2;
+
+/// A write fault on its way to the monitor; it lives on the faulting thread's stack (or signal
+/// stack) until `state` leaves `PENDING`.
+#[repr(C)]
+pub(super) struct Request {
+    pub(super) addr: usize,
+    pub(super) state: AtomicU32,
+}
+
+impl Request {
+    /// Answers the request and wakes its thread. The request may be gone as soon as `state`
+    /// changes, so it is passed as a pointer and only its futex address is used afterwards: a
+    /// wake on memory that has been reused is a spurious wake-up, which futex users tolerate.
+    ///
+    /// # Safety
+    /// `req` was read from the region's pipe and has not been answered yet.
+    pub(super) unsafe fn answer(req: *const Request, state: u32) {
+        // SAFETY: unanswered, so the handler is still sleeping and the request alive.
+        let word = unsafe { &(*req).state };
+        let addr = word.as_ptr();
+        word.store(state, Ordering::Release);
+        // SAFETY: FUTEX_WAKE reads no memory; a stale address only wakes nobody.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                addr,
+                libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+                1,
+            )
+        };
+    }
+}
+
+/// Installs the handler (once per process) and enters `[start, end)` with the write end of its
+/// monitor's pipe. Returns the table slot, for [`unregister`].
+pub(super) fn register(start: usize, end: usize, pipe: i32) -> io::Result<usize> {
+    install()?;
+    for (i, e) in REGIONS.iter().enumerate() {
+        if e.pipe
+            .compare_exchange(-1, pipe, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            e.end.store(end, Ordering::Release);
+            // Published last: the handler reads `start` first and trusts the rest after it.
+            e.start.store(start, Ordering::Release);
+            return Ok(i);
+        }
+    }
+    Err(io::Error::other(format!(
+        "{MAX_REGIONS} regions are mapped already"
+    )))
+}
+
+/// Removes a region from the table; faults in its range are no longer claimed.
+pub(super) fn unregister(slot: usize) {
+    let e = &REGIONS[slot];
+    e.start.store(0, Ordering::Release);
+    e.end.store(0, Ordering::Release);
+    e.pipe.store(-1, Ordering::Release);
+}
+
+fn install() -> io::Result<()> {
+    static INSTALLED: OnceLock<Result<(), i32>> = OnceLock::new();
+    let r = INSTALLED.get_or_init(|| {
+        // SAFETY: sigaction with a null new action only reads the current one into `old`.
+        let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::sigaction(libc::SIGSEGV, std::ptr::null(), &mut old) } < 0 {
+            return Err(errno());
+        }
+        let _ = PREVIOUS.set(old);
+        // SAFETY: a zeroed sigaction is a valid value to fill in.
+        let mut new: libc::sigaction = unsafe { std::mem::zeroed() };
+        let handler: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) = on_segv;
+        new.sa_sigaction = handler as libc::sighandler_t;
+        // SA_ONSTACK: a thread that faults near the end of its stack still gets the handler
+        // (Rust threads have a signal stack). SA_NODEFER is not set: a fault inside the handler
+        // would be a bug, and with the signal blocked the kernel ends the process on it.
+        new.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_RESTART;
+        // SAFETY: `new.sa_mask` is ours to fill.
+        unsafe { libc::sigemptyset(&mut new.sa_mask) };
+        // SAFETY: installs a handler that is async-signal-safe (see `on_segv`).
+        if unsafe { libc::sigaction(libc::SIGSEGV, &new, std::ptr::null_mut()) } < 0 {
+            return Err(errno());
+        }
+        Ok(())
+    });
+    (*r).map_err(io::Error::from_raw_os_error)
+}
+
+fn errno() -> i32 {
+    io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EINVAL)
+}
+
+/// The pipe of the region holding `addr`, if any.
+fn lookup(addr: usize) -> Option<i32> {
+    for e in &REGIONS {
+        let start = e.start.load(Ordering::Acquire);
+        if start == 0 || addr < start {
+            continue;
+        }
+        let end = e.end.load(Ordering::Acquire);
+        let pipe = e.pipe.load(Ordering::Acquire);
+        // The entry may have been released and taken again meanwhile: trust it only if its
+        // start is still the one read first.
+        if addr < end && pipe >= 0 && e.start.load(Ordering::Acquire) == start {
+            return Some(pipe);
+        }
+    }
+    None
+}
+
+/// Hands the fault to the monitor and sleeps until it answers; returns the answer, or
+/// `NOT_OURS` if the request could not be sent.
+fn hand_off(pipe: i32, addr: usize) -> u32 {
+    let req = Request {
+        addr,
+        state: AtomicU32::new(PENDING),
+    };
+    let ptr = &req as *const Request as usize;
+    loop {
+        // SAFETY: writes the 8 bytes of `ptr`; write(2) is async-signal-safe.
+        let n = unsafe { libc::write(pipe, (&ptr as *const usize).cast(), size_of::<usize>()) };
+        if n == size_of::<usize>() as isize {
+            break;
+        }
+        if n < 0 && errno() == libc::EINTR {
+            continue;
+        }
+        return NOT_OURS;
+    }
+    loop {
+        let state = req.state.load(Ordering::Acquire);
+        if state != PENDING {
+            return state;
+        }
+        // SAFETY: FUTEX_WAIT on a live word of ours; it returns at once if the word changed.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                req.state.as_ptr(),
+                libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+                PENDING,
+                std::ptr::null::<libc::timespec>(),
+            )
+        };
+    }
+}
+
+extern "C" fn on_segv(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    // SAFETY: errno is thread-local; saved and restored so the interrupted code sees its own.
+    let saved_errno = unsafe { *libc::__errno_location() };
+    // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
+    let (code, addr) = unsafe { ((*info).si_code, (*info).si_addr() as usize) };
+    let answer = match lookup(addr) {
+        Some(pipe) if code == SEGV_ACCERR => hand_off(pipe, addr),
+        _ => NOT_OURS,
+    };
+    if answer != HANDLED {
+        chain(sig, info, ctx);
+    }
+    // SAFETY: as above.
+    unsafe { *libc::__errno_location() = saved_errno };
+}
+
+/// Passes a fault that is not ours on as if our handler were not there.
+fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    let Some(prev) = PREVIOUS.get() else {
+        return restore_default(sig);
+    };
+    match prev.sa_sigaction {
+        libc::SIG_DFL | libc::SIG_IGN => restore_default(sig),
+        f if prev.sa_flags & libc::SA_SIGINFO != 0 => {
+            // SAFETY: the previous action was installed as an SA_SIGINFO handler with this
+            // signature; it gets the arguments the kernel gave us.
+            let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+                unsafe { std::mem::transmute(f) };
+            f(sig, info, ctx);
+        }
+        f => {
+            // SAFETY: a handler installed without SA_SIGINFO takes the signal number only.
+            let f: extern "C" fn(libc::c_int) = unsafe { std::mem::transmute(f) };
+            f(sig);
+        }
+    }
+}
+
+/// Restores the default action; returning retries the access, which then ends the process
+/// with the signal (a synchronous SIGSEGV cannot be ignored).
+fn restore_default(sig: libc::c_int) {
+    // SAFETY: a zeroed sigaction is SIG_DFL with an empty mask; sigaction is async-signal-safe.
+    unsafe {
+        let mut dfl: libc::sigaction = std::mem::zeroed();
+        dfl.sa_sigaction = libc::SIG_DFL;
+        libc::sigaction(sig, &dfl, std::ptr::null_mut());
+    }
+}

@@ -1,0 +1,138 @@
+//! Address-space calls: the placeholder, clusters and pages mapped over it, and the budget of
+//! mappings (VMAs) the kernel allows a process.
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+pub(super) const PAGE: usize = 4096;
+
+/// Reserves `len` bytes of anonymous memory aligned to `align` (a power of two): the absent
+/// slots' placeholder. Private and unreserved: it never holds data, userfaultfd intercepts
+/// every first touch.
+pub(super) fn reserve(len: usize, align: usize) -> io::Result<usize> {
+    let total = len + align;
+    // SAFETY: a new mapping at an address the kernel picks; it overlaps nothing of ours.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            total,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    let p = p as usize;
+    let base = p.next_multiple_of(align);
+    // Aligned clusters let a DAX file system map them with huge pages.
+    // SAFETY: both pieces are parts of the mapping just made, outside [base, base + len).
+    unsafe {
+        if base > p {
+            libc::munmap(p as *mut _, base - p);
+        }
+        if p + total > base + len {
+            libc::munmap((base + len) as *mut _, p + total - base - len);
+        }
+    }
+    Ok(base)
+}
+
+/// Maps `len` bytes of `fd` at `offset` over `[addr, addr + len)`, shared, with `prot` and the
+/// extra `flags` (`MAP_SHARED_VALIDATE | MAP_SYNC` on DAX).
+///
+/// # Safety
+/// `[addr, addr + len)` is memory of a region, which replaces whatever was mapped there; no
+/// Rust reference into that range may be alive.
+pub(super) unsafe fn map_over(
+    addr: usize,
+    len: usize,
+    fd: BorrowedFd<'_>,
+    offset: u64,
+    prot: libc::c_int,
+    shared: libc::c_int,
+) -> io::Result<()> {
+    // SAFETY: MAP_FIXED over memory the caller says is the region's to replace.
+    let p = unsafe {
+        libc::mmap(
+            addr as *mut _,
+            len,
+            prot,
+            shared | libc::MAP_FIXED,
+            fd.as_raw_fd(),
+            offset as libc::off_t,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Maps `len` bytes of `fd` at `offset` somewhere new, read-write and shared.
+pub(super) fn map_scratch(
+    len: usize,
+    fd: BorrowedFd<'_>,
+    offset: u64,
+    shared: libc::c_int,
+) -> io::Result<usize> {
+    // SAFETY: a new mapping at an address the kernel picks.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            shared,
+            fd.as_raw_fd(),
+            offset as libc::off_t,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(p as usize)
+}
+
+/// Moves the mapping at `from` over `[to, to + len)`.
+///
+/// # Safety
+/// As [`map_over`] for the target; `from` is a mapping of `len` bytes nothing else uses.
+pub(super) unsafe fn move_over(from: usize, to: usize, len: usize) -> io::Result<()> {
+    // SAFETY: the caller's contract.
+    let p = unsafe {
+        libc::mremap(
+            from as *mut _,
+            len,
+            len,
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            to as *mut libc::c_void,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Unmaps a mapping of ours.
+///
+/// # Safety
+/// Nothing uses `[addr, addr + len)` any more.
+pub(super) unsafe fn unmap(addr: usize, len: usize) {
+    // SAFETY: the caller's contract.
+    unsafe { libc::munmap(addr as *mut _, len) };
+}
+
+/// `vm.max_map_count` and the mappings this process has now.
+pub(super) fn map_budget() -> io::Result<(usize, usize)> {
+    let limit = std::fs::read_to_string("/proc/sys/vm/max_map_count")?;
+    let limit = limit
+        .trim()
+        .parse()
+        .map_err(|_| io::Error::other("/proc/sys/vm/max_map_count: not a number"))?;
+    let maps = std::fs::read("/proc/self/maps")?;
+    let in_use = maps.iter().filter(|&&b| b == b'\n').count();
+    Ok((limit, in_use))
+}

@@ -1,0 +1,163 @@
+//! Byte-addressable regions assembled from clusters of files: the mapping engine under pcow
+//! (issue 25), with no knowledge of any on-disk format.
+//!
+//! A [`Region`] is `len` bytes at one base address, cut into cluster-sized slots. Each slot is
+//!
+//! ```text
+//!  absent ──first touch (uffd MISSING)──► writable        (Provider::cluster(slot, Zeroed))
+//!  read-only ──first write to page P (SIGSEGV)──► page P writable from a new cluster
+//!        (Provider::cluster(slot, CopyTarget) once, then Provider::pages_copied(slot, [P]))
+//! ```
+//!
+//! - **absent**: anonymous placeholder memory registered with userfaultfd for missing faults. The
+//!   first touch, read or write, blocks the thread in the kernel; the monitor thread asks the
+//!   [`Provider`] for a cluster, maps that file range over the slot (`MAP_FIXED | MAP_SHARED`;
+//!   the new mapping is not registered, so later touches cost nothing) and wakes the waiters.
+//! - **writable**: a file range mapped shared, read-write.
+//! - **read-only** (a snapshot's or a base image's cluster): mapped `PROT_READ`. The first write
+//!   to a 4 KiB page copies that page only into the slot's writable cluster, persists it, tells
+//!   the provider, and maps the new page over the old one (`mremap` of a scratch mapping).
+//!   Pages never written keep reading the old cluster.
+//!
+//! **Why SIGSEGV and not shmem with userfaultfd write-protect.** userfaultfd registers only
+//! anonymous, shmem and hugetlb memory; a write to a read-only *file* mapping can only be caught
+//! as SIGSEGV. The alternative, backing the region with a memfd and using `UFFDIO_WRITEPROTECT`,
+//! would put every store in DRAM page cache that must be copied to the image to persist: the
+//! application's cache-line flushes would no longer persist anything, which defeats persistent
+//! memory. So clusters stay direct file mappings (DAX on a pmem file system) and write faults go
+//! through an async-signal-safe SIGSEGV handler (`fault.rs`) that hands the address to the
+//! monitor thread and sleeps on a futex until it is done.
+//!
+//! **Errors.** A cluster the provider cannot give, or a copy that fails, leaves the slot (or the
+//! page) mapped to a hole past the end of an empty memfd: that access and every later one there
+//! raise SIGBUS, as an I/O error in a mapped file does. Nothing panics in the handler or the
+//! monitor; a panicking provider counts as a failed one.
+//!
+//! **Mappings.** Each mapped cluster, and each copied page inside a read-only cluster, may be a
+//! VMA of its own. [`Region::new`] refuses a region whose slots could need more mappings than
+//! `vm.max_map_count` leaves; single-page copies draw on a budget ([`Layout::page_mappings`]),
+//! after which a write to a read-only cluster copies the rest of it and maps it whole.
+//!
+//! **Contract for users of the memory.** No Rust reference may be made to region memory (it
+//! changes under the program's feet); use raw pointers. Nothing may `mprotect` it. The
+//! provider must not touch the region (it runs on the monitor thread, which would wait for
+//! itself). A region's memory is unmapped when it is dropped.
+
+mod fault;
+mod map;
+mod monitor;
+mod persist;
+mod region;
+mod uffd;
+
+use std::fs::File;
+use std::io;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+pub use persist::{MediaPersist, Persist, PersistKind};
+pub use region::{Layout, Region};
+
+/// A cluster of a file: `offset` is a multiple of 4 KiB, and the file holds the cluster's whole
+/// size there (extended, e.g. with `fallocate`; a mapping past the end of a file faults).
+#[derive(Clone, Debug)]
+pub struct Cluster {
+    pub file: Arc<File>,
+    pub offset: u64,
+}
+
+/// What a slot needs a cluster for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Need {
+    /// An absent slot's first touch: the cluster's content becomes the slot's, so it must read
+    /// as zeroes (a freshly allocated cluster does).
+    Zeroed,
+    /// A read-only slot's first write: the target of its page copies. Only pages reported to
+    /// [`Provider::pages_copied`] are ever read from it.
+    CopyTarget,
+}
+
+/// Where a region's writable clusters come from: the image format.
+///
+/// Called on the region's monitor thread only, one call at a time. Every call is on the path of
+/// a faulting thread that waits for it, except [`Provider::refill`].
+pub trait Provider: Send {
+    /// A writable cluster for `slot`. Before it returns, whatever makes the cluster the slot's
+    /// after a restart is durable (pcow: the data entry, persisted), because the application may
+    /// store and persist into it as soon as it is mapped.
+    fn cluster(&mut self, slot: u64, need: Need) -> io::Result<Cluster>;
+
+    /// Pages of `slot`'s copy target now hold their copies, persisted. Record it durably (pcow:
+    /// the cow_bitmap) before returning: the pages are made writable right after.
+    fn pages_copied(&mut self, slot: u64, pages: &[u32]) -> io::Result<()>;
+
+    /// Called after each fault is answered, off the faulting thread's path: a provider that
+    /// keeps clusters allocated ahead tops its pool up here.
+    fn refill(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// What a region's monitor did, counted.
+#[derive(Default, Debug)]
+struct Stats {
+    missing_faults: AtomicU64,
+    cow_faults: AtomicU64,
+    provider_calls: AtomicU64,
+    pages_copied: AtomicU64,
+    whole_cluster_copies: AtomicU64,
+    poisoned: AtomicU64,
+}
+
+/// A snapshot of a region's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RegionStats {
+    /// Absent slots filled (first touches served; concurrent touches of a slot count once).
+    pub missing_faults: u64,
+    /// Read-only pages written for the first time (concurrent writes of a page count once).
+    pub cow_faults: u64,
+    /// Calls of [`Provider::cluster`].
+    pub provider_calls: u64,
+    /// Pages copied from read-only clusters.
+    pub pages_copied: u64,
+    /// Copies that took the rest of a cluster because the mapping budget was spent.
+    pub whole_cluster_copies: u64,
+    /// Slots or pages left raising SIGBUS after a failure.
+    pub poisoned: u64,
+}
+
+/// A region that cannot be made.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    #[error("cluster size {0} is not a power-of-two multiple of 4 KiB")]
+    ClusterSize(usize),
+    #[error("region length {len} is not a non-zero multiple of the cluster size {cluster_size}")]
+    Length { len: usize, cluster_size: usize },
+    #[error("slot {slot} is past the region's {slots} slots")]
+    SlotOutOfRange { slot: u64, slots: usize },
+    #[error("page {page} is past a cluster of {pages} pages")]
+    PageOutOfRange { page: u32, pages: usize },
+    #[error("cluster offset {0:#x} is not a multiple of 4 KiB")]
+    Unaligned(u64),
+    #[error(
+        "a region of {slots} slots may need {needed} mappings, and this process has {in_use} of \
+         vm.max_map_count {limit}: use larger clusters, or raise vm.max_map_count"
+    )]
+    TooManyMappings {
+        slots: usize,
+        needed: usize,
+        in_use: usize,
+        limit: usize,
+    },
+    #[error("{step}: {source}")]
+    Os {
+        step: &'static str,
+        #[source]
+        source: io::Error,
+    },
+}
+
+fn os(step: &'static str) -> impl FnOnce(io::Error) -> Error {
+    move |source| Error::Os { step, source }
+}

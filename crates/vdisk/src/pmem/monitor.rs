@@ -1,0 +1,312 @@
+//! The monitor thread: serves first touches of absent slots (userfaultfd) and first writes to
+//! read-only pages (requests from the SIGSEGV handler), one at a time, so a slot is filled once
+//! and a page copied once however many threads fault on it together.
+//!
+//! Durability order of a copy-on-write, which the format's crash consistency rests on: the page
+//! is copied into the new cluster and persisted; only then is the provider told it is copied
+//! (it records that durably, e.g. a bit of pcow's cow_bitmap); only then is the new page mapped
+//! writable. So a page counted as copied always holds its whole copy, and no store of the
+//! application reaches the new page before the record that makes it visible after a restart.
+//!
+//! An access the provider cannot serve (it failed or panicked, or a system call did) maps a
+//! hole past the end of an empty memfd over the slot (missing fault) or the page (write
+//! fault): the access, and every later one there, raises SIGBUS, as an I/O error on a mapped
+//! file does. The monitor itself never panics on such errors.
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::fault::{Request, HANDLED, NOT_OURS};
+use super::map::{self, PAGE};
+use super::uffd::Uffd;
+use super::{Cluster, Need, Persist, Provider, Stats};
+
+/// What a slot holds now. Only the monitor thread (after the region's construction) reads or
+/// changes it.
+pub(super) enum Slot {
+    /// The placeholder; the first touch asks the provider.
+    Absent,
+    /// A writable cluster over the whole slot.
+    Writable,
+    /// A read-only cluster, with the pages already copied into `new`.
+    ReadOnly {
+        new: Option<Cluster>,
+        copied: Vec<bool>,
+    },
+    /// The provider failed for it: accesses raise SIGBUS.
+    Poisoned,
+}
+
+pub(super) struct Monitor {
+    pub(super) base: usize,
+    pub(super) cluster_size: usize,
+    pub(super) slots: Vec<Slot>,
+    pub(super) provider: Box<dyn Provider>,
+    pub(super) persist: Arc<dyn Persist>,
+    /// `MAP_SHARED`, or `MAP_SHARED_VALIDATE | MAP_SYNC` when stores persist by cache flushes.
+    pub(super) shared: libc::c_int,
+    pub(super) uffd: Uffd,
+    pub(super) requests: OwnedFd,
+    pub(super) stop: Arc<OwnedFd>,
+    pub(super) poison: OwnedFd,
+    pub(super) stats: Arc<Stats>,
+    /// Mappings that single-page copies may still add before copies take whole clusters.
+    pub(super) page_budget: usize,
+}
+
+impl Monitor {
+    pub(super) fn run(mut self) {
+        let mut faults = Vec::new();
+        loop {
+            let mut fds = [
+                poll_fd(self.stop.as_raw_fd()),
+                poll_fd(self.uffd.as_raw_fd()),
+                poll_fd(self.requests.as_raw_fd()),
+            ];
+            // SAFETY: `fds` is an array of three pollfd, writable for the call.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+            if n < 0 {
+                continue; // EINTR; poll has no other failure with valid arguments
+            }
+            if fds[0].revents != 0 {
+                return;
+            }
+            if fds[1].revents != 0 {
+                faults.clear();
+                if self.uffd.read_faults(&mut faults).is_ok() {
+                    for &addr in &faults {
+                        self.missing(addr);
+                    }
+                }
+            }
+            if fds[2].revents != 0 {
+                self.write_requests();
+            }
+        }
+    }
+
+    /// A first touch of an absent slot: fill it, then wake every thread waiting in it.
+    fn missing(&mut self, addr: usize) {
+        let slot = addr.wrapping_sub(self.base) / self.cluster_size;
+        if slot >= self.slots.len() {
+            return; // not a registered address: the kernel sends none
+        }
+        let at = self.base + slot * self.cluster_size;
+        if matches!(self.slots.get(slot), Some(Slot::Absent)) {
+            self.stats.missing_faults.fetch_add(1, Ordering::Relaxed);
+            match self.fill(slot, at) {
+                Ok(()) => self.slots[slot] = Slot::Writable,
+                Err(_) => {
+                    self.poison(at, self.cluster_size);
+                    self.slots[slot] = Slot::Poisoned;
+                }
+            }
+            let _ = self.uffd.wake(at, self.cluster_size);
+            self.refill();
+            return;
+        }
+        // Waiters whose messages were still queued when the slot was filled were woken then;
+        // their messages only wake again, which is harmless.
+        let _ = self.uffd.wake(at, self.cluster_size);
+    }
+
+    fn fill(&mut self, slot: usize, at: usize) -> io::Result<()> {
+        let c = self.ask(slot, Need::Zeroed)?;
+        let prot = libc::PROT_READ | libc::PROT_WRITE;
+        // SAFETY: the slot is the region's; the placeholder there held nothing.
+        unsafe {
+            map::map_over(
+                at,
+                self.cluster_size,
+                c.file.as_fd(),
+                c.offset,
+                prot,
+                self.shared,
+            )
+        }
+    }
+
+    fn write_requests(&mut self) {
+        let mut buf = [0usize; 64];
+        loop {
+            // SAFETY: reads into `buf`, writable for its whole size.
+            let n = unsafe {
+                libc::read(
+                    self.requests.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    size_of_val(&buf),
+                )
+            };
+            if n <= 0 {
+                return; // EAGAIN: drained (the pipe is non-blocking)
+            }
+            for &ptr in &buf[..n as usize / size_of::<usize>()] {
+                let req = ptr as *const Request;
+                // SAFETY: the handler wrote the address of its request, which stays alive
+                // until answered below.
+                let addr = unsafe { (*req).addr };
+                let answer = self.write_fault(addr);
+                // SAFETY: read from the pipe just now and not answered yet.
+                unsafe { Request::answer(req, answer) };
+            }
+        }
+    }
+
+    /// A write to a read-only page: copy it once and map it writable.
+    fn write_fault(&mut self, addr: usize) -> u32 {
+        let len = self.slots.len() * self.cluster_size;
+        if addr < self.base || addr >= self.base + len {
+            return NOT_OURS;
+        }
+        let slot = (addr - self.base) / self.cluster_size;
+        let page = (addr - self.base) % self.cluster_size / PAGE;
+        match &self.slots[slot] {
+            Slot::ReadOnly { copied, .. } if !copied[page] => {}
+            // Another thread's fault got here first; the retried store goes through.
+            Slot::ReadOnly { .. } | Slot::Writable | Slot::Poisoned => return HANDLED,
+            // The placeholder is writable: a protection fault there is not one we made.
+            Slot::Absent => return NOT_OURS,
+        }
+        self.stats.cow_faults.fetch_add(1, Ordering::Relaxed);
+        let page_at = self.base + slot * self.cluster_size + page * PAGE;
+        if self.copy(slot, page).is_err() {
+            self.poison(page_at, PAGE);
+            if let Slot::ReadOnly { copied, .. } = &mut self.slots[slot] {
+                copied[page] = true; // nothing to copy any more: the page is poisoned
+            }
+        }
+        self.refill();
+        HANDLED
+    }
+
+    fn copy(&mut self, slot: usize, page: usize) -> io::Result<()> {
+        let new = match &self.slots[slot] {
+            Slot::ReadOnly { new: Some(c), .. } => c.clone(),
+            _ => {
+                let c = self.ask(slot, Need::CopyTarget)?;
+                if let Slot::ReadOnly { new, .. } = &mut self.slots[slot] {
+                    *new = Some(c.clone());
+                }
+                c
+            }
+        };
+        let pages: Vec<usize> = if self.page_budget >= 2 {
+            self.page_budget -= 2; // a page mapped inside a cluster splits it: up to 2 more
+            vec![page]
+        } else {
+            // Out of mappings: copy what is left of the cluster and map it whole.
+            self.stats
+                .whole_cluster_copies
+                .fetch_add(1, Ordering::Relaxed);
+            match &self.slots[slot] {
+                Slot::ReadOnly { copied, .. } => {
+                    (0..copied.len()).filter(|&p| !copied[p]).collect()
+                }
+                _ => vec![page],
+            }
+        };
+        let whole = pages.len() > 1 || self.cluster_size == PAGE;
+        let slot_at = self.base + slot * self.cluster_size;
+        let (from, len, first) = if whole {
+            (0, self.cluster_size, 0)
+        } else {
+            (page * PAGE, PAGE, page)
+        };
+        let scratch =
+            map::map_scratch(len, new.file.as_fd(), new.offset + from as u64, self.shared)?;
+        let done = self.copy_into(slot, slot_at, scratch, first, &pages);
+        let done = done.and_then(|()| {
+            // SAFETY: the target is the slot's memory (or one page of it), read-only until now
+            // and referenced by no Rust reference; `scratch` is ours alone.
+            unsafe { map::move_over(scratch, slot_at + from, len) }
+        });
+        if let Err(e) = done {
+            // SAFETY: the scratch mapping is ours and unused (a failed mremap leaves it).
+            unsafe { map::unmap(scratch, len) };
+            return Err(e);
+        }
+        self.stats
+            .pages_copied
+            .fetch_add(pages.len() as u64, Ordering::Relaxed);
+        if let Slot::ReadOnly { copied, .. } = &mut self.slots[slot] {
+            for &p in &pages {
+                copied[p] = true;
+            }
+            if whole || copied.iter().all(|&c| c) {
+                self.slots[slot] = Slot::Writable;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies `pages` of the slot into `scratch` (a mapping of the new cluster starting at page
+    /// `first`), persists them, and tells the provider.
+    fn copy_into(
+        &mut self,
+        slot: usize,
+        slot_at: usize,
+        scratch: usize,
+        first: usize,
+        pages: &[usize],
+    ) -> io::Result<()> {
+        for &p in pages {
+            let dst = scratch + (p - first) * PAGE;
+            // SAFETY: the source is a mapped read-only page of the slot, the destination a page
+            // of the scratch mapping; different mappings, both PAGE bytes long.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (slot_at + p * PAGE) as *const u8,
+                    dst as *mut u8,
+                    PAGE,
+                )
+            };
+        }
+        let span = (pages.iter().max().unwrap_or(&first) + 1 - first) * PAGE;
+        // SAFETY: `[scratch, scratch + span)` is inside the scratch mapping.
+        unsafe { self.persist.persist(scratch as *const u8, span)? };
+        let list: Vec<u32> = pages.iter().map(|&p| p as u32).collect();
+        let provider = &mut self.provider;
+        flatten(catch_unwind(AssertUnwindSafe(|| {
+            provider.pages_copied(slot as u64, &list)
+        })))
+    }
+
+    fn ask(&mut self, slot: usize, need: Need) -> io::Result<Cluster> {
+        self.stats.provider_calls.fetch_add(1, Ordering::Relaxed);
+        let provider = &mut self.provider;
+        let c = flatten(catch_unwind(AssertUnwindSafe(|| {
+            provider.cluster(slot as u64, need)
+        })))?;
+        if c.offset % PAGE as u64 != 0 {
+            return Err(io::Error::other("the provider gave an unaligned cluster"));
+        }
+        Ok(c)
+    }
+
+    fn refill(&mut self) {
+        let provider = &mut self.provider;
+        let _ = catch_unwind(AssertUnwindSafe(|| provider.refill()));
+    }
+
+    fn poison(&self, at: usize, len: usize) {
+        self.stats.poisoned.fetch_add(1, Ordering::Relaxed);
+        let prot = libc::PROT_READ | libc::PROT_WRITE;
+        // SAFETY: the range is the region's; what was there is given up on purpose.
+        let _ = unsafe { map::map_over(at, len, self.poison.as_fd(), 0, prot, libc::MAP_SHARED) };
+    }
+}
+
+fn poll_fd(fd: libc::c_int) -> libc::pollfd {
+    libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    }
+}
+
+fn flatten<T>(r: std::thread::Result<io::Result<T>>) -> io::Result<T> {
+    r.unwrap_or_else(|_| Err(io::Error::other("the provider panicked")))
+}

@@ -1,0 +1,369 @@
+//! Building a region from a layout, and tearing it down.
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use super::map::{self, PAGE};
+use super::monitor::{Monitor, Slot};
+use super::uffd::Uffd;
+use super::{fault, os, Cluster, Error, Persist, PersistKind, Provider, RegionStats, Stats};
+
+/// Mappings left to the rest of the process when a region's budget is checked.
+const HEADROOM: usize = 1024;
+
+/// What each slot of a region holds when it is made; slots not named are absent. Later calls for
+/// a slot replace earlier ones, so a format can lay its clusters down in priority order (base
+/// image, older snapshots, newer ones, the writable part) as the paper does.
+pub struct Layout {
+    len: usize,
+    cluster_size: usize,
+    slots: BTreeMap<u64, Initial>,
+    page_mappings: usize,
+}
+
+enum Initial {
+    Writable(Cluster),
+    ReadOnly {
+        old: Cluster,
+        new: Option<Cluster>,
+        copied: Vec<bool>,
+    },
+}
+
+impl Layout {
+    /// A layout of `len` bytes in clusters of `cluster_size` (a power of two, at least 4 KiB),
+    /// every slot absent.
+    pub fn new(len: usize, cluster_size: usize) -> Result<Layout, Error> {
+        if cluster_size < PAGE || !cluster_size.is_power_of_two() {
+            return Err(Error::ClusterSize(cluster_size));
+        }
+        if len == 0 || len % cluster_size != 0 {
+            return Err(Error::Length { len, cluster_size });
+        }
+        Ok(Layout {
+            len,
+            cluster_size,
+            slots: BTreeMap::new(),
+            page_mappings: 4096,
+        })
+    }
+
+    /// How many extra mappings single-page copies may create (two per copied page at most)
+    /// before further copies take whole clusters. 4096 unless set.
+    pub fn page_mappings(&mut self, n: usize) -> &mut Layout {
+        self.page_mappings = n;
+        self
+    }
+
+    /// `slot` maps `cluster` read-write.
+    pub fn writable(&mut self, slot: u64, cluster: Cluster) -> Result<(), Error> {
+        self.check(slot, &cluster)?;
+        self.slots.insert(slot, Initial::Writable(cluster));
+        Ok(())
+    }
+
+    /// `slot` maps `cluster` read-only; its first writes copy pages out of it.
+    pub fn read_only(&mut self, slot: u64, cluster: Cluster) -> Result<(), Error> {
+        self.check(slot, &cluster)?;
+        let pages = self.cluster_size / PAGE;
+        let initial = Initial::ReadOnly {
+            old: cluster,
+            new: None,
+            copied: vec![false; pages],
+        };
+        self.slots.insert(slot, initial);
+        Ok(())
+    }
+
+    /// `slot` maps `old` read-only except the `copied` pages, which come from `new` (a
+    /// copy-on-write interrupted by a restart: pcow's cow_bitmap); later copies go to `new`.
+    pub fn partly_copied(
+        &mut self,
+        slot: u64,
+        old: Cluster,
+        new: Cluster,
+        copied: &[u32],
+    ) -> Result<(), Error> {
+        self.check(slot, &old)?;
+        self.check(slot, &new)?;
+        let pages = self.cluster_size / PAGE;
+        let mut set = vec![false; pages];
+        for &page in copied {
+            *set.get_mut(page as usize)
+                .ok_or(Error::PageOutOfRange { page, pages })? = true;
+        }
+        let initial = Initial::ReadOnly {
+            old,
+            new: Some(new),
+            copied: set,
+        };
+        self.slots.insert(slot, initial);
+        Ok(())
+    }
+
+    fn check(&self, slot: u64, cluster: &Cluster) -> Result<(), Error> {
+        let slots = self.len / self.cluster_size;
+        if slot >= slots as u64 {
+            return Err(Error::SlotOutOfRange { slot, slots });
+        }
+        if cluster.offset % PAGE as u64 != 0 {
+            return Err(Error::Unaligned(cluster.offset));
+        }
+        Ok(())
+    }
+
+    /// The most mappings the region may need: one per slot, the copied pages of partly copied
+    /// slots (two each), and the budget for single-page copies.
+    fn mappings(&self) -> usize {
+        let copied: usize = self
+            .slots
+            .values()
+            .map(|s| match s {
+                Initial::ReadOnly { copied, .. } => 2 * copied.iter().filter(|&&c| c).count(),
+                Initial::Writable(_) => 0,
+            })
+            .sum();
+        self.len / self.cluster_size + copied + self.page_mappings
+    }
+}
+
+/// A mapped region; see the module docs. Dropping it stops its monitor thread and unmaps it.
+pub struct Region {
+    base: usize,
+    len: usize,
+    cluster_size: usize,
+    persist: Arc<dyn Persist>,
+    stats: Arc<Stats>,
+    table_slot: usize,
+    stop: Arc<OwnedFd>,
+    monitor: Option<JoinHandle<()>>,
+    // Held for the handler, which writes requests into it; closed after the monitor stops.
+    _requests: OwnedFd,
+}
+
+impl Region {
+    /// Maps `layout`. Writable clusters are mapped with `MAP_SYNC` when `persist` flushes cache
+    /// lines (so the file must be on a DAX file system), plainly shared for `msync`.
+    pub fn new(
+        layout: Layout,
+        provider: Box<dyn Provider>,
+        persist: Arc<dyn Persist>,
+    ) -> Result<Region, Error> {
+        let slots = layout.len / layout.cluster_size;
+        let (limit, in_use) = map::map_budget().map_err(os("reading the mapping limit"))?;
+        let needed = layout.mappings();
+        if in_use + needed + HEADROOM > limit {
+            return Err(Error::TooManyMappings {
+                slots,
+                needed,
+                in_use,
+                limit,
+            });
+        }
+        let shared = match persist.kind() {
+            PersistKind::Msync => libc::MAP_SHARED,
+            _ => libc::MAP_SHARED_VALIDATE | libc::MAP_SYNC,
+        };
+        let align = layout.cluster_size.min(2 << 20);
+        let base = map::reserve(layout.len, align).map_err(os("reserving the region"))?;
+        let built = build(base, &layout, shared)
+            .and_then(|states| start(base, &layout, states, provider, persist.clone(), shared));
+        match built {
+            Ok((stats, table_slot, stop, monitor, requests)) => Ok(Region {
+                base,
+                len: layout.len,
+                cluster_size: layout.cluster_size,
+                persist,
+                stats,
+                table_slot,
+                stop,
+                monitor: Some(monitor),
+                _requests: requests,
+            }),
+            Err(e) => {
+                // SAFETY: the region was never handed out; nothing uses its memory.
+                unsafe { map::unmap(base, layout.len) };
+                Err(e)
+            }
+        }
+    }
+
+    /// The first byte of the region. Access it through raw pointers only.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.base as *mut u8
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn cluster_size(&self) -> usize {
+        self.cluster_size
+    }
+
+    /// How [`Region::persist`] makes stores durable.
+    pub fn persist_kind(&self) -> PersistKind {
+        self.persist.kind()
+    }
+
+    /// Makes the stores to `[offset, offset + len)` of the region durable.
+    pub fn persist(&self, offset: usize, len: usize) -> std::io::Result<()> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(std::io::Error::other(
+                "persist: range past the end of the region",
+            ));
+        }
+        // SAFETY: the whole region stays mapped while `self` lives.
+        unsafe { self.persist.persist((self.base + offset) as *const u8, len) }
+    }
+
+    pub fn stats(&self) -> RegionStats {
+        let s = &self.stats;
+        let get = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+        RegionStats {
+            missing_faults: get(&s.missing_faults),
+            cow_faults: get(&s.cow_faults),
+            provider_calls: get(&s.provider_calls),
+            pages_copied: get(&s.pages_copied),
+            whole_cluster_copies: get(&s.whole_cluster_copies),
+            poisoned: get(&s.poisoned),
+        }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        fault::unregister(self.table_slot);
+        let one = 1u64;
+        // SAFETY: writes 8 bytes to the eventfd, which the monitor polls.
+        unsafe { libc::write(self.stop.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        if let Some(m) = self.monitor.take() {
+            let _ = m.join();
+        }
+        // SAFETY: the monitor has stopped; the region's owner gave up its memory by dropping it.
+        unsafe { map::unmap(self.base, self.len) };
+    }
+}
+
+/// Registers the placeholder and maps the layout's clusters over it; the slots' states.
+fn build(base: usize, layout: &Layout, shared: libc::c_int) -> Result<(Uffd, Vec<Slot>), Error> {
+    let uffd = Uffd::open().map_err(os("opening userfaultfd"))?;
+    uffd.register_missing(base, layout.len)
+        .map_err(os("registering the region with userfaultfd"))?;
+    let mut states: Vec<Slot> = (0..layout.len / layout.cluster_size)
+        .map(|_| Slot::Absent)
+        .collect();
+    let rw = libc::PROT_READ | libc::PROT_WRITE;
+    let cs = layout.cluster_size;
+    for (&slot, initial) in &layout.slots {
+        let at = base + slot as usize * cs;
+        let state = match initial {
+            Initial::Writable(c) => {
+                // SAFETY: the slot is inside the region, which nothing uses yet.
+                unsafe { map::map_over(at, cs, c.file.as_fd(), c.offset, rw, shared) }
+                    .map_err(os("mapping a writable cluster"))?;
+                Slot::Writable
+            }
+            Initial::ReadOnly { old, new, copied } => {
+                let (ro, sh) = (libc::PROT_READ, libc::MAP_SHARED);
+                // SAFETY: as above.
+                unsafe { map::map_over(at, cs, old.file.as_fd(), old.offset, ro, sh) }
+                    .map_err(os("mapping a read-only cluster"))?;
+                for (p, _) in copied.iter().enumerate().filter(|(_, &c)| c) {
+                    let (at, off) = (at + p * PAGE, (p * PAGE) as u64);
+                    let Some(n) = new else { break };
+                    // SAFETY: a page of that slot, over the read-only mapping just made.
+                    unsafe { map::map_over(at, PAGE, n.file.as_fd(), n.offset + off, rw, shared) }
+                        .map_err(os("mapping a copied page"))?;
+                }
+                Slot::ReadOnly {
+                    new: new.clone(),
+                    copied: copied.clone(),
+                }
+            }
+        };
+        states[slot as usize] = state;
+    }
+    Ok((uffd, states))
+}
+
+type Started = (Arc<Stats>, usize, Arc<OwnedFd>, JoinHandle<()>, OwnedFd);
+
+/// Starts the monitor thread and claims the region's write faults.
+fn start(
+    base: usize,
+    layout: &Layout,
+    (uffd, slots): (Uffd, Vec<Slot>),
+    provider: Box<dyn Provider>,
+    persist: Arc<dyn Persist>,
+    shared: libc::c_int,
+) -> Result<Started, Error> {
+    let mut ends = [0; 2];
+    // SAFETY: pipe2 writes two descriptors into `ends`.
+    if unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
+        return Err(os("creating the fault pipe")(
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: both descriptors were just created and are owned by nothing else.
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(ends[0]), OwnedFd::from_raw_fd(ends[1])) };
+    // The monitor drains the read end without blocking; the handler's write end blocks (a full
+    // pipe makes the faulting thread wait, never fail).
+    // SAFETY: fcntl on a descriptor we own.
+    unsafe { libc::fcntl(read.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
+    let stop = Arc::new(new_fd(
+        // SAFETY: eventfd returns a new descriptor or -1.
+        unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) },
+        "creating the stop eventfd",
+    )?);
+    let poison = new_fd(
+        // SAFETY: memfd_create reads the NUL-terminated name and returns a new descriptor.
+        unsafe { libc::memfd_create(c"vdisk-pmem-poison".as_ptr(), libc::MFD_CLOEXEC) },
+        "creating the poison memfd",
+    )?;
+    let stats = Arc::new(Stats::default());
+    let monitor = Monitor {
+        base,
+        cluster_size: layout.cluster_size,
+        slots,
+        provider,
+        persist,
+        shared,
+        uffd,
+        requests: read,
+        stop: stop.clone(),
+        poison,
+        stats: stats.clone(),
+        page_budget: layout.page_mappings,
+    };
+    let handle = std::thread::Builder::new()
+        .name("vdisk-pmem".into())
+        .spawn(move || monitor.run())
+        .map_err(os("starting the monitor thread"))?;
+    let table_slot = match fault::register(base, base + layout.len, write.as_raw_fd()) {
+        Ok(s) => s,
+        Err(e) => {
+            let one = 1u64;
+            // SAFETY: 8 bytes to the eventfd the monitor polls.
+            unsafe { libc::write(stop.as_raw_fd(), (&one as *const u64).cast(), 8) };
+            let _ = handle.join();
+            return Err(os("installing the write-fault handler")(e));
+        }
+    };
+    Ok((stats, table_slot, stop, handle, write))
+}
+
+fn new_fd(fd: libc::c_int, step: &'static str) -> Result<OwnedFd, Error> {
+    if fd < 0 {
+        return Err(os(step)(std::io::Error::last_os_error()));
+    }
+    // SAFETY: a descriptor just returned by the kernel, owned by nothing else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}

@@ -1,0 +1,163 @@
+//! userfaultfd, the few calls the region uses: open, register a range for missing faults, read
+//! fault messages, wake the threads waiting in a range. The `libc` crate has the system call
+//! number but not the structures or ioctl numbers, so they are declared here as
+//! `<linux/userfaultfd.h>` lays them out (x86_64 and aarch64 use the generic ioctl encoding).
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+const UFFD_API: u64 = 0xAA;
+/// `UFFD_USER_MODE_ONLY`: faults from kernel mode are not delivered (they fail with EFAULT).
+/// Only a fallback for processes without the privilege for the full descriptor: a VMM needs
+/// kernel-mode faults served (KVM reaches guest memory from the kernel, and so does a `write(2)`
+/// from the region).
+const UFFD_USER_MODE_ONLY: libc::c_int = 1;
+const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
+const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
+
+const fn iowr(nr: u64, size: usize) -> u64 {
+    (3 << 30) | ((size as u64) << 16) | (0xAA << 8) | nr
+}
+const fn ior(nr: u64, size: usize) -> u64 {
+    (2 << 30) | ((size as u64) << 16) | (0xAA << 8) | nr
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct Api {
+    api: u64,
+    features: u64,
+    ioctls: u64,
+}
+
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct Range {
+    start: u64,
+    len: u64,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct Register {
+    range: Range,
+    mode: u64,
+    ioctls: u64,
+}
+
+/// `struct uffd_msg` with the page-fault member of its union.
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct Msg {
+    event: u8,
+    reserved1: u8,
+    reserved2: u16,
+    reserved3: u32,
+    flags: u64,
+    address: u64,
+    ptid: u64,
+}
+
+const UFFDIO_API: u64 = iowr(0x3F, size_of::<Api>());
+const UFFDIO_REGISTER: u64 = iowr(0x00, size_of::<Register>());
+const UFFDIO_WAKE: u64 = ior(0x02, size_of::<Range>());
+
+/// An open userfaultfd (non-blocking, closed on exec).
+pub(super) struct Uffd {
+    fd: OwnedFd,
+}
+
+impl Uffd {
+    pub(super) fn open() -> io::Result<Uffd> {
+        let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
+        // SAFETY: userfaultfd takes only flags and returns a new descriptor or -1.
+        let mut fd = unsafe { libc::syscall(libc::SYS_userfaultfd, flags) };
+        if fd < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EPERM) {
+            // SAFETY: as above.
+            fd = unsafe { libc::syscall(libc::SYS_userfaultfd, flags | UFFD_USER_MODE_ONLY) };
+        }
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the system call just returned this descriptor and nothing else owns it.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) };
+        let uffd = Uffd { fd };
+        let mut api = Api {
+            api: UFFD_API,
+            ..Api::default()
+        };
+        uffd.ioctl(UFFDIO_API, &mut api)?;
+        Ok(uffd)
+    }
+
+    /// Registers `[start, start + len)` (anonymous memory) for missing faults.
+    pub(super) fn register_missing(&self, start: usize, len: usize) -> io::Result<()> {
+        let mut reg = Register {
+            range: Range {
+                start: start as u64,
+                len: len as u64,
+            },
+            mode: UFFDIO_REGISTER_MODE_MISSING,
+            ioctls: 0,
+        };
+        self.ioctl(UFFDIO_REGISTER, &mut reg)
+    }
+
+    /// Wakes every thread waiting on a fault in `[start, start + len)`; they retry the access.
+    pub(super) fn wake(&self, start: usize, len: usize) -> io::Result<()> {
+        let mut range = Range {
+            start: start as u64,
+            len: len as u64,
+        };
+        self.ioctl(UFFDIO_WAKE, &mut range)
+    }
+
+    /// The addresses of the page faults queued now (none when the queue is empty), into `out`.
+    pub(super) fn read_faults(&self, out: &mut Vec<usize>) -> io::Result<()> {
+        let mut msgs = [Msg::default(); 16];
+        loop {
+            // SAFETY: the buffer is `msgs`, writable for its whole size.
+            let n = unsafe {
+                libc::read(
+                    self.fd.as_raw_fd(),
+                    msgs.as_mut_ptr().cast(),
+                    size_of_val(&msgs),
+                )
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                return match e.kind() {
+                    io::ErrorKind::WouldBlock => Ok(()),
+                    io::ErrorKind::Interrupted => continue,
+                    _ => Err(e),
+                };
+            }
+            let n = n as usize / size_of::<Msg>();
+            out.extend(
+                msgs[..n]
+                    .iter()
+                    .filter(|m| m.event == UFFD_EVENT_PAGEFAULT)
+                    .map(|m| m.address as usize),
+            );
+            if n < msgs.len() {
+                return Ok(());
+            }
+        }
+    }
+
+    fn ioctl<T>(&self, request: u64, arg: &mut T) -> io::Result<()> {
+        // SAFETY: every caller passes the structure the request number encodes (type and size
+        // are part of the number), alive and writable for the call.
+        let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), request as _, arg as *mut T) };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+impl AsRawFd for Uffd {
+    fn as_raw_fd(&self) -> libc::c_int {
+        self.fd.as_raw_fd()
+    }
+}

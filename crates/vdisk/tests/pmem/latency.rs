@@ -1,0 +1,82 @@
+//! First-touch and copy-on-write latency, printed (DRAM-emulated: an ext4 file, no persistent
+//! memory). `cargo test --release -p vdisk --test pmem -- --ignored --nocapture latency`
+
+use std::io;
+use std::sync::Arc;
+use std::time::Instant;
+
+use vdisk::pmem::{Cluster, Layout, MediaPersist, Persist, PersistKind, Region};
+
+use super::common::*;
+
+const FAULTS: usize = 1000;
+
+/// `msync` as the mapping flags see it, doing nothing: the fault path without the media.
+struct NoPersist;
+
+impl Persist for NoPersist {
+    fn kind(&self) -> PersistKind {
+        PersistKind::Msync
+    }
+    unsafe fn persist(&self, _: *const u8, _: usize) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn percentiles(mut ns: Vec<u128>) -> String {
+    ns.sort_unstable();
+    let at = |q: f64| ns[((ns.len() - 1) as f64 * q) as usize] as f64 / 1000.0;
+    format!(
+        "p50 {:.1} us, p99 {:.1} us, max {:.1} us",
+        at(0.5),
+        at(0.99),
+        at(1.0)
+    )
+}
+
+fn timed(r: &Region, offsets: impl Iterator<Item = usize>) -> Vec<u128> {
+    offsets
+        .map(|off| {
+            let t = Instant::now();
+            store_u64(r, off, 1);
+            t.elapsed().as_nanos()
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "a measurement: prints latencies"]
+fn latency() {
+    let dir = tempdir();
+    let cs = 2 * MIB;
+    for (name, persist) in [
+        ("msync", Arc::new(MediaPersist::msync()) as Arc<dyn Persist>),
+        ("no persist", Arc::new(NoPersist)),
+    ] {
+        let (provider, _) = FileProvider::new(disk_file(&dir, "touch"), cs);
+        let layout = Layout::new(FAULTS * cs, cs).unwrap();
+        let r = Region::new(layout, Box::new(provider), persist.clone()).unwrap();
+        let ns = timed(&r, (0..FAULTS).map(|s| s * cs));
+        println!("first touch, 2 MiB clusters ({name}): {}", percentiles(ns));
+        drop(r);
+
+        let clusters = 4;
+        let base = base_file(&dir, cs, clusters);
+        let mut layout = Layout::new(clusters * cs, cs).unwrap();
+        for s in 0..clusters {
+            let c = Cluster {
+                file: base.clone(),
+                offset: (s * cs) as u64,
+            };
+            layout.read_only(s as u64, c).unwrap();
+        }
+        let (provider, _) = FileProvider::new(disk_file(&dir, "cow"), cs);
+        let r = Region::new(layout, Box::new(provider), persist).unwrap();
+        // The first write of each read-only cluster also asks the provider for its target.
+        let ns = timed(&r, (0..FAULTS).map(|i| i * 4096 + 64));
+        println!(
+            "copy-on-write of a 4 KiB page ({name}): {}",
+            percentiles(ns)
+        );
+    }
+}

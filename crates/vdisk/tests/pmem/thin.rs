@@ -1,0 +1,90 @@
+//! Thin provisioning: absent slots are filled on first touch, once, with a cluster from the
+//! provider; nothing else costs file space.
+
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::sync::Barrier;
+
+use vdisk::pmem::{Layout, Need};
+
+use super::common::*;
+
+#[test]
+fn touched_slots_take_one_cluster_each_and_nothing_else() {
+    let dir = tempdir();
+    let cs = 2 * MIB;
+    let layout = Layout::new(64 * MIB, cs).unwrap();
+    let (r, calls, file) = region(layout, disk_file(&dir, "img"), cs);
+    let stores = [
+        (3usize, 8usize, 0x1111u64),
+        (10, 4096 * 7 + 16, 0x2222),
+        (31, cs - 8, 0x3333),
+    ];
+    for &(slot, at, v) in &stores {
+        store_u64(&r, slot * cs + at, v);
+        r.persist(slot * cs + at, 8).unwrap();
+    }
+    // A second store into a filled slot asks nothing.
+    store_u64(&r, 3 * cs + 64, 0x4444);
+    r.persist(3 * cs + 64, 8).unwrap();
+    let asked: Vec<_> = calls.lock().unwrap().clusters.clone();
+    assert_eq!(
+        asked,
+        [(3, Need::Zeroed), (10, Need::Zeroed), (31, Need::Zeroed)]
+    );
+    assert_eq!(r.stats().missing_faults, 3);
+
+    // The file holds exactly the three clusters, in the order they were given, with the stores.
+    let meta = file.metadata().unwrap();
+    assert_eq!(meta.len(), 3 * cs as u64);
+    assert!(
+        meta.blocks() * 512 <= 3 * cs as u64,
+        "{} blocks",
+        meta.blocks()
+    );
+    let mut data = vec![0u8; 3 * cs];
+    file.read_exact_at(&mut data, 0).unwrap();
+    let mut expect = vec![0u8; 3 * cs];
+    for (i, &(_, at, v)) in stores.iter().enumerate() {
+        expect[i * cs + at..][..8].copy_from_slice(&v.to_ne_bytes());
+    }
+    expect[64..72].copy_from_slice(&0x4444u64.to_ne_bytes());
+    assert!(data == expect, "the file does not hold exactly the stores");
+
+    // Memory around the stores reads zero; so does a slot never touched, which (a first
+    // touch being a read too) is filled with a zeroed cluster then.
+    assert_eq!(load_u64(&r, 3 * cs), 0);
+    assert_eq!(load_u64(&r, 10 * cs + cs - 8), 0);
+    assert!((0..cs).step_by(4096).all(|o| load(&r, 20 * cs + o) == 0));
+    assert_eq!(calls.lock().unwrap().clusters.len(), 4);
+}
+
+#[test]
+fn sixteen_threads_touching_one_absent_slot_fill_it_once() {
+    let dir = tempdir();
+    let cs = 2 * MIB;
+    let (r, calls, _file) = region(
+        Layout::new(16 * MIB, cs).unwrap(),
+        disk_file(&dir, "img"),
+        cs,
+    );
+    let barrier = Barrier::new(16);
+    let slot = 5;
+    std::thread::scope(|s| {
+        for t in 0..16 {
+            let (r, barrier) = (&r, &barrier);
+            s.spawn(move || {
+                barrier.wait();
+                store_u64(r, slot * cs + t * 4096 * 8, t as u64 + 100);
+                barrier.wait();
+                for u in 0..16 {
+                    assert_eq!(load_u64(r, slot * cs + u * 4096 * 8), u as u64 + 100);
+                }
+            });
+        }
+    });
+    assert_eq!(
+        calls.lock().unwrap().clusters,
+        [(slot as u64, Need::Zeroed)]
+    );
+    assert_eq!(r.stats().provider_calls, 1);
+}
