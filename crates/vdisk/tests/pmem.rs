@@ -28,8 +28,11 @@ use std::sync::Arc;
 use common::*;
 use vdisk::pmem::{Cluster, Error, Layout, MediaPersist, Region};
 
+/// Runs the `child` test in a new process; one that hangs (a fault retried forever) is killed
+/// after a minute and fails the test.
 fn run_child(what: &str) -> std::process::ExitStatus {
-    std::process::Command::new(std::env::current_exe().unwrap())
+    let dir = tempdir();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
             "child",
@@ -38,10 +41,23 @@ fn run_child(what: &str) -> std::process::ExitStatus {
             "--nocapture",
         ])
         .env("PMEM_CHILD", what)
+        .env("PMEM_DIR", dir.path())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
-        .status()
-        .unwrap()
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            let _ = child.wait();
+            panic!("the child process {what} hangs");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
 
 #[test]

@@ -45,7 +45,11 @@ impl Provider for FileProvider {
             return Err(io::Error::other("injected failure"));
         }
         let offset = self.next * self.cluster_size as u64;
-        self.file.set_len(offset + self.cluster_size as u64)?;
+        let end = offset + self.cluster_size as u64;
+        // Grown only: a file allocated ahead (the paper's pre-allocation) is left as it is.
+        if self.file.metadata()?.len() < end {
+            self.file.set_len(end)?;
+        }
         self.next += 1;
         Ok(Cluster {
             file: self.file.clone(),
@@ -74,8 +78,11 @@ pub fn disk_file(dir: &tempfile::TempDir, name: &str) -> File {
         .unwrap()
 }
 
+/// A directory on disk; in a child process, inside the one its parent made (and removes: a
+/// child that dies of a signal cannot).
 pub fn tempdir() -> tempfile::TempDir {
-    tempfile::tempdir_in("/var/tmp").unwrap()
+    let parent = std::env::var_os("PMEM_DIR").unwrap_or("/var/tmp".into());
+    tempfile::tempdir_in(parent).unwrap()
 }
 
 /// A base file of `clusters` clusters whose page `p` (counted over the file) is filled with

@@ -2,6 +2,7 @@
 //! memory). `cargo test --release -p vdisk --test pmem -- --ignored --nocapture latency`
 
 use std::io;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -53,12 +54,28 @@ fn latency() {
         ("msync", Arc::new(MediaPersist::msync()) as Arc<dyn Persist>),
         ("no persist", Arc::new(NoPersist)),
     ] {
-        let (provider, _) = FileProvider::new(disk_file(&dir, "touch"), cs);
-        let layout = Layout::new(FAULTS * cs, cs).unwrap();
-        let r = Region::new(layout, Box::new(provider), persist.clone()).unwrap();
-        let ns = timed(&r, (0..FAULTS).map(|s| s * cs));
-        println!("first touch, 2 MiB clusters ({name}): {}", percentiles(ns));
-        drop(r);
+        for ahead in [false, true] {
+            let file = disk_file(&dir, "touch");
+            if ahead {
+                // Clusters allocated ahead, as a provider's background pool would.
+                // SAFETY: fallocate on a descriptor we own.
+                let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, (FAULTS * cs) as i64) };
+                assert_eq!(r, 0);
+            }
+            let (provider, _) = FileProvider::new(file, cs);
+            let layout = Layout::new(FAULTS * cs, cs).unwrap();
+            let r = Region::new(layout, Box::new(provider), persist.clone()).unwrap();
+            let ns = timed(&r, (0..FAULTS).map(|s| s * cs));
+            let how = if ahead {
+                "allocated ahead"
+            } else {
+                "grown per cluster"
+            };
+            println!(
+                "first touch, 2 MiB clusters, {how} ({name}): {}",
+                percentiles(ns)
+            );
+        }
 
         let clusters = 4;
         let base = base_file(&dir, cs, clusters);
