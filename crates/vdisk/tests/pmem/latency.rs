@@ -1,5 +1,7 @@
 //! First-touch and copy-on-write latency, printed (DRAM-emulated: an ext4 file, no persistent
-//! memory). `cargo test --release -p vdisk --test pmem -- --ignored --nocapture latency`
+//! memory), beside the kernel's own faults on the same kind of file: the floor a mapping engine
+//! in user space adds to. `bench/pmem.sh` runs it:
+//! `cargo test --release -p vdisk --test pmem -- --ignored --nocapture latency`
 
 use std::io;
 use std::os::fd::AsRawFd;
@@ -36,13 +38,56 @@ fn percentiles(mut ns: Vec<u128>) -> String {
 }
 
 fn timed(r: &Region, offsets: impl Iterator<Item = usize>) -> Vec<u128> {
+    timed_at(r.as_ptr(), r.len(), offsets)
+}
+
+fn timed_at(base: *mut u8, len: usize, offsets: impl Iterator<Item = usize>) -> Vec<u128> {
+    // Dirty pages of the run before would otherwise be written back during this one.
+    // SAFETY: sync takes no arguments.
+    unsafe { libc::sync() };
     offsets
         .map(|off| {
+            assert!(off + 8 <= len && off % 8 == 0);
             let t = Instant::now();
-            store_u64(r, off, 1);
+            // SAFETY: inside a mapping of `len` bytes at `base`, 8-byte aligned.
+            unsafe { base.add(off).cast::<u64>().write_volatile(1) };
             t.elapsed().as_nanos()
         })
         .collect()
+}
+
+/// The kernel alone: stores into a plain mapping of `file`, shared (a first write allocates
+/// the file's block) or private (a first write after a read copies the page in DRAM).
+fn kernel_floor(file: &std::fs::File, len: usize, shared: bool, offsets: &[usize]) -> Vec<u128> {
+    let flags = if shared {
+        libc::MAP_SHARED
+    } else {
+        libc::MAP_PRIVATE
+    };
+    // SAFETY: a new mapping of a file we own; unmapped below.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    let base = p.cast::<u8>();
+    if !shared {
+        // Read first, so that each timed store is the copy-on-write fault alone.
+        for &off in offsets {
+            // SAFETY: inside the mapping.
+            unsafe { base.add(off).read_volatile() };
+        }
+    }
+    let ns = timed_at(base, len, offsets.iter().copied());
+    // SAFETY: the mapping made above, no longer used.
+    unsafe { libc::munmap(p, len) };
+    ns
 }
 
 #[test]
@@ -76,6 +121,25 @@ fn latency() {
                 percentiles(ns)
             );
         }
+        if name == "msync" {
+            for ahead in [false, true] {
+                let file = disk_file(&dir, "floor");
+                file.set_len((FAULTS * cs) as u64).unwrap();
+                if ahead {
+                    // SAFETY: fallocate on a descriptor we own.
+                    let r =
+                        unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, (FAULTS * cs) as i64) };
+                    assert_eq!(r, 0);
+                }
+                let offsets: Vec<_> = (0..FAULTS).map(|s| s * cs).collect();
+                let ns = kernel_floor(&file, FAULTS * cs, true, &offsets);
+                let how = if ahead { "allocated ahead" } else { "sparse" };
+                println!(
+                    "kernel floor: first store into a shared file mapping, {how}: {}",
+                    percentiles(ns)
+                );
+            }
+        }
 
         let clusters = 4;
         let base = base_file(&dir, cs, clusters);
@@ -86,6 +150,14 @@ fn latency() {
                 offset: (s * cs) as u64,
             };
             layout.read_only(s as u64, c).unwrap();
+        }
+        if name == "msync" {
+            let offsets: Vec<_> = (0..FAULTS).map(|i| i * 4096 + 64).collect();
+            let ns = kernel_floor(&base, clusters * cs, false, &offsets);
+            println!(
+                "kernel floor: copy-on-write of a 4 KiB page of a private file mapping: {}",
+                percentiles(ns)
+            );
         }
         let (provider, _) = FileProvider::new(disk_file(&dir, "cow"), cs);
         let r = Region::new(layout, Box::new(provider), persist).unwrap();
