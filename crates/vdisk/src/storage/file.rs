@@ -523,10 +523,9 @@ impl Storage for FileStorage {
     }
 
     fn is_allocated(&self, offset: u64, len: u64) -> io::Result<bool> {
-        match super::fiemap::allocated(&self.file, offset, len)? {
-            Some(allocated) => Ok(allocated),
-            None => Ok(matches!(self.extent_at(offset, len)?, (true, n) if n == len)),
-        }
+        // Without an extent map (tmpfs, NFS) it cannot tell: SEEK_HOLE would walk from
+        // `offset` to the next hole, on tmpfs page by page to the end of the file.
+        Ok(super::fiemap::allocated(&self.file, offset, len)?.unwrap_or(true))
     }
 
     fn async_write_fd(&self, offset: u64, buf: &[u8]) -> Option<RawFd> {
