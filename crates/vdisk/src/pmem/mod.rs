@@ -138,6 +138,8 @@ pub enum Error {
     SlotOutOfRange { slot: u64, slots: usize },
     #[error("page {page} is past a cluster of {pages} pages")]
     PageOutOfRange { page: u32, pages: usize },
+    #[error("slot {0} is not read-only: only a read-only slot has pages from other clusters")]
+    NotReadOnly(u64),
     #[error("cluster offset {0:#x} is not a multiple of 4 KiB")]
     Unaligned(u64),
     #[error(

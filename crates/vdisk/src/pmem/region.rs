@@ -28,6 +28,8 @@ enum Initial {
     Writable(Cluster),
     ReadOnly {
         old: Cluster,
+        /// Pages read from another read-only cluster than `old` (the same page of it).
+        under: Vec<(usize, Cluster)>,
         new: Option<Cluster>,
         copied: Vec<bool>,
     },
@@ -71,6 +73,7 @@ impl Layout {
         let pages = self.cluster_size / PAGE;
         let initial = Initial::ReadOnly {
             old: cluster,
+            under: Vec::new(),
             new: None,
             copied: vec![false; pages],
         };
@@ -97,11 +100,32 @@ impl Layout {
         }
         let initial = Initial::ReadOnly {
             old,
+            under: Vec::new(),
             new: Some(new),
             copied: set,
         };
         self.slots.insert(slot, initial);
         Ok(())
+    }
+
+    /// Page `page` of read-only `slot` reads the same page of `cluster` rather than of the
+    /// slot's old cluster: a read-only view assembled from several layers (pcow: a partly
+    /// copied cluster of an older snapshot over its base image). Call it after
+    /// [`Layout::read_only`] or [`Layout::partly_copied`] for the slot; copies read whatever
+    /// the page shows.
+    pub fn read_only_page(&mut self, slot: u64, page: u32, cluster: Cluster) -> Result<(), Error> {
+        self.check(slot, &cluster)?;
+        let pages = self.cluster_size / PAGE;
+        if page as usize >= pages {
+            return Err(Error::PageOutOfRange { page, pages });
+        }
+        match self.slots.get_mut(&slot) {
+            Some(Initial::ReadOnly { under, .. }) => {
+                under.push((page as usize, cluster));
+                Ok(())
+            }
+            _ => Err(Error::NotReadOnly(slot)),
+        }
     }
 
     fn check(&self, slot: u64, cluster: &Cluster) -> Result<(), Error> {
@@ -116,13 +140,16 @@ impl Layout {
     }
 
     /// The most mappings the region may need: one per slot, the copied pages of partly copied
-    /// slots (two each), and the budget for single-page copies.
+    /// slots and the pages read from other clusters (two each), and the budget for
+    /// single-page copies.
     fn mappings(&self) -> usize {
         let copied: usize = self
             .slots
             .values()
             .map(|s| match s {
-                Initial::ReadOnly { copied, .. } => 2 * copied.iter().filter(|&&c| c).count(),
+                Initial::ReadOnly { copied, under, .. } => {
+                    2 * (copied.iter().filter(|&&c| c).count() + under.len())
+                }
                 Initial::Writable(_) => 0,
             })
             .sum();
@@ -271,11 +298,22 @@ fn build(base: usize, layout: &Layout, shared: libc::c_int) -> Result<(Uffd, Vec
                     .map_err(os("mapping a writable cluster"))?;
                 Slot::Writable
             }
-            Initial::ReadOnly { old, new, copied } => {
+            Initial::ReadOnly {
+                old,
+                under,
+                new,
+                copied,
+            } => {
                 let (ro, sh) = (libc::PROT_READ, libc::MAP_SHARED);
                 // SAFETY: as above.
                 unsafe { map::map_over(at, cs, old.file.as_fd(), old.offset, ro, sh) }
                     .map_err(os("mapping a read-only cluster"))?;
+                for (p, c) in under {
+                    let (at, off) = (at + p * PAGE, (p * PAGE) as u64);
+                    // SAFETY: a page of that slot, over the read-only mapping just made.
+                    unsafe { map::map_over(at, PAGE, c.file.as_fd(), c.offset + off, ro, sh) }
+                        .map_err(os("mapping a read-only page"))?;
+                }
                 for (p, _) in copied.iter().enumerate().filter(|(_, &c)| c) {
                     let (at, off) = (at + p * PAGE, (p * PAGE) as u64);
                     let Some(n) = new else { break };
