@@ -16,14 +16,16 @@
 //! their data, then record it in the state, which reads use at once and the next flush
 //! makes durable in the format's order.
 //!
-//! Not here yet (issue 25): the memory-mapped monitor (`pcow::Mapping`), the C ABI, the
-//! benchmark; resizing and rebasing.
+//! `mapping/` is the other path (issue 25): [`Mapping`] maps the image and its base chain as
+//! one byte-addressable region on the `pmem` engine, the writable part as its provider, with
+//! the same encoders and walk. Not here yet: the C ABI, the benchmark; resizing and rebasing.
 
 mod check;
 mod commit;
 mod create;
 mod driver;
 mod layout;
+mod mapping;
 mod pages;
 mod snapshot;
 mod state;
@@ -34,7 +36,7 @@ use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 
 use super::entry::{FormatEntry, Opener};
-use super::{read_mapped, status_mapped, Holes, Layer, Mapping};
+use super::{read_mapped, status_mapped, Holes, Layer, Mapping as Place};
 use crate::blockdev::{check_range, BlockDev, BlockStatus};
 use crate::counters::Counters;
 use crate::error::{Error, IoContext, Result};
@@ -44,6 +46,7 @@ use state::{Source, State};
 
 pub use create::{create, CreateOptions};
 pub use layout::Base;
+pub use mapping::{Mapping, POOL};
 
 pub(crate) static FORMAT: FormatEntry = FormatEntry {
     name: "pcow",
@@ -139,13 +142,13 @@ impl Pcow {
 }
 
 impl Layer for Pcow {
-    fn map(&self, offset: u64, len: u64) -> Result<(Mapping, u64)> {
+    fn map(&self, offset: u64, len: u64) -> Result<(Place, u64)> {
         let (source, n) = self.state().run(offset, len);
         let mapping = match source {
-            Source::Cluster(host) => Mapping::Data {
+            Source::Cluster(host) => Place::Data {
                 offset: host * self.cluster() + offset % self.cluster(),
             },
-            Source::Below => Mapping::Unallocated { offset: None },
+            Source::Below => Place::Unallocated { offset: None },
         };
         Ok((mapping, n))
     }
