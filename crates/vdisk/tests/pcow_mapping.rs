@@ -1,7 +1,8 @@
 //! `pcow::Mapping` end to end, on real files in /tmp (ext4 here: not tmpfs, which hides DAX
 //! rules; results are DRAM-emulated): what is stored through memory is what the block path
 //! reads, snapshots and base images copy on write 4 KiB at a time, concurrent first touches
-//! allocate once, and a process killed after a persisted store leaves a clean image holding it.
+//! allocate once, a process killed after a persisted store leaves a clean image holding it, and
+//! what cannot be mapped is refused with a clear error.
 //!
 //! The crash test runs this binary again as a child with `PCOW_CHILD` set, which selects what
 //! the ignored `child` test does.
@@ -358,6 +359,49 @@ fn wide_clusters_record_copied_pages_in_their_wide_bitmap() {
     assert_eq!(bitmap, expect);
     same(&read_all(&open(&img, false)), &want, "the block path");
     assert_eq!(check(&img), (0, 0));
+}
+
+/// What a mapping cannot map is refused with a message saying why, never a panic.
+#[test]
+fn images_a_mapping_cannot_map_are_refused_clearly() {
+    let dir = tempdir();
+    let q = path(&dir, "base.qcow2");
+    let opts = OpenOptions {
+        write: true,
+        create: true,
+        direct: false,
+    };
+    let storage = FileStorage::open(Path::new(&q), opts).unwrap();
+    let o = vdisk::formats::qcow2::create::CreateOptions {
+        size: 4 << 20,
+        ..Default::default()
+    };
+    vdisk::formats::qcow2::create::create(&storage, None, &o).unwrap();
+    let over_qcow2 = path(&dir, "over-qcow2.pcow");
+    new_pcow(&over_qcow2, 4 << 20, Some(("base.qcow2", "qcow2")));
+    let small = path(&dir, "small.pcow");
+    new_pcow_cs(&small, 4 << 20, 4096, None);
+    let over_small = path(&dir, "over-small.pcow");
+    new_pcow(&over_small, 4 << 20, Some(("small.pcow", "pcow")));
+    // cur_segment_num counting a segment the file does not hold.
+    let corrupt = path(&dir, "corrupt.pcow");
+    new_pcow(&corrupt, 4 << 20, None);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&corrupt)
+        .unwrap();
+    f.write_all_at(&3u32.to_le_bytes(), 8).unwrap();
+    let cases = [
+        (&over_qcow2, "pcow and raw images only"),
+        (&over_small, "one cluster size"),
+        (&corrupt, "corrupt"),
+        (&q, "not a pcow image"),
+    ];
+    for (img, want) in cases {
+        let e = Mapping::open(img).err().expect("refused").to_string();
+        assert!(e.contains(want), "{img}: {e}");
+    }
+    assert!(Mapping::open(&path(&dir, "missing.pcow")).is_err());
 }
 
 #[test]
