@@ -11,7 +11,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Barrier;
 
-use vdisk::formats::pcow::{create, Base, CreateOptions, Mapping, POOL};
+use vdisk::formats::pcow::{create, Base, CreateOptions, Mapping, POOL_CLUSTERS};
 use vdisk::storage::{FileStorage, OpenOptions};
 use vdisk::{open_image, BlockDev, Format, Image, ImageOptions};
 
@@ -149,12 +149,12 @@ fn a_first_touch_takes_one_cluster_and_the_pool_is_given_back() {
     {
         let m = Mapping::open(&img).unwrap();
         // The super cluster and the clusters allocated ahead, nothing else.
-        assert_eq!(len(&img), (1 + POOL) * CS);
+        assert_eq!(len(&img), (1 + POOL_CLUSTERS) * CS);
         store_u64(&m, 3 * CS as usize + 64, 7);
         m.persist(3 * CS as usize + 64, 8).unwrap();
         assert_eq!(m.stats().provider_calls, 1);
         // Refilled: still no larger than super, meta, data and the pool.
-        assert!(len(&img) <= (3 + POOL) * CS, "{}", len(&img));
+        assert!(len(&img) <= (3 + POOL_CLUSTERS) * CS, "{}", len(&img));
     }
     // Dropped: the file ends at its committed end, super + meta + one data cluster.
     assert_eq!(len(&img), 3 * CS);
@@ -458,7 +458,7 @@ fn a_process_killed_after_a_persisted_store_leaves_a_clean_image_holding_it() {
     // Nothing is corrupt; what was allocated ahead lies past the committed end.
     let (corruptions, leaks) = check(&img);
     assert_eq!(corruptions, 0);
-    assert!(leaks <= POOL + 1, "{leaks} leaked clusters");
+    assert!(leaks <= POOL_CLUSTERS + 1, "{leaks} leaked clusters");
     // A writable open cuts that off and reads every persisted store.
     {
         let b = open(&img, true);

@@ -46,7 +46,7 @@ use state::{Source, State};
 
 pub use create::{create, CreateOptions};
 pub use layout::Base;
-pub use mapping::{Mapping, POOL};
+pub use mapping::{Mapping, POOL_CLUSTERS};
 
 pub(crate) static FORMAT: FormatEntry = FormatEntry {
     name: "pcow",

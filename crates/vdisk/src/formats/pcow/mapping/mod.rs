@@ -31,7 +31,7 @@ use crate::storage::{FileStorage, OpenOptions, Storage};
 use provider::PcowProvider;
 use stack::{Kind, Layer};
 
-pub use provider::POOL;
+pub use provider::POOL_CLUSTERS;
 
 /// A pcow image mapped read-write. Access its memory through raw pointers only (see
 /// [`crate::pmem`]: it changes under the program's feet as clusters are mapped in).

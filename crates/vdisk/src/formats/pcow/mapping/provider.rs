@@ -15,8 +15,8 @@
 //!
 //! Clusters are appended strictly in order (data cluster `k` of a segment is the `k`-th after
 //! its meta cluster), so the pool is simply space allocated past the committed end: `refill`
-//! keeps [`POOL`] clusters there, allocated and synced, so that a fault neither grows the file
-//! nor waits for a sync of the file's size. A crash leaves the pool past the committed end,
+//! keeps up to [`POOL_CLUSTERS`] clusters there, allocated and synced, so that a fault neither
+//! grows the file nor waits for a sync of the file's size. A crash leaves the pool past the committed end,
 //! where the walk does not look; a writable open cuts it, and so does a clean drop.
 
 use std::collections::HashMap;
@@ -35,7 +35,7 @@ use crate::pmem::{Cluster, Need, Persist, Provider};
 use crate::storage::Storage;
 
 /// Clusters kept allocated past the committed end (the paper's prototype keeps five).
-pub const POOL: u64 = 5;
+pub const POOL_CLUSTERS: u64 = 5;
 
 /// Where a logical cluster's entry is in the writable part, and the pages it holds.
 struct Entry {
@@ -362,13 +362,13 @@ impl Provider for PcowProvider {
         }
     }
 
-    /// Keeps up to [`POOL`] clusters allocated past what is taken, off the faulting thread's
-    /// path; topped up once fewer than half are left, so one allocation and one sync serve
-    /// several faults.
+    /// Keeps up to [`POOL_CLUSTERS`] clusters allocated past what is taken, off the faulting
+    /// thread's path; topped up once fewer than half are left, so one allocation and one sync
+    /// serve several faults.
     fn refill(&mut self) -> io::Result<()> {
         let next = self.next_free();
-        if self.allocated < next + POOL.div_ceil(2) {
-            self.allocate(next + POOL)?;
+        if self.allocated < next + POOL_CLUSTERS.div_ceil(2) {
+            self.allocate(next + POOL_CLUSTERS)?;
         }
         Ok(())
     }
