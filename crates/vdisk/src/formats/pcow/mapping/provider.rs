@@ -16,8 +16,9 @@
 //! Clusters are appended strictly in order (data cluster `k` of a segment is the `k`-th after
 //! its meta cluster), so the pool is simply space allocated past the committed end: `refill`
 //! keeps up to [`POOL_CLUSTERS`] clusters there, allocated and synced, so that a fault neither
-//! grows the file nor waits for a sync of the file's size. A crash leaves the pool past the committed end,
-//! where the walk does not look; a writable open cuts it, and so does a clean drop.
+//! grows the file nor waits for a sync of the file's size. A crash leaves the pool past the
+//! committed end, where the walk does not look; a writable open cuts it, and so does a clean
+//! drop.
 
 use std::collections::HashMap;
 use std::fs::File;
