@@ -7,6 +7,9 @@
 //! The crash test runs this binary again as a child with `PCOW_CHILD` set, which selects what
 //! the ignored `child` test does.
 
+#[path = "pcow_mapping/points.rs"]
+mod points;
+
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Barrier;

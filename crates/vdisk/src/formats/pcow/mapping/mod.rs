@@ -26,7 +26,7 @@ use super::read_super;
 use super::walk::walk;
 use crate::error::{Error, IoContext, Result};
 use crate::formats::{open_image, Format, Image, ImageOptions};
-use crate::pmem::{self, MediaPersist, PersistKind, Region, RegionStats};
+use crate::pmem::{self, MediaPersist, Persist, PersistKind, Region, RegionStats};
 use crate::storage::{FileStorage, OpenOptions, Storage};
 use provider::PcowProvider;
 use stack::{Kind, Layer};
@@ -48,8 +48,16 @@ pub struct Mapping {
 }
 
 impl Mapping {
-    /// Maps the pcow image at `path` with its base chain.
+    /// Maps the pcow image at `path` with its base chain; stores persist as the file allows
+    /// ([`MediaPersist::for_file`]).
     pub fn open(path: &str) -> Result<Mapping> {
+        Mapping::open_with(path, None)
+    }
+
+    /// [`Mapping::open`] with `persist` making stores durable, metadata and data alike, when
+    /// given: fence-only on a platform with persistent caches (eADR), or a test double that
+    /// records the persistence points. One that flushes cache lines needs a DAX file system.
+    pub fn open_with(path: &str, persist: Option<Arc<dyn Persist>>) -> Result<Mapping> {
         let opts = ImageOptions {
             format: Some(Format::parse("pcow")?),
             write: true,
@@ -84,7 +92,7 @@ impl Mapping {
             )));
         }
         let (storage, file) = (layers[0].storage.clone(), layers[0].file.clone());
-        let persist = Arc::new(MediaPersist::for_file(&file));
+        let persist = persist.unwrap_or_else(|| Arc::new(MediaPersist::for_file(&file)));
         let mut provider = PcowProvider::new(storage, file, persist.clone(), top)
             .context(|| format!("{path}: mapping the pcow metadata"))?;
         // Clusters allocated ahead before the first fault needs one.
