@@ -92,8 +92,9 @@ for ((r = 1; r <= rounds; r++)); do
     for depth in 1 4; do
         top=$((depth - 1))
         t=$(now); qemu-io -c quit "$tmp/q$top.qcow2"; run "open.$depth.qemu" "$(ms "$t" "$(now)")"
-        t=$(now); "$pcow_map" open "$tmp/p$top.pcow" >/dev/null
+        t=$(now); out=$("$pcow_map" open "$tmp/p$top.pcow")
         run "open.$depth.pcow" "$(ms "$t" "$(now)")"
+        log+="    (pcow_map, depth $depth: $out)"$'\n'
     done
     # Overwrites, durable and not.
     for cache in writethrough writeback; do
