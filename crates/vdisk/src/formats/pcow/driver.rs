@@ -1,4 +1,5 @@
-//! The pcow image as the engine's tools see every format ([`Driver`]): info, snapshots, check.
+//! The pcow image as the engine's tools see every format ([`Driver`]): info, snapshots, check,
+//! resize, rebase and emptying (for commit).
 
 use std::sync::Arc;
 
@@ -9,6 +10,7 @@ use crate::formats::driver::{Capability, Driver};
 use crate::formats::info::{
     CheckFailed, CheckReport, FormatInfo, InfoValue, Messages, SnapshotInfo,
 };
+use crate::formats::Preallocation;
 use crate::storage::Storage;
 
 impl Driver for Pcow {
@@ -45,8 +47,23 @@ impl Driver for Pcow {
         self.delete_snapshot(name)
     }
 
+    fn resize(&mut self, size: u64, prealloc: Preallocation) -> Result<()> {
+        self.resize_to(size, prealloc)
+    }
+
+    fn make_empty(&mut self) -> Result<()> {
+        self.empty()
+    }
+
+    fn set_backing(&mut self, name: Option<&str>, format: Option<&str>) -> Result<()> {
+        self.rebase_to(name, format)
+    }
+
     fn supports(&self, capability: Capability) -> bool {
-        matches!(capability, Capability::Check | Capability::Snapshots)
+        matches!(
+            capability,
+            Capability::Check | Capability::Snapshots | Capability::Rebase
+        )
     }
 
     fn check(&self, say: Messages) -> std::result::Result<CheckReport, Box<CheckFailed>> {

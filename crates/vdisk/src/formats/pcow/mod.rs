@@ -9,6 +9,7 @@
 //!            (a new cluster appended, or pages filled in the writable part's cluster)
 //!   flush ─► commit.rs: data, sync; entries, sync; counters, sync; cur_segment_num, sync
 //!   snapshot.rs: create (a snapshot cluster), apply (cut at one), delete (mark one)
+//!   reshape.rs: resize, a new base image, emptying (the super cluster's first 128 bytes)
 //! ```
 //!
 //! Writes that only overwrite pages the writable part holds go straight to the file. Writes
@@ -18,7 +19,7 @@
 //!
 //! `mapping/` is the other path (issue 25): [`Mapping`] maps the image and its base chain as
 //! one byte-addressable region on the `pmem` engine, the writable part as its provider, with
-//! the same encoders and walk. Not here yet: the C ABI, the benchmark; resizing and rebasing.
+//! the same encoders and walk; its C ABI is the crate `vdisk-pcow-ffi`.
 
 mod check;
 mod commit;
@@ -27,6 +28,7 @@ mod driver;
 mod layout;
 mod mapping;
 mod pages;
+mod reshape;
 mod snapshot;
 mod state;
 mod walk;

@@ -132,7 +132,7 @@ impl Pcow {
     }
 
     /// Reads the state from the file again, dropping what was not flushed.
-    fn reload(&mut self) -> Result<()> {
+    pub(super) fn reload(&mut self) -> Result<()> {
         let sb = read_super(&*self.storage)?;
         let walk = walk::walk(&*self.storage, &sb)?;
         if let Some(p) = walk.problems.first() {

@@ -9,12 +9,14 @@
 //! | `chains.rs`    | base chains: pcow over pcow over pcow over raw, loops                 |
 //! | `hostile.rs`   | damaged images: a clear error, never a panic                          |
 //! | `crash.rs`     | every crash state of snapshot create, apply, delete, a page's copy    |
+//! | `reshape.rs`   | resize, rebase, emptying for commit, and their crash states           |
 
 mod basic;
 mod chains;
 mod cow;
 mod crash;
 mod hostile;
+mod reshape;
 mod snapshots;
 
 use std::sync::Arc;
