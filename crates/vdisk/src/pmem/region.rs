@@ -279,6 +279,46 @@ impl Drop for Region {
     }
 }
 
+/// Whole slots to map with one call: consecutive slots whose clusters follow each other in
+/// one file, with the same protection. An image's clusters mostly lie in order (pcow appends
+/// them), so a region of thousands of slots takes a handful of calls, not one per cluster.
+struct Run {
+    at: usize,
+    len: usize,
+    file: Arc<std::fs::File>,
+    offset: u64,
+    prot: libc::c_int,
+    flags: libc::c_int,
+}
+
+impl Run {
+    fn continued_by(&self, at: usize, c: &Cluster, prot: libc::c_int) -> bool {
+        self.at + self.len == at
+            && self.file.as_raw_fd() == c.file.as_raw_fd()
+            && self.offset + self.len as u64 == c.offset
+            && self.prot == prot
+    }
+
+    fn map(&self) -> Result<(), Error> {
+        // SAFETY: whole slots inside the region, which nothing uses yet.
+        unsafe {
+            map::map_over(
+                self.at,
+                self.len,
+                self.file.as_fd(),
+                self.offset,
+                self.prot,
+                self.flags,
+            )
+        }
+        .map_err(os(if self.prot & libc::PROT_WRITE != 0 {
+            "mapping writable clusters"
+        } else {
+            "mapping read-only clusters"
+        }))
+    }
+}
+
 /// Registers the placeholder and maps the layout's clusters over it; the slots' states.
 fn build(base: usize, layout: &Layout, shared: libc::c_int) -> Result<(Uffd, Vec<Slot>), Error> {
     let uffd = Uffd::open().map_err(os("opening userfaultfd"))?;
@@ -288,38 +328,45 @@ fn build(base: usize, layout: &Layout, shared: libc::c_int) -> Result<(Uffd, Vec
         .map(|_| Slot::Absent)
         .collect();
     let rw = libc::PROT_READ | libc::PROT_WRITE;
+    let (ro, sh) = (libc::PROT_READ, libc::MAP_SHARED);
     let cs = layout.cluster_size;
+    // Single pages over whole slots: mapped after every run, so after their slot's.
+    let mut pages: Vec<(usize, &Cluster, u64, libc::c_int, libc::c_int)> = Vec::new();
+    let mut run: Option<Run> = None;
     for (&slot, initial) in &layout.slots {
         let at = base + slot as usize * cs;
-        let state = match initial {
-            Initial::Writable(c) => {
-                // SAFETY: the slot is inside the region, which nothing uses yet.
-                unsafe { map::map_over(at, cs, c.file.as_fd(), c.offset, rw, shared) }
-                    .map_err(os("mapping a writable cluster"))?;
-                Slot::Writable
-            }
-            Initial::ReadOnly {
-                old,
-                under,
-                new,
-                copied,
-            } => {
-                let (ro, sh) = (libc::PROT_READ, libc::MAP_SHARED);
-                // SAFETY: as above.
-                unsafe { map::map_over(at, cs, old.file.as_fd(), old.offset, ro, sh) }
-                    .map_err(os("mapping a read-only cluster"))?;
-                for (p, c) in under {
-                    let (at, off) = (at + p * PAGE, (p * PAGE) as u64);
-                    // SAFETY: a page of that slot, over the read-only mapping just made.
-                    unsafe { map::map_over(at, PAGE, c.file.as_fd(), c.offset + off, ro, sh) }
-                        .map_err(os("mapping a read-only page"))?;
+        let (whole, prot, flags) = match initial {
+            Initial::Writable(c) => (c, rw, shared),
+            Initial::ReadOnly { old, .. } => (old, ro, sh),
+        };
+        match &mut run {
+            Some(r) if r.continued_by(at, whole, prot) => r.len += cs,
+            _ => {
+                if let Some(r) = run.take() {
+                    r.map()?;
                 }
-                for (p, _) in copied.iter().enumerate().filter(|(_, &c)| c) {
-                    let (at, off) = (at + p * PAGE, (p * PAGE) as u64);
-                    let Some(n) = new else { break };
-                    // SAFETY: a page of that slot, over the read-only mapping just made.
-                    unsafe { map::map_over(at, PAGE, n.file.as_fd(), n.offset + off, rw, shared) }
-                        .map_err(os("mapping a copied page"))?;
+                run = Some(Run {
+                    at,
+                    len: cs,
+                    file: whole.file.clone(),
+                    offset: whole.offset,
+                    prot,
+                    flags,
+                });
+            }
+        }
+        states[slot as usize] = match initial {
+            Initial::Writable(_) => Slot::Writable,
+            Initial::ReadOnly {
+                under, new, copied, ..
+            } => {
+                for (p, c) in under {
+                    pages.push((at + p * PAGE, c, (p * PAGE) as u64, ro, sh));
+                }
+                if let Some(n) = new {
+                    for (p, _) in copied.iter().enumerate().filter(|(_, &c)| c) {
+                        pages.push((at + p * PAGE, n, (p * PAGE) as u64, rw, shared));
+                    }
                 }
                 Slot::ReadOnly {
                     new: new.clone(),
@@ -327,7 +374,14 @@ fn build(base: usize, layout: &Layout, shared: libc::c_int) -> Result<(Uffd, Vec
                 }
             }
         };
-        states[slot as usize] = state;
+    }
+    if let Some(r) = run {
+        r.map()?;
+    }
+    for (at, c, off, prot, flags) in pages {
+        // SAFETY: a page of a slot inside the region, over the slot's mapping made above.
+        unsafe { map::map_over(at, PAGE, c.file.as_fd(), c.offset + off, prot, flags) }
+            .map_err(os("mapping a page of a read-only slot"))?;
     }
     Ok((uffd, states))
 }
