@@ -212,3 +212,33 @@ fn resize_rebase_and_empty_are_crash_safe() {
     );
     every_crash_of("empty", write, |d| d.empty().unwrap(), named);
 }
+
+/// Write-zeroes writes zeroes over data (the base image's too) and skips clusters that read as
+/// zeroes through every layer; discard is a hint the format cannot take, and keeps the data.
+#[test]
+fn write_zeroes_hides_the_base_and_discard_keeps_the_data() {
+    let base_bytes = pattern(7, 0, (8 * CS) as usize);
+    let storage = new_image(16 * CS, CS, Some("base.raw"));
+    let disk = open_on(&storage, true, Some(raw_base(base_bytes.clone())));
+    disk.write(10 * CS, &[3; 100]).unwrap();
+    disk.flush().unwrap();
+    let before = len(&storage);
+    disk.write_zeroes(12 * CS, 4 * CS).unwrap();
+    disk.flush().unwrap();
+    assert_eq!(
+        len(&storage),
+        before,
+        "zeroes over clusters that read zero are not written"
+    );
+    disk.write_zeroes(CS + 100, 2 * CS).unwrap();
+    disk.discard(10 * CS, CS).unwrap();
+    let mut want = base_bytes.clone();
+    want.resize((16 * CS) as usize, 0);
+    want[(10 * CS) as usize..(10 * CS) as usize + 100].fill(3);
+    want[(CS + 100) as usize..(3 * CS + 100) as usize].fill(0);
+    same(&all(&disk), &want, "after write-zeroes and discard");
+    disk.close().unwrap();
+    drop(disk);
+    let disk = open_on(&storage, false, Some(raw_base(base_bytes)));
+    same(&all(&disk), &want, "reopened");
+}
