@@ -28,8 +28,9 @@ extern "C" {
 typedef struct PcowMap pcow_map;
 
 /* Flag of pcow_map_open(): persist with a fence only (platforms with persistent caches,
- * eADR). Without it, persistence is what the file allows: cache-line write-backs on a DAX
- * file system, msync on any other file. */
+ * eADR). The image must be on a DAX file system (the mapping needs MAP_SYNC; elsewhere the
+ * open fails). Without it, persistence is what the file allows: cache-line write-backs on a
+ * DAX file system, msync on any other file. */
 #define PCOW_MAP_FENCE_ONLY 1u
 
 /* Maps the pcow image at path with its base chain. On success stores the map in *out and

@@ -11,8 +11,9 @@ use vdisk::{open_image, Error, Format, ImageOptions};
 use crate::error::guard;
 
 /// `pcow_map_open` flag: stores persist with a fence only, for platforms whose caches are
-/// persistent (eADR). Without it, persistence is what the file allows: cache-line write-backs
-/// on a DAX file system, `msync` on any other file.
+/// persistent (eADR); the image must be on a DAX file system (the mapping needs `MAP_SYNC`).
+/// Without it, persistence is what the file allows: cache-line write-backs on a DAX file
+/// system, `msync` on any other file.
 pub const PCOW_MAP_FENCE_ONLY: u32 = 1;
 
 /// A mapped image, opaque to C.
