@@ -70,6 +70,8 @@ pub struct StartedWrite<'a> {
     /// again if a transfer fails.
     pub(crate) pending: Vec<(u64, u64, u64)>,
     pub(crate) _pass: Option<Pass<'a>>,
+    /// What the disk that placed the write finds it by again.
+    pub(crate) token: u64,
 }
 
 /// A read the disk has mapped: it filled every byte of the buffer except those of the
@@ -101,12 +103,13 @@ pub trait BlockDev: Send + Sync {
         self.flush()
     }
 
-    /// Places a write of `len` bytes at `offset` and hands its data transfers to the caller
-    /// (see [`StartedWrite`]). `None` means: use [`BlockDev::write`] instead, because the disk
+    /// Places a write of `data` at `offset` and hands its data transfers to the caller (see
+    /// [`StartedWrite`]), who moves `data` itself; the disk may look at it (a log checksums
+    /// it). `None` means: use [`BlockDev::write`] instead, because the disk
     /// cannot hand out its transfers, or because a flush waits for the writes in flight (finish
     /// the ones you hold first).
-    fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
-        let _ = (offset, len);
+    fn start_write(&self, offset: u64, data: &[u8]) -> Result<Option<StartedWrite<'_>>> {
+        let _ = (offset, data);
         Ok(None)
     }
 
@@ -174,8 +177,8 @@ impl<T: BlockDev + ?Sized> BlockDev for std::sync::Arc<T> {
     fn write_fua(&self, offset: u64, buf: &[u8]) -> Result<()> {
         (**self).write_fua(offset, buf)
     }
-    fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
-        (**self).start_write(offset, len)
+    fn start_write(&self, offset: u64, data: &[u8]) -> Result<Option<StartedWrite<'_>>> {
+        (**self).start_write(offset, data)
     }
     fn finish_write(&self, started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {
         (**self).finish_write(started, outcome)

@@ -105,12 +105,12 @@ impl<D: BlockDev> BlockDev for WithCache<D> {
         }
     }
 
-    fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
+    fn start_write(&self, offset: u64, data: &[u8]) -> Result<Option<StartedWrite<'_>>> {
         if self.mode.writethrough() {
             // Each write needs its own commit: the blocking path groups them.
             return Ok(None);
         }
-        self.disk.start_write(offset, len)
+        self.disk.start_write(offset, data)
     }
 
     fn finish_write(&self, started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {

@@ -52,6 +52,62 @@ fn crc32c_table(crc: u32, bytes: &[u8]) -> u32 {
     !c
 }
 
+/// Advances a CRC-32C over a fixed number of zero bytes, in at most 32 steps: with it, the
+/// checksum of parts written at different times is `shift.apply(crc_before) ^ crc_of_part`
+/// for parts of that length (zlib's crc32_combine, for this polynomial, with the operator
+/// computed once).
+pub struct CrcShift([u32; 32]);
+
+impl CrcShift {
+    /// The operator for `len` zero bytes.
+    pub fn new(len: u64) -> CrcShift {
+        // One zero bit, then squared up to one byte.
+        let mut bit = [0u32; 32];
+        bit[0] = 0x82f6_3b78;
+        for (n, e) in bit.iter_mut().enumerate().skip(1) {
+            *e = 1 << (n - 1);
+        }
+        let mut power = square(&square(&square(&bit)));
+        let mut op: [u32; 32] = std::array::from_fn(|n| 1 << n);
+        let mut len = len;
+        while len > 0 {
+            if len & 1 != 0 {
+                op = std::array::from_fn(|n| times(&power, op[n]));
+            }
+            power = square(&power);
+            len >>= 1;
+        }
+        CrcShift(op)
+    }
+
+    pub fn apply(&self, crc: u32) -> u32 {
+        times(&self.0, crc)
+    }
+}
+
+/// The CRC-32C of `a` followed by `b`, from the CRC-32C of each and `len_b`.
+pub fn crc32c_combine(crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
+    CrcShift::new(len_b).apply(crc_a) ^ crc_b
+}
+
+/// A 32x32 bit matrix (column `i` the image of bit `i`) times a vector.
+fn times(mat: &[u32; 32], mut vec: u32) -> u32 {
+    let mut sum = 0;
+    let mut i = 0;
+    while vec != 0 {
+        if vec & 1 != 0 {
+            sum ^= mat[i];
+        }
+        vec >>= 1;
+        i += 1;
+    }
+    sum
+}
+
+fn square(mat: &[u32; 32]) -> [u32; 32] {
+    std::array::from_fn(|n| times(mat, mat[n]))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -69,6 +125,20 @@ mod tests {
             assert_eq!(whole, crc32c_table(0, &data[..len]), "len {len}");
             let split = len / 3;
             assert_eq!(crc32c(crc32c(0, &data[..split]), &data[split..len]), whole);
+        }
+    }
+
+    #[test]
+    fn combined_checksums_are_the_checksum_of_the_whole() {
+        let data: Vec<u8> = (0..70000u32).map(|i| (i * 31 + 7) as u8).collect();
+        for split in [0, 1, 4096, 12345, 65536, 70000] {
+            let (a, b) = data.split_at(split);
+            let whole = crc32c(0, &data);
+            assert_eq!(
+                crc32c_combine(crc32c(0, a), crc32c(0, b), b.len() as u64),
+                whole,
+                "split {split}"
+            );
         }
     }
 }

@@ -129,8 +129,8 @@ impl BlockDev for Image {
     fn write_fua(&self, offset: u64, buf: &[u8]) -> Result<()> {
         self.driver.write_fua(offset, buf)
     }
-    fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
-        self.driver.start_write(offset, len)
+    fn start_write(&self, offset: u64, data: &[u8]) -> Result<Option<StartedWrite<'_>>> {
+        self.driver.start_write(offset, data)
     }
     fn finish_write(&self, started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {
         self.driver.finish_write(started, outcome)

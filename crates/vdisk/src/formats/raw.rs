@@ -168,7 +168,8 @@ impl BlockDev for Raw {
         }))
     }
 
-    fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
+    fn start_write(&self, offset: u64, data: &[u8]) -> Result<Option<StartedWrite<'_>>> {
+        let len = data.len();
         self.writable("write")?;
         check_range(self.size(), offset, len as u64)?;
         Ok(Some(StartedWrite {
@@ -178,6 +179,7 @@ impl BlockDev for Raw {
                 bytes: 0..len,
             }],
             pending: Vec::new(),
+            token: 0,
             _pass: None,
         }))
     }

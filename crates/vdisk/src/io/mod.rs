@@ -182,7 +182,7 @@ impl<'d, B: IoBuf, T: Send> IoQueue<'d, B, T> {
                 .start_read(offset, buf.bytes_mut())
                 .map(|r| r.map(Started::Read)),
             Dir::Write => disk
-                .start_write(offset, buf.bytes().len())
+                .start_write(offset, buf.bytes())
                 .map(|w| w.map(Started::Write)),
         };
         let mut req = Request {

@@ -129,7 +129,7 @@ pub fn close_and_reopen_keep_everything(subject: &Subject) {
     for (name, r) in refused {
         assert!(r.is_err(), "{what}: {name} succeeded");
     }
-    if let Ok(Some(_)) = disk.start_write(c, 512) {
+    if let Ok(Some(_)) = disk.start_write(c, &[1; 512]) {
         panic!("{what}: start_write placed a write");
     }
     model.verify(disk.as_dev(), &format!("{what}, after refused changes"));

@@ -41,7 +41,7 @@ fn check_transfers(transfers: &[Transfer], len: usize, what: &str) {
 /// when the disk hands none out. Returns whether the disk handed them out.
 fn write_started(dev: &dyn BlockDev, offset: u64, buf: &[u8], what: &str) -> bool {
     let started = dev
-        .start_write(offset, buf.len())
+        .start_write(offset, buf)
         .unwrap_or_else(|e| panic!("{what}: start_write: {e}"));
     let Some(started) = started else {
         dev.write(offset, buf)
@@ -127,8 +127,8 @@ pub fn started_writes_and_reads_transfer_the_data(subject: &Subject) {
     let c = setup.cluster;
     let (a, b) = (3 * c + 512, 3 * c + c / 2);
     let (da, db) = (data(801, a, 1024), data(802, b, 1536));
-    let first = dev.start_write(a, da.len()).unwrap();
-    let second = dev.start_write(b, db.len()).unwrap();
+    let first = dev.start_write(a, &da).unwrap();
+    let second = dev.start_write(b, &db).unwrap();
     let mut blocking = Vec::new();
     for (started, offset, buf) in [(second, b, &db), (first, a, &da)] {
         match started {
@@ -140,14 +140,15 @@ pub fn started_writes_and_reads_transfer_the_data(subject: &Subject) {
                         .unwrap();
                 }
                 dev.finish_write(started, Ok(())).unwrap();
+                model.write(offset, buf);
             }
             // Written once no started write is held any more.
             None => blocking.push((offset, buf)),
         }
-        model.write(offset, buf);
     }
     for (offset, buf) in blocking {
         dev.write(offset, buf).unwrap();
+        model.write(offset, buf);
     }
     dev.flush().unwrap();
     model.verify(dev, &format!("{}: after started writes", setup.name));
@@ -203,7 +204,7 @@ pub fn failed_started_writes_leave_old_or_new_data(subject: &Subject) {
                 setup.name
             );
             let new = data(910 + k as u64 * 2 + done, offset, len);
-            let Some(started) = dev.start_write(offset, len as usize).unwrap() else {
+            let Some(started) = dev.start_write(offset, &new).unwrap() else {
                 continue;
             };
             let transfers = started.transfers.clone();
@@ -265,7 +266,7 @@ pub fn failed_write_keeps_earlier_unflushed_writes(subject: &Subject) {
     dev.write(2 * c + 512, &early).unwrap();
     model.write(2 * c + 512, &early);
     let new = data(1201, 2 * c, c);
-    if let Some(started) = dev.start_write(2 * c, c as usize).unwrap() {
+    if let Some(started) = dev.start_write(2 * c, &new).unwrap() {
         let e = started.transfers[0].error(io::Error::from_raw_os_error(libc::EIO));
         let r = dev.finish_write(started, Err(e));
         assert!(r.is_err(), "{what}: finish_write hid the failure");

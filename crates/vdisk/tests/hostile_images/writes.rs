@@ -263,7 +263,7 @@ impl WriteOp {
                 match via {
                     Via::Plain => dev.write(at, &data),
                     Via::Fua => dev.write_fua(at, &data),
-                    Via::Started => match dev.start_write(at, data.len())? {
+                    Via::Started => match dev.start_write(at, &data)? {
                         Some(started) => {
                             let outcome = started.transfers.iter().try_for_each(|t| {
                                 started

@@ -21,7 +21,7 @@ fn a_flush_waits_for_started_writes_and_turns_new_ones_away() {
     let (storage, image) = overlay(&backing);
     let data = vec![5u8; 3 * CLUSTER as usize];
     let first = image
-        .start_write(CLUSTER / 2, data.len())
+        .start_write(CLUSTER / 2, &data)
         .unwrap()
         .expect("qcow2 hands out its transfers");
     let flushed = std::sync::atomic::AtomicBool::new(false);
@@ -32,7 +32,7 @@ fn a_flush_waits_for_started_writes_and_turns_new_ones_away() {
         });
         // Once the flush waits, no write starts past it.
         let mut at = 8 * CLUSTER;
-        while let Some(next) = image.start_write(at, 4096).unwrap() {
+        while let Some(next) = image.start_write(at, &data[..4096]).unwrap() {
             transfer(&next, &data[..4096]);
             image.finish_write(next, Ok(())).unwrap();
             // Round and round past the first write until the flush thread gets going.
@@ -58,7 +58,10 @@ fn a_failed_started_write_leaves_the_old_content() {
     let backing = base();
     let (storage, image) = overlay(&backing);
     let len = 2 * CLUSTER as usize;
-    let started = image.start_write(CLUSTER, len).unwrap().unwrap();
+    let started = image
+        .start_write(CLUSTER, &vec![0u8; len])
+        .unwrap()
+        .unwrap();
     // The transfer "fails" after writing part of the data.
     let junk = vec![0xeeu8; len];
     let t = &started.transfers[0];

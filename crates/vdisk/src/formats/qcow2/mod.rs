@@ -432,7 +432,8 @@ impl BlockDev for Qcow2 {
         }))
     }
 
-    fn start_write(&self, offset: u64, len: usize) -> Result<Option<StartedWrite<'_>>> {
+    fn start_write(&self, offset: u64, data: &[u8]) -> Result<Option<StartedWrite<'_>>> {
+        let len = data.len();
         check_range(self.size, offset, len as u64)?;
         self.mark_dirty(offset, len as u64);
         match self.gate.try_enter() {

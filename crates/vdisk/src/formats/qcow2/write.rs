@@ -118,6 +118,7 @@ impl Qcow2 {
             transfers,
             pending,
             _pass: Some(pass),
+            token: 0,
         })
     }
 

@@ -176,7 +176,7 @@ impl Log {
         self.sb.checkpoints && t.opened_since >= interval(&self.sb)
     }
 
-    /// Writes a checkpoint of `map`, for the leader (no batch is placed meanwhile): the map as
+    /// Writes a checkpoint of `map` while writers wait and no batch is forming: the map as
     /// every batch so far left it, once those batches are durable. The lock is released for
     /// the I/O and taken again.
     pub(super) fn write_checkpoint<'a>(
@@ -220,29 +220,36 @@ impl Log {
         (t, written)
     }
 
-    /// Writes a checkpoint now (at close, so that the next open reads only it), taking the
-    /// lead from any writer first.
-    pub fn checkpoint(&self, map: &Map) -> Result<()> {
+    /// Writes a checkpoint now, when the log grew since the last one: writers wait (the
+    /// I/O queue's are declined) until it is written, and the batches formed before it get
+    /// their headers first, so that the map it saves is that of whole batches. A failed sync
+    /// also fails the next flush.
+    pub(super) fn checkpoint_now(&self, map: &Map) -> Result<()> {
         if !self.sb.checkpoints {
             return Ok(());
         }
+        self.settle(map)?;
         let mut t = super::log::lock(&self.state);
-        while t.leading {
-            t = self.finished.wait(t).unwrap_or_else(|e| e.into_inner());
+        while t.checkpointing {
+            t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
         }
-        if t.checkpoint_seq == t.head.next_seq - 1 {
-            return Ok(());
+        t.checkpointing = true;
+        self.seal(&mut t);
+        while !t.forming.is_empty() {
+            t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
         }
-        t.leading = true;
-        let (t, written) = self.write_checkpoint(t, map);
-        if written.is_err() {
-            // The caller hears of a failed sync here.
-            self.sync_failed.store(false, Relaxed);
-        }
-        // Writers that queued meanwhile are this leader's to serve.
-        let mut t = self.lead(t, map);
-        t.leading = false;
-        self.finished.notify_all();
+        let due = t.checkpoint_seq != t.head.next_seq - 1;
+        // A write that failed meanwhile leaves blocks to append again first: later.
+        let (mut t, written) = if due && t.rescue.is_empty() {
+            self.write_checkpoint(t, map)
+        } else {
+            if !due {
+                t.opened_since = 0;
+            }
+            (t, Ok(()))
+        };
+        t.checkpointing = false;
+        self.changed.notify_all();
         written
     }
 }

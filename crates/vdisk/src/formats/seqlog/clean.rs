@@ -1,6 +1,6 @@
 //! The cleaner: when the guest's writes would leave fewer free segments than the reserve, the
-//! leader of the appender cleans a victim segment before it goes on (the writers queued
-//! behind it wait: that is the back-pressure).
+//! writer that needs a segment cleans a victim first (others wait for the lock, and the I/O
+//! queue's writes are declined to the blocking path: that is the back-pressure).
 //!
 //! Cleaning a victim reads its chain of batches and appends, on the cleaner's own stream:
 //! the blocks still live there (the map still points at them), and trims for the trimmed
@@ -10,8 +10,10 @@
 //! that looked it up before the moves have finished (`Log::reuse`); its first block is
 //! zeroed, so that the next open finds it free too.
 //!
-//! All of it runs under the appender's lock: no other batch is placed meanwhile, so the map
-//! the cleaner reads is the one its batches will be applied to.
+//! All of it runs under the log's lock: no other write is placed or finished meanwhile, so the
+//! map the cleaner reads is the one its batches will be applied to. A write still in flight
+//! may replace a block it moves: that write's batch gets its sequence number when its header
+//! is written, after the cleaner's batch, and so replays after it (append.rs).
 
 use std::ops::Range;
 use std::sync::atomic::Ordering::Relaxed;
@@ -116,7 +118,9 @@ impl Log {
         let sb = self.sb;
         let capacity = f64::from(sb.segment_blocks - 1);
         let max_records = sb.max_records() as u32;
-        let open: Vec<u32> = t.open.iter().flatten().map(|o| o.segment).collect();
+        // Open segments, and those holding batches whose headers are not written yet.
+        let mut open: Vec<u32> = t.open.iter().flatten().map(|o| o.segment).collect();
+        open.extend(t.forming.iter().map(|b| b.segment));
         let mut best: Option<(f64, u32)> = None;
         for (s, &seq) in t.head.seg_seq.iter().enumerate() {
             let s = s as u32;

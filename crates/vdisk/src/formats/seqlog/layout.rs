@@ -299,6 +299,12 @@ impl BatchHeader {
     /// Writes the header into `block` (one block, zeroed beyond the records) with the
     /// checksum of the header and `data`, the batch's data blocks.
     pub fn encode(&self, block: &mut [u8], data: &[u8]) {
+        self.encode_with(block, |crc| crc32c(crc, data));
+    }
+
+    /// Writes the header with the checksum `data_crc` continues from the header's (for data
+    /// written in parts, whose checksums are combined).
+    pub fn encode_with(&self, block: &mut [u8], data_crc: impl FnOnce(u32) -> u32) {
         block.fill(0);
         block[0..4].copy_from_slice(&BATCH_MAGIC);
         block[4..6].copy_from_slice(&(self.records.len() as u16).to_le_bytes());
@@ -313,7 +319,7 @@ impl BatchHeader {
             block[at + 8..at + 12].copy_from_slice(&r.count.to_le_bytes());
             block[at + 12] = r.kind as u8;
         }
-        let crc = crc32c(crc32c(0, block), data);
+        let crc = data_crc(crc32c(0, block));
         block[BATCH_CRC_AT..BATCH_CRC_AT + 4].copy_from_slice(&crc.to_le_bytes());
     }
 

@@ -1,19 +1,8 @@
-//! The appender: requests become batches at the head of the open segment, and concurrent
-//! requests share a batch, so many small random writes in flight become one sequential write.
-//!
-//! ```text
-//!   write / trim ─► queue (records + data) ─► leader: header + data, one write ─► map
-//!        ▲ waits for its ticket                    (the next batch gathers meanwhile)
-//! ```
-//!
-//! The first request to find no leader becomes it: it takes what is queued (as much as fits
-//! the segment and one header), writes the batch with the lock released, points the map at
-//! it, and goes on while requests wait. Every batch carries its records and a checksum of
-//! itself, so a batch is whole or ignored after a crash, and a flush is one sync of what was
-//! written (concurrent flushes share it): no separate commit record, no ordering between
-//! writes.
+//! The log's shared state: the streams' open segments, the free segments, syncing, and the
+//! batches the cleaner writes whole (header and data in one write). The guest's appends,
+//! whose data the caller moves, are in append.rs.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
@@ -21,6 +10,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use super::layout::{BatchHeader, Kind, Record, Superblock};
 use super::map::Map;
 use crate::bytes::AlignedBuf;
+use crate::checksum::CrcShift;
 use crate::error::{Error, Result};
 use crate::storage::Storage;
 
@@ -67,9 +57,11 @@ pub(super) struct Log {
     /// Held shared by reads from the time they look up the map until their data is read,
     /// and taken exclusively before a cleaned segment is reused.
     pub(super) reuse: RwLock<()>,
-    pub(super) finished: Condvar,
-    /// Batches written; a flush syncs what was written before it.
-    written: AtomicU64,
+    /// Signalled when a batch's header is written (or the batch given up) and when a
+    /// checkpoint ends.
+    pub(super) changed: Condvar,
+    /// Writes done (data and headers); a flush syncs what was written before it.
+    pub(super) written: AtomicU64,
     /// Batches known durable; held across a sync, so concurrent flushes share one.
     synced: Mutex<u64>,
     /// A sync no caller heard of failed (a checkpoint's): the next flush fails, because what
@@ -77,6 +69,8 @@ pub(super) struct Log {
     pub(super) sync_failed: std::sync::atomic::AtomicBool,
     /// Log counters.
     pub stats: LogStats,
+    /// Advances a checksum over one block: headers combine their data's checksums with it.
+    pub(super) shift_block: CrcShift,
 }
 
 #[derive(Default)]
@@ -94,9 +88,40 @@ pub(super) struct LogStats {
     pub checkpoints: AtomicU64,
 }
 
-struct Request {
-    record: Record,
-    data_len: usize,
+/// A batch of the guest stream whose header is not written yet.
+pub(super) struct Forming {
+    pub id: u64,
+    pub segment: u32,
+    pub nonce: u64,
+    /// The log block of its header; its records' data follow it in record order.
+    pub at: u32,
+    pub records: Vec<Record>,
+    /// Per record, the CRC-32C of its data (0 for a trim) and whether its write landed.
+    pub parts: Vec<(u32, Part)>,
+    pub in_flight: usize,
+    /// No more writes join it.
+    pub sealed: bool,
+    /// A write in it (or its header) failed, or one in a batch before it in its segment: no
+    /// header is written, and the writes that landed are appended again.
+    pub dead: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Part {
+    InFlight,
+    Landed,
+    Failed,
+}
+
+/// A placed write, until no write placed before it is still in flight.
+pub(super) struct Member {
+    pub batch: u64,
+    pub index: usize,
+    pub block: u64,
+    pub count: u32,
+    /// The log block of its data.
+    pub pos: u32,
+    pub done: bool,
 }
 
 pub(super) struct Tail {
@@ -104,32 +129,27 @@ pub(super) struct Tail {
     /// Per stream, the segment appended to.
     pub open: [Option<Open>; 2],
     /// Per stream, where its last batch ended, as a file offset.
-    last_end: [u64; 2],
-    queue: VecDeque<Request>,
-    data: Vec<u8>,
-    /// Tickets handed out, and finished (written or failed); ticket `t` is finished when
-    /// `finished > t`.
-    queued: u64,
-    finished: u64,
-    failed: HashMap<u64, Error>,
-    pub leading: bool,
+    pub last_end: [u64; 2],
+    /// The guest stream's batches whose headers are not written yet, oldest first; the last
+    /// one takes new writes unless it is sealed.
+    pub forming: VecDeque<Forming>,
+    /// Writes placed and not yet known to be older than every write in flight, by their
+    /// number (`sn`), oldest first.
+    pub members: VecDeque<Member>,
+    pub next_sn: u64,
+    pub next_batch: u64,
+    /// Runs `(guest block, count, log block)` that landed in batches given up (a write in
+    /// them failed): appended again before the next flush counts.
+    pub rescue: Vec<(u64, u32, u32)>,
+    /// A batch header that failed to land since the last flush, which then fails.
+    pub header_failed: Option<Error>,
+    /// A checkpoint is being taken: writes wait (or are declined) until it ends.
+    pub checkpointing: bool,
     /// Segments opened since the last checkpoint.
     pub opened_since: u32,
     /// The slot the next checkpoint goes to, and the newest checkpoint's sequence number.
     pub checkpoint_slot: u64,
     pub checkpoint_seq: u64,
-}
-
-/// A batch taken from the queue, to be written.
-struct Batch {
-    header: BatchHeader,
-    /// Requests the batch ends (the first ones queued).
-    whole: u64,
-    /// Whether it also holds the first part of the next request.
-    cut: bool,
-    data: Vec<u8>,
-    /// The log block of its header.
-    at: u32,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -162,165 +182,24 @@ impl Log {
                 head,
                 open: [None; 2],
                 last_end: [0; 2],
-                queue: VecDeque::new(),
-                data: Vec::new(),
-                queued: 0,
-                finished: 0,
-                failed: HashMap::new(),
-                leading: false,
+                forming: VecDeque::new(),
+                members: VecDeque::new(),
+                next_sn: 0,
+                next_batch: 0,
+                rescue: Vec::new(),
+                header_failed: None,
+                checkpointing: false,
                 opened_since: 0,
                 checkpoint_slot,
                 checkpoint_seq,
             }),
-            finished: Condvar::new(),
+            changed: Condvar::new(),
             written: AtomicU64::new(0),
             synced: Mutex::new(0),
             sync_failed: Default::default(),
             stats: LogStats::default(),
+            shift_block: CrcShift::new(u64::from(sb.block_size)),
         }
-    }
-
-    /// The most data blocks one request may carry: a segment less its header.
-    pub fn max_request_blocks(&self) -> u32 {
-        self.sb.segment_blocks - 1
-    }
-
-    /// Appends one record (with `data`, its blocks, for a data record) and returns once it
-    /// is written and mapped.
-    pub fn append(&self, map: &Map, record: Record, data: &[u8]) -> Result<()> {
-        debug_assert!(record.data_blocks() <= self.max_request_blocks());
-        debug_assert_eq!(
-            data.len() as u64,
-            u64::from(record.data_blocks()) * u64::from(self.sb.block_size)
-        );
-        let mut t = lock(&self.state);
-        let ticket = t.queued;
-        t.queued += 1;
-        t.queue.push_back(Request {
-            record,
-            data_len: data.len(),
-        });
-        t.data.extend_from_slice(data);
-        if t.leading {
-            while t.finished <= ticket {
-                t = self.finished.wait(t).unwrap_or_else(|e| e.into_inner());
-            }
-        } else {
-            t.leading = true;
-            t = self.lead(t, map);
-            t.leading = false;
-            // A checkpoint at close may wait for the lead.
-            self.finished.notify_all();
-        }
-        match t.failed.remove(&ticket) {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
-    }
-
-    /// Writes batches until the queue is empty, and a checkpoint when one is due.
-    pub(super) fn lead<'a>(
-        &'a self,
-        mut t: MutexGuard<'a, Tail>,
-        map: &Map,
-    ) -> MutexGuard<'a, Tail> {
-        while !t.queue.is_empty() {
-            let batch = match self.take_batch(&mut t, map) {
-                Ok(b) => b,
-                Err(e) => {
-                    // Nothing more fits the log (or cleaning failed): every queued request
-                    // fails.
-                    let first = t.finished;
-                    t.finished += t.queue.len() as u64;
-                    for ticket in first..t.finished {
-                        t.failed.insert(ticket, clone_error(&e));
-                    }
-                    t.queue.clear();
-                    t.data.clear();
-                    self.finished.notify_all();
-                    break;
-                }
-            };
-            drop(t);
-            let result = self.write_at(&batch.header, &batch.data, batch.at);
-            t = lock(&self.state);
-            let first = t.finished;
-            t.finished += batch.whole;
-            match result {
-                Ok(()) => apply_batch(map, batch.at, &batch.header.records),
-                Err(e) => {
-                    // The chain of batches in this segment ends at the failed one: what
-                    // follows goes to the next segment, or recovery would never reach it.
-                    t.open[DATA] = None;
-                    // A request cut by the batch fails too, whatever its rest does.
-                    for ticket in first..t.finished + u64::from(batch.cut) {
-                        t.failed.insert(ticket, clone_error(&e));
-                    }
-                }
-            }
-            self.finished.notify_all();
-            if self.checkpoint_due(&t) {
-                // One that fails leaves the log to recover from; the next is tried later.
-                t = self.write_checkpoint(t, map).0;
-            }
-        }
-        t
-    }
-
-    /// Takes from the queue the requests that fit one batch in the open segment, the last
-    /// one cut where the segment ends (its rest stays first in the queue); a new segment is
-    /// opened (cleaning first where too few are left) when not even a header and a block fit.
-    fn take_batch(&self, t: &mut Tail, map: &Map) -> Result<Batch> {
-        let first = t.queue[0].record.data_blocks();
-        if !self.fits(t, DATA, first.min(1)) {
-            let segment = self.data_segment(t, map)?;
-            self.open_segment(t, DATA, segment);
-        }
-        let open = t.open[DATA].expect("a segment is open");
-        let room = self.sb.segment_blocks - open.pos - 1;
-        let bs = self.sb.block_size as usize;
-        let (mut blocks, mut bytes) = (0, 0);
-        let mut records = Vec::new();
-        let mut cut = false;
-        for r in t.queue.iter_mut() {
-            let b = r.record.data_blocks();
-            if records.len() == self.sb.max_records() {
-                break;
-            }
-            if blocks + b > room {
-                let n = room - blocks;
-                if n > 0 {
-                    records.push(Record {
-                        count: n,
-                        ..r.record
-                    });
-                    r.record.block += u64::from(n);
-                    r.record.count -= n;
-                    r.data_len -= n as usize * bs;
-                    (blocks, bytes) = (room, bytes + n as usize * bs);
-                    cut = true;
-                }
-                break;
-            }
-            records.push(r.record);
-            blocks += b;
-            bytes += r.data_len;
-        }
-        let whole = records.len() - usize::from(cut);
-        t.queue.drain(..whole);
-        let rest = t.data.split_off(bytes);
-        let data = std::mem::replace(&mut t.data, rest);
-        self.stats
-            .guest_bytes
-            .fetch_add(data.len() as u64, Ordering::Relaxed);
-        let (header, at) = self.place(t, DATA, records, blocks);
-        Ok(Batch {
-            header,
-            whole: whole as u64,
-            cut,
-            data,
-            at,
-        })
     }
 
     /// Whether a batch of `blocks` data blocks fits in what is left of `stream`'s segment.
@@ -372,7 +251,7 @@ impl Log {
     /// A free segment for guest writes: the cleaner runs while no more than the reserve is
     /// left (writers wait meanwhile: the back-pressure), and without anything to clean the
     /// log is full.
-    fn data_segment(&self, t: &mut Tail, map: &Map) -> Result<u32> {
+    pub(super) fn data_segment(&self, t: &mut Tail, map: &Map) -> Result<u32> {
         // Each cleaning gains space, however little; the bound only guards against a
         // cleaner that would not.
         let mut rounds = 0;
@@ -468,19 +347,5 @@ pub(super) fn apply_batch(map: &Map, at: u32, records: &[Record]) {
             map.set(r.block + u64::from(i), to);
         }
         data_at += r.data_blocks();
-    }
-}
-
-/// The same error again, for every request of a failed batch.
-fn clone_error(e: &Error) -> Error {
-    match e {
-        Error::Io { context, source } => Error::Io {
-            context: context.clone(),
-            source: match source.raw_os_error() {
-                Some(n) => io::Error::from_raw_os_error(n),
-                None => io::Error::new(source.kind(), source.to_string()),
-            },
-        },
-        other => Error::corrupt(other.to_string()),
     }
 }

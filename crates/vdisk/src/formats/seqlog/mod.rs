@@ -3,15 +3,18 @@
 //! blocks sends reads to the newest copy. The on-disk format is `docs/seqlog-format.md`.
 //!
 //! ```text
-//!   write ─► log.rs: queue ─► batch (header: records + checksum, data) ─► segment head
+//!   write ─► append.rs: placed in the forming batch ─► data at the segment head (caller)
+//!            └─ every write of a batch finished ─► its header (records + checksum)
 //!   read  ─► map.rs: guest block → log block (4 B each) ─► storage
 //!   open  ─► recover.rs: the newest checkpoint, then newer batches in sequence order
 //!   full  ─► clean.rs: a victim's live blocks appended again, the victim reused
 //! ```
 //!
-//! Writes of part of a block read the rest first (serialized among themselves, so that two
-//! such writes to one block do not undo each other). A write is acknowledged once its batch is
-//! written and mapped; a flush is one sync.
+//! Whole-block writes are handed to the I/O queue (`start_write`), which joins the ones that
+//! land side by side. Writes of part of a block read the rest first (serialized among
+//! themselves, so that two such writes to one block do not undo each other). A write is
+//! acknowledged once its data is written and mapped; a flush waits for the headers of the
+//! batches before it and is one sync.
 //!
 //! When free segments run low, the appender cleans (clean.rs): live blocks of a victim move to
 //! the cleaner's stream and the victim is reused. Reads hold `Log::reuse` from the map
@@ -23,6 +26,7 @@
 //!
 //! Not yet here (issue 24): a metadata stream, a map with a resident cap.
 
+mod append;
 mod checkpoint;
 mod clean;
 mod create;
@@ -37,7 +41,7 @@ use super::driver::Driver;
 use super::entry::FormatEntry;
 use super::info::{FormatInfo, InfoValue};
 use super::{read_mapped, status_mapped, Holes, Layer, Mapping};
-use crate::blockdev::{check_range, BlockDev, BlockStatus};
+use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{LockRole, Storage};
 use layout::{Kind, Record, Superblock, MAGIC};
@@ -102,15 +106,15 @@ impl Seqlog {
     /// Appends whole blocks: `data` (a multiple of the block size) at guest block `block`.
     fn append_blocks(&self, mut block: u64, data: &[u8]) -> Result<()> {
         let bs = self.bs() as usize;
-        let per = self.log.max_request_blocks() as usize * bs;
-        for chunk in data.chunks(per) {
+        // Records count blocks in 32 bits.
+        for chunk in data.chunks(u32::MAX as usize / bs * bs) {
             let count = (chunk.len() / bs) as u32;
             let record = Record {
                 block,
                 count,
                 kind: Kind::Data,
             };
-            self.log.append(&self.map, record, chunk)?;
+            self.log.write_blocks(&self.map, record, chunk)?;
             block += u64::from(count);
         }
         Ok(())
@@ -126,7 +130,7 @@ impl Seqlog {
                 count,
                 kind: Kind::Trim,
             };
-            self.log.append(&self.map, record, &[])?;
+            self.log.write_blocks(&self.map, record, &[])?;
             block += u64::from(count);
         }
         Ok(())
@@ -213,7 +217,49 @@ impl BlockDev for Seqlog {
         if self.read_only {
             return Ok(());
         }
+        self.log.settle(&self.map)?;
         self.log.sync()
+    }
+
+    /// Places a write of whole blocks in the forming batch; its data goes to the head of
+    /// the segment, side by side with the writes placed before it.
+    fn start_write(&self, offset: u64, data: &[u8]) -> Result<Option<StartedWrite<'_>>> {
+        self.writable("write")?;
+        check_range(self.size(), offset, data.len() as u64)?;
+        let bs = self.bs();
+        let blocks = data.len() as u64 / bs;
+        if data.is_empty() || offset % bs != 0 || data.len() as u64 % bs != 0 {
+            return Ok(None);
+        }
+        let Ok(count) = u32::try_from(blocks) else {
+            return Ok(None);
+        };
+        let record = Record {
+            block: offset / bs,
+            count,
+            kind: Kind::Data,
+        };
+        let mut t = log::lock(&self.log.state);
+        let Some(placed) = self.log.reserve(&mut t, &self.map, record, data, false)? else {
+            return Ok(None);
+        };
+        let transfers = placed.transfers.into_iter();
+        Ok(Some(StartedWrite {
+            storage: &*self.log.storage,
+            transfers: transfers
+                .map(|(host, bytes)| Transfer { host, bytes })
+                .collect(),
+            pending: Vec::new(),
+            _pass: None,
+            token: placed.sns.start,
+        }))
+    }
+
+    fn finish_write(&self, started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {
+        let sns = started.token..started.token + started.transfers.len() as u64;
+        let mut t = log::lock(&self.log.state);
+        self.log.finish(&mut t, &self.map, sns, outcome.is_ok());
+        outcome
     }
 
     /// Whole blocks in the range are trimmed; parts of blocks keep their data (a discard is a
@@ -281,8 +327,15 @@ impl Driver for Seqlog {
         if self.read_only {
             return Ok(());
         }
-        self.log.sync()?;
-        self.log.checkpoint(&self.map)
+        self.flush()?;
+        let written = self.log.checkpoint_now(&self.map);
+        if written.is_err() {
+            // The caller hears of a failed sync here.
+            self.log
+                .sync_failed
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+        written
     }
 
     fn info(&self) -> FormatInfo {
@@ -319,6 +372,16 @@ impl Driver for Seqlog {
                 ("log-bytes", n(get(&stats.bytes))),
             ]),
             ..FormatInfo::default()
+        }
+    }
+}
+
+/// Dropped without a close: the batches formed so far get their headers, so that what was
+/// written is in the log (not made durable: that is what a flush is for).
+impl Drop for Seqlog {
+    fn drop(&mut self) {
+        if !self.read_only {
+            let _ = self.log.settle(&self.map);
         }
     }
 }

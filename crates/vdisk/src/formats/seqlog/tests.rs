@@ -38,10 +38,17 @@ fn random_writes_become_sequential_and_survive_reopen() {
             m => panic!("block {b}: {m:?}"),
         })
         .collect();
-    // Each batch is a header and one block: appended back to back.
+    // One batch took them all: its header, then the blocks back to back.
     for w in at.windows(2) {
-        assert_eq!(w[1], w[0] + 8192);
+        assert_eq!(w[1], w[0] + 4096);
     }
+    assert_eq!(
+        disk.log
+            .stats
+            .batches
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
     drop(disk);
     let disk = Seqlog::open(storage, true).unwrap();
     for (i, &b) in order.iter().enumerate() {
@@ -269,4 +276,68 @@ fn checkpoints_bound_what_an_open_reads() {
         .write_at(sb.checkpoint_offset(1 - newest) + 4096, &[0xa5; 512])
         .unwrap();
     expect("both torn", None);
+}
+
+/// Two writes of one block in flight that finish newest first: the map keeps the newer, as
+/// the log replays them after a reopen; their data went to the log side by side, one batch.
+#[test]
+fn writes_in_flight_finish_in_any_order_and_the_newest_stays() {
+    let storage = new_image(small());
+    let disk = Seqlog::open(storage.clone(), false).unwrap();
+    let (old, new) = (vec![1u8; 4096], vec![2u8; 4096]);
+    let first = disk.start_write(8192, &old).unwrap().expect("placed");
+    let second = disk.start_write(8192, &new).unwrap().expect("placed");
+    assert_eq!(second.transfers[0].host, first.transfers[0].host + 4096);
+    for (started, data) in [(second, &new), (first, &old)] {
+        for t in &started.transfers {
+            started
+                .storage
+                .write_at(t.host, &data[t.bytes.clone()])
+                .unwrap();
+        }
+        disk.finish_write(started, Ok(())).unwrap();
+    }
+    let mut back = vec![0u8; 4096];
+    disk.read(8192, &mut back).unwrap();
+    assert_eq!(back, new);
+    disk.flush().unwrap();
+    drop(disk);
+    let disk = Seqlog::open(storage, true).unwrap();
+    disk.read(8192, &mut back).unwrap();
+    assert_eq!(back, new, "after a reopen");
+}
+
+/// A write whose transfer failed leaves the old data, and the writes that landed in its
+/// batch are appended again by the next flush: after a reopen they are all there.
+#[test]
+fn a_failed_write_gives_up_its_batch_and_keeps_the_others() {
+    let storage = new_image(small());
+    let disk = Seqlog::open(storage.clone(), false).unwrap();
+    disk.write(0, &[7u8; 4096]).unwrap();
+    disk.flush().unwrap();
+    let (a, b) = (vec![3u8; 4096], vec![4u8; 4096]);
+    let landed = disk.start_write(4096, &a).unwrap().expect("placed");
+    let failed = disk.start_write(0, &b).unwrap().expect("placed");
+    for t in &landed.transfers {
+        landed
+            .storage
+            .write_at(t.host, &a[t.bytes.clone()])
+            .unwrap();
+    }
+    disk.finish_write(landed, Ok(())).unwrap();
+    let e = Error::Io {
+        context: "test".into(),
+        source: std::io::Error::from_raw_os_error(libc::EIO),
+    };
+    assert!(disk.finish_write(failed, Err(e)).is_err());
+    disk.flush().unwrap();
+    drop(disk);
+    let disk = Seqlog::open(storage, true).unwrap();
+    let mut back = vec![0u8; 8192];
+    disk.read(0, &mut back).unwrap();
+    assert!(back[..4096].iter().all(|&x| x == 7), "the old data stays");
+    assert!(
+        back[4096..].iter().all(|&x| x == 3),
+        "the landed write was kept"
+    );
 }

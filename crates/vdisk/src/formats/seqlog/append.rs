@@ -1,0 +1,437 @@
+//! The guest's appends (stream 0). A write is placed at the head of the open segment, in the
+//! batch being formed there, and its data is moved by the caller: on the I/O queue
+//! (`start_write`), so that writes in flight side by side land side by side and the queue
+//! joins them into one request, or with a blocking write. The batch's header (its records
+//! and one checksum of the header and all its data) is written once every write in it has
+//! finished; a flush seals the batch being formed, waits for the headers of the batches
+//! before it and syncs once.
+//!
+//! ```text
+//!   start ─► reserve: a record in the forming batch, its blocks at the segment's head
+//!   (the caller moves the data)
+//!   finish ─► the map points at the blocks ─► last write of a sealed batch: its header
+//!   flush ─► seal, wait for the headers, sync
+//! ```
+//!
+//! Writes finish in any order, the log replays them in the order they were placed: a write
+//! that finishes after a newer one over the same blocks does not point the map at itself
+//! there (`Member`). A header is written only after the writes it describes, and holds a
+//! checksum of their data, so after a crash a batch whose data did not all land is not whole,
+//! and its chain ends there, as a torn batch did before. Sequence numbers are given as headers
+//! are written, oldest batch first, so that a batch the cleaner writes meanwhile (which may
+//! move an older copy of a block a write in flight replaces) is older than that write.
+
+use std::ops::Range;
+use std::sync::atomic::Ordering::{Relaxed, Release};
+
+use super::layout::{BatchHeader, Kind, Record};
+use super::log::{lock, Forming, Log, Member, Open, Part, Tail, DATA, RESERVE};
+use super::map::Map;
+use crate::bytes::AlignedBuf;
+use crate::checksum::crc32c;
+use crate::error::{Error, Result};
+
+/// Where a placed write goes: its members' numbers, and per member the file offset and the
+/// bytes of the write's data that go there.
+pub(super) struct Placed {
+    pub sns: Range<u64>,
+    pub transfers: Vec<(u64, Range<usize>)>,
+}
+
+impl Log {
+    /// Places `record` (a trim, or data: `data`, its blocks) at the head of the guest stream,
+    /// cut where segments end. `blocking` callers may wait for the cleaner; others get `None`
+    /// where a segment would have to be cleaned first, or a checkpoint is due.
+    pub(super) fn reserve(
+        &self,
+        t: &mut Tail,
+        map: &Map,
+        mut record: Record,
+        data: &[u8],
+        blocking: bool,
+    ) -> Result<Option<Placed>> {
+        if !blocking && (t.checkpointing || self.checkpoint_due(t) || !self.room_for(t, record)) {
+            return Ok(None);
+        }
+        let bs = self.sb.block_size as usize;
+        let first = t.next_sn;
+        let mut transfers = Vec::new();
+        let mut off = 0;
+        while record.count > 0 {
+            if let Err(e) = self.batch_for(t, map, record.kind, blocking) {
+                // The pieces placed already end as failed writes.
+                self.finish(t, map, first..t.next_sn, false);
+                return Err(e);
+            }
+            let open = t.open[DATA].as_mut().expect("a segment is open");
+            let count = match record.kind {
+                Kind::Data => record.count.min(self.sb.segment_blocks - open.pos),
+                Kind::Trim => record.count,
+            };
+            let piece = Record { count, ..record };
+            // Log blocks count from segment 0's first.
+            let pos = open.segment * self.sb.segment_blocks + open.pos;
+            open.pos += piece.data_blocks();
+            let bytes = off..off + piece.data_blocks() as usize * bs;
+            let end = self.sb.log_offset(pos + piece.data_blocks());
+            let b = t.forming.back_mut().expect("a batch is forming");
+            let (crc, part) = match piece.kind {
+                Kind::Data => {
+                    b.in_flight += 1;
+                    transfers.push((self.sb.log_offset(pos), bytes.clone()));
+                    (crc32c(0, &data[bytes.clone()]), Part::InFlight)
+                }
+                Kind::Trim => (0, Part::Landed),
+            };
+            b.records.push(piece);
+            b.parts.push((crc, part));
+            let member = Member {
+                batch: b.id,
+                index: b.records.len() - 1,
+                block: piece.block,
+                count,
+                pos,
+                done: piece.kind == Kind::Trim,
+            };
+            t.last_end[DATA] = end;
+            if piece.kind == Kind::Trim {
+                // The newest write of these blocks from here on: no later one is placed yet.
+                for i in 0..u64::from(count) {
+                    map.set(piece.block + i, None);
+                }
+            }
+            t.members.push_back(member);
+            t.next_sn += 1;
+            off = bytes.end;
+            record.block += u64::from(count);
+            record.count -= count;
+        }
+        self.stats.guest_bytes.fetch_add(data.len() as u64, Relaxed);
+        prune(t);
+        Ok(Some(Placed {
+            sns: first..t.next_sn,
+            transfers,
+        }))
+    }
+
+    /// Whether `record` fits without cleaning: in the open segment, or in segments free
+    /// beyond the reserve.
+    fn room_for(&self, t: &Tail, record: Record) -> bool {
+        let room = t.open[DATA].map_or(0, |o| self.sb.segment_blocks - o.pos);
+        let blocks = record.data_blocks() + 1;
+        let per = self.sb.segment_blocks - 1;
+        blocks <= room || t.head.free.len() > RESERVE + blocks.div_ceil(per) as usize
+    }
+
+    /// Makes the last forming batch one that takes a record of `kind`: with room for its
+    /// header entry and (data) a block in the open segment. Seals it and starts another, in
+    /// a new segment where needed.
+    fn batch_for(&self, t: &mut Tail, map: &Map, kind: Kind, blocking: bool) -> Result<()> {
+        let max = self.sb.max_records();
+        let need = u32::from(kind == Kind::Data);
+        if let (Some(b), Some(open)) = (t.forming.back(), t.open[DATA]) {
+            let room = b.records.len() < max && open.pos + need <= self.sb.segment_blocks;
+            if !b.sealed && b.segment == open.segment && room {
+                return Ok(());
+            }
+        }
+        self.seal(t);
+        if !self.fits(t, DATA, 1) {
+            let segment = if blocking {
+                self.data_segment(t, map)?
+            } else {
+                t.head.free.pop_front().ok_or_else(super::log::enospc)?
+            };
+            self.open_segment(t, DATA, segment);
+        }
+        let open: &mut Open = t.open[DATA].as_mut().expect("a segment is open");
+        let at = open.segment * self.sb.segment_blocks + open.pos;
+        open.pos += 1;
+        let batch = Forming {
+            id: t.next_batch,
+            segment: open.segment,
+            nonce: open.nonce,
+            at,
+            records: Vec::new(),
+            parts: Vec::new(),
+            in_flight: 0,
+            sealed: false,
+            dead: false,
+        };
+        if self.sb.log_offset(at) == t.last_end[DATA] {
+            self.stats.sequential.fetch_add(1, Relaxed);
+        }
+        t.next_batch += 1;
+        t.forming.push_back(batch);
+        Ok(())
+    }
+
+    /// Seals the batch being formed (no write joins it any more), writing its header if
+    /// every write in it has finished.
+    pub(super) fn seal(&self, t: &mut Tail) {
+        if let Some(b) = t.forming.back_mut() {
+            b.sealed = true;
+        }
+        self.write_headers(t);
+    }
+
+    /// Ends the placed writes `sns`: where they landed (`landed`), the map points at them,
+    /// except at blocks a newer write has already taken.
+    pub(super) fn finish(&self, t: &mut Tail, map: &Map, sns: Range<u64>, landed: bool) {
+        for sn in sns {
+            let Some(i) = sn.checked_sub(t.next_sn - t.members.len() as u64) else {
+                continue;
+            };
+            let i = i as usize;
+            let m = &t.members[i];
+            if m.done {
+                // A trim: it took effect when it was placed.
+                continue;
+            }
+            let (batch, index, block, count, pos) = (m.batch, m.index, m.block, m.count, m.pos);
+            if landed {
+                let newer: Vec<(u64, u64)> = t
+                    .members
+                    .range(i + 1..)
+                    .filter(|n| n.done)
+                    .map(|n| (n.block, n.block + u64::from(n.count)))
+                    .collect();
+                for k in 0..count {
+                    let b = block + u64::from(k);
+                    if !newer.iter().any(|&(from, to)| (from..to).contains(&b)) {
+                        map.set(b, Some(pos + k));
+                    }
+                }
+                self.written.fetch_add(1, Release);
+            }
+            t.members[i].done = true;
+            let f = forming_index(t, batch);
+            let b = &mut t.forming[f];
+            b.in_flight -= 1;
+            b.parts[index].1 = if landed { Part::Landed } else { Part::Failed };
+            if !landed {
+                let segment = t.forming[f].segment;
+                self.give_up(t, segment, f);
+            }
+        }
+        prune(t);
+        self.write_headers(t);
+    }
+
+    /// Gives up the forming batches of `segment` from index `f` on (their chain ends where
+    /// the first one's header would be): the segment takes no more writes.
+    fn give_up(&self, t: &mut Tail, segment: u32, f: usize) {
+        for b in t.forming.range_mut(f..).filter(|b| b.segment == segment) {
+            b.dead = true;
+            b.sealed = true;
+        }
+        if t.open[DATA].is_some_and(|o| o.segment == segment) {
+            t.open[DATA] = None;
+        }
+    }
+
+    /// Writes the headers of the oldest batches that are sealed and whose writes have all
+    /// finished, in order (their sequence numbers grow along each chain).
+    fn write_headers(&self, t: &mut Tail) {
+        let bs = self.sb.block_size as usize;
+        while t
+            .forming
+            .front()
+            .is_some_and(|b| b.sealed && b.in_flight == 0)
+        {
+            let b = t.forming.pop_front().expect("a batch");
+            self.changed.notify_all();
+            if b.records.is_empty() {
+                continue;
+            }
+            if !b.dead {
+                let header = BatchHeader {
+                    seq: t.head.next_seq,
+                    nonce: b.nonce,
+                    image_id: self.sb.image_id,
+                    stream: DATA as u8,
+                    records: b.records.clone(),
+                };
+                let mut block = AlignedBuf::zeroed(bs);
+                header.encode_with(&mut block, |mut crc| {
+                    for (r, (part, _)) in b.records.iter().zip(&b.parts) {
+                        if r.kind == Kind::Data {
+                            for _ in 0..r.count {
+                                crc = self.shift_block.apply(crc);
+                            }
+                            crc ^= part;
+                        }
+                    }
+                    crc
+                });
+                let offset = self.sb.log_offset(b.at);
+                let written = self.storage.write_at(offset, &block);
+                if written.is_ok() {
+                    t.head.next_seq += 1;
+                    t.head.seg_seq[b.segment as usize] = header.seq;
+                    if b.records.iter().any(|r| r.kind == Kind::Trim) {
+                        t.head.trims[b.segment as usize] = true;
+                    }
+                    self.written.fetch_add(1, Release);
+                    let data = u64::from(header.data_blocks()) * bs as u64;
+                    self.stats.batches.fetch_add(1, Relaxed);
+                    self.stats.bytes.fetch_add(bs as u64 + data, Relaxed);
+                    continue;
+                }
+                // The header did not land: given up like a batch whose data failed, and the
+                // next flush fails (its writes were answered already).
+                self.give_up(t, b.segment, 0);
+                if let Err(source) = written {
+                    t.header_failed.get_or_insert(Error::Io {
+                        context: format!("writing a seqlog batch header at {offset:#x}"),
+                        source,
+                    });
+                }
+            }
+            rescue_landed(t, &b);
+        }
+    }
+
+    /// Waits until every batch formed before the call has its header written (or was given
+    /// up), and appends again what landed in batches given up.
+    pub(super) fn settle(&self, map: &Map) -> Result<()> {
+        loop {
+            let mut t = lock(&self.state);
+            self.seal(&mut t);
+            let target = t.next_batch;
+            while t.forming.front().is_some_and(|b| b.id < target) {
+                t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
+            }
+            let rescue = std::mem::take(&mut t.rescue);
+            let failed = t.header_failed.take();
+            drop(t);
+            let again = !rescue.is_empty();
+            if again {
+                self.append_again(map, rescue)?;
+            }
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            if !again {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Appends again the blocks of `runs` the map still points at where they landed.
+    fn append_again(&self, map: &Map, runs: Vec<(u64, u32, u32)>) -> Result<()> {
+        let bs = self.sb.block_size as usize;
+        let mut data = AlignedBuf::zeroed(bs);
+        for (block, count, pos) in runs {
+            for k in 0..count {
+                let (b, at) = (block + u64::from(k), pos + k);
+                if map.get(b) != Some(at) {
+                    continue;
+                }
+                self.storage
+                    .read_at(self.sb.log_offset(at), &mut data)
+                    .map_err(|source| Error::Io {
+                        context: "reading a block to append again".into(),
+                        source,
+                    })?;
+                let record = Record {
+                    block: b,
+                    count: 1,
+                    kind: Kind::Data,
+                };
+                // Only where no newer write of it was placed meanwhile.
+                self.write_blocks_if(map, record, &data, |map| map.get(b) == Some(at))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends `record` (with `data`, for a data record) and returns once it is in the log
+    /// (not yet durable): the blocking way, which may clean and take a checkpoint first.
+    pub(super) fn write_blocks(&self, map: &Map, mut record: Record, data: &[u8]) -> Result<()> {
+        // A segment at a time: once a part is mapped, the cleaner can free what it replaced
+        // (on a full log, a large write needs that for the rest).
+        let bs = self.sb.block_size as usize;
+        let per = self.sb.segment_blocks - 1;
+        let mut off = 0;
+        while record.count > 0 {
+            let count = match record.kind {
+                Kind::Data => record.count.min(per),
+                Kind::Trim => record.count,
+            };
+            let part = Record { count, ..record };
+            let len = part.data_blocks() as usize * bs;
+            self.write_blocks_if(map, part, &data[off..off + len], |_| true)?;
+            off += len;
+            record.block += u64::from(count);
+            record.count -= count;
+        }
+        Ok(())
+    }
+
+    fn write_blocks_if(
+        &self,
+        map: &Map,
+        record: Record,
+        data: &[u8],
+        still: impl Fn(&Map) -> bool,
+    ) -> Result<()> {
+        let mut t = lock(&self.state);
+        loop {
+            if t.checkpointing {
+                t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
+            } else if self.checkpoint_due(&t) {
+                drop(t);
+                // One that fails leaves the log to recover from; the next is tried later.
+                let _ = self.checkpoint_now(map);
+                t = lock(&self.state);
+            } else {
+                break;
+            }
+        }
+        if !still(map) {
+            return Ok(());
+        }
+        let placed = self
+            .reserve(&mut t, map, record, data, true)?
+            .expect("a blocking caller is always placed");
+        drop(t);
+        let mut outcome = Ok(());
+        for (offset, bytes) in &placed.transfers {
+            if let Err(source) = self.storage.write_at(*offset, &data[bytes.clone()]) {
+                outcome = Err(Error::Io {
+                    context: format!("appending to the seqlog log at {offset:#x}"),
+                    source,
+                });
+                break;
+            }
+        }
+        let mut t = lock(&self.state);
+        self.finish(&mut t, map, placed.sns, outcome.is_ok());
+        outcome
+    }
+}
+
+fn forming_index(t: &Tail, id: u64) -> usize {
+    (id - t.forming[0].id) as usize
+}
+
+/// Drops the members no older write is in flight behind: nothing can finish after them
+/// that their being newer would matter to.
+fn prune(t: &mut Tail) {
+    while t.members.front().is_some_and(|m| m.done) {
+        t.members.pop_front();
+    }
+}
+
+/// Keeps the runs that landed in a batch given up, to be appended again. (Its segment is
+/// left as it is: the next open finds it free if no header of it was written.)
+fn rescue_landed(t: &mut Tail, b: &Forming) {
+    let mut pos = b.at + 1;
+    for (r, (_, part)) in b.records.iter().zip(&b.parts) {
+        if r.kind == Kind::Data && *part == Part::Landed {
+            t.rescue.push((r.block, r.count, pos));
+        }
+        pos += r.data_blocks();
+    }
+}
