@@ -8,7 +8,7 @@
 use std::io;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use io_uring::{opcode, types, IoUring};
 
@@ -110,7 +110,8 @@ impl Iocb {
 /// One kernel interface with its completion eventfd.
 pub(crate) struct Kernel {
     queue: Queue,
-    events: EventFd,
+    /// Shared with the completers of transfers that storage completes by callback.
+    events: Arc<EventFd>,
 }
 
 enum Queue {
@@ -130,11 +131,18 @@ impl Kernel {
                 Queue::Uring(Box::new(uring))
             }
         };
-        Ok(Kernel { queue, events })
+        Ok(Kernel {
+            queue,
+            events: Arc::new(events),
+        })
     }
 
     pub fn events(&self) -> &EventFd {
         &self.events
+    }
+
+    pub fn shared_events(&self) -> Arc<EventFd> {
+        self.events.clone()
     }
 
     /// Whether reads may go through the page cache without blocking the submitter.

@@ -18,7 +18,13 @@
 //! request that came back short or failed (each of its transfers then learns its own outcome).
 //! One refused at submission (a full queue) waits for the next completions, and runs blocking
 //! only when nothing is left in the kernel. Each request is reported once, with its outcome.
+//!
+//! Storage without descriptors that completes transfers itself, by callback (librbd's aio
+//! completions), takes them from [`IoQueue::start`] instead ([`Storage::start_async`],
+//! `callback.rs`); their outcomes come back through the same eventfd and settle in
+//! [`IoQueue::complete`] beside the kernel's.
 
+mod callback;
 mod eventfd;
 mod kernel;
 pub(crate) mod pool;
@@ -29,13 +35,17 @@ use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+/// Which way a request moves data.
+pub use crate::storage::Dir;
 pub(crate) use eventfd::EventFd;
 pub use kernel::Backend;
 
+use self::callback::Inbox;
 use self::kernel::{IoEvent, Kernel};
 use self::table::{Request, Started, Table};
 use crate::blockdev::BlockDev;
 use crate::error::Result;
+use crate::storage::{AsyncTransfer, Outcomes, Storage};
 
 /// Kernel requests at most gathered before they are submitted without being asked.
 const MAX_GATHERED: usize = 256;
@@ -73,13 +83,6 @@ unsafe impl IoBuf for Vec<u8> {
     }
 }
 
-/// Which way a request moves data.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Dir {
-    Read,
-    Write,
-}
-
 /// A request the queue has finished: its caller's context, its buffer, its outcome.
 pub struct Completion<B, T> {
     pub ctx: T,
@@ -102,6 +105,7 @@ pub struct IoCounters {
     kernel_requests: AtomicU64,
     merged: AtomicU64,
     blocking: AtomicU64,
+    callbacks: AtomicU64,
 }
 
 /// A point-in-time copy of [`IoCounters`].
@@ -117,6 +121,8 @@ pub struct IoCountersSnapshot {
     pub merged: u64,
     /// Transfers run with blocking calls instead of by the kernel.
     pub blocking_transfers: u64,
+    /// Transfers storage took to complete by callback ([`Storage::start_async`]).
+    pub callback_transfers: u64,
 }
 
 impl IoCounters {
@@ -127,6 +133,7 @@ impl IoCounters {
             kernel_requests: self.kernel_requests.load(Relaxed),
             merged: self.merged.load(Relaxed),
             blocking_transfers: self.blocking.load(Relaxed),
+            callback_transfers: self.callbacks.load(Relaxed),
         }
     }
 }
@@ -136,6 +143,8 @@ impl IoCounters {
 pub struct IoQueue<'d, B: IoBuf, T: Send> {
     kernel: Kernel,
     table: Mutex<Table<'d, B, T>>,
+    /// Outcomes of transfers storage completes by callback.
+    inbox: Arc<Inbox>,
     counters: Arc<IoCounters>,
 }
 
@@ -145,8 +154,10 @@ impl<'d, B: IoBuf, T: Send> IoQueue<'d, B, T> {
     pub fn new(backend: Backend, depth: usize, counters: Arc<IoCounters>) -> io::Result<Self> {
         // Requests may have several transfers each.
         let depth = (2 * depth).clamp(8, 1 << 16) as u32;
+        let kernel = Kernel::new(backend, depth)?;
         Ok(IoQueue {
-            kernel: Kernel::new(backend, depth)?,
+            inbox: Arc::new(Inbox::new(kernel.shared_events())),
+            kernel,
             table: Mutex::new(Table::default()),
             counters,
         })
@@ -207,6 +218,7 @@ impl<'d, B: IoBuf, T: Send> IoQueue<'d, B, T> {
         self.counters.requests.fetch_add(1, Relaxed);
         let cached = self.kernel.reads_cached();
         let mut queued = Vec::new();
+        let mut by_callback = Vec::new();
         let mut failed = Vec::new();
         if let Some(started) = &req.started {
             let (storage, transfers) = started.parts();
@@ -222,6 +234,9 @@ impl<'d, B: IoBuf, T: Send> IoQueue<'d, B, T> {
                 };
                 match fd {
                     Some(fd) => queued.push((storage, fd, t.host, iov, i)),
+                    None if storage.completes_by_callback() => {
+                        by_callback.push((storage, t.host, iov, i));
+                    }
                     None => {
                         self.counters.blocking.fetch_add(1, Relaxed);
                         let done = match dir {
@@ -238,10 +253,10 @@ impl<'d, B: IoBuf, T: Send> IoQueue<'d, B, T> {
         for (i, e) in failed {
             req.fail(i, e);
         }
-        req.waiting = queued.len();
+        req.waiting = queued.len() + by_callback.len();
         let mut t = self.lock();
         t.unreported += 1;
-        if queued.is_empty() {
+        if req.waiting == 0 {
             t.done.push(req);
             drop(t);
             self.kernel.events().signal();
@@ -256,10 +271,39 @@ impl<'d, B: IoBuf, T: Send> IoQueue<'d, B, T> {
         let full = t.gathering.len() >= MAX_GATHERED;
         drop(t);
         self.counters.merged.fetch_add(merged, Relaxed);
+        // Started once the request is in the table: a callback may come at once.
+        for (storage, host, iov, i) in by_callback {
+            self.start_async(storage, dir, host, iov, (slot, i));
+        }
         if full {
             self.submit();
         }
         Ok(())
+    }
+
+    /// Hands transfer `tag` to storage that completes it by callback, or runs it with a
+    /// blocking call where the storage declines it.
+    fn start_async(
+        &self,
+        storage: &dyn Storage,
+        dir: Dir,
+        host: u64,
+        iov: libc::iovec,
+        tag: (usize, usize),
+    ) {
+        let inbox: Arc<dyn Outcomes> = self.inbox.clone();
+        let bytes = (iov.iov_base.cast(), iov.iov_len);
+        // SAFETY: the bytes are those of one transfer of a request in the table, whose buffer
+        // stays in place until all its transfers settle (the queue's drop waits for them, or
+        // leaks the buffer), and no other transfer covers them.
+        let transfer = unsafe { AsyncTransfer::new(dir, host, bytes, inbox, tag) };
+        match storage.start_async(transfer) {
+            Ok(()) => self.counters.callbacks.fetch_add(1, Relaxed),
+            Err(transfer) => {
+                transfer.run_blocking(storage);
+                self.counters.blocking.fetch_add(1, Relaxed)
+            }
+        };
     }
 
     /// Hands every gathered transfer to the kernel with one system call (the block layer then
@@ -363,6 +407,13 @@ impl<'d, B: IoBuf, T: Send> IoQueue<'d, B, T> {
                 break;
             }
         }
+        let posted = self.inbox.take();
+        if !posted.is_empty() {
+            let mut t = self.lock();
+            for (tag, result) in posted {
+                t.settle(tag, result);
+            }
+        }
         if !again.is_empty() {
             self.run_blocking(again);
         }
@@ -418,14 +469,16 @@ impl<'d, B: IoBuf, T: Send> IoQueue<'d, B, T> {
 }
 
 impl<B: IoBuf, T: Send> Drop for IoQueue<'_, B, T> {
-    /// The kernel may still move data into buffers of the table: every request ends first.
+    /// The kernel, or storage completing by callback, may still move data into buffers of the
+    /// table: every request ends first.
     fn drop(&mut self) {
         self.submit();
         let mut out = Vec::new();
         while self.in_flight() > 0 {
             if self.wait(&mut out).is_err() {
                 // Requests may still be in the kernel (closing an io_uring does not wait for
-                // them): their buffers and vectors are leaked, not freed under it.
+                // them) or with storage: their buffers and vectors are leaked, not freed under
+                // it. (A late callback posts to the inbox, which its completer keeps alive.)
                 let t = self.table.get_mut().unwrap_or_else(|e| e.into_inner());
                 std::mem::forget(std::mem::take(&mut t.requests));
                 std::mem::forget(std::mem::take(&mut t.ops));

@@ -19,7 +19,8 @@
 //!
 //! A caller with many transfers in flight from few threads runs them through the engine's I/O
 //! queue ([`crate::io`]) where the storage offers a descriptor for them
-//! ([`Storage::async_write_fd`], [`Storage::async_read_fd`]).
+//! ([`Storage::async_write_fd`], [`Storage::async_read_fd`]) or completes them itself by
+//! callback ([`Storage::start_async`], RBD).
 
 mod crash;
 mod fault;
@@ -32,6 +33,7 @@ mod null;
 mod on_disk;
 mod rbd;
 mod stats;
+mod transfer;
 
 pub use crate::bytes::DIRECT_ALIGN;
 pub use crash::{
@@ -46,6 +48,8 @@ pub use null::NullStorage;
 pub use on_disk::DiskStorage;
 pub use rbd::{RbdStorage, RbdTarget};
 pub use stats::{IoStats, IoStatsSnapshot};
+pub(crate) use transfer::Outcomes;
+pub use transfer::{AsyncTransfer, Dir};
 
 use std::io;
 use std::os::fd::RawFd;
@@ -171,6 +175,21 @@ pub trait Storage: Send + Sync {
     fn async_read_fd(&self, offset: u64, buf: &mut [u8], cached: bool) -> Option<RawFd> {
         let _ = (offset, buf, cached);
         None
+    }
+
+    /// Whether this storage takes transfers of the I/O queue that have no descriptor and
+    /// completes them itself, by callback ([`Storage::start_async`]); the queue runs them with
+    /// blocking calls otherwise.
+    fn completes_by_callback(&self) -> bool {
+        false
+    }
+
+    /// Starts `transfer` and returns without waiting for it; the storage completes it later,
+    /// from any thread ([`AsyncTransfer::complete`]), with its outcome, counted here as a read
+    /// or write. `Err` gives it back untouched (storage that does not complete by callback, the
+    /// default, or a transfer it cannot take): the caller runs it with a blocking call.
+    fn start_async(&self, transfer: AsyncTransfer) -> Result<(), AsyncTransfer> {
+        Err(transfer)
     }
 
     /// The operation and byte counters of this storage.

@@ -131,7 +131,7 @@ pub fn render(exports: &[Arc<Export>], conns: &ConnectionStats) -> String {
         }
     }
 
-    let queue_families: [Family<IoCountersSnapshot>; 5] = [
+    let queue_families: [Family<IoCountersSnapshot>; 6] = [
         (
             "vdisk_io_requests_total",
             "Reads and writes started on the I/O queue.",
@@ -156,6 +156,11 @@ pub fn render(exports: &[Arc<Export>], conns: &ConnectionStats) -> String {
             "vdisk_io_blocking_transfers_total",
             "Transfers of the I/O queue run with blocking calls instead of by the kernel.",
             |s| s.blocking_transfers,
+        ),
+        (
+            "vdisk_io_callback_transfers_total",
+            "Transfers of the I/O queue the storage completed by callback (RBD).",
+            |s| s.callback_transfers,
         ),
     ];
     for (name, help, get) in queue_families {
