@@ -1,6 +1,7 @@
 //! The `BlockDev` conformance suite (`conformance.rs`) on RBD images of a real one-node Ceph
 //! cluster, started for this binary by `scripts/ceph-cluster.sh`: raw on RBD, and qcow2 on RBD.
-//! Each disk is a new image. Without Ceph the tests pass at once with a note, except under
+//! Each disk is a new image. `ceph/queue.rs` drives RBD through the engine's I/O queue
+//! (librbd's aio completions). Without Ceph the tests pass at once with a note, except under
 //! `CI=true`, where they fail.
 
 #[path = "ceph/mod.rs"]
@@ -15,6 +16,8 @@ mod fault;
 mod history;
 #[path = "conformance/io.rs"]
 mod io;
+#[path = "ceph/queue.rs"]
+mod queue;
 // This binary runs two of the subjects, so much of these is unused here.
 #[allow(dead_code)]
 #[path = "conformance/model.rs"]

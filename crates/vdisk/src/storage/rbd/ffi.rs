@@ -8,11 +8,15 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::io;
 use std::sync::OnceLock;
 
-/// `rados_t`, `rados_ioctx_t`, `rbd_image_t`: opaque handles.
+/// `rados_t`, `rados_ioctx_t`, `rbd_image_t`, `rbd_completion_t`: opaque handles.
 pub type Handle = *mut c_void;
 
 /// `rbd_diff_iterate2`'s callback: offset, length, whether the extent exists, argument.
 pub type DiffCallback = extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int;
+
+/// `rbd_callback_t`: an aio completion's callback, run on a librbd thread with the completion
+/// and the argument it was created with.
+pub type AioCallback = extern "C" fn(Handle, *mut c_void);
 
 /// `rbd_image_info_t`.
 #[repr(C)]
@@ -99,6 +103,11 @@ functions! {
     rbd_write2: fn(Handle, u64, usize, *const c_char, c_int) -> isize;
     rbd_write_zeroes: fn(Handle, u64, usize, c_int, c_int) -> isize;
     rbd_flush: fn(Handle) -> c_int;
+    rbd_aio_create_completion: fn(*mut c_void, AioCallback, *mut Handle) -> c_int;
+    rbd_aio_read2: fn(Handle, u64, usize, *mut c_char, Handle, c_int) -> c_int;
+    rbd_aio_write2: fn(Handle, u64, usize, *const c_char, Handle, c_int) -> c_int;
+    rbd_aio_get_return_value: fn(Handle) -> isize;
+    rbd_aio_release: fn(Handle);
     rbd_diff_iterate2: fn(Handle, *const c_char, u64, u64, u8, u8, DiffCallback, *mut c_void)
         -> c_int;
 }

@@ -2,15 +2,16 @@
 //! (block/rbd.c): any format sits on it, and `rbd:POOL/IMAGE` names it.
 //!
 //! librbd is loaded at the first use (`ffi.rs`), so vdisk needs no Ceph libraries until a name
-//! asks for RBD. Transfers are blocking `rbd_read2`/`rbd_write2` calls: the engine's I/O queue
-//! takes only kernel descriptors, and the exports already run blocking calls on worker threads,
-//! many at once, which librbd serves concurrently. (librbd's aio completions into the queue are
-//! the next step.)
+//! asks for RBD. Reads and writes on the engine's I/O queue go to librbd as aio requests whose
+//! callbacks complete them (`aio.rs`), many in flight from one thread, as QEMU sends them; the
+//! blocking calls (`read_at`, `write_at`: `rbd_read2`/`rbd_write2`) serve everything else, on
+//! the exports' worker threads, which librbd serves concurrently too.
 //!
 //! Like QEMU's driver, the image grows when a write ends beyond it (librbd refuses writes past
 //! the end), shrinks or grows with `set_len`, and reports no disk usage; holes are known from
 //! the object map (`extent_at`, where the image has fast-diff), in whole objects.
 
+mod aio;
 mod cluster;
 mod extents;
 mod ffi;
@@ -21,7 +22,7 @@ use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use super::{IoStats, Storage, StorageSnapshot};
+use super::{AsyncTransfer, IoStats, Storage, StorageSnapshot};
 use crate::error::{Error, Result};
 use cluster::{c_string, failed, Cluster};
 use ffi::{check, check_len, Handle};
@@ -275,6 +276,15 @@ impl Storage for RbdStorage {
 
     fn extent_at(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
         extents::extent_at(self, offset, len)
+    }
+
+    /// librbd's aio requests, completed on its threads.
+    fn completes_by_callback(&self) -> bool {
+        true
+    }
+
+    fn start_async(&self, transfer: AsyncTransfer) -> std::result::Result<(), AsyncTransfer> {
+        aio::start(self, transfer)
     }
 
     fn stats(&self) -> &IoStats {
