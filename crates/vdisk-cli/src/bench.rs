@@ -14,7 +14,9 @@
 //! direct cache mode, writes go out from one thread on the engine's I/O queue
 //! ([`vdisk::io`], the one `vdisk serve --aio` uses), the kernel interface of that name
 //! carrying their data, as QEMU's back ends do (writes that continue each other in the file go
-//! as one request). Reads, and writes in the other cache modes, use the threads.
+//! as one request). On storage that completes by callback (RBD) writes take the queue in every
+//! cache mode and with any `-i`, librbd carrying their data. Reads, and writes in the other
+//! cache modes, use the threads.
 
 use std::process::ExitCode;
 use std::sync::{Arc, Barrier, Condvar, Mutex, MutexGuard};
@@ -196,12 +198,18 @@ pub fn run(a: &Args) -> ExitCode {
     }
     let disk = WithCache { disk: image, mode };
     let run = Run::new(&plan, disk.disk.size());
+    // Storage that completes transfers by callback (RBD) takes the writes on the queue in
+    // every cache mode and whatever `-i` says, as QEMU's rbd driver is asynchronous whatever
+    // its aio option; the kernel interface then carries nothing.
+    let by_callback = disk.disk.file().completes_by_callback();
     let backend = match aio {
         "native" => Some(Backend::LinuxAio),
         "io_uring" => Some(Backend::IoUring),
+        _ if by_callback => Some(Backend::LinuxAio),
         _ => None,
     };
-    let result = if let Some(backend) = backend.filter(|_| plan.write && mode.direct()) {
+    let queued = plan.write && (mode.direct() || by_callback);
+    let result = if let Some(backend) = backend.filter(|_| queued) {
         run.execute_queued(&disk, backend)
     } else {
         run.execute(&disk)
@@ -225,6 +233,12 @@ pub fn run(a: &Args) -> ExitCode {
             q.requests, q.merged, q.blocking_transfers, q.declined
         );
         println!("aio={aio}: {} requests to the kernel", q.kernel_requests);
+        if q.callback_transfers > 0 {
+            println!(
+                "storage: {} transfers completed by callback",
+                q.callback_transfers
+            );
+        }
     }
     ExitCode::SUCCESS
 }

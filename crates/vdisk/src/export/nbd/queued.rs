@@ -10,9 +10,11 @@
 //! Which requests take this path is the server's choice: with Linux AIO (`--aio native`, a
 //! direct cache mode) plain reads and writes; with io_uring plain reads of up to
 //! [`URING_MAX_READ`], as it reads through the page cache without blocking the reader (Linux
-//! AIO would wait for the device inside its submission). Anything else (FUA, other commands,
-//! writes of parts of sectors, a write the disk will not hand out because a flush waits; under
-//! io_uring every write and larger reads) takes the worker path.
+//! AIO would wait for the device inside its submission). On storage that completes transfers
+//! by callback (RBD), plain reads and writes of any size with either interface: the storage's
+//! threads carry them, the reader only starts them. Anything else (FUA, other commands, writes
+//! of parts of sectors, a write the disk will not hand out because a flush waits; under
+//! io_uring on other storage every write and larger reads) takes the worker path.
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
@@ -38,6 +40,8 @@ pub(crate) struct Pending {
 pub(crate) struct Queued<'c> {
     queue: IoQueue<'c, Buf, Pending>,
     backend: Backend,
+    /// The export's storage completes transfers by callback: they never block the reader.
+    by_callback: bool,
     /// No more requests will come: the completer ends once the queue is empty.
     closing: AtomicBool,
 }
@@ -49,6 +53,8 @@ impl<'c> Queued<'c> {
         Ok(Queued {
             queue: IoQueue::new(backend, conn.limits().max_requests, counters)?,
             backend,
+            by_callback: (conn.session.export.image())
+                .is_some_and(|i| i.file().completes_by_callback()),
             closing: AtomicBool::new(false),
         })
     }
@@ -60,7 +66,7 @@ impl<'c> Queued<'c> {
         // A write of part of a sector is a read-modify-write on the disk (see FileStorage):
         // two round trips to the device, which the reader must not wait for.
         let partial = req.kind == CMD_WRITE && (req.offset | req.len) % 512 != 0;
-        let uring = self.backend == Backend::IoUring;
+        let uring = self.backend == Backend::IoUring && !self.by_callback;
         let plain = match req.kind {
             CMD_READ => !uring || req.len <= u64::from(URING_MAX_READ),
             CMD_WRITE => !uring,
