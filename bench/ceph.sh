@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# Benchmark of RBD as storage (issue 29): QEMU's rbd driver and vdisk's RbdStorage on the same
+# images of one one-node Ceph cluster, side by side in one run: `qemu-img bench` against
+# `vdisk bench` with the same flags, and fio's nbd engine against `qemu-nbd` and `vdisk serve`
+# on the same `rbd:` image.
+#
+#   bench/ceph.sh [--quick] [--rounds N] [--count N] [--runtime S] [--size-mib N] [--no-build]
+#                 [--baseline BINARY [--baseline-rev REV]] [--out FILE]
+#
+#   --quick       20000 requests per bench run, 5 s per fio run, 3 rounds (about 4 minutes);
+#                 default 50000, 10 s, 5 rounds
+#   --rounds N    every row N times, the peer first in odd rounds and vdisk first in even ones;
+#                 the median of each is reported, every run listed
+#   --count N     requests per `bench` run (4 KiB each, depth 32)
+#   --runtime S   seconds per fio run (time_based)
+#   --size-mib N  size of every image (default 256)
+#   --no-build    use target/release/vdisk as it is
+#   --baseline B  also run vdisk binary B (another build) as a third side of every row
+#   --baseline-rev REV  the commit B was built from, for the report
+#   --out FILE    default bench/results/ceph-<quick|full>.md
+#
+# The cluster is scripts/ceph-cluster.sh's (one monitor, one bluestore OSD over a sparse file,
+# pool `rbd` with one replica), started in a directory of its own under bench/work/ (on the
+# disk: the OSD's file is opened with O_DIRECT) and stopped at the end. Its images, written
+# whole once before the first run so that no run measures the creation of RADOS objects:
+# `raw` (an RBD image) and `qcow2` (a qcow2 image on an RBD image, made by qemu-img).
+#
+# Rows: `bench -w -d 32 -s 4k` with `-t none` (librbd's cache off) and `-t writeback` (on) on
+# the raw image, and `-t none` on qcow2-on-RBD: qemu-img's and vdisk's elapsed time, as IOPS;
+# fio 4 KiB random writes at depth 16 and 32 (one job, `--direct=1`) over a unix socket to
+# `qemu-nbd -f raw --cache=none` and `vdisk serve -f raw --cache none` on the raw image.
+# Reported: medians, vdisk / peer (above 1: vdisk faster), and each run's CPU time of the
+# tool or server (GNU time: user+system), the work it took to move the same requests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+args="$*"
+
+quick=0 rounds= count= runtime= size_mib=256 build=1 out= baseline= baseline_rev=
+while (($#)); do
+    case $1 in
+    --quick) quick=1 ;;
+    --rounds) rounds=$2; shift ;;
+    --count) count=$2; shift ;;
+    --runtime) runtime=$2; shift ;;
+    --size-mib) size_mib=$2; shift ;;
+    --no-build) build=0 ;;
+    --baseline) baseline=$(realpath "$2"); shift ;;
+    --baseline-rev) baseline_rev=$2; shift ;;
+    --out) out=$2; shift ;;
+    -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
+    *) echo "ceph.sh: unknown option $1" >&2; exit 2 ;;
+    esac
+    shift
+done
+if ((quick)); then
+    count=${count:-20000} runtime=${runtime:-5} rounds=${rounds:-3}
+else
+    count=${count:-50000} runtime=${runtime:-10} rounds=${rounds:-5}
+fi
+out=${out:-bench/results/ceph-$( ((quick)) && echo quick || echo full).md}
+for tool in fio qemu-img qemu-nbd ceph-mon; do
+    command -v $tool >/dev/null || { echo "ceph.sh: needs $tool" >&2; exit 1; }
+done
+((build)) && cargo build --release -q -p vdisk-cli
+vdisk=$PWD/target/release/vdisk
+mkdir -p bench/work
+work=$(mktemp -d "$PWD/bench/work/ceph.XXXXXX")
+cluster=$work/cluster
+trap 'scripts/ceph-cluster.sh stop "$cluster"; rm -rf "$work"' EXIT
+eval "$(scripts/ceph-cluster.sh start "$cluster")"
+export CEPH_CONF
+sock=$work/nbd.sock
+log=$work/runs.txt
+: >"$log"
+declare -A iops
+
+qemu-img create -q -f raw rbd:rbd/raw "${size_mib}M"
+qemu-img create -q -f qcow2 rbd:rbd/qcow2 "${size_mib}M"
+for img in raw qcow2; do
+    qemu-img bench -q -f $img -t none -w -d 8 -s 1M -c "$size_mib" rbd:rbd/$img
+done
+
+timed=(/usr/bin/time -f "%U %S" -o "$work/time.txt")
+cpu() { awk '{printf "%.2f", $1 + $2}' "$work/time.txt"; }
+
+# The binary of a side: peer (QEMU's tool $1), vdisk, baseline.
+binary() {
+    case $2 in
+    peer) echo "$1" ;;
+    vdisk) echo "$vdisk" ;;
+    baseline) echo "$baseline" ;;
+    esac
+}
+
+# One `bench` run of binary $1 (qemu-img or a vdisk) on image $2 with cache mode $3: IOPS.
+bench() {
+    local bin=$1 img=$2 cache=$3 secs
+    secs=$("${timed[@]}" "$bin" bench -f "$img" -t "$cache" -w -d 32 -s 4k -c "$count" \
+        "rbd:rbd/$img" | awk '/Run completed in/ {print $4}')
+    awk -v c="$count" -v s="$secs" 'BEGIN {printf "%d", c / s}'
+}
+
+# One fio run (4 KiB random writes at depth $2) against server $1 (qemu-nbd or a vdisk) on
+# the raw image: IOPS.
+serve_fio() {
+    local server=$1 qd=$2 pid v
+    rm -f "$sock"
+    case $server in
+    qemu-nbd) "${timed[@]}" qemu-nbd -f raw --cache=none -t -k "$sock" rbd:rbd/raw & pid=$! ;;
+    *) "${timed[@]}" "$server" serve -f raw rbd:rbd/raw --nbd "unix:$sock" --cache none & pid=$! ;;
+    esac
+    for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.05; done
+    v=$(fio --name=ceph --ioengine=nbd --uri="nbd+unix:///?socket=$sock" --rw=randwrite \
+        --bs=4k --iodepth="$qd" --direct=1 --size="${size_mib}m" --time_based \
+        --runtime="$runtime" --randrepeat=0 --norandommap --output-format=json 2>/dev/null |
+        python3 -c 'import json,sys; t=sys.stdin.read(); print(round(json.loads(t[t.index("{"):])["jobs"][0]["write"]["iops"]))')
+    # The servers' children (GNU time runs them): ask them to stop, then wait for time.
+    pkill -TERM -P "$pid"; wait "$pid" 2>/dev/null || true
+    echo "$v"
+}
+
+# label → the command that measures it, for each side.
+rows=("bench raw -t none" "bench raw -t writeback" "bench qcow2 -t none"
+    "fio randwrite qd16" "fio randwrite qd32")
+run() {
+    local row=$1 side=$2
+    case $row in
+    "bench "*)
+        read -r _ img _ cache <<<"$row"
+        bench "$(binary qemu-img "$side")" "$img" "$cache"
+        ;;
+    "fio "*) serve_fio "$(binary qemu-nbd "$side")" "${row##*qd}" ;;
+    esac
+}
+for ((r = 1; r <= rounds; r++)); do
+    for row in "${rows[@]}"; do
+        sides=(peer vdisk ${baseline:+baseline})
+        ((r % 2)) || sides=(${baseline:+baseline} vdisk peer)
+        for side in "${sides[@]}"; do
+            v=$(run "$row" "$side")
+            iops["$row $side"]+="$v "
+            echo "round $r | $row | $side | $v IOPS | cpu $(cpu) s" | tee -a "$log"
+        done
+    done
+done
+
+median() {
+    tr ' ' '\n' <<<"$1" | grep . | sort -n |
+        awk '{a[NR]=$1} END {if (NR % 2) print a[(NR+1)/2]; else printf "%d", (a[NR/2]+a[NR/2+1])/2}'
+}
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
+{
+    echo "# RBD benchmark ($( ((quick)) && echo quick || echo full))"
+    echo
+    echo "\`bench/ceph.sh $args\` at $(git rev-parse --short HEAD) on $(date -u +%Y-%m-%d):" \
+        "a one-node cluster (scripts/ceph-cluster.sh), ${size_mib} MiB images written whole"
+    echo "first; \`bench\` rows: $count 4 KiB writes at depth 32; fio rows: ${runtime} s of"
+    echo "4 KiB random writes over a unix socket; $rounds round(s), medians (IOPS)."
+    echo "Peer: \`qemu-img bench\` / \`qemu-nbd -f raw --cache=none\` ($(qemu-img --version | head -1))."
+    echo
+    if [ -n "$baseline" ]; then
+        echo "Baseline: vdisk built from ${baseline_rev:-another commit} (\`$baseline\`)."
+        echo
+        echo "| row | peer | vdisk | vdisk / peer | baseline | baseline / peer |"
+        echo "|---|---|---|---|---|---|"
+    else
+        echo "| row | peer | vdisk | vdisk / peer |"
+        echo "|---|---|---|---|"
+    fi
+    for row in "${rows[@]}"; do
+        p=$(median "${iops[$row peer]}") v=$(median "${iops[$row vdisk]}")
+        line="| $row | $p | $v | $(ratio "$v" "$p") |"
+        if [ -n "$baseline" ]; then
+            b=$(median "${iops[$row baseline]}")
+            line+=" $b | $(ratio "$b" "$p") |"
+        fi
+        echo "$line"
+    done
+    echo
+    echo "Every run (CPU: the tool's or server's user+system seconds):"
+    echo
+    sed 's/^/    /' "$log"
+} >"$out"
+cat "$out"
