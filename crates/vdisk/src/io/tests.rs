@@ -1,7 +1,7 @@
 use super::*;
 use crate::bytes::AlignedBuf;
 use crate::formats::raw::Raw;
-use crate::storage::{FileStorage, OpenOptions, Storage};
+use crate::storage::{AsyncTransfer, FileStorage, MemStorage, OpenOptions, Storage};
 
 const BACKENDS: [Backend; 2] = [Backend::LinuxAio, Backend::IoUring];
 
@@ -184,4 +184,112 @@ fn failures_to_place_are_outcomes_and_waits_can_be_woken() {
         q.wait(&mut out).unwrap();
         assert!(out.is_empty());
     });
+}
+
+/// Storage in memory that completes by callback, each transfer on a thread of its own after a
+/// short sleep (as librbd's threads would); transfers over 8 KiB it declines, and the one at
+/// [`LOST`] it drops unfinished.
+struct Threaded(Arc<MemStorage>);
+
+const LOST: u64 = 1 << 20;
+
+impl Storage for Threaded {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.0.read_at(offset, buf)
+    }
+    fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
+        self.0.write_at(offset, buf)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.0.sync()
+    }
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.0.allocate(offset, len)
+    }
+    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.0.punch_hole(offset, len)
+    }
+    fn len(&self) -> io::Result<u64> {
+        self.0.len()
+    }
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.0.set_len(len)
+    }
+    fn allocated_bytes(&self) -> io::Result<u64> {
+        self.0.allocated_bytes()
+    }
+    fn completes_by_callback(&self) -> bool {
+        true
+    }
+    fn start_async(&self, t: AsyncTransfer) -> std::result::Result<(), AsyncTransfer> {
+        if t.len() > 8192 {
+            return Err(t);
+        }
+        if t.offset() == LOST {
+            drop(t);
+            return Ok(());
+        }
+        let inner = self.0.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            t.run_blocking(&*inner);
+        });
+        Ok(())
+    }
+    fn stats(&self) -> &crate::storage::IoStats {
+        self.0.stats()
+    }
+}
+
+/// Transfers completed by callback settle like the kernel's: their data lands and reads back,
+/// one the storage declines runs blocking, one it loses fails (ECANCELED) instead of hanging,
+/// and a queue dropped with transfers out waits for them.
+#[test]
+fn transfers_completed_by_callback_settle() {
+    let mem = Arc::new(MemStorage::from_bytes(vec![0; 2 << 20]));
+    let raw = Raw::open(Arc::new(Threaded(mem.clone())), false).unwrap();
+    let counters = Arc::new(IoCounters::default());
+    let q = IoQueue::new(Backend::LinuxAio, 16, counters.clone()).unwrap();
+    for i in 0..16 {
+        let buf = pattern(i as u8 + 1, 4096);
+        assert!(q.start(&raw, Dir::Write, i as u64 * 4096, buf, i).is_ok());
+    }
+    assert!(q
+        .start(&raw, Dir::Write, 1 << 19, pattern(7, 16384), 16)
+        .is_ok());
+    assert!(q
+        .start(&raw, Dir::Write, LOST, pattern(9, 4096), 17)
+        .is_ok());
+    let done = drain(&q);
+    assert_eq!(done.len(), 18);
+    assert!(done[..17].iter().all(|c| c.result.is_ok()));
+    assert_eq!(
+        done[17].result.as_ref().unwrap_err().errno(),
+        libc::ECANCELED
+    );
+    let s = counters.snapshot();
+    assert_eq!((s.callback_transfers, s.blocking_transfers), (17, 1));
+    for i in 0..16 {
+        assert!(q
+            .start(&raw, Dir::Read, i as u64 * 4096, pattern(0, 4096), i)
+            .is_ok());
+    }
+    for c in drain(&q) {
+        assert!(
+            c.buf.iter().all(|&b| b == c.ctx as u8 + 1),
+            "read {}",
+            c.ctx
+        );
+    }
+    for i in 0..16 {
+        let buf = pattern(0x40 + i as u8, 4096);
+        assert!(q.start(&raw, Dir::Write, i as u64 * 4096, buf, i).is_ok());
+    }
+    drop(q);
+    let back = mem.to_bytes();
+    for i in 0..16 {
+        assert!(back[i * 4096..(i + 1) * 4096]
+            .iter()
+            .all(|&b| b == 0x40 + i as u8));
+    }
 }
