@@ -79,6 +79,8 @@ pub struct StartedWrite<'a> {
 pub struct StartedRead<'a> {
     pub storage: &'a dyn Storage,
     pub transfers: Vec<Transfer>,
+    /// Keeps the places read from being reused until the transfers are done.
+    pub(crate) _pass: Option<Pass<'a>>,
 }
 
 /// A virtual disk. Methods take `&self` and may be called from many threads at once.

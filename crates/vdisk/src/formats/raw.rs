@@ -165,6 +165,7 @@ impl BlockDev for Raw {
                 host: offset,
                 bytes: 0..buf.len(),
             }],
+            _pass: None,
         }))
     }
 

@@ -429,6 +429,7 @@ impl BlockDev for Qcow2 {
         Ok(Some(StartedRead {
             storage: &*self.data,
             transfers,
+            _pass: None,
         }))
     }
 

@@ -58,7 +58,7 @@ impl Log {
         let mut transfers = Vec::new();
         let mut off = 0;
         while record.count > 0 {
-            if let Err(e) = self.batch_for(t, map, record.kind, blocking) {
+            if let Err(e) = self.batch_for(t, record.kind, blocking) {
                 // The pieces placed already end as failed writes.
                 self.finish(t, map, first..t.next_sn, false);
                 return Err(e);
@@ -126,7 +126,7 @@ impl Log {
     /// Makes the last forming batch one that takes a record of `kind`: with room for its
     /// header entry and (data) a block in the open segment. Seals it and starts another, in
     /// a new segment where needed.
-    fn batch_for(&self, t: &mut Tail, map: &Map, kind: Kind, blocking: bool) -> Result<()> {
+    fn batch_for(&self, t: &mut Tail, kind: Kind, blocking: bool) -> Result<()> {
         let max = self.sb.max_records();
         let need = u32::from(kind == Kind::Data);
         if let (Some(b), Some(open)) = (t.forming.back(), t.open[DATA]) {
@@ -138,7 +138,7 @@ impl Log {
         self.seal(t);
         if !self.fits(t, DATA, 1) {
             let segment = if blocking {
-                self.data_segment(t, map)?
+                self.data_segment(t)?
             } else {
                 t.head.free.pop_front().ok_or_else(super::log::enospc)?
             };
@@ -282,7 +282,7 @@ impl Log {
                 // next flush fails (its writes were answered already).
                 self.give_up(t, b.segment, 0);
                 if let Err(source) = written {
-                    t.header_failed.get_or_insert(Error::Io {
+                    t.unreported.get_or_insert(Error::Io {
                         context: format!("writing a seqlog batch header at {offset:#x}"),
                         source,
                     });
@@ -303,7 +303,7 @@ impl Log {
                 t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
             }
             let rescue = std::mem::take(&mut t.rescue);
-            let failed = t.header_failed.take();
+            let failed = t.unreported.take();
             drop(t);
             let again = !rescue.is_empty();
             if again {
@@ -377,14 +377,37 @@ impl Log {
         still: impl Fn(&Map) -> bool,
     ) -> Result<()> {
         let mut t = lock(&self.state);
+        // Each cleaning gains space, however little; the bound only guards against a cleaner
+        // that would not.
+        let mut cleanings = 0;
+        let mut checkpointed = false;
         loop {
             if t.checkpointing {
                 t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
-            } else if self.checkpoint_due(&t) {
+            } else if self.checkpoint_due(&t) && !checkpointed {
+                // Once per call: one that cannot be written leaves it due.
+                checkpointed = true;
                 drop(t);
-                // One that fails leaves the log to recover from; the next is tried later.
-                let _ = self.checkpoint_now(map);
+                // One that fails leaves the log to recover from, and the next flush fails
+                // (once, whether the slot's write or a sync failed).
+                let failed = self.checkpoint_now(map).err();
                 t = lock(&self.state);
+                if let Some(e) = failed {
+                    self.sync_failed.store(false, Relaxed);
+                    t.unreported.get_or_insert(e);
+                }
+            } else if !self.room_for(&t, record) && cleanings <= self.sb.segments {
+                cleanings += 1;
+                let Some(victim) = self.clean_one(&mut t, map)? else {
+                    // Nothing worth cleaning: placing it takes the reserve or fails.
+                    cleanings = u32::MAX;
+                    continue;
+                };
+                drop(t);
+                // The reads that looked the victim up end first.
+                drop(self.reuse.close());
+                t = lock(&self.state);
+                self.free_cleaned(&mut t, victim)?;
             } else {
                 break;
             }

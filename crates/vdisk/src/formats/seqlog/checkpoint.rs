@@ -228,7 +228,11 @@ impl Log {
         if !self.sb.checkpoints {
             return Ok(());
         }
-        self.settle(map)?;
+        if let Err(e) = self.settle(map) {
+            // Not this checkpoint's own failure: the next flush reports it.
+            super::log::lock(&self.state).unreported.get_or_insert(e);
+            return Ok(());
+        }
         let mut t = super::log::lock(&self.state);
         while t.checkpointing {
             t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());

@@ -7,10 +7,12 @@
 //! blocks that still read as zeroes. Recovery applies batches newest last, so everything the
 //! victim said that still holds is said again, newer, elsewhere; what it said that no longer
 //! holds was overridden by newer batches. After a sync the victim is free, once the reads
-//! that looked it up before the moves have finished (`Log::reuse`); its first block is
-//! zeroed, so that the next open finds it free too.
+//! that looked it up before the moves have finished (`Log::reuse`, a gate the cleaning writer
+//! closes with the log's lock released: a read on the I/O queue ends on a thread that may be
+//! waiting for that lock to finish a write); its first block is zeroed, so that the next open
+//! finds it free too.
 //!
-//! All of it runs under the log's lock: no other write is placed or finished meanwhile, so the
+//! The moves run under the log's lock: no other write is placed or finished meanwhile, so the
 //! map the cleaner reads is the one its batches will be applied to. A write still in flight
 //! may replace a block it moves: that write's batch gets its sequence number when its header
 //! is written, after the cleaner's batch, and so replays after it (append.rs).
@@ -26,14 +28,17 @@ use crate::bytes::AlignedBuf;
 use crate::error::{Error, Result};
 
 impl Log {
-    /// Cleans one segment. `false` when no segment is worth cleaning (each holds so much
-    /// live data, or so many trims still in force, that moving it frees nothing).
-    pub(super) fn clean_one(&self, t: &mut Tail, map: &Map) -> Result<bool> {
+    /// Cleans one segment: what still holds in it is appended again and synced. The victim is
+    /// returned, draining: free once the reads that looked it up have finished (the caller
+    /// closes `Log::reuse` without the log's lock, then calls [`Log::free_cleaned`]). `None`
+    /// when no segment is worth cleaning (each holds so much live data, or so many trims still
+    /// in force, that moving it frees nothing).
+    pub(super) fn clean_one(&self, t: &mut Tail, map: &Map) -> Result<Option<u32>> {
         let sb = self.sb;
         let mut buf = vec![0u8; sb.segment_size() as usize];
         loop {
             let Some(victim) = self.pick_victim(t, map) else {
-                return Ok(false);
+                return Ok(None);
             };
             let mut out = self.still_holds(victim, map, &mut buf)?;
             // Moving it must take less than the segment it frees: trims in force cost
@@ -57,24 +62,31 @@ impl Log {
             }
             // The moves are durable before the victim's batches can be overwritten.
             self.sync()?;
-            drop(self.reuse.write().unwrap_or_else(|e| e.into_inner()));
-            // Its chain is ended at its first block, so that an open finds it free. Should the
-            // write not reach the disk, the open finds whole batches that newer ones override.
-            let first = sb.log_offset(victim * sb.segment_blocks);
-            let zeroes = AlignedBuf::zeroed(sb.block_size as usize);
-            self.storage
-                .write_at(first, &zeroes)
-                .map_err(|source| Error::Io {
-                    context: format!("ending the chain of cleaned segment {victim}"),
-                    source,
-                })?;
-            t.head.seg_seq[victim as usize] = 0;
-            t.head.no_gain[victim as usize] = 0;
-            t.head.trims[victim as usize] = false;
-            t.head.free.push_back(victim);
-            self.stats.cleaned.fetch_add(1, Relaxed);
-            return Ok(true);
+            t.draining.push(victim);
+            return Ok(Some(victim));
         }
+    }
+
+    /// Frees a cleaned victim once no read that looked it up is left: its chain is ended at
+    /// its first block, so that an open finds it free. Should that write not reach the disk,
+    /// the open finds whole batches that newer ones override.
+    pub(super) fn free_cleaned(&self, t: &mut Tail, victim: u32) -> Result<()> {
+        let sb = self.sb;
+        let first = sb.log_offset(victim * sb.segment_blocks);
+        let zeroes = AlignedBuf::zeroed(sb.block_size as usize);
+        self.storage
+            .write_at(first, &zeroes)
+            .map_err(|source| Error::Io {
+                context: format!("ending the chain of cleaned segment {victim}"),
+                source,
+            })?;
+        t.draining.retain(|&s| s != victim);
+        t.head.seg_seq[victim as usize] = 0;
+        t.head.no_gain[victim as usize] = 0;
+        t.head.trims[victim as usize] = false;
+        t.head.free.push_back(victim);
+        self.stats.cleaned.fetch_add(1, Relaxed);
+        Ok(())
     }
 
     /// What of `victim`'s batches (read into `buf`) still holds: the blocks the map points
@@ -121,6 +133,7 @@ impl Log {
         // Open segments, and those holding batches whose headers are not written yet.
         let mut open: Vec<u32> = t.open.iter().flatten().map(|o| o.segment).collect();
         open.extend(t.forming.iter().map(|b| b.segment));
+        open.extend(&t.draining);
         let mut best: Option<(f64, u32)> = None;
         for (s, &seq) in t.head.seg_seq.iter().enumerate() {
             let s = s as u32;

@@ -5,13 +5,14 @@
 use std::collections::VecDeque;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use super::layout::{BatchHeader, Kind, Record, Superblock};
 use super::map::Map;
 use crate::bytes::AlignedBuf;
 use crate::checksum::CrcShift;
 use crate::error::{Error, Result};
+use crate::gate::Gate;
 use crate::storage::Storage;
 
 /// Where appending stands after an open: the next sequence number and the free segments.
@@ -55,8 +56,8 @@ pub(super) struct Log {
     pub(super) storage: Arc<dyn Storage>,
     pub(super) state: Mutex<Tail>,
     /// Held shared by reads from the time they look up the map until their data is read,
-    /// and taken exclusively before a cleaned segment is reused.
-    pub(super) reuse: RwLock<()>,
+    /// and closed (with the log's lock released) before a cleaned segment is reused.
+    pub(super) reuse: Gate,
     /// Signalled when a batch's header is written (or the batch given up) and when a
     /// checkpoint ends.
     pub(super) changed: Condvar,
@@ -141,8 +142,11 @@ pub(super) struct Tail {
     /// Runs `(guest block, count, log block)` that landed in batches given up (a write in
     /// them failed): appended again before the next flush counts.
     pub rescue: Vec<(u64, u32, u32)>,
-    /// A batch header that failed to land since the last flush, which then fails.
-    pub header_failed: Option<Error>,
+    /// An error no caller has heard of (a batch header that did not land, blocks that could
+    /// not be appended again): the next flush fails with it.
+    pub unreported: Option<Error>,
+    /// Cleaned segments waiting for the reads that looked them up before they are freed.
+    pub draining: Vec<u32>,
     /// A checkpoint is being taken: writes wait (or are declined) until it ends.
     pub checkpointing: bool,
     /// Segments opened since the last checkpoint.
@@ -177,7 +181,7 @@ impl Log {
         Log {
             sb,
             storage,
-            reuse: RwLock::new(()),
+            reuse: Gate::default(),
             state: Mutex::new(Tail {
                 head,
                 open: [None; 2],
@@ -187,7 +191,8 @@ impl Log {
                 next_sn: 0,
                 next_batch: 0,
                 rescue: Vec::new(),
-                header_failed: None,
+                unreported: None,
+                draining: Vec::new(),
                 checkpointing: false,
                 opened_since: 0,
                 checkpoint_slot,
@@ -248,18 +253,11 @@ impl Log {
         (header, at)
     }
 
-    /// A free segment for guest writes: the cleaner runs while no more than the reserve is
-    /// left (writers wait meanwhile: the back-pressure), and without anything to clean the
-    /// log is full.
-    pub(super) fn data_segment(&self, t: &mut Tail, map: &Map) -> Result<u32> {
-        // Each cleaning gains space, however little; the bound only guards against a
-        // cleaner that would not.
-        let mut rounds = 0;
-        while t.head.free.len() <= RESERVE {
-            rounds += 1;
-            if rounds > self.sb.segments || !self.clean_one(t, map)? {
-                return Err(enospc());
-            }
+    /// A free segment for guest writes, beyond the reserve (the writer cleaned first where it
+    /// could: `append.rs`); without one the log is full.
+    pub(super) fn data_segment(&self, t: &mut Tail) -> Result<u32> {
+        if t.head.free.len() <= RESERVE {
+            return Err(enospc());
         }
         Ok(t.head
             .free

@@ -17,9 +17,9 @@
 //! batches before it and is one sync.
 //!
 //! When free segments run low, the appender cleans (clean.rs): live blocks of a victim move to
-//! the cleaner's stream and the victim is reused. Reads hold `Log::reuse` from the map
-//! lookup to the end of their transfer, so none reads a segment being reused; reads are
-//! therefore blocking (no `start_read`).
+//! the cleaner's stream and the victim is reused. Reads hold a pass of `Log::reuse` (a gate)
+//! from the map lookup to the end of their transfer, also on the I/O queue, so none reads a
+//! segment being reused.
 //!
 //! The map is checkpointed (checkpoint.rs) every few segments and at close: an open reads the
 //! newest checkpoint and the segments written since, not the whole log.
@@ -40,8 +40,8 @@ use std::sync::{Arc, Mutex};
 use super::driver::Driver;
 use super::entry::FormatEntry;
 use super::info::{FormatInfo, InfoValue};
-use super::{read_mapped, status_mapped, Holes, Layer, Mapping};
-use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedWrite, Transfer};
+use super::{read_mapped, read_mapped_with, status_mapped, Holes, Layer, Mapping};
+use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{LockRole, Storage};
 use layout::{Kind, Record, Superblock, MAGIC};
@@ -196,7 +196,7 @@ impl BlockDev for Seqlog {
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         check_range(self.size(), offset, buf.len() as u64)?;
-        let _reading = self.log.reuse.read().unwrap_or_else(|e| e.into_inner());
+        let _reading = self.log.reuse.enter();
         read_mapped(self, offset, buf)
     }
 
@@ -219,6 +219,25 @@ impl BlockDev for Seqlog {
         }
         self.log.settle(&self.map)?;
         self.log.sync()
+    }
+
+    /// Maps a read: its transfers read the log where the map points, holding a pass that
+    /// keeps the cleaner from reusing those segments until they are done.
+    fn start_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<StartedRead<'_>>> {
+        check_range(self.size(), offset, buf.len() as u64)?;
+        let Some(pass) = self.log.reuse.try_enter() else {
+            return Ok(None);
+        };
+        let mut transfers = Vec::new();
+        read_mapped_with(self, offset, buf, |host, bytes, _| {
+            transfers.push(Transfer { host, bytes });
+            Ok(())
+        })?;
+        Ok(Some(StartedRead {
+            storage: &*self.log.storage,
+            transfers,
+            _pass: Some(pass),
+        }))
     }
 
     /// Places a write of whole blocks in the forming batch; its data goes to the head of
