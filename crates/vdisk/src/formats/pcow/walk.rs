@@ -147,11 +147,13 @@ fn read_segment(
         slots: Vec::with_capacity(counter as usize),
     };
     let w = geo.bitmap_bytes() as usize;
+    part.entries.reserve(counter as usize);
     for k in 0..counter {
         let e = &entries[8 * k as usize..8 * k as usize + 8];
         let (cow_bitmap, n) = (u32_at(e, 0), u32_at(e, 4));
         segment.slots.push(n);
-        let what = format!("segment {number} entry {k}");
+        // Formatted only for a problem: a walk passes every entry of the image.
+        let what = || format!("segment {number} entry {k}");
         let pages = match geo.wide() {
             true => Pages::from_wide(cow_bitmap, &bitmaps[w * k as usize..w * (k as usize + 1)]),
             false => Pages::from_narrow(geo, cow_bitmap),
@@ -159,21 +161,23 @@ fn read_segment(
         let pages = match pages {
             Ok(p) => p,
             Err(why) => {
-                problems.push(format!("{what}: {why}"));
+                problems.push(format!("{}: {why}", what()));
                 continue;
             }
         };
         if n >= geo.clusters {
             problems.push(format!(
-                "{what}: data_cluster_num {n} is not below max_cluster_n {}",
+                "{}: data_cluster_num {n} is not below max_cluster_n {}",
+                what(),
                 geo.clusters
             ));
             continue;
         }
         if let Some(first) = part.entries.get(&n) {
             problems.push(format!(
-                "{what}: data_cluster_num {n} is mapped twice in one part (first by data \
+                "{}: data_cluster_num {n} is mapped twice in one part (first by data \
                  cluster {:#x})",
+                what(),
                 first.host * geo.cluster
             ));
             continue;
