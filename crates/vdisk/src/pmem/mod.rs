@@ -109,6 +109,27 @@ struct Stats {
     poisoned: AtomicU64,
 }
 
+/// The slots holding writable memory of a file (a writable cluster, or pages copied into one):
+/// the only ones a store can have reached. Set by the region's construction and the monitor,
+/// read by [`Region::persist`]: a cache-line write-back of the whole region must skip the rest,
+/// because a write-back of an absent slot faults it in like a load, which would allocate it.
+#[derive(Debug)]
+struct Written(Vec<AtomicU64>);
+
+impl Written {
+    fn new(slots: usize) -> Written {
+        Written((0..slots.div_ceil(64)).map(|_| AtomicU64::new(0)).collect())
+    }
+
+    fn set(&self, slot: usize) {
+        self.0[slot / 64].fetch_or(1 << (slot % 64), std::sync::atomic::Ordering::Release);
+    }
+
+    fn get(&self, slot: usize) -> bool {
+        self.0[slot / 64].load(std::sync::atomic::Ordering::Acquire) & (1 << (slot % 64)) != 0
+    }
+}
+
 /// A snapshot of a region's counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RegionStats {

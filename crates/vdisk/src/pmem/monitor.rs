@@ -22,7 +22,7 @@ use std::sync::Arc;
 use super::fault::{Request, HANDLED, NOT_OURS};
 use super::map::{self, PAGE};
 use super::uffd::Uffd;
-use super::{Cluster, Need, Persist, Provider, Stats};
+use super::{Cluster, Need, Persist, Provider, Stats, Written};
 
 /// What a slot holds now. Only the monitor thread (after the region's construction) reads or
 /// changes it.
@@ -53,6 +53,7 @@ pub(super) struct Monitor {
     pub(super) stop: Arc<OwnedFd>,
     pub(super) poison: OwnedFd,
     pub(super) stats: Arc<Stats>,
+    pub(super) written: Arc<Written>,
     /// Mappings that single-page copies may still add before copies take whole clusters.
     pub(super) page_budget: usize,
 }
@@ -98,7 +99,10 @@ impl Monitor {
         if matches!(self.slots.get(slot), Some(Slot::Absent)) {
             self.stats.missing_faults.fetch_add(1, Ordering::Relaxed);
             match self.fill(slot, at) {
-                Ok(()) => self.slots[slot] = Slot::Writable,
+                Ok(()) => {
+                    self.written.set(slot);
+                    self.slots[slot] = Slot::Writable;
+                }
                 Err(_) => {
                     self.poison(at, self.cluster_size);
                     self.slots[slot] = Slot::Poisoned;
@@ -187,6 +191,8 @@ impl Monitor {
             Slot::ReadOnly { new: Some(c), .. } => c.clone(),
             _ => {
                 let c = self.ask(slot, Need::CopyTarget)?;
+                // Before any page of it is mapped writable.
+                self.written.set(slot);
                 if let Slot::ReadOnly { new, .. } = &mut self.slots[slot] {
                     *new = Some(c.clone());
                 }

@@ -46,6 +46,18 @@ pub trait Persist: Send + Sync {
     /// # Safety
     /// The range is mapped in this process (cache-line flushes of unmapped memory fault).
     unsafe fn persist(&self, addr: *const u8, len: usize) -> io::Result<()>;
+
+    /// Makes durable every store made so far through shared mappings of `file` that the kernel
+    /// writes back (page cache: [`PersistKind::Msync`]), wherever they are mapped: what
+    /// [`Persist::persist`] of each of them would do, in one call.
+    ///
+    /// Why: `msync` of a range syncs the file once per mapping in it, and a region over an
+    /// image is hundreds of mappings (one per run of clusters), each sync a write-back and a
+    /// disk cache flush; one `fdatasync` of the file is the same guarantee for the price of one.
+    /// Stores through `MAP_SYNC` mappings are not the kernel's to write back (a DAX file system
+    /// leaves their cache lines to the program): for the cache-flush kinds this persists the
+    /// file's own metadata only, and the caller flushes the stores with [`Persist::persist`].
+    fn persist_file(&self, file: &File) -> io::Result<()>;
 }
 
 /// The hardware (or `msync`) way, as chosen by [`MediaPersist::for_file`].
@@ -115,6 +127,13 @@ impl Persist for MediaPersist {
         // Orders the write-backs before any later store (the record that names this data).
         store_fence();
         Ok(())
+    }
+
+    fn persist_file(&self, file: &File) -> io::Result<()> {
+        // Stores before the sync (fdatasync orders nothing in the CPU: a cache-line write-back
+        // still in flight must be ordered before it by the fence).
+        store_fence();
+        file.sync_data()
     }
 }
 

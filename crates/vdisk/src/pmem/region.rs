@@ -9,7 +9,9 @@ use std::thread::JoinHandle;
 use super::map::{self, PAGE};
 use super::monitor::{Monitor, Slot};
 use super::uffd::Uffd;
-use super::{fault, os, Cluster, Error, Persist, PersistKind, Provider, RegionStats, Stats};
+use super::{
+    fault, os, Cluster, Error, Persist, PersistKind, Provider, RegionStats, Stats, Written,
+};
 
 /// Mappings left to the rest of the process when a region's budget is checked.
 const HEADROOM: usize = 1024;
@@ -164,6 +166,7 @@ pub struct Region {
     cluster_size: usize,
     persist: Arc<dyn Persist>,
     stats: Arc<Stats>,
+    written: Arc<Written>,
     table_slot: usize,
     stop: Arc<OwnedFd>,
     monitor: Option<JoinHandle<()>>,
@@ -196,15 +199,19 @@ impl Region {
         };
         let align = layout.cluster_size.min(2 << 20);
         let base = map::reserve(layout.len, align).map_err(os("reserving the region"))?;
-        let built = build(base, &layout, shared)
-            .and_then(|states| start(base, &layout, states, provider, persist.clone(), shared));
+        let written = Arc::new(Written::new(slots));
+        let built = build(base, &layout, shared, &written).and_then(|states| {
+            let persist = persist.clone();
+            start(base, &layout, states, provider, persist, shared, written)
+        });
         match built {
-            Ok((stats, table_slot, stop, monitor, requests)) => Ok(Region {
+            Ok((stats, written, table_slot, stop, monitor, requests)) => Ok(Region {
                 base,
                 len: layout.len,
                 cluster_size: layout.cluster_size,
                 persist,
                 stats,
+                written,
                 table_slot,
                 stop,
                 monitor: Some(monitor),
@@ -247,8 +254,37 @@ impl Region {
                 "persist: range past the end of the region",
             ));
         }
-        // SAFETY: the whole region stays mapped while `self` lives.
-        unsafe { self.persist.persist((self.base + offset) as *const u8, len) }
+        if self.persist.kind() == PersistKind::Msync {
+            // msync skips what is not a file's (absent slots) by itself.
+            // SAFETY: the whole region stays mapped while `self` lives.
+            return unsafe { self.persist.persist((self.base + offset) as *const u8, len) };
+        }
+        // Cache lines of the written slots only, in runs of neighbours.
+        let cs = self.cluster_size;
+        let (end, mut at) = (offset + len, offset);
+        while at < end {
+            let slot = at / cs;
+            let mut to = ((slot + 1) * cs).min(end);
+            if self.written.get(slot) {
+                while to < end && self.written.get(to / cs) {
+                    to = (to + cs).min(end);
+                }
+                // SAFETY: inside the region, mapped while `self` lives.
+                unsafe {
+                    self.persist
+                        .persist((self.base + at) as *const u8, to - at)?
+                };
+            }
+            at = to;
+        }
+        Ok(())
+    }
+
+    /// Makes durable every store to the region's clusters of `file` that the kernel writes
+    /// back: with [`PersistKind::Msync`], the same as [`Region::persist`] of every slot mapped
+    /// from `file`, in one sync of the file rather than one per mapping.
+    pub fn persist_file(&self, file: &std::fs::File) -> std::io::Result<()> {
+        self.persist.persist_file(file)
     }
 
     pub fn stats(&self) -> RegionStats {
@@ -320,7 +356,12 @@ impl Run {
 }
 
 /// Registers the placeholder and maps the layout's clusters over it; the slots' states.
-fn build(base: usize, layout: &Layout, shared: libc::c_int) -> Result<(Uffd, Vec<Slot>), Error> {
+fn build(
+    base: usize,
+    layout: &Layout,
+    shared: libc::c_int,
+    written: &Written,
+) -> Result<(Uffd, Vec<Slot>), Error> {
     let uffd = Uffd::open().map_err(os("opening userfaultfd"))?;
     uffd.register_missing(base, layout.len)
         .map_err(os("registering the region with userfaultfd"))?;
@@ -355,6 +396,12 @@ fn build(base: usize, layout: &Layout, shared: libc::c_int) -> Result<(Uffd, Vec
                 });
             }
         }
+        if matches!(
+            initial,
+            Initial::Writable(_) | Initial::ReadOnly { new: Some(_), .. }
+        ) {
+            written.set(slot as usize);
+        }
         states[slot as usize] = match initial {
             Initial::Writable(_) => Slot::Writable,
             Initial::ReadOnly {
@@ -386,7 +433,14 @@ fn build(base: usize, layout: &Layout, shared: libc::c_int) -> Result<(Uffd, Vec
     Ok((uffd, states))
 }
 
-type Started = (Arc<Stats>, usize, Arc<OwnedFd>, JoinHandle<()>, OwnedFd);
+type Started = (
+    Arc<Stats>,
+    Arc<Written>,
+    usize,
+    Arc<OwnedFd>,
+    JoinHandle<()>,
+    OwnedFd,
+);
 
 /// Starts the monitor thread and claims the region's write faults.
 fn start(
@@ -396,6 +450,7 @@ fn start(
     provider: Box<dyn Provider>,
     persist: Arc<dyn Persist>,
     shared: libc::c_int,
+    written: Arc<Written>,
 ) -> Result<Started, Error> {
     let mut ends = [0; 2];
     // SAFETY: pipe2 writes two descriptors into `ends`.
@@ -433,6 +488,7 @@ fn start(
         stop: stop.clone(),
         poison,
         stats: stats.clone(),
+        written: written.clone(),
         page_budget: layout.page_mappings,
     };
     let handle = std::thread::Builder::new()
@@ -449,7 +505,7 @@ fn start(
             return Err(os("installing the write-fault handler")(e));
         }
     };
-    Ok((stats, table_slot, stop, handle, write))
+    Ok((stats, written, table_slot, stop, handle, write))
 }
 
 fn new_fd(fd: libc::c_int, step: &'static str) -> Result<OwnedFd, Error> {

@@ -24,6 +24,9 @@ impl Persist for NoPersist {
     unsafe fn persist(&self, _: *const u8, _: usize) -> io::Result<()> {
         Ok(())
     }
+    fn persist_file(&self, _: &std::fs::File) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 fn percentiles(mut ns: Vec<u128>) -> String {

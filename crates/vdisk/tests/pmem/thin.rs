@@ -88,3 +88,43 @@ fn sixteen_threads_touching_one_absent_slot_fill_it_once() {
     );
     assert_eq!(r.stats().provider_calls, 1);
 }
+
+/// Cache-line persistence, recorded rather than done: with no writable cluster in the region
+/// nothing is mapped with `MAP_SYNC`, so no DAX file system is needed.
+#[derive(Default)]
+struct Lines(std::sync::Mutex<Vec<(usize, usize)>>);
+
+impl vdisk::pmem::Persist for Lines {
+    fn kind(&self) -> vdisk::pmem::PersistKind {
+        vdisk::pmem::PersistKind::Clwb
+    }
+    unsafe fn persist(&self, addr: *const u8, len: usize) -> std::io::Result<()> {
+        self.0.lock().unwrap().push((addr as usize, len));
+        Ok(())
+    }
+    fn persist_file(&self, _: &std::fs::File) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_cache_line_persist_of_the_whole_region_skips_slots_no_store_can_have_reached() {
+    // A write-back of an absent slot would fault it in like a load: allocate it.
+    let dir = tempdir();
+    let cs = 2 * MIB;
+    let base = base_file(&dir, cs, 1);
+    let mut layout = Layout::new(8 * cs, cs).unwrap();
+    let old = vdisk::pmem::Cluster {
+        file: base,
+        offset: 0,
+    };
+    layout.read_only(1, old).unwrap();
+    let lines = std::sync::Arc::new(Lines::default());
+    let (provider, calls) = FileProvider::new(disk_file(&dir, "img"), cs);
+    let r = vdisk::pmem::Region::new(layout, Box::new(provider), lines.clone()).unwrap();
+    r.persist(0, r.len()).unwrap();
+    assert_eq!(*lines.0.lock().unwrap(), []);
+    assert_eq!(r.stats().missing_faults, 0);
+    assert!(calls.lock().unwrap().clusters.is_empty());
+    assert_eq!(load(&r, cs + 4096), pattern(1));
+}
