@@ -37,11 +37,15 @@ pub use provider::POOL_CLUSTERS;
 /// [`crate::pmem`]: it changes under the program's feet as clusters are mapped in).
 ///
 /// Stores are durable once persisted ([`Mapping::persist`]); dropping the mapping persists
-/// the whole region first, then unmaps it and gives back the clusters allocated ahead.
+/// every store first ([`Mapping::flush`]), then unmaps it and gives back the clusters
+/// allocated ahead.
 #[must_use = "a mapping unmaps its image when dropped"]
 pub struct Mapping {
     // Dropped before the image: the monitor thread, which owns the provider, stops first.
     region: Region,
+    /// The top image's file: every writable cluster of the region is in it (base images and
+    /// snapshots are mapped read-only).
+    file: Arc<std::fs::File>,
     len: usize,
     /// The image as the block path opened it: its locks and base chain, held, never used.
     _image: Image,
@@ -93,15 +97,19 @@ impl Mapping {
         }
         let (storage, file) = (layers[0].storage.clone(), layers[0].file.clone());
         let persist = persist.unwrap_or_else(|| Arc::new(MediaPersist::for_file(&file)));
-        let mut provider = PcowProvider::new(storage, file, persist.clone(), top)
-            .context(|| format!("{path}: mapping the pcow metadata"))?;
-        // Clusters allocated ahead before the first fault needs one.
-        pmem::Provider::refill(&mut provider)
-            .context(|| format!("{path}: allocating clusters ahead"))?;
         let layout = stack::layout(&layers, geo.cluster, geo.clusters)?;
+        // The provider takes the top's state over (the layout no longer needs it).
+        let Kind::Pcow(top) = std::mem::replace(&mut layers[0].kind, Kind::Raw(0)) else {
+            unreachable!("the top layer is pcow, checked above");
+        };
+        // No clusters are allocated ahead yet: a mapping that never allocates never grows the
+        // file, nor syncs it; the first allocation takes the pool with its own cluster.
+        let provider = PcowProvider::new(storage, file.clone(), persist.clone(), top)
+            .context(|| format!("{path}: mapping the pcow metadata"))?;
         let region = Region::new(layout, Box::new(provider), persist).map_err(region_error)?;
         Ok(Mapping {
             region,
+            file,
             len: geo.disk_size as usize,
             _image: image,
         })
@@ -133,9 +141,17 @@ impl Mapping {
             .context(|| format!("persisting {len} bytes at {offset:#x} of a pcow mapping"))
     }
 
-    /// Makes every store durable.
+    /// Makes every store durable: with `msync` persistence one `fdatasync` of the image (every
+    /// writable cluster is in it), otherwise the cache lines of every cluster written or
+    /// copied into (a persist of the whole region would fault in the absent ones).
     pub fn flush(&self) -> Result<()> {
-        self.persist(0, self.region.len())
+        match self.persist_kind() {
+            PersistKind::Msync => self
+                .region
+                .persist_file(&self.file)
+                .context(|| "persisting a pcow mapping".into()),
+            _ => self.persist(0, self.region.len()),
+        }
     }
 
     pub fn persist_kind(&self) -> PersistKind {

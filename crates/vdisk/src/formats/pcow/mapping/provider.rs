@@ -16,9 +16,11 @@
 //! Clusters are appended strictly in order (data cluster `k` of a segment is the `k`-th after
 //! its meta cluster), so the pool is simply space allocated past the committed end: `refill`
 //! keeps up to [`POOL_CLUSTERS`] clusters there, allocated and synced, so that a fault neither
-//! grows the file nor waits for a sync of the file's size. A crash leaves the pool past the
-//! committed end, where the walk does not look; a writable open cuts it, and so does a clean
-//! drop.
+//! grows the file nor waits for a sync of the file's size. The pool is set up by the first
+//! allocation (which takes it whole with its own cluster, one sync for both), not by the open:
+//! a mapping that allocates nothing leaves the file as it found it, unsynced. A crash leaves
+//! the pool past the committed end, where the walk does not look; a writable open cuts it, and
+//! so does a clean drop.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -31,19 +33,12 @@ use super::super::layout::{
     encode_entry, encode_meta, Geometry, COUNTER_AT, CUR_SEGMENT_NUM_AT, PAGE,
 };
 use super::super::pages::Pages;
-use super::super::state::State;
+use super::super::state::{Placed, State};
 use crate::pmem::{Cluster, Need, Persist, Provider};
 use crate::storage::Storage;
 
 /// Clusters kept allocated past the committed end (the paper's prototype keeps five).
 pub const POOL_CLUSTERS: u64 = 5;
-
-/// Where a logical cluster's entry is in the writable part, and the pages it holds.
-struct Entry {
-    meta: u64,
-    slot: u32,
-    pages: Pages,
-}
 
 /// The writable part's last segment.
 #[derive(Clone, Copy)]
@@ -71,8 +66,10 @@ pub struct PcowProvider {
     end: u64,
     /// The file is allocated up to this cluster.
     allocated: u64,
-    /// The writable part's entries by logical cluster.
-    entries: HashMap<u32, Entry>,
+    /// The writable part's entries by logical cluster, as the walk placed them (taken over,
+    /// not copied: an image of 1 GiB written has 16384), and each segment's meta cluster.
+    entries: HashMap<u32, Placed>,
+    segment_at: Vec<u64>,
     /// A copy target handed out whose first page is not recorded yet: (slot, data cluster).
     target: Option<(u64, u64)>,
 }
@@ -97,45 +94,38 @@ impl PcowProvider {
         storage: Arc<dyn Storage>,
         file: Arc<File>,
         persist: Arc<dyn Persist>,
-        st: &State,
+        st: State,
     ) -> io::Result<PcowProvider> {
         let shared = match persist.kind().needs_map_sync() {
             true => libc::MAP_SHARED_VALIDATE | libc::MAP_SYNC,
             false => libc::MAP_SHARED,
         };
         let head = map(&file, 0, PAGE as usize, shared)?;
-        let part = st.writable();
+        let (geo, image_id, segments, end) = (st.geo, st.image_id, st.segments, st.end);
+        let mut parts = st.parts;
+        let part = parts.pop().expect("the writable part");
         let last = part.segments.last().map(|s| Last {
             meta: s.at,
             entries: s.slots.len() as u32,
         });
-        let entries = part
-            .entries
-            .iter()
-            .map(|(&n, e)| {
-                let entry = Entry {
-                    meta: part.segments[e.segment as usize].at,
-                    slot: e.slot,
-                    pages: e.pages.clone(),
-                };
-                (n, entry)
-            })
-            .collect();
-        let allocated = storage.len()?.div_ceil(st.geo.cluster).max(st.end);
+        let segment_at = part.segments.iter().map(|s| s.at).collect();
+        let entries = part.entries;
+        let allocated = storage.len()?.div_ceil(geo.cluster).max(end);
         Ok(PcowProvider {
             storage,
             file,
             persist,
             shared,
-            geo: st.geo,
-            image_id: st.image_id,
+            geo,
+            image_id,
             head,
             metas: HashMap::new(),
             last,
-            segments: st.segments,
-            end: st.end,
+            segments,
+            end,
             allocated,
             entries,
+            segment_at,
             target: None,
         })
     }
@@ -225,7 +215,11 @@ impl PcowProvider {
     /// the writable part), as the walk requires of a segment another follows.
     fn new_segment(&mut self) -> io::Result<Last> {
         let meta = self.end;
-        self.allocate(meta + 2)?;
+        if self.allocated < meta + 2 {
+            // The meta cluster and its first data cluster, and the pool with them (see
+            // `cluster`).
+            self.allocate(meta + 1 + POOL_CLUSTERS)?;
+        }
         let header = encode_meta(self.segments, self.image_id, 0);
         let addr = self.meta_addr(meta, meta * self.geo.cluster)?;
         // SAFETY: the header's 64 bytes at the start of the meta cluster's mapping, which is
@@ -239,6 +233,7 @@ impl PcowProvider {
             self.segments + 1,
         )?;
         self.segments += 1;
+        self.segment_at.push(meta);
         self.end = meta + 1;
         let last = Last { meta, entries: 0 };
         self.last = Some(last);
@@ -279,8 +274,13 @@ impl PcowProvider {
             entries: slot + 1,
         });
         self.end = host + 1;
-        let meta = last.meta;
-        self.entries.insert(n, Entry { meta, slot, pages });
+        let placed = Placed {
+            host,
+            pages,
+            segment: (self.segment_at.len() - 1) as u32,
+            slot,
+        };
+        self.entries.insert(n, placed);
         Ok(())
     }
 }
@@ -303,7 +303,11 @@ impl Provider for PcowProvider {
         }
         let last = self.open_segment()?;
         let host = last.meta + 1 + u64::from(last.entries);
-        self.allocate(host + 1)?;
+        if self.allocated <= host {
+            // Nothing allocated ahead (the first allocation, or a refill that failed): the
+            // pool comes with this cluster, for the price of the one sync this needs anyway.
+            self.allocate(host + POOL_CLUSTERS)?;
+        }
         match need {
             // The cluster reads as zeroes (allocated past the committed end after the open cut
             // it, and synced): whole, as the logical cluster's content is zeroes.
@@ -328,7 +332,7 @@ impl Provider for PcowProvider {
             return Err(io::Error::other(format!("page {p} past the cluster")));
         }
         if let Some(e) = self.entries.get(&n) {
-            let (meta, slot_k) = (e.meta, e.slot);
+            let (meta, slot_k) = (self.segment_at[e.segment as usize], e.slot);
             let mut now = e.pages.clone();
             for &p in pages {
                 now.add(u64::from(p), u64::from(p) + 1);
