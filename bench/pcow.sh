@@ -10,7 +10,13 @@
 #     (overwrite) and over data a snapshot just made read-only (copy on write, the paper's
 #     Fig. 7a): qemu-img bench -t writethrough on qcow2 (pwrite + fdatasync), vdisk bench
 #     -t writethrough on pcow (the block path), and stores through a pcow::Mapping each
-#     followed by its persist (msync of the page); and the same without durability.
+#     followed by its persist (msync of the page); and the same without durability;
+#   - a mapping once faulted in against a plain shared mmap of a raw file of the same size
+#     (pcow_map access, both in one process): random 8-byte loads and stores, 1 MiB copies
+#     out of and into the disk, with 64 KiB and with 2 MiB clusters;
+#   - first touches: one 8-byte store into every cluster of a fresh pcow image against the
+#     same stores into a sparse raw file mmapped (pcow_map touch), without and with a persist
+#     of each store (in the first round only: each pcow run takes about a minute).
 #
 #   bench/pcow.sh [--rounds N] [--count N] [--size-mib N] [--no-build]
 #
@@ -26,7 +32,7 @@ while (($#)); do
         --count) count=${2:?}; shift ;;
         --size-mib) size_mib=${2:?}; shift ;;
         --no-build) build=0 ;;
-        -h|--help) sed -n 2,17p "$0" | cut -c3-; exit 0 ;;
+        -h|--help) sed -n 2,23p "$0" | cut -c3-; exit 0 ;;
         *) echo "pcow.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
@@ -48,6 +54,8 @@ size=$((size_mib << 20))
 # while count < the disk's pages. Both tools write the same pages in the same order.
 step=$((4096 * 7919))
 bench_args=(-w -d 1 -c "$count" -s 4096 -S "$step" --pattern=90)
+# Random 8-byte accesses a run through the faulted-in mapping and through the plain mmap.
+access_count=$((count * 1000))
 
 now() { date +%s%N; }
 ms() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", (b - a) / 1e6 }'; }
@@ -70,6 +78,10 @@ qemu-io -f raw -c "write -P 0xab 0 $size" "$tmp/src.raw" >/dev/null
 qemu-img convert -f raw -O qcow2 -o cluster_size=65536 "$tmp/src.raw" "$tmp/q.qcow2"
 "$vdisk" convert -f raw -O pcow -o cluster_size=65536 "$tmp/src.raw" "$tmp/v.pcow"
 cp "$tmp/v.pcow" "$tmp/m.pcow"
+# The faulted-in mapping's images: pcow images written whole, of 64 KiB clusters (as every
+# other row) and of 2 MiB clusters, and the raw file they came from as the plain mmap's.
+cp "$tmp/v.pcow" "$tmp/a64k.pcow"
+"$vdisk" convert -f raw -O pcow -o cluster_size=2097152 "$tmp/src.raw" "$tmp/a2m.pcow"
 
 # Chains of depth 4: the written image, then three overlays of 256 writes of 64 KiB each.
 cp "$tmp/q.qcow2" "$tmp/q0.qcow2"
@@ -119,6 +131,30 @@ for ((r = 1; r <= rounds; r++)); do
     out=$("$pcow_map" write "$tmp/m.pcow" "$count" "$step")
     run "cow.map" "$(us_per_write "$(completed <<<"$out")")"
     log+="    (mapping: $(sed -n 's/^persist: //p' <<<"$out"))"$'\n'
+    # A mapping once faulted in against a plain mmap, in one process.
+    for cs in 64k 2m; do
+        out=$("$pcow_map" access "$tmp/a$cs.pcow" "$tmp/src.raw" "$access_count")
+        while read -r _ op m p; do
+            run "access.$cs.$op.map" "$m"
+            run "access.$cs.$op.raw" "$p"
+        done < <(grep '^access ' <<<"$out")
+        log+="    (access, $(grep '^huge pages: ' <<<"$out"))"$'\n'
+    done
+    # First touches of every cluster, a fresh image and a sparse file: in the first round only
+    # (each pcow run is about a minute here, a durable allocation per cluster).
+    ((r == 1)) || continue
+    for mode in none persist; do
+        rm -f "$tmp/t.pcow" "$tmp/t.raw"
+        "$vdisk" create -q -f pcow -o cluster_size=65536 "$tmp/t.pcow" "$size"
+        truncate -s "$size" "$tmp/t.raw"
+        flag=; [[ $mode == persist ]] && flag=--persist
+        out=$("$pcow_map" touch "$tmp/t.pcow" "$tmp/t.raw" $flag)
+        read -r _ m p < <(grep '^touch ' <<<"$out")
+        run "touch.$mode.map" "$(awk -v s="$m" 'BEGIN { printf "%.1f", s * 1e3 }')"
+        run "touch.$mode.raw" "$(awk -v s="$p" 'BEGIN { printf "%.1f", s * 1e3 }')"
+        log+="    (touch, $(sed -n 's/^persist: //p' <<<"$out"))"$'\n'
+        "$vdisk" check -q "$tmp/t.pcow"
+    done
 done
 
 # All three wrote the same pages with the same byte, and the images are sound.
@@ -161,6 +197,45 @@ done
         esac
         q=$(med "$row.qemu") b=$(med "$row.block") m=$(med "$row.map")
         echo "| $label | $q | $b | $m | $(ratio "$q" "$m") |"
+    done
+    echo
+    echo "A mapping once faulted in (\`pcow_map access\`, a $size_mib MiB pcow image written whole)" \
+        "against a plain shared mmap of a raw file of the same size, in one process, each side" \
+        "twice (mapping, mmap, mmap, mapping): $access_count random 8-byte loads, then stores," \
+        "and $((access_count / 2048)) copies of 1 MiB at random MiB (nanoseconds an operation;" \
+        "both on the page cache, nothing persisted while timed; the run log says how much of" \
+        "each the kernel mapped with 2 MiB pages):"
+    echo
+    echo "| operation | mmap of a raw file | pcow::Mapping, 64 KiB clusters | mapping / mmap |" \
+        "pcow::Mapping, 2 MiB clusters | mapping / mmap |"
+    echo "| --- | --- | --- | --- | --- | --- |"
+    for op in load8 store8 copy-out copy-in; do
+        case $op in
+            load8) label="8-byte load, random" ;;
+            store8) label="8-byte store, random" ;;
+            copy-out) label="1 MiB copy out of the disk (memcpy)" ;;
+            copy-in) label="1 MiB copy into the disk (memcpy)" ;;
+        esac
+        # The plain mmap ran beside both images: its median over both runs.
+        p=$(tr ' ' '\n' <<<"${runs[access.64k.$op.raw]}${runs[access.2m.$op.raw]}" | grep . |
+            median)
+        a=$(med "access.64k.$op.map") b=$(med "access.2m.$op.map")
+        echo "| $label | $p | $a | $(ratio "$a" "$p") | $b | $(ratio "$b" "$p") |"
+    done
+    echo
+    echo "First touch of every cluster ($((size >> 16)) of 64 KiB) of a fresh $size_mib MiB disk, one" \
+        "8-byte store each (\`pcow_map touch\`; milliseconds for all): a new pcow image, each" \
+        "store a userfaultfd fault that allocates the cluster and persists its entry and" \
+        "counter, against a sparse raw file mmapped (the kernel's page fault, ext4's delayed" \
+        "allocation); then each store persisted too (\`msync\` of its page for both). One run" \
+        "(the first round's):"
+    echo
+    echo "| first touches | mmap of a raw file | pcow::Mapping | mapping / mmap |"
+    echo "| --- | --- | --- | --- |"
+    for mode in none persist; do
+        label="store"; [[ $mode == persist ]] && label="store, then persist"
+        m=$(med "touch.$mode.map") p=$(med "touch.$mode.raw")
+        echo "| $label | $p | $m | $(ratio "$m" "$p") |"
     done
     echo
     echo "Every run:"

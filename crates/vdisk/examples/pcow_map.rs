@@ -6,6 +6,14 @@
 //!                                              COUNT stores of 4 KiB, the n-th at n × STEP
 //!                                              modulo the disk's size, each persisted before
 //!                                              the next
+//!     pcow_map access IMG RAW COUNT            COUNT random 8-byte loads, then stores, and
+//!                                              COUNT / 2048 copies of 1 MiB out of and into
+//!                                              the disk, through a mapping of IMG and through a
+//!                                              plain shared mmap of RAW (a raw file of the
+//!                                              same size), every page of both touched first
+//!     pcow_map touch IMG RAW [--persist]       one 8-byte store into every cluster of IMG (a
+//!                                              fresh image: each a first touch) and of RAW (a
+//!                                              sparse file), each persisted with --persist
 //!
 //! The offsets are `qemu-img bench -s 4096 -S STEP`'s (STEP a multiple of 4 KiB; an odd number
 //! of pages spreads them over the disk), so both tools write the same pages in the same order.
@@ -18,6 +26,9 @@ use std::time::Instant;
 
 use vdisk::formats::pcow::Mapping;
 
+#[path = "pcow_map/access.rs"]
+mod access;
+
 const PAGE: usize = 4096;
 
 fn main() -> ExitCode {
@@ -27,7 +38,14 @@ fn main() -> ExitCode {
         ["open", img] => open(img),
         ["write", img, count, step] => write(img, count, step, true),
         ["write", img, count, step, "--no-persist"] => write(img, count, step, false),
-        _ => Err("usage: pcow_map open IMG | pcow_map write IMG COUNT STEP [--no-persist]".into()),
+        ["access", img, raw, count] => access::access(img, raw, count),
+        ["touch", img, raw] => access::touch(img, raw, false),
+        ["touch", img, raw, "--persist"] => access::touch(img, raw, true),
+        _ => Err(
+            "usage: pcow_map open IMG | pcow_map write IMG COUNT STEP [--no-persist] | \
+                  pcow_map access IMG RAW COUNT | pcow_map touch IMG RAW [--persist]"
+                .into(),
+        ),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
