@@ -91,3 +91,25 @@ fn unaligned_offsets_are_corruption_events() {
         }
     }
 }
+
+/// An autoclear bit neither program knows (iotest 036): `info` leaves it, a writable open such
+/// as `check -r all` clears it (the qcow2 spec: a writer that does not understand an autoclear
+/// bit must clear it). vdisk and qemu-img on copies of the same image leave the same header.
+#[test]
+fn a_writable_open_clears_unknown_autoclear_bits() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "unknown_autoclear");
+    create(&wd, "q.qcow2", "", "64M");
+    let e = edit(&wd, "q.qcow2");
+    e.set_u64(88, 1 << 63);
+    wd.copy_dense("q.qcow2", "v.qcow2");
+    let v = wd.vdisk(&["info", "v.qcow2"]);
+    assert_eq!(v.code, Some(0), "{v:?}");
+    assert_eq!(edit(&wd, "v.qcow2").u64_at(88), 1 << 63);
+    let q = wd.qemu_img(&["check", "-r", "all", "q.qcow2"]);
+    let v = wd.vdisk(&["check", "-r", "all", "v.qcow2"]);
+    assert_eq!((q.code, v.code), (Some(0), Some(0)), "{q:?}\n{v:?}");
+    assert_eq!(edit(&wd, "q.qcow2").u64_at(88), 0);
+    assert_eq!(edit(&wd, "v.qcow2").u64_at(88), 0);
+    assert!(wd.read_file("q.qcow2") == wd.read_file("v.qcow2"));
+}

@@ -21,6 +21,8 @@ const INCOMPAT_KNOWN: u64 =
 pub const COMPAT_LAZY_REFCOUNTS: u64 = 1 << 0;
 pub const AUTOCLEAR_BITMAPS: u64 = 1 << 0;
 pub const AUTOCLEAR_DATA_FILE_RAW: u64 = 1 << 1;
+/// The autoclear bits vdisk keeps up to date; a writable open clears the others.
+pub const AUTOCLEAR_KNOWN: u64 = AUTOCLEAR_BITMAPS | AUTOCLEAR_DATA_FILE_RAW;
 
 const EXT_END: u32 = 0;
 const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;

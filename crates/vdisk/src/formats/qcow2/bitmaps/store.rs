@@ -7,7 +7,7 @@
 use super::dir::{self, Entry};
 use super::{location, Set, EXTENSION, FLAG_AUTO, FLAG_IN_USE};
 use crate::error::{Error, IoContext, Result};
-use crate::formats::qcow2::header::{Header, UnknownExtension};
+use crate::formats::qcow2::header::{Header, UnknownExtension, AUTOCLEAR_KNOWN};
 use crate::formats::qcow2::Qcow2;
 use crate::formats::DirtyBitmap;
 
@@ -46,14 +46,22 @@ impl Qcow2 {
 
     /// As QEMU's writable open: a bitmap extension the autoclear bit no longer vouches for (a
     /// program without bitmap support wrote the image) is dropped from the header; the
-    /// clusters it named are left leaked, for `check -r`.
+    /// clusters it named are left leaked, for `check -r`. Autoclear bits this program does not
+    /// know are cleared: by the qcow2 spec, a writer that does not understand one must clear it,
+    /// since it cannot keep whatever the bit vouches for up to date.
     pub(in crate::formats::qcow2) fn drop_stale_bitmaps(&mut self) -> Result<()> {
         let stale = |e: &UnknownExtension| e.kind == EXTENSION;
-        if location(&self.header).is_some() || !self.header.unknown_extensions.iter().any(stale) {
+        let unknown = self.header.autoclear & !AUTOCLEAR_KNOWN;
+        let stale_ext =
+            location(&self.header).is_none() && self.header.unknown_extensions.iter().any(stale);
+        if !stale_ext && unknown == 0 {
             return Ok(());
         }
         let mut h = self.header.clone();
-        h.unknown_extensions.retain(|e| !stale(e));
+        h.autoclear &= AUTOCLEAR_KNOWN;
+        if stale_ext {
+            h.unknown_extensions.retain(|e| !stale(e));
+        }
         self.write_header(&mut h)?;
         self.header = h;
         Ok(())

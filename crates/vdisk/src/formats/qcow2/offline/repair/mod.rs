@@ -39,7 +39,9 @@ use crate::error::{Error, IoContext, Result};
 use crate::formats::info::{CheckFailed, CheckReport, Fix, Messages, RepairReport};
 use crate::formats::qcow2::bitmaps;
 use crate::formats::qcow2::corrupt::write_incompatible;
-use crate::formats::qcow2::header::{Header, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE, INCOMPAT_DIRTY};
+use crate::formats::qcow2::header::{
+    Header, AUTOCLEAR_KNOWN, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE, INCOMPAT_DIRTY,
+};
 use crate::formats::qcow2::snapshot::Table;
 use crate::formats::qcow2::{read_header, Qcow2};
 use crate::storage::Storage;
@@ -116,12 +118,10 @@ pub fn repair_and_close(
     let clean = r.report.corruptions == 0 && r.report.check_errors == 0 && !r.marked_corrupt;
     if fix.any() && clean {
         let stored = read_header(&**file).and_then(|h| {
-            // Any bitmap extension: one the autoclear bit no longer vouches for is dropped.
-            if !h
-                .unknown_extensions
-                .iter()
-                .any(|e| e.kind == bitmaps::EXTENSION)
-            {
+            // Any bitmap extension: one the autoclear bit no longer vouches for is dropped;
+            // and autoclear bits vdisk does not know are cleared.
+            let bitmap_ext = (h.unknown_extensions.iter()).any(|e| e.kind == bitmaps::EXTENSION);
+            if !bitmap_ext && h.autoclear & !AUTOCLEAR_KNOWN == 0 {
                 return Ok(());
             }
             let data = (h.incompatible & INCOMPAT_DATA_FILE != 0).then(|| file.clone());
