@@ -290,3 +290,52 @@ fn growth_preallocates_like_qemu() {
     }
     failures.finish();
 }
+
+/// Iotest 274: an overlay grown past its backing file's end, over a backing file longer than
+/// it. The grown area reads as zero; QEMU makes it zero clusters (a metadata-preallocated one
+/// keeps its host cluster, placed one L2 table and then its data at a time), the partial last
+/// cluster too. `qemu-img map --output=json`, offsets included, must be the same.
+#[test]
+fn growth_past_a_shorter_backing_maps_like_qemu() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "resize-274");
+    let mut failures = Failures::new("resize-274", &wd);
+    let cases = [
+        ("metadata", "32G", "30G", "33G", "31G"),
+        ("off", "384k", "253k", "512k", "253k"),
+        ("off", "400k", "256k", "512k", "336k"),
+        ("off", "512k", "256k", "500k", "436k"),
+    ];
+    for (prealloc, base_size, old_size, new_size, off) in cases {
+        let name = format!("{prealloc}: base {base_size}, top {old_size} -> {new_size}");
+        let mut maps = Vec::new();
+        for (base, top) in [("qb.img", "qt.img"), ("vb.img", "vt.img")] {
+            wd.setup_img(&["create", "-q", "-f", "qcow2", base, base_size]);
+            let b = ["create", "-q", "-f", "qcow2", "-b", base, "-F", "qcow2"];
+            wd.setup_img(&[&b[..], &[top, old_size]].concat());
+            wd.setup_io(base, Some("qcow2"), &[&format!("write -P 1 {off} 64k")]);
+            let prealloc = format!("--preallocation={prealloc}");
+            let resize = ["resize", "-q", "-f", "qcow2", &prealloc, top, new_size];
+            let out = match top {
+                "qt.img" => wd.qemu_img(&resize),
+                _ => wd.vdisk(&resize),
+            };
+            assert!(out.success(), "{name}: {out:?}");
+            let read = wd.run(
+                &wd.tools.qemu_io,
+                &["-f", "qcow2", "-c", &format!("read -P 0 {off} 64k"), top],
+            );
+            assert!(
+                !read.stdout.contains("verification failed"),
+                "{name}: {read:?}"
+            );
+            let map = wd.qemu_img(&["map", "--output=json", "-f", "qcow2", top]);
+            maps.push(map.stdout);
+        }
+        failures.same_text(&name, "map --output=json", &maps[0], &maps[1]);
+        for image in ["qb.img", "qt.img", "vb.img", "vt.img"] {
+            wd.remove(image);
+        }
+    }
+    failures.finish();
+}

@@ -158,7 +158,8 @@ impl Refcounts {
         let mut start = self.free_hint;
         let mut run = 0;
         let mut c = start;
-        let avoid_slots = n < self.per_block;
+        // QEMU's first fit (no pool) keeps clear of no slot: a block a run needs goes after it.
+        let avoid_slots = n < self.per_block && self.pool_refill != 0;
         while run < n {
             if !(avoid_slots && self.is_block_slot(c)) && self.get(file, c)? == 0 {
                 run += 1;

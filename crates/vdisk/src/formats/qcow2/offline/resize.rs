@@ -13,7 +13,7 @@
 use crate::blockdev::BlockDev;
 use crate::error::{Error, IoContext, Result};
 use crate::formats::prealloc::{preallocate, Preallocation};
-use crate::formats::qcow2::l2::{L2Entry, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
+use crate::formats::qcow2::l2::{L2Entry, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED, OFLAG_ZERO};
 use crate::formats::qcow2::meta::Meta;
 use crate::formats::qcow2::offset::{Guest, Host};
 use crate::formats::qcow2::Qcow2;
@@ -59,6 +59,14 @@ impl Qcow2 {
                 grown.size = old_size;
                 self.write_header(&mut grown)?;
                 self.header = grown;
+            }
+            // Placed as QEMU places them: the first free clusters (the old L1 table's among
+            // them), one request at a time.
+            {
+                let mut meta = self.lock();
+                let refs = meta.refs();
+                refs.release_pool(&*self.file)?;
+                refs.first_fit();
             }
             let mode = if raw_data {
                 Preallocation::Metadata
@@ -168,11 +176,25 @@ impl Qcow2 {
             self.read(head_start, &mut head)?;
         }
         let moves = |g: u64, e: L2Entry| e == L2Entry::default() || (head_moves && g == head_start);
-        let batch = ((64 << 20) / cs).max(1) * cs * self.header.l2_entries();
+        let reach = cs * self.header.l2_entries();
+        let batch = ((64 << 20) / cs).max(1) * reach;
+        // As QEMU's metadata preallocation, one L2 table at a time: each table, then the data
+        // clusters it maps. Falloc and full place all tables of a batch before its data.
+        let step = if prealloc == Preallocation::Metadata {
+            reach
+        } else {
+            batch
+        };
         // Extended L2 subclusters: a raw data file is the disk itself, so all read from it;
         // over a longer backing file all read as zero; else, as QEMU leaves them,
         // unallocated (zero).
         let unveils = self.backing.as_ref().is_some_and(|b| b.size() > from);
+        // As QEMU's zeroing of an unveiled area (no unmap): a metadata-preallocated cluster
+        // keeps its host cluster and reads as zero by its flag, not by the hole it names.
+        let zero_flag = unveils
+            && prealloc == Preallocation::Metadata
+            && !self.format.extended
+            && !self.header.data_file_raw();
         let bitmap = match (self.format.extended, self.header.data_file_raw(), unveils) {
             (false, _, _) => 0,
             (true, true, _) => 0xffff_ffff,
@@ -190,51 +212,56 @@ impl Qcow2 {
             {
                 let _pass = self.gate.enter();
                 let mut meta = self.lock();
-                // The tables first (and a count of the clusters to map), so that the batch's
-                // data lies in one run after them.
-                let mut count = 0;
-                for g in (guest..end).step_by(cs as usize) {
-                    let (_, _, e) = self.writable_table(&mut meta, Guest(g))?;
-                    count += u64::from(moves(g, e));
-                }
-                let first = match count {
-                    _ if self.format.external_data => 0,
-                    0 => 0,
-                    n => self.alloc_new_area(&mut meta, n, prealloc)?,
-                };
-                let mut next = first;
-                for g in (guest..end).step_by(cs as usize) {
-                    let (table, index, e) = self.writable_table(&mut meta, Guest(g))?;
-                    if !moves(g, e) {
-                        continue;
+                let mut at = guest;
+                while at < end {
+                    let part_end = ((at / step + 1) * step).min(end);
+                    // The tables first (and a count of the clusters to map), so that the part's
+                    // data lies in one run after them.
+                    let mut count = 0;
+                    for g in (at..part_end).step_by(cs as usize) {
+                        let (_, _, e) = self.writable_table(&mut meta, Guest(g))?;
+                        count += u64::from(moves(g, e));
                     }
-                    let host = if self.format.external_data {
-                        g
-                    } else {
-                        next << cb
+                    let first = match count {
+                        _ if self.format.external_data => 0,
+                        0 => 0,
+                        n => self.alloc_new_area(&mut meta, n, prealloc)?,
                     };
-                    next += 1;
-                    let mut entry = L2Entry {
-                        word: host | OFLAG_COPIED,
-                        bitmap,
-                    };
-                    if head_moves && g == head_start {
-                        self.file
-                            .write_at(host, &head)
-                            .context(|| format!("writing the moved cluster at {host:#x}"))?;
-                        // Its data must be durable before the mapping names it.
-                        meta.txn.ordered = true;
-                        meta.pending.remove(&Guest(g));
-                        self.free_entry_later(&mut meta, e);
-                        // As QEMU: the subclusters keep their state (what was compressed is
-                        // now plain data).
-                        entry.bitmap = match e.word & OFLAG_COMPRESSED {
-                            _ if !self.format.extended => 0,
-                            0 => e.bitmap,
-                            _ => 0xffff_ffff,
+                    let mut next = first;
+                    for g in (at..part_end).step_by(cs as usize) {
+                        let (table, index, e) = self.writable_table(&mut meta, Guest(g))?;
+                        if !moves(g, e) {
+                            continue;
+                        }
+                        let host = if self.format.external_data {
+                            g
+                        } else {
+                            next << cb
                         };
+                        next += 1;
+                        let mut entry = L2Entry {
+                            word: host | OFLAG_COPIED | if zero_flag { OFLAG_ZERO } else { 0 },
+                            bitmap,
+                        };
+                        if head_moves && g == head_start {
+                            self.file
+                                .write_at(host, &head)
+                                .context(|| format!("writing the moved cluster at {host:#x}"))?;
+                            // Its data must be durable before the mapping names it.
+                            meta.txn.ordered = true;
+                            meta.pending.remove(&Guest(g));
+                            self.free_entry_later(&mut meta, e);
+                            // As QEMU: the subclusters keep their state (what was compressed is
+                            // now plain data).
+                            entry.bitmap = match e.word & OFLAG_COMPRESSED {
+                                _ if !self.format.extended => 0,
+                                0 => e.bitmap,
+                                _ => 0xffff_ffff,
+                            };
+                        }
+                        meta.tables.set_entry(table, index, entry);
                     }
-                    meta.tables.set_entry(table, index, entry);
+                    at = part_end;
                 }
                 guest = end;
             }
