@@ -297,5 +297,17 @@ fn create_and_convert_refuse_in_qemus_words() {
         let missing = [&["convert"], extra, &["missing.raw", "t.qcow2"]].concat();
         same(&mut f, &wd, "convert", &missing, "t.qcow2");
     }
+    // Concatenating onto a backing file is refused before the missing backing format (122).
+    let concatenations: [&[&str]; 4] = [
+        &["-O", "qcow2", "-B", "base.qcow2"],
+        &["-O", "qcow2", "-c", "-B", "base.qcow2"],
+        &["-O", "qcow2", "-o", "backing_file=base.qcow2"],
+        &["-O", "raw", "-B", "base.qcow2"],
+    ];
+    for extra in concatenations {
+        let sources = ["base.qcow2", "orig.raw", "t.qcow2"];
+        let args = [&["convert"], extra, &sources[..]].concat();
+        same(&mut f, &wd, "convert (concatenation)", &args, "t.qcow2");
+    }
     f.finish();
 }

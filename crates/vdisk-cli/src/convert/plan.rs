@@ -133,6 +133,10 @@ pub(super) fn check_target(args: &Args) -> vdisk::Result<()> {
              input images",
         ));
     }
+    // After the concatenation's refusal, as qemu-img orders them (iotest 122).
+    if !args.no_create {
+        check_backing_format(args)?;
+    }
     // A later value of an option replaces an earlier one.
     let options = parse_options(&args.options);
     let preallocation = options.iter().rev().find(|(k, _)| k == "preallocation");
@@ -163,7 +167,11 @@ fn check_new_backing(args: &Args) -> vdisk::Result<()> {
             "Backing file format not supported for file format '{format}'"
         )));
     }
-    // A backing file named by -B or by -o, even empty, wants its format named too.
+    Ok(())
+}
+
+/// A backing file named by -B or by -o, even empty, wants its format named too.
+fn check_backing_format(args: &Args) -> vdisk::Result<()> {
     let options = parse_options(&args.options);
     let given = |key: &str| options.iter().any(|(k, _)| k == key);
     let backed = args.backing.is_some() || given("backing_file");
