@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use vdisk::{Error, Format};
 
 use crate::flags::Quiet;
-use crate::new_image::{create, NewImage};
+use crate::new_image::{create, NewImage, FILE_DRIVER};
 use crate::options::{asks_help, check_option_lists, parse_options};
 use crate::report::{fail, usage_fail};
 use crate::size::cvtnum;
@@ -149,13 +149,14 @@ const FILE_OPTIONS: &[OptionHelp] = &[
 /// qemu-img's `print_block_option_help`, listing only the options vdisk takes (none of qcow2's
 /// encryption).
 fn option_help(format: &str, with_file: bool) -> ExitCode {
-    let Ok(parsed) = Format::parse(format) else {
-        return fail(format!("Unknown file format '{format}'"), 1);
+    // The file protocol driver's own options are the file's.
+    let own = match Format::parse(format) {
+        _ if format == FILE_DRIVER => FILE_OPTIONS.to_vec(),
+        Ok(parsed) if parsed.name() == "qcow2" => QCOW2_OPTIONS.to_vec(),
+        Ok(_) => vec![SIZE_OPTION],
+        Err(_) => return fail(format!("Unknown file format '{format}'"), 1),
     };
-    let mut list = match parsed.name() {
-        "qcow2" => QCOW2_OPTIONS.to_vec(),
-        _ => vec![SIZE_OPTION],
-    };
+    let mut list = own;
     if with_file {
         // The format's own description of an option comes first, as in qemu_opts_append.
         for o in FILE_OPTIONS {

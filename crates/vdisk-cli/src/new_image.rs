@@ -39,10 +39,17 @@ fn on_off(key: &str, v: &str) -> Result<bool, Error> {
     parse_bool(key, v).map_err(Error::invalid)
 }
 
+/// QEMU's file protocol driver, which `create -f file` makes as a raw image.
+pub const FILE_DRIVER: &str = "file";
+
 /// Makes the image `args` describes.
 pub fn create(args: &NewImage) -> vdisk::Result<()> {
-    let format = Format::parse(args.format)
-        .map_err(|_| Error::unsupported(format!("Unknown file format '{}'", args.format)))?;
+    // `-f file` is QEMU's protocol driver made directly: a raw image under its own name.
+    let format = match args.format {
+        FILE_DRIVER => Format::RAW,
+        name => Format::parse(name)
+            .map_err(|_| Error::unsupported(format!("Unknown file format '{name}'")))?,
+    };
     // Where the image goes is known (or refused) before anything is said of it.
     let target = new_target(args.filename)?;
     if format.name() == "seqlog" {
@@ -115,7 +122,11 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
         backing_size(args.filename, &o)?;
     }
     if !args.quiet {
-        println!("{}", formatting_line(args.filename, format, &o, &shown));
+        let line = formatting_line(args.filename, format, &o, &shown);
+        match args.format {
+            FILE_DRIVER => println!("{}", line.replacen("fmt=raw", "fmt=file", 1)),
+            _ => println!("{line}"),
+        }
     }
     // QEMU's file driver refuses this as it makes the file, before the format checks its own.
     if file_options.extent_size_hint > Some(u32::MAX.into()) {
@@ -212,7 +223,10 @@ fn too_large(e: Error, format: Format) -> Error {
 /// A raw (or seqlog) image has no backing file: qemu-img refuses `-b` and `-F` rather than
 /// drop them (the `-o` forms are unknown options for raw).
 fn refuse_backing(args: &NewImage, format: Format) -> vdisk::Result<()> {
-    let name = format.name();
+    let name = match args.format {
+        FILE_DRIVER => FILE_DRIVER,
+        _ => format.name(),
+    };
     if args.backing.is_some() {
         return Err(Error::unsupported(format!(
             "Backing file not supported for file format '{name}'"

@@ -333,3 +333,41 @@ fn refused_create_leaves_an_existing_file_alone() {
     }
     f.finish();
 }
+
+/// `create -f file` (iotest 142): QEMU's file protocol driver made directly, a raw file under
+/// the name `file`. Each command line must print and exit alike and leave files of the same
+/// length and contents.
+#[test]
+fn create_f_file_matches_qemu_img() {
+    let Some(tools) = tools() else { return };
+    let (qd, vd) = (
+        Workdir::new(&tools, "create-file-qemu"),
+        Workdir::new(&tools, "create-file-vdisk"),
+    );
+    let mut f = Failures::new("create-file", &vd);
+    let cases: [&[&str]; 8] = [
+        &["img", "1M"],
+        &["-o", "preallocation=falloc", "img", "1M"],
+        &["-o", "preallocation=full", "img", "64k"],
+        &["-o", "preallocation=metadata", "img", "1M"],
+        &["-o", "extent_size_hint=0,nocow=off", "img", "1M"],
+        &["-o", "help"],
+        &["-o", "help", "img"],
+        &["-b", "other", "img", "1M"],
+    ];
+    for extra in cases {
+        let args = [&["create", "-f", "file"], extra].concat();
+        let name = args.join(" ");
+        let q = qd.qemu_img(&args);
+        let v = vd.vdisk(&args);
+        f.same_outcome(&name, "create -f file", &q, &v);
+        let made = |wd: &Workdir| wd.abs("img").exists().then(|| wd.read_file("img"));
+        if !f.count(made(&qd) == made(&vd)) {
+            f.add(&name, "file made", "differs");
+        }
+        for wd in [&qd, &vd] {
+            let _ = std::fs::remove_file(wd.abs("img"));
+        }
+    }
+    f.finish();
+}
