@@ -55,9 +55,9 @@ pub fn parse_options(options: &[String]) -> Vec<(String, String)> {
 
 /// Whether an item of the `-o` lists is `help` or `?`, which asks for the option list.
 pub fn asks_help(options: &[String]) -> bool {
-    options
+    // Items as the parser reads them: "x,,help" is the value "x,help", no request (iotest 082).
+    split_options(options)
         .iter()
-        .flat_map(|group| group.split(','))
         .any(|item| item == "help" || item == "?")
 }
 

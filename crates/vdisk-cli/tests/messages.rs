@@ -231,7 +231,16 @@ fn create_and_convert_refuse_in_qemus_words() {
     wd.setup_img(&["create", "-q", "-f", "qcow2", "bad.qcow2", "64M"]);
     Qcow2Edit::open(&wd.abs("bad.qcow2")).set_u32(100, u32::MAX);
     // Flags before the new image's name, and the size after it, if any.
-    let creates: [(&[&str], &str); 8] = [
+    let creates: [(&[&str], &str); 10] = [
+        // ",," is a comma inside the value: no request for help (iotest 082).
+        (
+            &["-u", "-o", "backing_file=t.qcow2,,help", "-F", "qcow2"],
+            "1M",
+        ),
+        (
+            &["-u", "-o", "backing_file=t.qcow2,,?", "-F", "qcow2"],
+            "1M",
+        ),
         (&["-b", "t.qcow2.inexistent"], ""),
         (&["-b", "t.qcow2.inexistent", "-F", "qcow2"], "1M"),
         (&["-b", "bad.qcow2", "-F", "qcow2"], ""),
