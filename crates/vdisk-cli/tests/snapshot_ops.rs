@@ -122,3 +122,26 @@ fn undated(list: &str) -> String {
         .collect::<Vec<_>>()
         .join("\n")
 }
+
+/// Iotest 080: a header claiming a full snapshot table (65536 entries, past the file's end,
+/// which reads as zeroes) takes no new snapshot: QEMU refuses with EFBIG before it writes
+/// anything, and the image stays as it was.
+#[test]
+fn a_full_snapshot_table_takes_no_snapshot() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "snapshot-limit");
+    wd.setup_img(&["create", "-q", "-f", "qcow2", "q.qcow2", "64M"]);
+    let e = common::Qcow2Edit::open(&wd.abs("q.qcow2"));
+    e.set_u64(64, 16 << 20);
+    e.set_u32(60, 65536);
+    wd.copy_dense("q.qcow2", "v.qcow2");
+    let q = wd.qemu_img(&["snapshot", "-c", "test", "q.qcow2"]);
+    let v = wd.vdisk(&["snapshot", "-c", "test", "v.qcow2"]);
+    assert_eq!((q.code, v.code), (Some(1), Some(1)), "{q:?}\n{v:?}");
+    assert_eq!(
+        q.stderr_lines_as_vdisk(),
+        v.stderr_lines_as_vdisk(),
+        "{q:?}\n{v:?}"
+    );
+    assert!(wd.read_file("q.qcow2") == wd.read_file("v.qcow2"));
+}

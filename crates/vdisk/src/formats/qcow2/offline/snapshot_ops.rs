@@ -16,7 +16,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::formats::prealloc::Preallocation;
 use crate::formats::qcow2::l2::{L2Entry, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED};
 use crate::formats::qcow2::offset::Host;
-use crate::formats::qcow2::snapshot::Snapshot;
+use crate::formats::qcow2::snapshot::{Snapshot, MAX_SNAPSHOTS};
 use crate::formats::qcow2::{read_snapshot_l1, Qcow2};
 
 impl Qcow2 {
@@ -28,6 +28,11 @@ impl Qcow2 {
         if self.format.external_data {
             // As QEMU: clusters of an external data file have no refcounts to share.
             return Err(Error::unsupported("Operation not supported"));
+        }
+        // QEMU's limit (its EFBIG), before anything is written: a table already full, even
+        // one a damaged header claims, takes no more (iotest 080).
+        if self.snapshots.len() >= MAX_SNAPSHOTS as usize {
+            return Err(Error::invalid("File too large"));
         }
         self.flush_impl()?;
         let id = self
