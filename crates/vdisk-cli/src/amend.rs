@@ -9,8 +9,8 @@ use vdisk::{open_image, Error, ImageOptions};
 
 use crate::flags::{bad_cache, ImageFormat, ShowProgress};
 use crate::open::image_options;
-use crate::options::{asks_help, check_option_lists, typed_options, Kind, Value};
-use crate::report::{fail, usage_fail, warn_probed_raw};
+use crate::options::{asks_help, check_option_lists, parse_options, typed_options, Kind, Value};
+use crate::report::{fail, message, usage_fail, warn_probed_raw};
 use crate::text::Progress;
 
 #[derive(clap::Args)]
@@ -117,8 +117,27 @@ pub fn run(args: &Args) -> ExitCode {
     }
     match amend(filename, args) {
         Ok(code) => code,
-        Err(e) => fail(e, 1),
+        Err(e) => fail(downgrade_failure(args, e), 1),
     }
+}
+
+/// Why amend failed, as qemu-img says it. A downgrade to v2 that meets a bad snapshot L1 table
+/// while it turns zero clusters into data: QEMU reports the table on a line of its own, then
+/// fails the step with the errno of its check (iotest 080).
+fn downgrade_failure(args: &Args, e: Error) -> String {
+    let text = e.to_string();
+    let options = parse_options(&args.options);
+    let compat = options.iter().rev().find(|(k, _)| k == "compat");
+    let downgrade = compat.is_some_and(|(_, v)| v == "0.10" || v == "v2");
+    if !downgrade || !text.starts_with("Snapshot L1 table") {
+        return text;
+    }
+    message(&text);
+    let errno = match text.ends_with("too large") {
+        true => "File too large",
+        false => "Invalid argument",
+    };
+    format!("Failed to turn zero into data clusters: {errno}")
 }
 
 fn amend(filename: &str, args: &Args) -> vdisk::Result<ExitCode> {
