@@ -52,9 +52,12 @@ impl Qcow2 {
                 let within = pos & (cs - 1);
                 let n = (cs - within).min(end - pos);
                 let guest = pos - within;
-                // As QEMU: a cluster whose part past the image's end is all that is left out
-                // counts as whole (nothing can read that part).
-                let at_end = within == 0 && pos + n == self.size && !self.format.external_data;
+                // As QEMU's write zeroes: a cluster whose part past the image's end is all that
+                // is left out counts as whole (nothing can read that part). A discard leaves it.
+                let at_end = within == 0
+                    && pos + n == self.size
+                    && !self.format.external_data
+                    && kind == Zeroing::Zeroes;
                 let whole = n == cs || at_end;
                 if whole && self.format.external_data {
                     in_data = match in_data {
