@@ -55,8 +55,9 @@ pub(super) struct Log {
     pub(super) sb: Superblock,
     pub(super) storage: Arc<dyn Storage>,
     pub(super) state: Mutex<Tail>,
-    /// Held shared by reads from the time they look up the map until their data is read,
-    /// and closed (with the log's lock released) before a cleaned segment is reused.
+    /// Reads hold a pass from the time they look up the map until their data is read (on
+    /// the I/O queue, until their transfers end); the cleaning writer closes it, with the
+    /// log's lock released, before a cleaned segment is reused.
     pub(super) reuse: Gate,
     /// Signalled when a batch's header is written (or the batch given up) and when a
     /// checkpoint ends.
