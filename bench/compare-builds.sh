@@ -8,7 +8,7 @@
 #                           [--no-qcow2] [--no-nbd] [--qcow2-only REGEX] [--nbd-only REGEX]
 #                           [--total-mib N] [--aio MODE]
 #                           [--runtime S] [--size-mib N] [--wait-idle S] [--workers N]
-#                           [--no-drop-caches] [--no-prefault]
+#                           [--no-drop-caches] [--no-prefault] [--builds-only]
 #
 #   REV             the baseline: any commit git knows (99fa8aa, HEAD~1, a branch); HEAD
 #                   itself gives an A/A run, which shows the noise of the machine
@@ -20,6 +20,8 @@
 #   --no-qcow2, --no-nbd   skip one of the scripts
 #   --qcow2-only REGEX, --nbd-only REGEX   that script's --only (their row labels differ)
 #   --total-mib, --aio                     passed to bench/qcow2.py
+#   --builds-only   QEMU's tools do not run, only the two builds (both scripts' --builds-only):
+#                   qemu-img bench on the overlay rows alone takes most of a full run here
 #   --runtime, --size-mib, --wait-idle, --workers, --no-drop-caches, --no-prefault
 #                                          passed to bench/nbd.sh
 #
@@ -67,6 +69,7 @@ while (($#)); do
         --total-mib|--aio) qargs+=("$1" "${2:?$1 needs a value}"); shift ;;
         --runtime|--size-mib|--wait-idle|--workers) nargs+=("$1" "${2:?$1 needs a value}"); shift ;;
         --no-drop-caches|--no-prefault) nargs+=("$1") ;;
+        --builds-only) qargs+=("$1"); nargs+=("$1") ;;
         -h|--help) usage 0 ;;
         *) log "compare-builds.sh: unknown argument $1"; usage 2 >&2 ;;
     esac

@@ -4,7 +4,7 @@
 #
 #   bench/nbd.sh [--quick] [--runtime S] [--size-mib N] [--only REGEX] [--rounds N]
 #                [--wait-idle S] [--no-build] [--no-drop-caches] [--no-prefault] [--workers N]
-#                [--baseline BINARY [--baseline-rev REV]] [--out FILE]
+#                [--baseline BINARY [--baseline-rev REV] [--builds-only]] [--out FILE]
 #
 #   --quick         256 MiB image, 2 s per run (< 3 minutes in all); default: 2 GiB, 10 s
 #   --runtime S     seconds per run (time_based fio jobs)
@@ -26,6 +26,8 @@
 #                   is below 0.95 are listed. The qemu-nbd columns and ratios do not change
 #   --baseline-rev REV  the commit the baseline was built from, for the report (`vdisk
 #                   --version` does not name it)
+#   --builds-only   with --baseline: qemu-nbd does not run, only the two builds (the report
+#                   leaves the qemu-nbd tables out): a comparison of builds in less time
 #   --out FILE      write the report to FILE (default bench/results/nbd-<quick|full>.md; with
 #                   --baseline, nbd-<quick|full>-vs-<REV>.md, REV "baseline" if not given)
 #
@@ -63,6 +65,7 @@ prefault=1
 workers=16
 baseline=
 baseline_rev=
+builds_only=0
 out=
 while (($#)); do
     case $1 in
@@ -76,6 +79,7 @@ while (($#)); do
         --baseline) baseline=${2:?--baseline needs a vdisk binary}; shift ;;
         --baseline-rev) baseline_rev=${2:?--baseline-rev needs a commit}; shift ;;
         --out) out=${2:?--out needs a file}; shift ;;
+        --builds-only) builds_only=1 ;;
         --no-build) build=0 ;;
         --no-drop-caches) drop=0 ;;
         --no-prefault) prefault=0 ;;
@@ -93,6 +97,7 @@ fi
 [[ $rounds =~ ^[0-9]+$ && $rounds -gt 0 ]] || { echo "nbd.sh: bad --rounds" >&2; exit 2; }
 [[ $size_mib =~ ^[0-9]+$ && $size_mib -ge 64 ]] || { echo "nbd.sh: --size-mib must be >= 64" >&2; exit 2; }
 [[ -z $baseline_rev || -n $baseline ]] || { echo "nbd.sh: --baseline-rev needs --baseline" >&2; exit 2; }
+((!builds_only)) || [[ -n $baseline ]] || { echo "nbd.sh: --builds-only needs --baseline" >&2; exit 2; }
 if [[ -n $baseline ]]; then
     [[ -f $baseline && -x $baseline ]] || { echo "nbd.sh: --baseline $baseline is not an executable file" >&2; exit 2; }
     baseline_given=$baseline
@@ -287,6 +292,7 @@ for spec in "4k-randread:randread:4k:full" "4k-randwrite:randwrite:4k:full" \
             log "$row"
             servers=(qemu-nbd qemu-nbd-e4 vdisk vdisk-none)
             ((jobs == 1)) || servers=(qemu-nbd-e4 vdisk vdisk-none)
+            ((!builds_only)) || servers=(vdisk vdisk-none)
             if [[ -n $baseline ]]; then
                 # Each vdisk server's baseline run goes right after it (right before it in the
                 # reversed rounds).
@@ -363,6 +369,9 @@ fi
     ((prefault)) && echo "- memory: $prefault_mib MiB touched in huge pages right before each run (untimed; see bench/convert.sh)"
     echo "- each server is started for one run and stopped with SIGTERM after it (vdisk then flushes and closes the image)"
     echo
+    if ((builds_only)); then
+        echo "- --builds-only: qemu-nbd did not run"
+    else
     echo "## Results"
     echo
     ((rounds == 1)) || echo "Each cell is the server's run with the median IOPS of $rounds (every run is listed below the tables)."
@@ -384,6 +393,7 @@ fi
         read -r label q j <<<"$row"
         echo "| $label | ${q#qd} | ${j#j} | ${lat[$row,qemu-nbd]:-—} | ${lat[$row,qemu-nbd-e4]:-—} | ${lat[$row,vdisk-none]:-—} | ${lat[$row,vdisk]:-—} | ${cpu[$row,qemu-nbd]:-—} | ${cpu[$row,qemu-nbd-e4]:-—} | ${cpu[$row,vdisk-none]:-—} | ${cpu[$row,vdisk]:-—} |"
     done
+    fi
     if [[ -n $baseline ]]; then
         echo
         echo "## This build against the baseline"

@@ -2,7 +2,7 @@
 """qcow2 write benchmark: `qemu-img bench` and `vdisk bench` side by side, same arguments.
 
     bench/qcow2.py [--quick] [--rounds N] [--total-mib N] [--only REGEX] [--aio MODE] [--no-build]
-                   [--baseline BINARY [--baseline-rev REV]] [--out FILE]
+                   [--baseline BINARY [--baseline-rev REV] [--builds-only]] [--out FILE]
 
 Every row writes the same amount of data (sequentially, 16 requests in flight) into a new
 image and is run by:
@@ -36,7 +36,10 @@ on the same kind of image, right before or after its counterpart in the same alt
 schedule (in a row's first round the baseline goes second on the first row, first on the
 next, and so on), and once more under strace; the report adds a table of this build against the
 baseline (new/baseline per configuration) and lists the rows where a ratio is below 0.95.
-The QEMU columns and ratios are the same as without it.
+The QEMU columns and ratios are the same as without it. --builds-only leaves QEMU out (and
+the raw-qemu column): only the vdisk configurations run, with both binaries, and the report
+is the comparison alone. qemu-img bench on the overlay rows runs at a few MiB/s here, so this
+is what makes a comparison of two builds short enough to run on a quiet machine.
 
 Results: printed and written to bench/results/qcow2-<quick|full>[-AIO].md (no suffix for the
 default, native); with --baseline, qcow2-<quick|full>[-AIO]-vs-<REV>.md (REV from
@@ -68,6 +71,8 @@ CONFIGS = ["qemu", "qemu-best", "vdisk", "raw-qemu", "raw-vdisk", "falloc-vdisk"
 VDISK_CONFIGS = ["vdisk", "raw-vdisk", "falloc-vdisk", "written-vdisk"]
 BASE = "@base"
 BASELINE = None
+# With --builds-only: no QEMU configuration runs.
+BUILDS_ONLY = False
 # The ratio new/baseline below which a row is listed (issue 23: no row more than 5% below).
 BASE_BAR = 0.95
 
@@ -79,7 +84,7 @@ def configs(base_first=False):
     if not BASELINE:
         return CONFIGS
     out = []
-    for c in CONFIGS:
+    for c in (VDISK_CONFIGS if BUILDS_ONLY else CONFIGS):
         pair = [c, c + BASE] if c in VDISK_CONFIGS else [c]
         out += pair[::-1] if base_first else pair
     return out
@@ -266,11 +271,16 @@ def main():
     p.add_argument("--baseline-rev", metavar="REV",
                    help="the commit the baseline was built from, for the report (vdisk "
                    "--version does not name it)")
+    p.add_argument("--builds-only", action="store_true",
+                   help="with --baseline: run only the vdisk configurations, no QEMU")
     p.add_argument("--out", metavar="FILE", help="write the report here instead of "
                    "bench/results/")
     a = p.parse_args()
-    global AIO, BASELINE
+    global AIO, BASELINE, BUILDS_ONLY
     AIO = a.aio
+    if a.builds_only and not a.baseline:
+        p.error("--builds-only needs --baseline")
+    BUILDS_ONLY = a.builds_only
     if a.baseline_rev and not a.baseline:
         p.error("--baseline-rev needs --baseline")
     if a.baseline:
@@ -297,7 +307,8 @@ def main():
             for c in order:
                 t, _ = timed(c, row)
                 times[c].append(t)
-        traced_configs = ["qemu", "qemu-best", "vdisk"] + (["vdisk" + BASE] if BASELINE else [])
+        traced_configs = ([] if BUILDS_ONLY else ["qemu", "qemu-best"]) + ["vdisk"] + (
+            ["vdisk" + BASE] if BASELINE else [])
         trace = {c: traced(c, row) for c in traced_configs}
         mibs = {c: row[6] / MIB / statistics.median(times[c]) for c in configs()}
         results.append((row, mibs, trace))
@@ -335,6 +346,11 @@ def render(a, rounds, total, started, results):
         "this depth)",
         "- aio: `-i %s` on the -t none rows (for every tool), `-i threads` on the others and "
         "under strace" % AIO,
+    ]
+    if BUILDS_ONLY:
+        return "\n".join(out + ["- --builds-only: QEMU did not run"] + render_baseline(a, results)
+                         + [""])
+    out += [
         "",
         "## Throughput (MiB/s) and ratios",
         "",
@@ -411,7 +427,7 @@ def render_baseline(a, results):
         "- baseline: `%s`, commit %s (`--version`: %s; file modified %s)" % (
             binary, a.baseline_rev or "unknown (no --baseline-rev)", version,
             built.strftime("%Y-%m-%d %H:%M UTC")),
-        "- every vdisk configuration above also ran with the baseline binary on the same kind "
+        "- every vdisk configuration also ran with the baseline binary on the same kind "
         "of image, in the same alternating schedule: each baseline run right beside its "
         "counterpart, the one going first alternating from round to round and, in the first "
         "round, from row to row; the traced vdisk run ran once more with the baseline",
