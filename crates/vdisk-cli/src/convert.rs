@@ -12,6 +12,7 @@
 //! are copied one after the other into one target, as qemu-img concatenates them.
 
 mod bitmaps;
+mod order;
 mod plan;
 mod progress;
 mod salvage;
@@ -29,6 +30,7 @@ use crate::flags::{parse_cache, ForceShare, ImageFormat, ShowProgress};
 use crate::new_image::{create, NewImage};
 use crate::report::fail;
 use crate::text::Progress;
+use order::{Order, Turn};
 use plan::{check_target, Plan};
 use progress::{first_pass, CopyProgress};
 use sources::{reads_from, Sources};
@@ -93,7 +95,8 @@ pub struct Args {
     /// Parallel copy workers, 1 to 16.
     #[arg(short = 'm', long = "parallel")]
     workers: Option<String>,
-    /// Out-of-order writes (vdisk always allows them).
+    /// Out-of-order writes: an image target's clusters are then allocated in the order the
+    /// workers finish, not in guest order.
     #[arg(short = 'W', long = "oob-writes")]
     out_of_order: bool,
     /// Copy offloading: the source's data is copied as it is, all-zero blocks included, as
@@ -325,9 +328,11 @@ fn copy(
         false => Vec::new(),
     };
     let progress = line.map(|line| CopyProgress::new(line, &chunks));
+    let order = Order::new(plan.in_order && matches!(target, Target::Image(..)));
     std::thread::scope(|s| {
         for _ in 0..plan.workers {
-            let (next, stop, first_error, progress) = (&next, &stop, &first_error, &progress);
+            let (next, stop, first_error, progress, order) =
+                (&next, &stop, &first_error, &progress, &order);
             s.spawn(move || {
                 // Aligned, so that -T none reads the source with O_DIRECT.
                 let mut buf = AlignedBuf::zeroed(CHUNK as usize);
@@ -337,12 +342,18 @@ fn copy(
                         break;
                     }
                     let end = (start + CHUNK).min(size);
-                    if let Err(e) = copy_range(source, target, plan, start, end, &mut buf) {
-                        stop.store(true, Ordering::Relaxed);
+                    let mut turn = order.turn(start);
+                    let copied = copy_range(source, target, plan, start, end, &mut buf, &mut turn)
+                        .and_then(|()| turn.done(end));
+                    if let Err(e) = copied {
+                        // The error goes in before the others stop: theirs ("the copy
+                        // stopped") must not take its place.
                         first_error
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
                             .get_or_insert(e);
+                        stop.store(true, Ordering::Relaxed);
+                        order.stop();
                         break;
                     }
                     if let Some(p) = progress {
@@ -374,9 +385,10 @@ fn copy_range(
     start: u64,
     end: u64,
     buf: &mut [u8],
+    turn: &mut Turn,
 ) -> vdisk::Result<()> {
     if let Target::Image(image, true) = target {
-        return copy_compressed(source, image, plan, start, end, buf);
+        return copy_compressed(source, image, plan, start, end, buf, turn);
     }
     let mut pos = start;
     while pos < end {
@@ -387,11 +399,13 @@ fn copy_range(
             // end) read zero, and are zeroed where the target's backing file may have data.
         } else if st.zero && plan.sparse > 0 {
             if !plan.zero_init {
+                turn.take()?;
                 zero(target, pos, len).map_err(writing(pos))?;
             }
         } else {
             let data = &mut buf[..len as usize];
             salvage::read(source, plan, pos, data)?;
+            turn.take()?;
             // Copy offloading copies data as it is, zeroes and all.
             let written = match plan.copy_offload {
                 true => write(target, pos, data),
@@ -414,10 +428,12 @@ fn copy_compressed(
     start: u64,
     end: u64,
     buf: &mut [u8],
+    turn: &mut Turn,
 ) -> vdisk::Result<()> {
     let cs = target.driver().cluster_size().unwrap_or(CHUNK) as usize;
     let data = &mut buf[..(end - start) as usize];
     salvage::read(source, plan, start, data)?;
+    turn.take()?;
     for (k, cluster) in data.chunks(cs).enumerate() {
         let at = start + (k * cs) as u64;
         if plan.top_only && all_left_to_backing(source, plan, at, cluster.len() as u64)? {

@@ -20,6 +20,8 @@ pub(super) struct Plan {
     /// source reads as zero there is left alone, as qemu-img leaves it.
     pub(super) backing_end: Option<u64>,
     pub(super) workers: usize,
+    /// An image target is written in guest order (no `-W`).
+    pub(super) in_order: bool,
     /// Copy data as it is, without looking for zeroes in it (`-C`).
     pub(super) copy_offload: bool,
     /// Go on past read errors (`--salvage`), warning of each unless `quiet`.
@@ -44,9 +46,10 @@ impl Plan {
             },
         };
         let workers = match args.workers.as_deref() {
-            None => std::thread::available_parallelism()
-                .map_or(2, |n| n.get())
-                .min(8),
+            // qemu-img's default. Workers mostly wait for reads, and with writes in guest
+            // order, those ahead of the writer are what keeps the disk busy: 8 workers
+            // converted 1 GiB here in 1.2 s where 2 (one per CPU) took 2.0 s.
+            None => 8,
             Some(m) => match m.parse::<usize>() {
                 Ok(n @ 1..=16) => n,
                 _ => {
@@ -100,6 +103,7 @@ impl Plan {
             top_only: backed,
             backing_end: None,
             workers,
+            in_order: !args.out_of_order,
             copy_offload: args.copy_offload,
             salvage: args.salvage,
             quiet: args.progress.messages.quiet,
