@@ -67,8 +67,8 @@ fn read_all(img: &dyn BlockDev) -> Vec<u8> {
     buf
 }
 
-/// `len` bytes of the mapping at `at`, read through raw pointers. A read is a first touch
-/// too: an absent cluster read takes a zeroed cluster.
+/// `len` bytes of the mapping at `at`, read through raw pointers. Reading where nothing was
+/// ever stored allocates nothing (those pages read zeroes from memory).
 fn memory(m: &Mapping, at: usize, len: usize) -> Vec<u8> {
     assert!(at + len <= m.len());
     let mut buf = vec![0u8; len];
@@ -135,8 +135,9 @@ fn stores_through_memory_are_what_the_block_path_reads() {
             let (from, to) = (at / cs * cs, (at + bytes.len()).div_ceil(cs) * cs);
             same(&memory(&m, from, to - from), &want[from..to], "memory");
         }
-        // One first touch for each cluster stored to, and for each read.
+        // One first touch for each cluster stored to; reads took none.
         assert_eq!(m.stats().provider_calls, m.stats().missing_faults);
+        assert_eq!(m.stats().provider_calls, 4);
     }
     let got = read_all(&open(&img, false));
     same(&got, &want, "the block path");
@@ -161,6 +162,29 @@ fn a_first_touch_takes_one_cluster_and_the_pool_is_given_back() {
     }
     // Dropped: the file ends at its committed end, super + meta + one data cluster.
     assert_eq!(len(&img), 3 * CS);
+    assert_eq!(check(&img), (0, 0));
+}
+
+/// Thin provisioning holds for reads: reading a whole fresh disk through the mapping reads
+/// zeroes and allocates nothing in the image.
+#[test]
+fn reading_a_fresh_disk_allocates_nothing() {
+    let dir = tempdir();
+    let img = path(&dir, "a.pcow");
+    new_pcow(&img, 16 << 20, None);
+    {
+        let m = Mapping::open(&img).unwrap();
+        assert!(memory(&m, 0, 16 << 20).iter().all(|&b| b == 0));
+        assert_eq!(m.stats().provider_calls, 0);
+        assert_eq!(m.stats().zero_pages, (16 << 20) / 4096);
+        assert_eq!(std::fs::metadata(&img).unwrap().len(), CS);
+        // A store after the reads allocates as any first store does.
+        store_u64(&m, 9 * CS as usize + 4096, 42);
+        m.persist(9 * CS as usize + 4096, 8).unwrap();
+        assert_eq!(m.stats().provider_calls, 1);
+    }
+    let got = read_all(&open(&img, false));
+    assert_eq!(got[9 * CS as usize + 4096..][..8], 42u64.to_ne_bytes());
     assert_eq!(check(&img), (0, 0));
 }
 

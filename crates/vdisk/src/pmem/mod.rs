@@ -4,15 +4,21 @@
 //! A [`Region`] is `len` bytes at one base address, cut into cluster-sized slots. Each slot is
 //!
 //! ```text
-//!  absent ──first touch (uffd MISSING)──► writable        (Provider::cluster(slot, Zeroed))
+//!  absent ──first store (uffd MISSING or WP)──► writable   (Provider::cluster(slot, Zeroed))
+//!        (a load first: that page reads a write-protected page of zeroes, no cluster)
 //!  read-only ──first write to page P (SIGSEGV)──► page P writable from a new cluster
 //!        (Provider::cluster(slot, CopyTarget) once, then Provider::pages_copied(slot, [P]))
 //! ```
 //!
-//! - **absent**: anonymous placeholder memory registered with userfaultfd for missing faults. The
-//!   first touch, read or write, blocks the thread in the kernel; the monitor thread asks the
-//!   [`Provider`] for a cluster, maps that file range over the slot (`MAP_FIXED | MAP_SHARED`;
-//!   the new mapping is not registered, so later touches cost nothing) and wakes the waiters.
+//! - **absent**: anonymous placeholder memory registered with userfaultfd for missing and
+//!   write-protect faults. The first store blocks the thread in the kernel; the monitor thread
+//!   asks the [`Provider`] for a cluster, maps that file range over the slot (`MAP_FIXED |
+//!   MAP_SHARED`; the new mapping is not registered, so later touches cost nothing) and wakes
+//!   the waiters. A load of a page no store reached gets a page of zeroes, placed
+//!   write-protected (`UFFDIO_COPY` with `MODE_WP`, atomically, so no store can slip in
+//!   unseen): reading never-written memory costs 4 KiB of memory per page and no space in
+//!   the image, and the first store to the slot then faults as a write and fills it. Kernels
+//!   without write-protect faults for anonymous memory (before 5.7) fill the slot on a load.
 //! - **writable**: a file range mapped shared, read-write.
 //! - **read-only** (a snapshot's or a base image's cluster): mapped `PROT_READ`. The first write
 //!   to a 4 KiB page copies that page only into the slot's writable cluster, persists it, tells
@@ -102,6 +108,7 @@ pub trait Provider: Send {
 #[derive(Default, Debug)]
 struct Stats {
     missing_faults: AtomicU64,
+    zero_pages: AtomicU64,
     cow_faults: AtomicU64,
     provider_calls: AtomicU64,
     pages_copied: AtomicU64,
@@ -133,8 +140,11 @@ impl Written {
 /// A snapshot of a region's counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RegionStats {
-    /// Absent slots filled (first touches served; concurrent touches of a slot count once).
+    /// Absent slots filled (first stores served; concurrent touches of a slot count once).
     pub missing_faults: u64,
+    /// Pages of absent slots read before any store: given a write-protected page of zeroes
+    /// (4 KiB of memory, no cluster), until a store fills the slot.
+    pub zero_pages: u64,
     /// Read-only pages written for the first time (concurrent writes of a page count once).
     pub cow_faults: u64,
     /// Calls of [`Provider::cluster`].

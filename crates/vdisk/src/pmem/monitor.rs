@@ -1,4 +1,4 @@
-//! The monitor thread: serves first touches of absent slots (userfaultfd) and first writes to
+//! The monitor thread: serves touches of absent slots (userfaultfd) and first writes to
 //! read-only pages (requests from the SIGSEGV handler), one at a time, so a slot is filled once
 //! and a page copied once however many threads fault on it together.
 //!
@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use super::fault::{Request, HANDLED, NOT_OURS};
 use super::map::{self, PAGE};
-use super::uffd::Uffd;
+use super::uffd::{Fault, Uffd};
 use super::{Cluster, Need, Persist, Provider, Stats, Written};
 
 /// What a slot holds now. Only the monitor thread (after the region's construction) reads or
@@ -78,8 +78,8 @@ impl Monitor {
             if fds[1].revents != 0 {
                 faults.clear();
                 if self.uffd.read_faults(&mut faults).is_ok() {
-                    for &addr in &faults {
-                        self.missing(addr);
+                    for &fault in &faults {
+                        self.missing(fault);
                     }
                 }
             }
@@ -89,14 +89,20 @@ impl Monitor {
         }
     }
 
-    /// A first touch of an absent slot: fill it, then wake every thread waiting in it.
-    fn missing(&mut self, addr: usize) {
+    /// A touch of an absent slot: a load gets a write-protected page of zeroes; a store fills
+    /// the slot, then wakes every thread waiting in it.
+    fn missing(&mut self, Fault { addr, write }: Fault) {
         let slot = addr.wrapping_sub(self.base) / self.cluster_size;
         if slot >= self.slots.len() {
             return; // not a registered address: the kernel sends none
         }
         let at = self.base + slot * self.cluster_size;
-        if matches!(self.slots.get(slot), Some(Slot::Absent)) {
+        let absent = matches!(self.slots.get(slot), Some(Slot::Absent));
+        if absent && !write && self.uffd.can_zero_page() && self.uffd.zero_page(addr).is_ok() {
+            self.stats.zero_pages.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        if absent {
             self.stats.missing_faults.fetch_add(1, Ordering::Relaxed);
             match self.fill(slot, at) {
                 Ok(()) => {

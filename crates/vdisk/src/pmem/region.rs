@@ -292,6 +292,7 @@ impl Region {
         let get = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
         RegionStats {
             missing_faults: get(&s.missing_faults),
+            zero_pages: get(&s.zero_pages),
             cow_faults: get(&s.cow_faults),
             provider_calls: get(&s.provider_calls),
             pages_copied: get(&s.pages_copied),
@@ -362,8 +363,8 @@ fn build(
     shared: libc::c_int,
     written: &Written,
 ) -> Result<(Uffd, Vec<Slot>), Error> {
-    let uffd = Uffd::open().map_err(os("opening userfaultfd"))?;
-    uffd.register_missing(base, layout.len)
+    let mut uffd = Uffd::open().map_err(os("opening userfaultfd"))?;
+    uffd.register(base, layout.len)
         .map_err(os("registering the region with userfaultfd"))?;
     let mut states: Vec<Slot> = (0..layout.len / layout.cluster_size)
         .map(|_| Slot::Absent)

@@ -1,5 +1,6 @@
-//! userfaultfd, the few calls the region uses: open, register a range for missing faults, read
-//! fault messages, wake the threads waiting in a range. The `libc` crate has the system call
+//! userfaultfd, the few calls the region uses: open, register a range for missing (and, where
+//! the kernel can, write-protect) faults, read fault messages, place a write-protected page of
+//! zeroes, wake the threads waiting in a range. The `libc` crate has the system call
 //! number but not the structures or ioctl numbers, so they are declared here as
 //! `<linux/userfaultfd.h>` lays them out (x86_64 and aarch64 use the generic ioctl encoding).
 
@@ -13,7 +14,18 @@ const UFFD_API: u64 = 0xAA;
 /// from the region).
 const UFFD_USER_MODE_ONLY: libc::c_int = 1;
 const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
+const UFFDIO_REGISTER_MODE_WP: u64 = 2;
+/// Fault messages say whether a fault was a write-protect one (kernel 5.7+ for anonymous
+/// memory).
+const UFFD_FEATURE_PAGEFAULT_FLAG_WP: u64 = 1;
+const UFFD_PAGEFAULT_FLAG_WRITE: u64 = 1;
+const UFFD_PAGEFAULT_FLAG_WP: u64 = 2;
+const UFFDIO_COPY_MODE_WP: u64 = 2;
 const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
+const PAGE: usize = 4096;
+
+/// The source of the zero pages placed on reads.
+static ZEROES: [u8; PAGE] = [0; PAGE];
 
 const fn iowr(nr: u64, size: usize) -> u64 {
     (3 << 30) | ((size as u64) << 16) | (0xAA << 8) | nr
@@ -61,14 +73,41 @@ struct Msg {
 const UFFDIO_API: u64 = iowr(0x3F, size_of::<Api>());
 const UFFDIO_REGISTER: u64 = iowr(0x00, size_of::<Register>());
 const UFFDIO_WAKE: u64 = ior(0x02, size_of::<Range>());
+const UFFDIO_COPY: u64 = iowr(0x03, size_of::<Copy>());
+
+#[repr(C)]
+#[derive(Default)]
+struct Copy {
+    dst: u64,
+    src: u64,
+    len: u64,
+    mode: u64,
+    copy: i64,
+}
+
+/// A page fault: where, and whether the access writes (a missing fault of a store, or a store
+/// to a write-protected page).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Fault {
+    pub(super) addr: usize,
+    pub(super) write: bool,
+}
 
 /// An open userfaultfd (non-blocking, closed on exec).
 pub(super) struct Uffd {
     fd: OwnedFd,
+    /// The range is registered for write-protect faults too: [`Uffd::zero_page`] works.
+    wp: bool,
 }
 
 impl Uffd {
+    /// Opens a descriptor whose fault messages tell write-protect faults apart where the kernel
+    /// can, else a plain one.
     pub(super) fn open() -> io::Result<Uffd> {
+        Uffd::open_with(UFFD_FEATURE_PAGEFAULT_FLAG_WP).or_else(|_| Uffd::open_with(0))
+    }
+
+    fn open_with(features: u64) -> io::Result<Uffd> {
         let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
         // SAFETY: userfaultfd takes only flags and returns a new descriptor or -1.
         let mut fd = unsafe { libc::syscall(libc::SYS_userfaultfd, flags) };
@@ -81,26 +120,55 @@ impl Uffd {
         }
         // SAFETY: the system call just returned this descriptor and nothing else owns it.
         let fd = unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) };
-        let uffd = Uffd { fd };
+        let uffd = Uffd { fd, wp: false };
         let mut api = Api {
             api: UFFD_API,
+            features,
             ..Api::default()
         };
         uffd.ioctl(UFFDIO_API, &mut api)?;
         Ok(uffd)
     }
 
-    /// Registers `[start, start + len)` (anonymous memory) for missing faults.
-    pub(super) fn register_missing(&self, start: usize, len: usize) -> io::Result<()> {
+    /// Registers `[start, start + len)` (anonymous memory) for missing faults and, where the
+    /// kernel can, write-protect faults (then [`Uffd::zero_page`] works).
+    pub(super) fn register(&mut self, start: usize, len: usize) -> io::Result<()> {
         let mut reg = Register {
             range: Range {
                 start: start as u64,
                 len: len as u64,
             },
-            mode: UFFDIO_REGISTER_MODE_MISSING,
+            mode: UFFDIO_REGISTER_MODE_MISSING | UFFDIO_REGISTER_MODE_WP,
             ioctls: 0,
         };
+        if self.ioctl(UFFDIO_REGISTER, &mut reg).is_ok() {
+            self.wp = true;
+            return Ok(());
+        }
+        reg.mode = UFFDIO_REGISTER_MODE_MISSING;
         self.ioctl(UFFDIO_REGISTER, &mut reg)
+    }
+
+    /// Whether reads can be given write-protected zero pages ([`Uffd::zero_page`]).
+    pub(super) fn can_zero_page(&self) -> bool {
+        self.wp
+    }
+
+    /// Places a write-protected page of zeroes at `addr` (a page of a range registered for
+    /// write-protect faults) and wakes the threads waiting there: reads then see zeroes, and
+    /// the first store faults again, as a write. A page placed already is left as it is.
+    pub(super) fn zero_page(&self, addr: usize) -> io::Result<()> {
+        let mut copy = Copy {
+            dst: (addr & !(PAGE - 1)) as u64,
+            src: ZEROES.as_ptr() as u64,
+            len: PAGE as u64,
+            mode: UFFDIO_COPY_MODE_WP,
+            copy: 0,
+        };
+        match self.ioctl(UFFDIO_COPY, &mut copy) {
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => self.wake(addr & !(PAGE - 1), PAGE),
+            r => r,
+        }
     }
 
     /// Wakes every thread waiting on a fault in `[start, start + len)`; they retry the access.
@@ -112,8 +180,8 @@ impl Uffd {
         self.ioctl(UFFDIO_WAKE, &mut range)
     }
 
-    /// The addresses of the page faults queued now (none when the queue is empty), into `out`.
-    pub(super) fn read_faults(&self, out: &mut Vec<usize>) -> io::Result<()> {
+    /// The page faults queued now (none when the queue is empty), into `out`.
+    pub(super) fn read_faults(&self, out: &mut Vec<Fault>) -> io::Result<()> {
         let mut msgs = [Msg::default(); 16];
         loop {
             // SAFETY: the buffer is `msgs`, writable for its whole size.
@@ -137,7 +205,10 @@ impl Uffd {
                 msgs[..n]
                     .iter()
                     .filter(|m| m.event == UFFD_EVENT_PAGEFAULT)
-                    .map(|m| m.address as usize),
+                    .map(|m| Fault {
+                        addr: m.address as usize,
+                        write: m.flags & (UFFD_PAGEFAULT_FLAG_WRITE | UFFD_PAGEFAULT_FLAG_WP) != 0,
+                    }),
             );
             if n < msgs.len() {
                 return Ok(());

@@ -50,12 +50,65 @@ fn touched_slots_take_one_cluster_each_and_nothing_else() {
     expect[64..72].copy_from_slice(&0x4444u64.to_ne_bytes());
     assert!(data == expect, "the file does not hold exactly the stores");
 
-    // Memory around the stores reads zero; so does a slot never touched, which (a first
-    // touch being a read too) is filled with a zeroed cluster then.
+    // Memory around the stores reads zero; so does a slot never stored to, and reading it
+    // takes no cluster: its pages read write-protected pages of zeroes.
     assert_eq!(load_u64(&r, 3 * cs), 0);
     assert_eq!(load_u64(&r, 10 * cs + cs - 8), 0);
     assert!((0..cs).step_by(4096).all(|o| load(&r, 20 * cs + o) == 0));
-    assert_eq!(calls.lock().unwrap().clusters.len(), 4);
+    assert_eq!(calls.lock().unwrap().clusters.len(), 3);
+    assert_eq!(r.stats().zero_pages, (cs / 4096) as u64);
+    assert_eq!(file.metadata().unwrap().len(), 3 * cs as u64);
+
+    // The first store there, to a page read before, fills the slot as any first store does.
+    store_u64(&r, 20 * cs + 4096 * 5 + 8, 0x5555);
+    r.persist(20 * cs + 4096 * 5 + 8, 8).unwrap();
+    assert_eq!(calls.lock().unwrap().clusters[3], (20, Need::Zeroed));
+    assert_eq!(load_u64(&r, 20 * cs + 4096 * 5 + 8), 0x5555);
+    assert!((0..cs).step_by(4096).all(|o| load(&r, 20 * cs + o) == 0));
+    let mut word = [0u8; 8];
+    file.read_exact_at(&mut word, 3 * cs as u64 + 4096 * 5 + 8)
+        .unwrap();
+    assert_eq!(u64::from_ne_bytes(word), 0x5555);
+}
+
+#[test]
+fn loads_racing_a_store_into_an_absent_slot_see_zero_or_the_store() {
+    let dir = tempdir();
+    let cs = 64 * 1024;
+    let (r, calls, _file) = region(
+        Layout::new(16 * cs, cs).unwrap(),
+        disk_file(&dir, "img"),
+        cs,
+    );
+    let barrier = Barrier::new(8);
+    let slot = 7;
+    std::thread::scope(|s| {
+        for t in 0..8usize {
+            let (r, barrier) = (&r, &barrier);
+            s.spawn(move || {
+                barrier.wait();
+                if t == 0 {
+                    for page in 0..cs / 4096 {
+                        store_u64(r, slot * cs + page * 4096, page as u64 + 1);
+                    }
+                } else {
+                    for round in 0..50 {
+                        for page in 0..cs / 4096 {
+                            let v = load_u64(r, slot * cs + page * 4096);
+                            assert!(v == 0 || v == page as u64 + 1, "round {round}: {v}");
+                        }
+                    }
+                }
+            });
+        }
+    });
+    for page in 0..cs / 4096 {
+        assert_eq!(load_u64(&r, slot * cs + page * 4096), page as u64 + 1);
+    }
+    assert_eq!(
+        calls.lock().unwrap().clusters,
+        [(slot as u64, Need::Zeroed)]
+    );
 }
 
 #[test]
