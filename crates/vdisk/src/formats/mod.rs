@@ -27,8 +27,9 @@ pub mod seqlog;
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::blockdev::{BlockDev, BlockStatus};
+use crate::blockdev::{BlockDev, BlockStatus, StartedRead, Transfer};
 use crate::error::{IoContext, Result};
+use crate::gate::Pass;
 use crate::storage::Storage;
 
 pub use dirty_bitmap::DirtyBitmap;
@@ -121,6 +122,27 @@ pub(crate) fn read_mapped_with(
         done += n as usize;
     }
     Ok(())
+}
+
+/// Starts a read through a layer's mappings for the I/O queue: each run stored as plain data
+/// becomes a transfer on the layer's data storage, the rest is read now. `pass` is held until
+/// the transfers end (it keeps what they read from being reused).
+pub(crate) fn start_read_mapped<'a>(
+    layer: &'a dyn Layer,
+    offset: u64,
+    buf: &mut [u8],
+    pass: Option<Pass<'a>>,
+) -> Result<StartedRead<'a>> {
+    let mut transfers = Vec::new();
+    read_mapped_with(layer, offset, buf, |host, bytes, _| {
+        transfers.push(Transfer { host, bytes });
+        Ok(())
+    })?;
+    Ok(StartedRead {
+        storage: layer.data_storage(),
+        transfers,
+        _pass: pass,
+    })
 }
 
 /// Reads from a backing disk; bytes beyond its end (or without one) read as zeroes.

@@ -38,8 +38,8 @@ use self::snapshot::Snapshot;
 use self::tables::Tables;
 use super::driver::Driver;
 use super::entry::{FormatEntry, Opener};
-use super::{read_mapped, read_mapped_with, status_mapped};
-use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
+use super::{read_mapped, start_read_mapped, status_mapped};
+use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, StartedWrite};
 use crate::counters::Counters;
 use crate::error::{Error, IoContext, Result};
 use crate::gate::Gate;
@@ -421,16 +421,7 @@ impl BlockDev for Qcow2 {
         if self.writable {
             self.fill_range(offset, buf.len() as u64)?;
         }
-        let mut transfers = Vec::new();
-        read_mapped_with(self, offset, buf, |host, bytes, _| {
-            transfers.push(Transfer { host, bytes });
-            Ok(())
-        })?;
-        Ok(Some(StartedRead {
-            storage: &*self.data,
-            transfers,
-            _pass: None,
-        }))
+        start_read_mapped(self, offset, buf, None).map(Some)
     }
 
     fn start_write(&self, offset: u64, data: &[u8]) -> Result<Option<StartedWrite<'_>>> {

@@ -24,7 +24,7 @@
 use std::ops::Range;
 use std::sync::atomic::Ordering::{Relaxed, Release};
 
-use super::layout::{BatchHeader, Kind, Record};
+use super::layout::{Kind, Record};
 use super::log::{lock, Forming, Log, Member, Open, Part, Tail, DATA, RESERVE};
 use super::map::Map;
 use crate::bytes::AlignedBuf;
@@ -245,13 +245,7 @@ impl Log {
                 continue;
             }
             if !b.dead {
-                let header = BatchHeader {
-                    seq: t.head.next_seq,
-                    nonce: b.nonce,
-                    image_id: self.sb.image_id,
-                    stream: DATA as u8,
-                    records: b.records.clone(),
-                };
+                let header = self.next_header(t, b.nonce, DATA, b.records.clone());
                 let mut block = AlignedBuf::zeroed(bs);
                 header.encode_with(&mut block, |mut crc| {
                     for (r, (part, _)) in b.records.iter().zip(&b.parts) {
@@ -267,11 +261,7 @@ impl Log {
                 let offset = self.sb.log_offset(b.at);
                 let written = self.storage.write_at(offset, &block);
                 if written.is_ok() {
-                    t.head.next_seq += 1;
-                    t.head.seg_seq[b.segment as usize] = header.seq;
-                    if b.records.iter().any(|r| r.kind == Kind::Trim) {
-                        t.head.trims[b.segment as usize] = true;
-                    }
+                    self.numbered(t, b.segment, &header);
                     self.written.fetch_add(1, Release);
                     let data = u64::from(header.data_blocks()) * bs as u64;
                     self.stats.batches.fetch_add(1, Relaxed);

@@ -203,7 +203,7 @@ impl Log {
             taken += 1;
         }
         let blocks = (data.len() / bs) as u32;
-        let (header, at) = self.place(t, CLEANER, records, blocks);
+        let (header, at) = self.place(t, records, blocks);
         if let Err(e) = self.write_at(&header, &data, at) {
             t.open[CLEANER] = None;
             return Err(e);

@@ -223,35 +223,54 @@ impl Log {
         t.opened_since += 1;
     }
 
-    /// Gives a batch of `records` with `blocks` data blocks its sequence number and place at
-    /// the head of `stream`'s open segment, where it fits.
+    /// Gives a batch of the cleaner's `records` with `blocks` data blocks its sequence
+    /// number and place at the head of the cleaner's open segment, where it fits.
     pub(super) fn place(
         &self,
         t: &mut Tail,
-        stream: usize,
         records: Vec<Record>,
         blocks: u32,
     ) -> (BatchHeader, u32) {
-        let open = t.open[stream].as_mut().expect("a segment is open");
+        let open = t.open[CLEANER].as_mut().expect("a segment is open");
         let at = open.segment * self.sb.segment_blocks + open.pos;
         open.pos += 1 + blocks;
-        let header = BatchHeader {
+        let (segment, nonce) = (open.segment, open.nonce);
+        let header = self.next_header(t, nonce, CLEANER, records);
+        self.numbered(t, segment, &header);
+        if self.sb.log_offset(at) == t.last_end[CLEANER] {
+            self.stats.sequential.fetch_add(1, Ordering::Relaxed);
+        }
+        t.last_end[CLEANER] = self.sb.log_offset(at + 1 + blocks);
+        (header, at)
+    }
+
+    /// The header of the next batch of `stream` in the segment of `nonce`: it takes the next
+    /// sequence number, which counts once [`Log::numbered`] says the batch was placed.
+    pub(super) fn next_header(
+        &self,
+        t: &Tail,
+        nonce: u64,
+        stream: usize,
+        records: Vec<Record>,
+    ) -> BatchHeader {
+        BatchHeader {
             seq: t.head.next_seq,
-            nonce: open.nonce,
+            nonce,
             image_id: self.sb.image_id,
             stream: stream as u8,
             records,
-        };
-        t.head.seg_seq[open.segment as usize] = header.seq;
-        if header.records.iter().any(|r| r.kind == Kind::Trim) {
-            t.head.trims[open.segment as usize] = true;
         }
+    }
+
+    /// Counts `header`'s batch as placed in `segment`: its sequence number is taken, and the
+    /// segment's age (for the cleaner) and trim flag (for recovery) follow it.
+    pub(super) fn numbered(&self, t: &mut Tail, segment: u32, header: &BatchHeader) {
+        debug_assert_eq!(header.seq, t.head.next_seq);
         t.head.next_seq += 1;
-        if self.sb.log_offset(at) == t.last_end[stream] {
-            self.stats.sequential.fetch_add(1, Ordering::Relaxed);
+        t.head.seg_seq[segment as usize] = header.seq;
+        if header.records.iter().any(|r| r.kind == Kind::Trim) {
+            t.head.trims[segment as usize] = true;
         }
-        t.last_end[stream] = self.sb.log_offset(at + 1 + blocks);
-        (header, at)
     }
 
     /// A free segment for guest writes, beyond the reserve (the writer cleaned first where it

@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex};
 use super::driver::Driver;
 use super::entry::FormatEntry;
 use super::info::{FormatInfo, InfoValue};
-use super::{read_mapped, read_mapped_with, status_mapped, Holes, Layer, Mapping};
+use super::{read_mapped, start_read_mapped, status_mapped, Holes, Layer, Mapping};
 use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{LockRole, Storage};
@@ -228,16 +228,7 @@ impl BlockDev for Seqlog {
         let Some(pass) = self.log.reuse.try_enter() else {
             return Ok(None);
         };
-        let mut transfers = Vec::new();
-        read_mapped_with(self, offset, buf, |host, bytes, _| {
-            transfers.push(Transfer { host, bytes });
-            Ok(())
-        })?;
-        Ok(Some(StartedRead {
-            storage: &*self.log.storage,
-            transfers,
-            _pass: Some(pass),
-        }))
+        start_read_mapped(self, offset, buf, Some(pass)).map(Some)
     }
 
     /// Places a write of whole blocks in the forming batch; its data goes to the head of
