@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use vdisk::formats::{Capability, CheckFailed, CheckReport, Fix};
+use vdisk::formats::{stack, Capability, CheckFailed, CheckReport, Fix};
 use vdisk::storage::{FileStorage, LockUse, OpenOptions, Storage};
 use vdisk::{open_image, Error, Format, ImageOptions};
 
@@ -140,7 +140,7 @@ fn run_repair(
             ));
         }
     };
-    let repaired = match format.repair(&storage, fix, &mut |m| eprintln!("{m}")) {
+    let repaired = match stack::repair(format, &storage, fix, &mut |m| eprintln!("{m}")) {
         Ok(r) => r,
         Err(failed) => return Err(check_failed(&failed)),
     };

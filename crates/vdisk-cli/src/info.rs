@@ -110,7 +110,10 @@ struct Info {
     dirty: bool,
     backing: Option<(String, String, Option<String>)>,
     snapshots: Vec<SnapshotInfo>,
-    specific: Option<Vec<(String, Value)>>,
+    specific: Option<Specific>,
+    /// The data layout under the image (qcow2 on seqlog): its format, its disk's size and
+    /// its own information.
+    layout: Option<(&'static str, u64, Specific)>,
 }
 
 impl Info {
@@ -137,6 +140,7 @@ impl Info {
             backing: None,
             snapshots: Vec::new(),
             specific: None,
+            layout: None,
         };
         let f = image.driver().info();
         // raw passes bdrv_get_info on to its file; a protocol node is the file.
@@ -155,10 +159,15 @@ impl Info {
             let full = vdisk::backing_path(&image.filename, &name);
             (name, full, fmt)
         });
-        info.specific = f.specific.map(|d| {
+        let specific = |d: Vec<(&str, InfoValue)>| {
             d.into_iter()
                 .map(|(k, v)| (k.to_string(), json(v)))
                 .collect()
+        };
+        info.specific = f.specific.map(specific);
+        info.layout = image.layout().map(|l| {
+            let data = l.driver.info().specific.map_or(Vec::new(), specific);
+            (l.format.name(), l.driver.size(), data)
         });
         info
     }
@@ -222,6 +231,13 @@ impl Info {
         } else if self.file.is_none() {
             file_specific(&mut d, self.format);
         }
+        if let Some((format, size, data)) = &self.layout {
+            let mut l = Dict::new();
+            l.put("format", *format)
+                .put("virtual-size", *size)
+                .put("data", Value::Dict(data.clone()));
+            d.put("data-layout", l.build());
+        }
         let children = self
             .file
             .iter()
@@ -260,6 +276,10 @@ impl Info {
             s += "Format specific information:\n";
             qjson::dump_human(&mut s, 1, &Value::Dict(spec.clone()));
         }
+        if let Some((format, size, data)) = &self.layout {
+            s += &format!("Data layout: {format}\n    disk size now: {size} bytes\n");
+            qjson::dump_human(&mut s, 1, &Value::Dict(data.clone()));
+        }
         if let Some((name, driver)) = &self.file {
             s += &format!(
                 "Child node '/file':\n    filename: {name}\n    protocol type: {driver}\n    file \
@@ -278,6 +298,9 @@ impl Info {
         s
     }
 }
+
+/// Format-specific information, as JSON members.
+type Specific = Vec<(String, Value)>;
 
 /// The snapshots a storage keeps, as QEMU's rbd driver describes them: the name as id and
 /// tag, the size as the VM state size, no date, clock or instructions.

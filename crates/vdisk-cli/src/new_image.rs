@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use vdisk::formats::qcow2::create::{create as create_qcow2, CreateOptions};
 use vdisk::formats::qcow2::header::Compression;
-use vdisk::formats::raw;
+use vdisk::formats::{raw, seqlog};
 use vdisk::spec::Protocol;
 use vdisk::storage::{
     FileStorage, LockRole, LockUse, NbdStorage, OpenOptions, RbdStorage, RbdTarget, Storage,
@@ -16,7 +16,7 @@ use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 use crate::options::{parse_bool, parse_options};
 use crate::report::message;
 use crate::size::{option_number, option_size, parse_size};
-use native::{create_pcow, create_seqlog};
+use native::{create_pcow, create_qcow2_on_seqlog, create_seqlog, seqlog_option};
 
 mod native;
 
@@ -63,8 +63,26 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
     let mut shown: Vec<(String, String)> = Vec::new();
     let mut backing = args.backing.map(str::to_string);
     let mut backing_format = args.backing_format.map(str::to_string);
+    // `-o data_layout=seqlog`: the qcow2 image goes in a seqlog disk; seqlog's own options
+    // (other than the size) shape it.
+    let mut layout: Option<seqlog::CreateOptions> = None;
+    let mut layout_options = Vec::new();
     for (k, v) in parse_options(args.options) {
         match (format.name(), k.as_str()) {
+            ("qcow2", "data_layout") if v == "seqlog" => {
+                layout = Some(seqlog::CreateOptions {
+                    holds: Some(seqlog::Held::Qcow2),
+                    ..seqlog::CreateOptions::default()
+                })
+            }
+            ("qcow2", "data_layout") => {
+                return Err(Error::invalid(format!(
+                    "Invalid data_layout '{v}': seqlog is the one vdisk has"
+                )))
+            }
+            ("qcow2", "block_size" | "segment_size" | "cleaner" | "spare") => {
+                layout_options.push((k.clone(), v.clone()))
+            }
             (_, "size") => o.size = option_size(&k, &v).map_err(Error::invalid)?,
             (_, "preallocation") => o.preallocation = Preallocation::parse(&v)?,
             (_, "extent_size_hint") => {
@@ -108,6 +126,11 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
     if format == Format::RAW {
         refuse_backing(args, format)?;
     }
+    if let (None, Some((k, _))) = (&layout, layout_options.first()) {
+        return Err(Error::invalid(format!(
+            "Invalid parameter '{k}' (seqlog's: give data_layout=seqlog)"
+        )));
+    }
     o.backing_file = backing.clone();
     o.backing_format = backing_format.clone();
     match args.size {
@@ -138,7 +161,20 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
     // Everything that can refuse the image is checked before any file is made or cut, so a
     // refused create leaves an existing file as it was (qemu-img cuts it first, and deletes a
     // qcow2 image it could not make).
+    if let Some(l) = &mut layout {
+        if o.data_file.is_some() || o.preallocation != Preallocation::Off {
+            return Err(Error::invalid(
+                "a qcow2 image on a seqlog layout takes neither data_file nor preallocation",
+            ));
+        }
+        for (k, v) in &layout_options {
+            seqlog_option(l, k, v)?;
+        }
+        l.size = seqlog::qcow2_capacity(o.size);
+        l.superblock()?;
+    }
     let image_len = match format.name() {
+        "qcow2" if layout.is_some() => 0,
         // QEMU takes the length as an off_t, which such a size does not fit.
         "raw" if o.size > i64::MAX as u64 => {
             return Err(Error::invalid("Could not resize file: Invalid argument"))
@@ -176,6 +212,9 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
     }
     let made = match format.name() {
         "raw" => raw::create(&*file.storage, o.size, o.preallocation),
+        _ if layout.is_some() => {
+            create_qcow2_on_seqlog(&file.storage, &o, layout.as_ref().expect("a layout"))
+        }
         _ => create_qcow2(&*file.storage, data.as_ref().map(|d| &*d.storage), &o),
     };
     made.map_err(|e| {

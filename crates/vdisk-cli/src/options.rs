@@ -87,6 +87,10 @@ pub fn creation_option(format: Format, key: &str) -> Option<Kind> {
             Some(Kind::Text)
         }
         ("qcow2", "lazy_refcounts" | "extended_l2" | "data_file_raw") => Some(Kind::Bool),
+        // vdisk's: a qcow2 image on a seqlog layout, and seqlog's options for it.
+        ("qcow2", "data_layout" | "cleaner") => Some(Kind::Text),
+        ("qcow2", "segment_size" | "block_size") => Some(Kind::Size),
+        ("qcow2", "spare") => Some(Kind::Number),
         _ => common,
     }
 }

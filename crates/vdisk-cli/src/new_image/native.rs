@@ -1,9 +1,13 @@
 //! Images of vdisk's own formats (seqlog, pcow), made as `create` makes qcow2's: their options
 //! checked whole before the file is made or cut.
 
-use vdisk::formats::qcow2::create::CreateOptions;
+use std::sync::Arc;
+
+use vdisk::formats::qcow2::create::{create as create_qcow2, CreateOptions};
+use vdisk::formats::stack::open_layout;
 use vdisk::formats::{pcow, seqlog};
 use vdisk::spec::Protocol;
+use vdisk::storage::Storage;
 use vdisk::{Error, Format};
 
 use super::{backing_size, image_size, refuse_backing, NewFile, NewImage};
@@ -21,28 +25,11 @@ pub(super) fn create_seqlog(
     let mut o = seqlog::CreateOptions::default();
     let mut size_given = false;
     for (k, v) in parse_options(args.options) {
-        let size = || option_size(&k, &v).map_err(Error::invalid);
-        match k.as_str() {
-            "size" => {
-                o.size = size()?;
-                size_given = true;
-            }
-            "block_size" => {
-                o.block_size = u32::try_from(size()?)
-                    .map_err(|_| Error::invalid(format!("Invalid block_size '{v}'")))?
-            }
-            "segment_size" => o.segment_size = size()?,
-            "cleaner" => {
-                o.policy = seqlog::Policy::parse(&v).ok_or_else(|| {
-                    Error::invalid(format!("Invalid cleaner '{v}': cost-benefit or greedy"))
-                })?
-            }
-            "spare" => {
-                o.spare = v.parse().map_err(|_| {
-                    Error::invalid(format!("Invalid spare '{v}': a percentage of the size"))
-                })?
-            }
-            _ => return Err(Error::invalid(format!("Invalid parameter '{k}'"))),
+        if k == "size" {
+            o.size = option_size(&k, &v).map_err(Error::invalid)?;
+            size_given = true;
+        } else if !seqlog_option(&mut o, &k, &v)? {
+            return Err(Error::invalid(format!("Invalid parameter '{k}'")));
         }
     }
     match args.size {
@@ -66,6 +53,49 @@ pub(super) fn create_seqlog(
     let file = NewFile::open(args.filename, target, 0, format, false)?;
     file.cut()?;
     seqlog::create(&*file.storage, &o).inspect_err(|_| file.remove_if_made())
+}
+
+/// Takes a seqlog option other than the size into `o`; false where `k` is none.
+pub(super) fn seqlog_option(
+    o: &mut seqlog::CreateOptions,
+    k: &str,
+    v: &str,
+) -> vdisk::Result<bool> {
+    let size = || option_size(k, v).map_err(Error::invalid);
+    match k {
+        "block_size" => {
+            o.block_size = u32::try_from(size()?)
+                .map_err(|_| Error::invalid(format!("Invalid block_size '{v}'")))?
+        }
+        "segment_size" => o.segment_size = size()?,
+        "cleaner" => {
+            o.policy = seqlog::Policy::parse(v).ok_or_else(|| {
+                Error::invalid(format!("Invalid cleaner '{v}': cost-benefit or greedy"))
+            })?
+        }
+        "spare" => {
+            o.spare = v.parse().map_err(|_| {
+                Error::invalid(format!("Invalid spare '{v}': a percentage of the size"))
+            })?
+        }
+        _ => return Ok(false),
+    }
+    Ok(true)
+}
+
+/// Makes a qcow2 image made with `o` on a seqlog layout made with `layout` in `file`
+/// (`-o data_layout=seqlog`): the layout's capacity is `seqlog::qcow2_capacity` of the qcow2's
+/// size (docs/seqlog-format.md, "Holding an image"), and both are closed after.
+pub(super) fn create_qcow2_on_seqlog(
+    file: &Arc<dyn Storage>,
+    o: &CreateOptions,
+    layout: &seqlog::CreateOptions,
+) -> vdisk::Result<()> {
+    seqlog::create(&**file, layout)?;
+    let (layout, _) = open_layout(file.clone(), true)?
+        .ok_or_else(|| Error::corrupt("the seqlog layout just made does not say it holds qcow2"))?;
+    create_qcow2(&*layout.storage(), None, o)?;
+    layout.driver.close()
 }
 
 /// A pcow image (`-o size=,cluster_size=,backing_file=,backing_fmt=`, or `-b`/`-F`): checked

@@ -22,10 +22,16 @@ pub struct FormatEntry {
     pub open: OpenFn,
     /// Repairs the image in a writable storage that nothing else has open, where the format can.
     pub repair: Option<RepairFn>,
+    /// For a format that can hold another in its disk (a data layout: seqlog), the name of
+    /// the format its header (the first bytes of a file, as for `probe`) records it holds.
+    pub holds: Option<HoldsFn>,
 }
 
 /// A format's open function: the image in a storage, with what it names asked of the context.
 pub type OpenFn = fn(Arc<dyn Storage>, &mut dyn Opener) -> Result<Box<dyn Driver>>;
+
+/// A layout format's reading of its header: the name of the format it holds, if any.
+pub type HoldsFn = fn(&[u8]) -> Option<&'static str>;
 
 /// A format's repair (`vdisk check -r`), telling `say` each problem found and each correction.
 pub type RepairFn =

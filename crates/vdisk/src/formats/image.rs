@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use super::driver::Driver;
 use super::registry::Format;
+use super::stack::Layout;
 use crate::blockdev::{BlockDev, BlockStatus, StartedRead, StartedWrite};
 use crate::error::Result;
 
@@ -18,6 +19,9 @@ pub struct Image {
     backing: Option<Arc<Image>>,
     file_node: Option<FileNode>,
     probed: bool,
+    /// The data layout the image sits in (qcow2 on seqlog), whose disk is its storage.
+    /// Declared after `driver`, so that the image is dropped (and flushes) first.
+    layout: Option<Layout>,
 }
 
 /// The protocol node under an image's format, as `qemu-img info` lists it.
@@ -45,6 +49,7 @@ impl Image {
         backing: Option<Arc<Image>>,
         file_node: Option<FileNode>,
         probed: bool,
+        layout: Option<Layout>,
     ) -> Image {
         Image {
             filename: filename.to_string(),
@@ -53,7 +58,13 @@ impl Image {
             backing,
             file_node,
             probed,
+            layout,
         }
+    }
+
+    /// The data layout the image sits in, if any (see `formats/stack.rs`).
+    pub fn layout(&self) -> Option<&Layout> {
+        self.layout.as_ref()
     }
 
     /// Whether the format was probed from the file's contents rather than named (`-f`, a
@@ -88,12 +99,19 @@ impl Image {
 
     /// Makes everything written durable and the image consistent on disk.
     pub fn close(&self) -> Result<()> {
-        self.driver.close()
+        self.driver.close()?;
+        match &self.layout {
+            Some(layout) => layout.driver.close(),
+            None => Ok(()),
+        }
     }
 
-    /// The storage that holds the image.
+    /// The storage that holds the image: the file, under any data layout.
     pub fn file(&self) -> &Arc<dyn crate::storage::Storage> {
-        self.driver.file()
+        match &self.layout {
+            Some(layout) => layout.driver.file(),
+            None => self.driver.file(),
+        }
     }
 
     /// The name of the file guest data lives in: the image's protocol node (named as the

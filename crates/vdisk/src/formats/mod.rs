@@ -23,6 +23,7 @@ pub mod qcow2;
 pub mod raw;
 mod registry;
 pub mod seqlog;
+pub mod stack;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -45,6 +46,7 @@ pub use open::{
 };
 pub use prealloc::Preallocation;
 pub use registry::{probe, Format};
+pub use stack::Layout;
 
 /// Where a run of guest bytes lives in one layer of a backing chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

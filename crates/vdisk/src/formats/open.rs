@@ -13,6 +13,7 @@ use std::sync::Arc;
 use super::entry::Opener;
 use super::image::{FileNode, Image};
 use super::registry::{probe, Format};
+use super::stack;
 use crate::blockdev::BlockDev;
 use crate::error::{Error, IoContext, Result};
 use crate::spec::{check_format_options, Backing, ImageSpec, Node, Protocol};
@@ -275,15 +276,16 @@ pub fn open_parts(
         data_file: None,
         backing: None,
     };
-    let driver = (format.entry().open)(storage, &mut cx)?;
+    let opened = stack::open(format, probed, storage, &mut cx)?;
     let file = FileNode::new(name, "file");
     Ok(Image::new(
         name,
-        format,
-        driver,
+        opened.format,
+        opened.driver,
         cx.backing,
         Some(file),
         probed,
+        opened.layout,
     ))
 }
 
@@ -374,15 +376,16 @@ fn open_node(node: &Node, opts: &ImageOptions, chain: &mut Chain) -> Result<Imag
         data_file: p.data_file,
         backing: None,
     };
-    let driver = (p.format.entry().open)(p.storage, &mut cx)?;
+    let opened = stack::open(p.format, p.probed, p.storage, &mut cx)?;
     let backing = cx.backing;
     Ok(Image::new(
         &p.name,
-        p.format,
-        driver,
+        opened.format,
+        opened.driver,
         backing,
         p.file_node,
         p.probed,
+        opened.layout,
     ))
 }
 

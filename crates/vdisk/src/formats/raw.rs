@@ -18,6 +18,7 @@ pub(crate) static FORMAT: FormatEntry = FormatEntry {
     probe: |_| false,
     open: |storage, cx| Ok(Box::new(Raw::open(storage, !cx.write())?)),
     repair: None,
+    holds: None,
 };
 
 /// Protocol nodes opened as images (see [`crate::Format::protocol`]): raw under their
@@ -36,6 +37,7 @@ const fn protocol_entry(name: &'static str) -> FormatEntry {
         probe: |_| false,
         open: |storage, cx| Ok(Box::new(Raw::open(storage, !cx.write())?)),
         repair: None,
+        holds: None,
     }
 }
 

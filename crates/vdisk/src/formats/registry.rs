@@ -117,12 +117,8 @@ const FOREIGN: &[(&str, usize, &[u8])] = &[
 /// Probes the format of a file from its first bytes, as QEMU does: one of [`FORMATS`], or an
 /// error for a format vdisk does not read (`-f raw` still opens such a file as raw).
 pub fn probe(storage: &dyn Storage) -> Result<Format> {
-    let mut head = [0u8; PROBE_BYTES];
-    let len = storage.len().context(|| "reading the image size".into())?;
-    let head = &mut head[..len.min(PROBE_BYTES as u64) as usize];
-    storage
-        .read_at(0, head)
-        .context(|| "reading the image magic".into())?;
+    let head = head(storage)?;
+    let head = &head[..];
     if let Some(&f) = FORMATS.iter().find(|f| (f.probe)(head)) {
         return Ok(Format(f));
     }
@@ -135,4 +131,29 @@ pub fn probe(storage: &dyn Storage) -> Result<Format> {
         ))),
         None => Ok(Format::RAW),
     }
+}
+
+/// The first bytes of a file (fewer for a shorter one), which probing looks at.
+fn head(storage: &dyn Storage) -> Result<Vec<u8>> {
+    let len = storage.len().context(|| "reading the image size".into())?;
+    let mut head = vec![0u8; len.min(PROBE_BYTES as u64) as usize];
+    storage
+        .read_at(0, &mut head)
+        .context(|| "reading the image magic".into())?;
+    Ok(head)
+}
+
+/// Where a file is a data layout that records holding an image (seqlog made by `create -f
+/// qcow2 -o data_layout=seqlog`): the layout's format and the held image's.
+pub(crate) fn layout_of(storage: &dyn Storage) -> Result<Option<(Format, Format)>> {
+    let head = head(storage)?;
+    for &f in FORMATS {
+        if let (Some(holds), true) = (f.holds, (f.probe)(&head)) {
+            return match holds(&head) {
+                Some(name) => Ok(Some((Format(f), Format::parse(name)?))),
+                None => Ok(None),
+            };
+        }
+    }
+    Ok(None)
 }

@@ -1,5 +1,5 @@
 //! A disk presented as storage, so that a format can sit on another format (qcow2 on a raw
-//! image, later on seqlog) as it sits on a file.
+//! image, or on seqlog: `formats/stack.rs`) as it sits on a file.
 //!
 //! A file has a length that writes past its end extend; a disk has a size. The size of the
 //! disk below plays the length: writes past it, `allocate` and `set_len` set it first

@@ -57,6 +57,7 @@ pub(crate) static FORMAT: FormatEntry = FormatEntry {
     probe: |b| b.len() >= 68 && b[12..16] == MAGIC && b[64..68] == layout::EXT_MAGIC,
     open: |storage, cx| Ok(Box::new(Pcow::open(storage, cx)?)),
     repair: Some(check::repair),
+    holds: None,
 };
 
 pub struct Pcow {

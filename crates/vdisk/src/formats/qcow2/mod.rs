@@ -56,6 +56,7 @@ pub(crate) static FORMAT: FormatEntry = FormatEntry {
     },
     open: open_driver,
     repair: Some(offline::repair::repair_and_close),
+    holds: None,
 };
 
 /// Opens the qcow2 image in `file`, with the data file and backing file it names.

@@ -98,7 +98,7 @@ impl Checkpoint {
         let u32_at = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
         let seq = u64::from_le_bytes(head[16..24].try_into().unwrap_or_default());
         let open = [24, 28].map(|at| Some(u32_at(head, at)).filter(|&s| s != NONE));
-        let blocks = sb.disk_blocks() as usize;
+        let blocks = sb.map_blocks() as usize;
         let segments = sb.segments as usize;
         let entries: Vec<u32> = (0..blocks).map(|i| u32_at(body, 4 * i)).collect();
         let seqs = &body[4 * blocks..];
@@ -268,6 +268,9 @@ mod tests {
             block_size: 512,
             segment_blocks: 16,
             disk_size: 100 * 512,
+            capacity: 100 * 512,
+            resizable: false,
+            holds: None,
             segments: 12,
             image_id: 77,
             policy: Policy::Greedy,

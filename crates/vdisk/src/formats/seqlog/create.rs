@@ -1,6 +1,6 @@
 //! New seqlog images.
 
-use super::layout::{Policy, Superblock, MIN_SEGMENT_BLOCKS};
+use super::layout::{Held, Policy, Superblock, MIN_SEGMENT_BLOCKS};
 use super::log::random_u64;
 use super::log::RESERVE;
 use crate::error::{Error, IoContext, Result};
@@ -20,6 +20,9 @@ pub struct CreateOptions {
     pub spare: u32,
     /// How the cleaner chooses (`cleaner=cost-benefit|greedy`).
     pub policy: Policy,
+    /// The disk holds an image of this format (`vdisk create -f qcow2 -o data_layout=seqlog`):
+    /// it starts empty and grows, as a file does, up to `size` (its capacity).
+    pub holds: Option<Held>,
 }
 
 impl Default for CreateOptions {
@@ -30,6 +33,7 @@ impl Default for CreateOptions {
             segment_size: 1 << 20,
             spare: 25,
             policy: Policy::CostBenefit,
+            holds: None,
         }
     }
 }
@@ -55,12 +59,15 @@ impl CreateOptions {
         let sb = Superblock {
             block_size: self.block_size,
             segment_blocks,
-            disk_size,
+            disk_size: if self.holds.is_some() { 0 } else { disk_size },
+            capacity: disk_size,
+            resizable: self.holds.is_some(),
             segments: u32::try_from(segments)
                 .map_err(|_| Error::invalid("seqlog log has too many segments"))?,
             image_id: 0,
             policy: self.policy,
             checkpoints: true,
+            holds: self.holds,
         };
         sb.validate().map_err(Error::invalid)?;
         sb.fits_in_memory().map_err(Error::invalid)?;
@@ -83,4 +90,14 @@ pub fn create(storage: &dyn Storage, o: &CreateOptions) -> Result<()> {
     block[..super::layout::SUPER_LEN].copy_from_slice(&sb.encode());
     storage.write_at(0, &block).context(what)?;
     storage.sync().context(what)
+}
+
+/// The capacity of a seqlog disk made to hold a qcow2 image of `size` guest bytes: every data
+/// cluster, all of qcow2's metadata for any cluster size (at most about 3% of the size, with
+/// 512-byte clusters and extended L2 entries), and an eighth more for clusters leaked by
+/// crashes and copied by internal snapshots. The log is sparse and sized by it (unwritten
+/// blocks cost the map's 4 bytes each); a qcow2 image that outgrows it gets ENOSPC, as on a
+/// full file system.
+pub fn qcow2_capacity(size: u64) -> u64 {
+    size.saturating_add(size / 8).saturating_add(16 << 20)
 }

@@ -12,6 +12,14 @@ pub const SUPER_LEN: usize = 64;
 /// The incompatible feature of images with map checkpoints after the log (an older reader
 /// would not know to keep that area, nor find its checkpoints).
 pub const FEATURE_CHECKPOINTS: u32 = 1;
+/// The incompatible feature of images whose disk can change its size up to `capacity` (bytes
+/// 52..60), which the map and the checkpoints are sized for: an older reader would size them
+/// by `disk_size` and take a record beyond it for damage.
+pub const FEATURE_RESIZABLE: u32 = 2;
+/// The incompatible feature of images whose disk holds an image of another format (byte 49
+/// names it): an older reader would serve that image's metadata as a guest disk.
+pub const FEATURE_HOLDS: u32 = 4;
+const FEATURES: u32 = FEATURE_CHECKPOINTS | FEATURE_RESIZABLE | FEATURE_HOLDS;
 /// The batch header's magic.
 const BATCH_MAGIC: [u8; 4] = *b"SLBH";
 /// Bytes of a batch header before its records.
@@ -45,6 +53,11 @@ pub struct Superblock {
     pub segment_blocks: u32,
     /// The guest disk's size, a multiple of the block size.
     pub disk_size: u64,
+    /// The largest size the disk may take ([`FEATURE_RESIZABLE`]; otherwise `disk_size`): the
+    /// map and the checkpoints cover it.
+    pub capacity: u64,
+    /// The disk can change its size up to `capacity` ([`FEATURE_RESIZABLE`]).
+    pub resizable: bool,
     /// Segments in the log; segment `i` starts at `(i + 1) * segment_size`.
     pub segments: u32,
     /// A random number naming this image in every batch header, so that batches of another
@@ -54,6 +67,24 @@ pub struct Superblock {
     pub policy: Policy,
     /// The image keeps checkpoints of its map after the log ([`FEATURE_CHECKPOINTS`]).
     pub checkpoints: bool,
+    /// The image the disk holds, recorded at create ([`FEATURE_HOLDS`]); never guessed from
+    /// the disk's bytes, which a guest of a plain seqlog disk writes.
+    pub holds: Option<Held>,
+}
+
+/// An image format a seqlog disk can hold (byte 49 of the superblock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    Qcow2 = 1,
+}
+
+impl Held {
+    /// The format's registry name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Held::Qcow2 => "qcow2",
+        }
+    }
 }
 
 /// How the cleaner chooses its victim.
@@ -91,14 +122,23 @@ impl Superblock {
         b[20..24].copy_from_slice(&self.segment_blocks.to_le_bytes());
         b[24..32].copy_from_slice(&self.disk_size.to_le_bytes());
         b[32..36].copy_from_slice(&self.segments.to_le_bytes());
-        let features = if self.checkpoints {
-            FEATURE_CHECKPOINTS
-        } else {
-            0
-        };
+        let mut features = 0;
+        for (on, bit) in [
+            (self.checkpoints, FEATURE_CHECKPOINTS),
+            (self.resizable, FEATURE_RESIZABLE),
+            (self.holds.is_some(), FEATURE_HOLDS),
+        ] {
+            if on {
+                features |= bit;
+            }
+        }
         b[36..40].copy_from_slice(&features.to_le_bytes());
         b[40..48].copy_from_slice(&self.image_id.to_le_bytes());
         b[48] = self.policy as u8;
+        b[49] = self.holds.map_or(0, |h| h as u8);
+        if self.resizable {
+            b[52..60].copy_from_slice(&self.capacity.to_le_bytes());
+        }
         let crc = crc32c(0, &b[..SUPER_LEN - 4]);
         b[SUPER_LEN - 4..].copy_from_slice(&crc.to_le_bytes());
         b
@@ -119,16 +159,25 @@ impl Superblock {
             return Err(Error::corrupt("seqlog superblock checksum mismatch"));
         }
         let features = u32_at(b, 36);
-        if features & !FEATURE_CHECKPOINTS != 0 {
+        if features & !FEATURES != 0 {
             return Err(Error::unsupported(format!(
                 "Unsupported seqlog incompatible features {:#x}",
-                features & !FEATURE_CHECKPOINTS
+                features & !FEATURES
             )));
         }
+        let resizable = features & FEATURE_RESIZABLE != 0;
+        let holds = match (features & FEATURE_HOLDS != 0, b[49]) {
+            (false, _) => None,
+            (true, 1) => Some(Held::Qcow2),
+            (true, h) => return Err(Error::corrupt(format!("unknown seqlog held format {h}"))),
+        };
         let s = Superblock {
             block_size: u32_at(b, 16),
             segment_blocks: u32_at(b, 20),
             disk_size: u64_at(b, 24),
+            capacity: u64_at(b, if resizable { 52 } else { 24 }),
+            resizable,
+            holds,
             segments: u32_at(b, 32),
             image_id: u64_at(b, 40),
             policy: match b[48] {
@@ -157,10 +206,16 @@ impl Superblock {
                 self.segment_blocks
             ));
         }
-        if self.disk_size % u64::from(bs) != 0 {
+        if self.disk_size % u64::from(bs) != 0 || self.capacity % u64::from(bs) != 0 {
             return Err(format!(
-                "seqlog disk size {} is not a multiple of the block size {bs}",
-                self.disk_size
+                "seqlog disk size {} or capacity {} is not a multiple of the block size {bs}",
+                self.disk_size, self.capacity
+            ));
+        }
+        if self.disk_size > self.capacity {
+            return Err(format!(
+                "seqlog disk size {} is beyond its capacity {}",
+                self.disk_size, self.capacity
             ));
         }
         // Log block numbers, plus one, are the map's u32 entries.
@@ -183,11 +238,11 @@ impl Superblock {
                 self.segment_size()
             ));
         }
-        if self.disk_blocks() > MAX_DISK_BLOCKS {
+        if self.map_blocks() > MAX_DISK_BLOCKS {
             return Err(format!(
                 "seqlog disk of {} blocks is larger than the {MAX_DISK_BLOCKS} blocks whose map \
                  this version keeps in memory",
-                self.disk_blocks()
+                self.map_blocks()
             ));
         }
         Ok(())
@@ -197,9 +252,9 @@ impl Superblock {
         u64::from(self.segment_blocks) * u64::from(self.block_size)
     }
 
-    /// Blocks of the guest disk.
-    pub fn disk_blocks(&self) -> u64 {
-        self.disk_size / u64::from(self.block_size)
+    /// Blocks the map covers: the disk's at its largest (its capacity).
+    pub fn map_blocks(&self) -> u64 {
+        self.capacity / u64::from(self.block_size)
     }
 
     /// Blocks of the log.
@@ -224,7 +279,7 @@ impl Superblock {
             return 0;
         }
         let segments = u64::from(self.segments);
-        let body = self.disk_blocks() * 4 + segments * 8 + segments.div_ceil(8);
+        let body = self.map_blocks() * 4 + segments * 8 + segments.div_ceil(8);
         1 + body.div_ceil(u64::from(self.block_size))
     }
 
@@ -396,10 +451,13 @@ mod tests {
             block_size: 4096,
             segment_blocks: 256,
             disk_size: 64 << 20,
+            capacity: 64 << 20,
+            resizable: false,
             segments: 40,
             image_id: 0x1234_5678_9abc_def0,
             policy: Policy::Greedy,
             checkpoints: true,
+            holds: None,
         }
     }
 
@@ -408,6 +466,13 @@ mod tests {
         let s = sb();
         let b = s.encode();
         assert_eq!(Superblock::decode(&b).unwrap(), s);
+        let layout = Superblock {
+            disk_size: 8 << 20,
+            resizable: true,
+            holds: Some(Held::Qcow2),
+            ..s
+        };
+        assert_eq!(Superblock::decode(&layout.encode()).unwrap(), layout);
         for at in [9, 17, 25, 41, 48, 63] {
             let mut bad = b;
             bad[at] ^= 1;
@@ -426,6 +491,12 @@ mod tests {
             },
             Superblock {
                 disk_size: 1 << 50,
+                capacity: 1 << 50,
+                ..s
+            },
+            Superblock {
+                disk_size: 128 << 20,
+                resizable: true,
                 ..s
             },
         ] {

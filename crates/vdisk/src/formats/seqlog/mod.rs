@@ -34,7 +34,9 @@ mod layout;
 mod log;
 mod map;
 mod recover;
+mod resize;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::driver::Driver;
@@ -48,8 +50,8 @@ use layout::{Kind, Record, Superblock, MAGIC};
 use log::Log;
 use map::Map;
 
-pub use create::{create, CreateOptions};
-pub use layout::Policy;
+pub use create::{create, qcow2_capacity, CreateOptions};
+pub use layout::{Held, Policy};
 
 pub(crate) static FORMAT: FormatEntry = FormatEntry {
     name: "seqlog",
@@ -57,6 +59,7 @@ pub(crate) static FORMAT: FormatEntry = FormatEntry {
     probe: |bytes| bytes.starts_with(&MAGIC),
     open: |storage, cx| Ok(Box::new(Seqlog::open(storage, !cx.write())?)),
     repair: None,
+    holds: Some(|head| Some(Superblock::decode(head).ok()?.holds?.name())),
 };
 
 pub struct Seqlog {
@@ -65,6 +68,10 @@ pub struct Seqlog {
     /// Held by writes of part of a block, from reading the block to appending it.
     partial: Mutex<()>,
     read_only: bool,
+    /// The disk's size now: the superblock's, changed by `set_size` (resize.rs).
+    size: AtomicU64,
+    /// Held by `set_size`, so that two of them do not interleave.
+    resizing: Mutex<()>,
     /// Batches found at the open, and segments whose chain ended at a torn batch.
     recovered: (u64, u64),
     /// The checkpoint the open started from, and how long the open took to read the log.
@@ -86,6 +93,8 @@ impl Seqlog {
             map: r.map,
             partial: Mutex::new(()),
             read_only,
+            size: AtomicU64::new(sb.disk_size),
+            resizing: Mutex::new(()),
             recovered: (r.batches, r.torn),
             recovered_from: r.checkpoint,
             recovery_time: started.elapsed(),
@@ -191,7 +200,7 @@ impl Layer for Seqlog {
 
 impl BlockDev for Seqlog {
     fn size(&self) -> u64 {
-        self.log.sb.disk_size
+        self.size.load(Ordering::Acquire)
     }
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
@@ -321,6 +330,10 @@ impl BlockDev for Seqlog {
         check_range(self.size(), offset, len)?;
         status_mapped(self, offset, len)
     }
+
+    fn set_size(&self, size: u64) -> Result<()> {
+        self.resize(size)
+    }
 }
 
 impl Driver for Seqlog {
@@ -341,9 +354,7 @@ impl Driver for Seqlog {
         let written = self.log.checkpoint_now(&self.map);
         if written.is_err() {
             // The caller hears of a failed sync here.
-            self.log
-                .sync_failed
-                .store(false, std::sync::atomic::Ordering::Relaxed);
+            self.log.sync_failed.store(false, Ordering::Relaxed);
         }
         written
     }
@@ -351,11 +362,16 @@ impl Driver for Seqlog {
     fn info(&self) -> FormatInfo {
         let n = |v: u64| InfoValue::Number(v);
         let stats = &self.log.stats;
-        let get = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         FormatInfo {
             cluster_size: Some(self.bs()),
             specific: Some(vec![
                 ("block-size", n(self.bs())),
+                ("capacity", n(self.log.sb.capacity)),
+                (
+                    "holds",
+                    InfoValue::Text(self.log.sb.holds.map_or("nothing", Held::name).into()),
+                ),
                 ("cleaner", InfoValue::Text(self.log.sb.policy.name().into())),
                 ("segment-size", n(self.log.sb.segment_size())),
                 ("segments", n(u64::from(self.log.sb.segments))),

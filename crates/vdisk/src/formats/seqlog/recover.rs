@@ -67,7 +67,7 @@ pub(super) fn recover(storage: &dyn Storage, sb: &Superblock) -> Result<Recovere
         segs.take_chain(segment, &chain);
         found.extend(chain);
     }
-    let map = Map::new(sb.disk_blocks(), sb.segments, sb.segment_blocks);
+    let map = Map::new(sb.map_blocks(), sb.segments, sb.segment_blocks);
     finish(sb, map, found, segs, torn, (0, 0))
 }
 
@@ -209,14 +209,14 @@ pub(super) fn read_chain(
         }
         for r in &header.records {
             let end = r.block.checked_add(u64::from(r.count));
-            if end.is_none_or(|e| e > sb.disk_blocks()) {
+            if end.is_none_or(|e| e > sb.map_blocks()) {
                 return Err(Error::corrupt(format!(
                     "seqlog: a record at log block {} names guest blocks {}+{}, beyond the \
                      disk's {} blocks",
                     base + pos,
                     r.block,
                     r.count,
-                    sb.disk_blocks()
+                    sb.map_blocks()
                 )));
             }
         }

@@ -102,7 +102,7 @@ fn cleaning_keeps_every_block() {
             ..small()
         });
         let disk = Seqlog::open(storage.clone(), false).unwrap();
-        let blocks = disk.log.sb.disk_blocks();
+        let blocks = disk.log.sb.map_blocks();
         let mut want = vec![0u8; blocks as usize];
         let done = std::sync::atomic::AtomicBool::new(false);
         std::thread::scope(|s| {
@@ -209,7 +209,7 @@ fn checkpoints_bound_what_an_open_reads() {
         ..small()
     });
     let disk = Seqlog::open(storage.clone(), false).unwrap();
-    let blocks = disk.log.sb.disk_blocks();
+    let blocks = disk.log.sb.map_blocks();
     let mut want = vec![0u8; blocks as usize];
     let mut x = 99u64;
     for i in 0..blocks * 6 {

@@ -1,0 +1,114 @@
+//! qcow2 on a seqlog layout (`vdisk create -f qcow2 -o data_layout=seqlog`), held against
+//! QEMU: what vdisk writes through the stack, converted out to a plain qcow2 image, passes
+//! `qemu-img check` and reads as `qemu-img compare` expects; every command that opens the file
+//! opens qcow2 over seqlog, and `-f seqlog` the layout alone.
+
+mod common;
+
+use common::{random_bytes, tools, Workdir};
+
+/// A raw image of `len` bytes with random runs written at random places (seed `seed`).
+fn scattered(wd: &Workdir, name: &str, len: usize, seed: u64) {
+    let mut data = vec![0u8; len];
+    let noise = random_bytes(len, seed);
+    let mut at = (seed as usize * 7919) % 4096;
+    while at < len {
+        let run = 1 + (noise[at] as usize * 131) % 70_000;
+        let end = (at + run).min(len);
+        data[at..end].copy_from_slice(&noise[at..end]);
+        at = end + (noise[end.min(len - 1)] as usize * 997) % 50_000;
+    }
+    wd.write_file(name, &data);
+}
+
+#[test]
+fn qcow2_on_seqlog_is_a_valid_qcow2_inside() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "seqlog-layout");
+    let len = 32 << 20;
+    scattered(&wd, "a.raw", len, 1);
+    scattered(&wd, "b.raw", len, 2);
+    let ok = |args: &[&str]| {
+        let o = wd.vdisk(args);
+        assert!(o.success(), "{}: {}{}", o.command, o.stdout, o.stderr);
+        o
+    };
+    let layout = "data_layout=seqlog,segment_size=256k,spare=10";
+    ok(&["convert", "-O", "qcow2", "-o", layout, "a.raw", "lay.qcow2"]);
+    // The stack, and the layout under it, in `info`; `-f seqlog` opens the layout alone.
+    let info = ok(&["info", "--output=json", "lay.qcow2"]).stdout;
+    assert!(info.contains("\"format\": \"qcow2\""), "{info}");
+    assert!(info.contains("\"data-layout\""), "{info}");
+    assert!(info.contains("\"holds\": \"qcow2\""), "{info}");
+    let alone = ok(&["info", "-f", "seqlog", "lay.qcow2"]).stdout;
+    assert!(alone.contains("file format: seqlog"), "{alone}");
+    ok(&["compare", "a.raw", "lay.qcow2"]);
+    // Every block written again through the stack, more than the log holds, so that its
+    // cleaner runs.
+    for _ in 0..3 {
+        ok(&["convert", "-n", "-O", "qcow2", "b.raw", "lay.qcow2"]);
+        ok(&["convert", "-n", "-O", "qcow2", "a.raw", "lay.qcow2"]);
+    }
+    ok(&["convert", "-n", "-O", "qcow2", "b.raw", "lay.qcow2"]);
+    let written: usize = ["a.raw", "b.raw"]
+        .iter()
+        .map(|f| {
+            wd.read_file(f)
+                .chunks(4096)
+                .filter(|b| b.iter().any(|&x| x != 0))
+                .count()
+        })
+        .sum::<usize>()
+        * 4096
+        * 7
+        / 2;
+    let log = number(&info, "segments") * number(&info, "segment-size");
+    assert!(
+        written as u64 > log,
+        "{written} bytes written, a log of {log}"
+    );
+    let check = ok(&["check", "lay.qcow2"]).stdout;
+    assert!(check.contains("No errors were found"), "{check}");
+    ok(&["compare", "-F", "qcow2", "b.raw", "lay.qcow2"]);
+    // An internal snapshot (the snapshot table, an L1 copy, refcounts).
+    ok(&["snapshot", "-c", "one", "lay.qcow2"]);
+    // Out to a plain qcow2 image, which QEMU checks and reads.
+    ok(&["convert", "-O", "qcow2", "lay.qcow2", "out.qcow2"]);
+    let q = wd.qemu_img(&["check", "out.qcow2"]);
+    assert!(q.success(), "{}{}", q.stdout, q.stderr);
+    let q = wd.qemu_img(&["compare", "b.raw", "out.qcow2"]);
+    assert!(q.success(), "{}{}", q.stdout, q.stderr);
+    // Copying every cluster the snapshot holds needs more than the layout's capacity (the
+    // size and an eighth): the write fails as on a full file system, and the image stays
+    // consistent, its snapshot whole.
+    let full = wd.vdisk(&["convert", "-n", "-O", "qcow2", "a.raw", "lay.qcow2"]);
+    assert!(full.stderr.contains("No space left on device"), "{full:?}");
+    let check = wd.vdisk(&["check", "lay.qcow2"]);
+    assert!(matches!(check.code, Some(0 | 3)), "{check:?}");
+    ok(&[
+        "convert",
+        "-l",
+        "one",
+        "-O",
+        "qcow2",
+        "lay.qcow2",
+        "snap.qcow2",
+    ]);
+    let q = wd.qemu_img(&["compare", "b.raw", "snap.qcow2"]);
+    assert!(q.success(), "the snapshot: {}{}", q.stdout, q.stderr);
+    ok(&["snapshot", "-d", "one", "lay.qcow2"]);
+    ok(&["convert", "-n", "-O", "qcow2", "b.raw", "lay.qcow2"]);
+    // A repair goes through the layout too.
+    ok(&["check", "-r", "all", "lay.qcow2"]);
+    ok(&["compare", "b.raw", "lay.qcow2"]);
+}
+
+/// The number after `"key": ` in JSON text.
+fn number(json: &str, key: &str) -> u64 {
+    let at = json.find(&format!("\"{key}\": ")).expect(key) + key.len() + 4;
+    let digits: String = json[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().expect(key)
+}
