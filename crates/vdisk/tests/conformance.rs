@@ -118,6 +118,27 @@ subjects! {
         Backend::Memory,
         true
     );
+    qcow2_on_seqlog_memory => qcow2_on_seqlog(
+        "qcow2 on seqlog",
+        qcow2_opts!(),
+        seqlog_opts!(segment_size: 64 << 10),
+        Backend::Memory,
+        false
+    );
+    qcow2_on_seqlog_file => qcow2_on_seqlog(
+        "qcow2 on seqlog on a file",
+        qcow2_opts!(),
+        seqlog_opts!(segment_size: 64 << 10),
+        Backend::File,
+        false
+    );
+    qcow2_on_seqlog_filled => qcow2_on_seqlog(
+        "qcow2 on seqlog filled, 4 KiB segments of 512 B blocks, 4 KiB clusters",
+        qcow2_opts!(cluster_size: 4096),
+        seqlog_opts!(block_size: 512, segment_size: 4096, spare: 10),
+        Backend::Memory,
+        true
+    );
     pcow_64k => pcow("pcow", 64 << 10, 0, 0, false);
     pcow_2m => pcow("pcow 2 MiB clusters (wide bitmaps)", 2 << 20, 0, 0, false);
     pcow_snapshot => pcow("pcow over a snapshot", 64 << 10, 0, 1 << 40, true);

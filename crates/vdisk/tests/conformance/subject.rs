@@ -24,6 +24,10 @@ mod pcow_subjects;
 // Not every binary that includes the subjects runs the pcow ones.
 #[allow(unused_imports)]
 pub use pcow_subjects::{pcow, pcow_over_pcow_over_raw, pcow_over_raw};
+#[path = "subject_stack.rs"]
+mod stack_subjects;
+#[allow(unused_imports)]
+pub use stack_subjects::qcow2_on_seqlog;
 
 /// The storages a disk lives on: the image first, then any data file.
 pub type Storages = Vec<Arc<dyn Storage>>;

@@ -245,7 +245,7 @@ impl Log {
                 continue;
             }
             if !b.dead {
-                let header = self.next_header(t, b.nonce, DATA, b.records.clone());
+                let header = self.number(t, b.segment, b.nonce, DATA, b.records.clone());
                 let mut block = AlignedBuf::zeroed(bs);
                 header.encode_with(&mut block, |mut crc| {
                     for (r, (part, _)) in b.records.iter().zip(&b.parts) {
@@ -261,7 +261,6 @@ impl Log {
                 let offset = self.sb.log_offset(b.at);
                 let written = self.storage.write_at(offset, &block);
                 if written.is_ok() {
-                    self.numbered(t, b.segment, &header);
                     self.written.fetch_add(1, Release);
                     let data = u64::from(header.data_blocks()) * bs as u64;
                     self.stats.batches.fetch_add(1, Relaxed);

@@ -235,8 +235,7 @@ impl Log {
         let at = open.segment * self.sb.segment_blocks + open.pos;
         open.pos += 1 + blocks;
         let (segment, nonce) = (open.segment, open.nonce);
-        let header = self.next_header(t, nonce, CLEANER, records);
-        self.numbered(t, segment, &header);
+        let header = self.number(t, segment, nonce, CLEANER, records);
         if self.sb.log_offset(at) == t.last_end[CLEANER] {
             self.stats.sequential.fetch_add(1, Ordering::Relaxed);
         }
@@ -244,33 +243,32 @@ impl Log {
         (header, at)
     }
 
-    /// The header of the next batch of `stream` in the segment of `nonce`: it takes the next
-    /// sequence number, which counts once [`Log::numbered`] says the batch was placed.
-    pub(super) fn next_header(
+    /// Numbers a batch of `stream` placed in `segment` (whose nonce is `nonce`): its header
+    /// takes the next sequence number, and the segment's age (for the cleaner) and trim flag
+    /// (for recovery) follow it. The number is taken whether or not the header then lands: a
+    /// write reported failed may still have left the header whole, and no later batch may
+    /// share its number.
+    pub(super) fn number(
         &self,
-        t: &Tail,
+        t: &mut Tail,
+        segment: u32,
         nonce: u64,
         stream: usize,
         records: Vec<Record>,
     ) -> BatchHeader {
-        BatchHeader {
+        let header = BatchHeader {
             seq: t.head.next_seq,
             nonce,
             image_id: self.sb.image_id,
             stream: stream as u8,
             records,
-        }
-    }
-
-    /// Counts `header`'s batch as placed in `segment`: its sequence number is taken, and the
-    /// segment's age (for the cleaner) and trim flag (for recovery) follow it.
-    pub(super) fn numbered(&self, t: &mut Tail, segment: u32, header: &BatchHeader) {
-        debug_assert_eq!(header.seq, t.head.next_seq);
+        };
         t.head.next_seq += 1;
         t.head.seg_seq[segment as usize] = header.seq;
         if header.records.iter().any(|r| r.kind == Kind::Trim) {
             t.head.trims[segment as usize] = true;
         }
+        header
     }
 
     /// A free segment for guest writes, beyond the reserve (the writer cleaned first where it

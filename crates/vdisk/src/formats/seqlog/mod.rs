@@ -70,8 +70,9 @@ pub struct Seqlog {
     read_only: bool,
     /// The disk's size now: the superblock's, changed by `set_size` (resize.rs).
     size: AtomicU64,
-    /// Held by `set_size`, so that two of them do not interleave.
-    resizing: Mutex<()>,
+    /// What `set_size` left for the next flush to write (resize.rs); held by `set_size`, so
+    /// that two of them do not interleave.
+    resized: Mutex<resize::Resized>,
     /// Batches found at the open, and segments whose chain ended at a torn batch.
     recovered: (u64, u64),
     /// The checkpoint the open started from, and how long the open took to read the log.
@@ -94,7 +95,7 @@ impl Seqlog {
             partial: Mutex::new(()),
             read_only,
             size: AtomicU64::new(sb.disk_size),
-            resizing: Mutex::new(()),
+            resized: Mutex::default(),
             recovered: (r.batches, r.torn),
             recovered_from: r.checkpoint,
             recovery_time: started.elapsed(),
@@ -227,6 +228,7 @@ impl BlockDev for Seqlog {
             return Ok(());
         }
         self.log.settle(&self.map)?;
+        self.write_size()?;
         self.log.sync()
     }
 
@@ -402,12 +404,14 @@ impl Driver for Seqlog {
     }
 }
 
-/// Dropped without a close: the batches formed so far get their headers, so that what was
-/// written is in the log (not made durable: that is what a flush is for).
+/// Dropped without a close: the batches formed so far get their headers, and a changed size
+/// its superblock, so that what was written is in the file (not made durable: that is what a
+/// flush is for).
 impl Drop for Seqlog {
     fn drop(&mut self) {
         if !self.read_only {
             let _ = self.log.settle(&self.map);
+            let _ = self.write_size();
         }
     }
 }

@@ -341,3 +341,37 @@ fn a_failed_write_gives_up_its_batch_and_keeps_the_others() {
         "the landed write was kept"
     );
 }
+
+/// A disk made to hold an image starts empty and grows within its capacity; its size is
+/// durable from the next flush; a shrink drops the blocks past the end, so that growing again
+/// reads zeroes there; a plain seqlog disk keeps its size.
+#[test]
+fn a_resizable_disk_grows_and_shrinks_as_a_file() {
+    let storage = new_image(CreateOptions {
+        holds: Some(Held::Qcow2),
+        ..small()
+    });
+    let disk = Seqlog::open(storage.clone(), false).unwrap();
+    assert_eq!(disk.size(), 0);
+    disk.set_size(10_000).unwrap();
+    assert_eq!(disk.size(), 12_288, "whole blocks");
+    disk.write(8192, &[7; 4096]).unwrap();
+    assert!(
+        disk.set_size((1 << 20) + 4096).is_err(),
+        "past the capacity"
+    );
+    disk.flush().unwrap();
+    drop(disk);
+    let disk = Seqlog::open(storage.clone(), false).unwrap();
+    assert_eq!(disk.size(), 12_288);
+    disk.set_size(8192).unwrap();
+    disk.set_size(12_288).unwrap();
+    let mut buf = [1u8; 4096];
+    disk.read(8192, &mut buf).unwrap();
+    assert_eq!(buf, [0; 4096], "grown space reads as zeroes");
+    disk.close().unwrap();
+    drop(disk);
+    let plain = Seqlog::open(new_image(small()), false).unwrap();
+    assert!(plain.set_size(2 << 20).is_err());
+    assert_eq!(plain.size(), 1 << 20);
+}
