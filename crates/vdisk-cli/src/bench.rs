@@ -23,6 +23,7 @@ use std::sync::{Arc, Barrier, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vdisk::bytes::AlignedBuf;
+use vdisk::formats::InfoValue;
 use vdisk::io::{Backend, Completion, Declined, Dir, IoCounters, IoCountersSnapshot, IoQueue};
 use vdisk::{open_image, BlockDev, CacheMode, Image, ImageOptions, WithCache};
 
@@ -262,6 +263,35 @@ fn print_counters(image: &Image) {
     );
     println!("metadata written: {} bytes", c.metadata_bytes_written);
     println!("commits: {}", c.commits);
+    print_streams(image);
+}
+
+/// What a seqlog disk (the image, or the layout under it) appended on each stream, and the
+/// writes it was given by hint: how well metadata was told from data.
+fn print_streams(image: &Image) {
+    let info = match image.layout() {
+        Some(layout) => layout.driver.info(),
+        None if image.format().name() == "seqlog" => image.driver().info(),
+        None => return,
+    };
+    let get = |key: &str| {
+        let found = info.specific.iter().flatten().find(|(k, _)| *k == key);
+        match found {
+            Some((_, InfoValue::Number(n))) => *n,
+            _ => 0,
+        }
+    };
+    println!(
+        "seqlog streams: {} data blocks, {} metadata blocks, {} cleaner blocks",
+        get("data-stream-blocks"),
+        get("metadata-stream-blocks"),
+        get("cleaner-stream-blocks")
+    );
+    println!(
+        "seqlog writes by hint: {} bytes data, {} bytes metadata",
+        get("data-hinted-bytes"),
+        get("metadata-hinted-bytes")
+    );
 }
 
 /// The shared state of one run: qemu-img bench's request schedule, served by DEPTH threads.

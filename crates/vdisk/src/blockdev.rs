@@ -12,7 +12,7 @@ use std::ops::Range;
 
 use crate::error::Result;
 use crate::gate::Pass;
-use crate::storage::Storage;
+use crate::storage::{Storage, WriteHint};
 
 /// What a range of a disk holds, as `qemu-img map` reports it for a whole backing chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,6 +94,13 @@ pub trait BlockDev: Send + Sync {
     /// Writes `buf` at `offset`. The range must lie within the disk.
     fn write(&self, offset: u64, buf: &[u8]) -> Result<()>;
 
+    /// Writes as [`BlockDev::write`] does, with a hint of what the bytes are, which a disk may
+    /// use to place them (seqlog appends metadata to a stream of its own) and others ignore.
+    fn write_hinted(&self, offset: u64, buf: &[u8], hint: WriteHint) -> Result<()> {
+        let _ = hint;
+        self.write(offset, buf)
+    }
+
     /// Makes every acknowledged write durable.
     fn flush(&self) -> Result<()>;
 
@@ -172,6 +179,9 @@ impl<T: BlockDev + ?Sized> BlockDev for std::sync::Arc<T> {
     }
     fn write(&self, offset: u64, buf: &[u8]) -> Result<()> {
         (**self).write(offset, buf)
+    }
+    fn write_hinted(&self, offset: u64, buf: &[u8], hint: WriteHint) -> Result<()> {
+        (**self).write_hinted(offset, buf, hint)
     }
     fn flush(&self) -> Result<()> {
         (**self).flush()

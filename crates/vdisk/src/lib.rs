@@ -26,3 +26,4 @@ pub use formats::{
     backing_path, open_image, open_overlay, open_parts, open_storage, open_storage_with, Driver,
     Format, Image, ImageOptions, Preallocation,
 };
+pub use storage::WriteHint;

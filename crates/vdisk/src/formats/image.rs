@@ -7,6 +7,7 @@ use super::registry::Format;
 use super::stack::Layout;
 use crate::blockdev::{BlockDev, BlockStatus, StartedRead, StartedWrite};
 use crate::error::Result;
+use crate::storage::WriteHint;
 
 /// An open image: the driver of its format, its name (QEMU's: the path of its file, the URL
 /// of its NBD export, or `json:` and its options; derived from the image above it in a backing
@@ -140,6 +141,9 @@ impl BlockDev for Image {
     }
     fn write(&self, offset: u64, buf: &[u8]) -> Result<()> {
         self.driver.write(offset, buf)
+    }
+    fn write_hinted(&self, offset: u64, buf: &[u8], hint: WriteHint) -> Result<()> {
+        self.driver.write_hinted(offset, buf, hint)
     }
     fn flush(&self) -> Result<()> {
         self.driver.flush()

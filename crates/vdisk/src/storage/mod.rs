@@ -64,6 +64,16 @@ pub struct StorageSnapshot {
     pub size: u64,
 }
 
+/// What the bytes of a write are, for the layer below to place them by (seed 003's metadata
+/// and data separation): formats tag their own metadata (qcow2: header, L1 and L2 tables,
+/// refcount table and blocks, snapshot table, bitmaps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WriteHint {
+    #[default]
+    Data,
+    Metadata,
+}
+
 /// Positioned byte storage. Methods take `&self` and are safe to call from many threads at once.
 pub trait Storage: Send + Sync {
     /// Reads `buf.len()` bytes at `offset`. Bytes beyond the end of the storage read as zero, the
@@ -73,6 +83,13 @@ pub trait Storage: Send + Sync {
 
     /// Writes all of `buf` at `offset`, growing the storage if needed.
     fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()>;
+
+    /// Writes as [`Storage::write_at`] does, with a hint of what the bytes are: a disk below
+    /// ([`DiskStorage`]) may place them by it, other storage ignores it.
+    fn write_at_hinted(&self, offset: u64, buf: &[u8], hint: WriteHint) -> io::Result<()> {
+        let _ = hint;
+        self.write_at(offset, buf)
+    }
 
     /// Reads into several buffers from consecutive positions starting at `offset`, as one
     /// operation where the storage can (else one at a time).

@@ -10,7 +10,7 @@
 use std::io;
 use std::sync::Arc;
 
-use super::{IoStats, Storage};
+use super::{IoStats, Storage, WriteHint};
 use crate::blockdev::BlockDev;
 
 /// Storage whose bytes are the guest bytes of a disk.
@@ -56,11 +56,15 @@ impl Storage for DiskStorage {
     }
 
     fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
+        self.write_at_hinted(offset, buf, WriteHint::Data)
+    }
+
+    fn write_at_hinted(&self, offset: u64, buf: &[u8], hint: WriteHint) -> io::Result<()> {
         let end = offset
             .checked_add(buf.len() as u64)
             .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
         self.reach(end)?;
-        self.disk.write(offset, buf).map_err(to_io)?;
+        self.disk.write_hinted(offset, buf, hint).map_err(to_io)?;
         self.stats.record_write(buf.len());
         Ok(())
     }

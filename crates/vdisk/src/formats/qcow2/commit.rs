@@ -40,6 +40,7 @@ use std::sync::{Condvar, Mutex};
 use super::tables::TableWrite;
 use super::Qcow2;
 use crate::error::{Error, IoContext, Result};
+use crate::storage::WriteHint;
 
 /// The commit in progress: what it must do, and how far commits went.
 #[derive(Debug, Default)]
@@ -124,7 +125,7 @@ impl Qcow2 {
         let written = |writes: &[TableWrite], what: &str| {
             for (at, bytes) in writes {
                 self.file
-                    .write_at(*at, bytes)
+                    .write_at_hinted(*at, bytes, WriteHint::Metadata)
                     .context(|| format!("writing the {what} at {at:#x}"))?;
             }
             Ok::<u64, Error>(writes.iter().map(|w| w.1.len() as u64).sum())

@@ -9,10 +9,11 @@ use super::overlap::overlap_message;
 use super::Qcow2;
 use crate::error::{Error, IoContext, Result};
 use crate::storage::Storage;
+use crate::storage::WriteHint;
 
 /// Writes the incompatible feature bits of a version 3 header, synced.
 pub(crate) fn write_incompatible(file: &dyn Storage, bits: u64) -> Result<()> {
-    file.write_at(72, &bits.to_be_bytes())
+    file.write_at_hinted(72, &bits.to_be_bytes(), WriteHint::Metadata)
         .context(|| "writing the header".into())?;
     file.sync().context(|| "syncing the image".into())
 }

@@ -14,6 +14,7 @@ use super::refcount;
 use crate::error::{Error, IoContext, Result};
 use crate::formats::prealloc::{preallocate, Preallocation};
 use crate::storage::Storage;
+use crate::storage::WriteHint;
 
 /// The options of `qemu-img create -f qcow2`, with its defaults.
 #[derive(Debug, Clone)]
@@ -276,21 +277,22 @@ pub fn create(file: &dyn Storage, data: Option<&dyn Storage>, o: &CreateOptions)
     // matches QEMU's, which its metadata-preallocation heuristic (and so `map`) depends on.
     let mut header = new_header(o, &l).to_bytes()?;
     header.resize(cs as usize, 0);
-    file.write_at(0, &header).context(io("header"))?;
+    file.write_at_hinted(0, &header, WriteHint::Metadata)
+        .context(io("header"))?;
 
     let mut table = vec![0u8; (l.refcount_table_clusters * cs) as usize];
     for b in 0..l.refcount_blocks {
         let at = (l.refcount_table + l.refcount_table_clusters + b) * cs;
         table[(b * 8) as usize..(b * 8 + 8) as usize].copy_from_slice(&at.to_be_bytes());
     }
-    file.write_at(l.refcount_table * cs, &table)
+    file.write_at_hinted(l.refcount_table * cs, &table, WriteHint::Metadata)
         .context(io("refcount table"))?;
     let mut blocks = vec![0u8; (l.refcount_blocks * cs) as usize];
     for cluster in 0..l.total {
         refcount::set(&mut blocks, cluster, order, 1);
     }
     let blocks_at = (l.refcount_table + l.refcount_table_clusters) * cs;
-    file.write_at(blocks_at, &blocks)
+    file.write_at_hinted(blocks_at, &blocks, WriteHint::Metadata)
         .context(io("refcount blocks"))?;
 
     let first_data = l.prealloc + 1;
@@ -327,10 +329,11 @@ pub fn create(file: &dyn Storage, data: Option<&dyn Storage>, o: &CreateOptions)
             let at = (i * entry_bytes) as usize;
             l2[at..at + 8].copy_from_slice(&(host | OFLAG_COPIED).to_be_bytes());
         }
-        file.write_at(l2_cluster(t) * cs, &l2)
+        file.write_at_hinted(l2_cluster(t) * cs, &l2, WriteHint::Metadata)
             .context(io("L2 tables"))?;
     }
-    file.write_at(l.l1 * cs, &l1).context(io("L1 table"))?;
+    file.write_at_hinted(l.l1 * cs, &l1, WriteHint::Metadata)
+        .context(io("L1 table"))?;
     if let Some(data) = data {
         data.set_len(0).context(io("data file"))?;
         preallocate(data, 0, o.size, o.preallocation)?;

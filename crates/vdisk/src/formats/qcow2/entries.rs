@@ -9,6 +9,7 @@ use super::offset::{Guest, Host};
 use super::{compress, Qcow2};
 use crate::error::{Error, IoContext, Result};
 use crate::formats::read_backing;
+use crate::storage::WriteHint;
 
 impl Qcow2 {
     /// Allocates `n` contiguous clusters and counts it.
@@ -26,7 +27,7 @@ impl Qcow2 {
     /// Writes metadata `bytes` (`what`) at `at` in clusters just allocated, and counts it.
     pub(super) fn write_metadata(&self, at: u64, bytes: &[u8], what: &str) -> Result<()> {
         self.file
-            .write_at(at, bytes)
+            .write_at_hinted(at, bytes, WriteHint::Metadata)
             .context(|| format!("writing the {what} at {at:#x}"))?;
         self.counters.metadata_written(bytes.len() as u64);
         self.lock().short_tail = at + bytes.len() as u64;

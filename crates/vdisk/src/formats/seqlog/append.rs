@@ -39,18 +39,21 @@ pub(super) struct Placed {
 }
 
 impl Log {
-    /// Places `record` (a trim, or data: `data`, its blocks) at the head of the guest stream,
-    /// cut where segments end. `blocking` callers may wait for the cleaner; others get `None`
-    /// where a segment would have to be cleaned first, or a checkpoint is due.
+    /// Places `record` (a trim, or data: `data`, its blocks) at the head of guest stream
+    /// `stream` (data or metadata), cut where segments end. `blocking` callers may wait for
+    /// the cleaner; others get `None` where a segment would have to be cleaned first, or a
+    /// checkpoint is due.
     pub(super) fn reserve(
         &self,
         t: &mut Tail,
         map: &Map,
+        stream: usize,
         mut record: Record,
         data: &[u8],
         blocking: bool,
     ) -> Result<Option<Placed>> {
-        if !blocking && (t.checkpointing || self.checkpoint_due(t) || !self.room_for(t, record)) {
+        let room = self.room_for(t, stream, record);
+        if !blocking && (t.checkpointing || self.checkpoint_due(t) || !room) {
             return Ok(None);
         }
         let bs = self.sb.block_size as usize;
@@ -58,12 +61,12 @@ impl Log {
         let mut transfers = Vec::new();
         let mut off = 0;
         while record.count > 0 {
-            if let Err(e) = self.batch_for(t, record.kind, blocking) {
+            if let Err(e) = self.batch_for(t, stream, record.kind, blocking) {
                 // The pieces placed already end as failed writes.
                 self.finish(t, map, first..t.next_sn, false);
                 return Err(e);
             }
-            let open = t.open[DATA].as_mut().expect("a segment is open");
+            let open = t.open[stream].as_mut().expect("a segment is open");
             let count = match record.kind {
                 Kind::Data => record.count.min(self.sb.segment_blocks - open.pos),
                 Kind::Trim => record.count,
@@ -93,7 +96,7 @@ impl Log {
                 pos,
                 done: piece.kind == Kind::Trim,
             };
-            t.last_end[DATA] = end;
+            t.last_end[stream] = end;
             if piece.kind == Kind::Trim {
                 // The newest write of these blocks from here on: no later one is placed yet.
                 for i in 0..u64::from(count) {
@@ -114,41 +117,46 @@ impl Log {
         }))
     }
 
-    /// Whether `record` fits without cleaning: in the open segment, or in segments free
-    /// beyond the reserve.
-    fn room_for(&self, t: &Tail, record: Record) -> bool {
-        let room = t.open[DATA].map_or(0, |o| self.sb.segment_blocks - o.pos);
+    /// Whether `record` fits without cleaning: in `stream`'s open segment, or in segments
+    /// free beyond the reserve.
+    fn room_for(&self, t: &Tail, stream: usize, record: Record) -> bool {
+        let room = t.open[stream].map_or(0, |o| self.sb.segment_blocks - o.pos);
         let blocks = record.data_blocks() + 1;
         let per = self.sb.segment_blocks - 1;
         blocks <= room || t.head.free.len() > RESERVE + blocks.div_ceil(per) as usize
     }
 
-    /// Makes the last forming batch one that takes a record of `kind`: with room for its
-    /// header entry and (data) a block in the open segment. Seals it and starts another, in
-    /// a new segment where needed.
-    fn batch_for(&self, t: &mut Tail, kind: Kind, blocking: bool) -> Result<()> {
+    /// Makes the last forming batch one of `stream` that takes a record of `kind`: with room
+    /// for its header entry and (data) a block in the stream's open segment. Seals it and
+    /// starts another, in a new segment where needed.
+    ///
+    /// Only the last batch takes writes, whatever its stream: a write joining an older batch
+    /// of its stream, after a newer batch of the other took a write of the same blocks, would
+    /// be replayed before it (batches replay in the order they were formed), not after.
+    fn batch_for(&self, t: &mut Tail, stream: usize, kind: Kind, blocking: bool) -> Result<()> {
         let max = self.sb.max_records();
         let need = u32::from(kind == Kind::Data);
-        if let (Some(b), Some(open)) = (t.forming.back(), t.open[DATA]) {
+        if let (Some(b), Some(open)) = (t.forming.back(), t.open[stream]) {
             let room = b.records.len() < max && open.pos + need <= self.sb.segment_blocks;
-            if !b.sealed && b.segment == open.segment && room {
+            if !b.sealed && b.stream == stream && b.segment == open.segment && room {
                 return Ok(());
             }
         }
         self.seal(t);
-        if !self.fits(t, DATA, 1) {
+        if !self.fits(t, stream, 1) {
             let segment = if blocking {
                 self.data_segment(t)?
             } else {
                 t.head.free.pop_front().ok_or_else(super::log::enospc)?
             };
-            self.open_segment(t, DATA, segment);
+            self.open_segment(t, stream, segment);
         }
-        let open: &mut Open = t.open[DATA].as_mut().expect("a segment is open");
+        let open: &mut Open = t.open[stream].as_mut().expect("a segment is open");
         let at = open.segment * self.sb.segment_blocks + open.pos;
         open.pos += 1;
         let batch = Forming {
             id: t.next_batch,
+            stream,
             segment: open.segment,
             nonce: open.nonce,
             at,
@@ -158,7 +166,7 @@ impl Log {
             sealed: false,
             dead: false,
         };
-        if self.sb.log_offset(at) == t.last_end[DATA] {
+        if self.sb.log_offset(at) == t.last_end[stream] {
             self.stats.sequential.fetch_add(1, Relaxed);
         }
         t.next_batch += 1;
@@ -225,8 +233,10 @@ impl Log {
             b.dead = true;
             b.sealed = true;
         }
-        if t.open[DATA].is_some_and(|o| o.segment == segment) {
-            t.open[DATA] = None;
+        for open in &mut t.open {
+            if open.is_some_and(|o| o.segment == segment) {
+                *open = None;
+            }
         }
     }
 
@@ -245,7 +255,7 @@ impl Log {
                 continue;
             }
             if !b.dead {
-                let header = self.number(t, b.segment, b.nonce, DATA, b.records.clone());
+                let header = self.number(t, b.segment, b.nonce, b.stream, b.records.clone());
                 let mut block = AlignedBuf::zeroed(bs);
                 header.encode_with(&mut block, |mut crc| {
                     for (r, (part, _)) in b.records.iter().zip(&b.parts) {
@@ -263,6 +273,8 @@ impl Log {
                 if written.is_ok() {
                     self.written.fetch_add(1, Release);
                     let data = u64::from(header.data_blocks()) * bs as u64;
+                    self.stats.stream_blocks[b.stream]
+                        .fetch_add(u64::from(header.data_blocks()), Relaxed);
                     self.stats.batches.fetch_add(1, Relaxed);
                     self.stats.bytes.fetch_add(bs as u64 + data, Relaxed);
                     continue;
@@ -329,15 +341,22 @@ impl Log {
                     kind: Kind::Data,
                 };
                 // Only where no newer write of it was placed meanwhile.
-                self.write_blocks_if(map, record, &data, |map| map.get(b) == Some(at))?;
+                self.write_blocks_if(map, DATA, record, &data, |map| map.get(b) == Some(at))?;
             }
         }
         Ok(())
     }
 
-    /// Appends `record` (with `data`, for a data record) and returns once it is in the log
-    /// (not yet durable): the blocking way, which may clean and take a checkpoint first.
-    pub(super) fn write_blocks(&self, map: &Map, mut record: Record, data: &[u8]) -> Result<()> {
+    /// Appends `record` (with `data`, for a data record) to guest stream `stream` and returns
+    /// once it is in the log (not yet durable): the blocking way, which may clean and take a
+    /// checkpoint first.
+    pub(super) fn write_blocks(
+        &self,
+        map: &Map,
+        stream: usize,
+        mut record: Record,
+        data: &[u8],
+    ) -> Result<()> {
         // A segment at a time: once a part is mapped, the cleaner can free what it replaced
         // (on a full log, a large write needs that for the rest).
         let bs = self.sb.block_size as usize;
@@ -350,7 +369,7 @@ impl Log {
             };
             let part = Record { count, ..record };
             let len = part.data_blocks() as usize * bs;
-            self.write_blocks_if(map, part, &data[off..off + len], |_| true)?;
+            self.write_blocks_if(map, stream, part, &data[off..off + len], |_| true)?;
             off += len;
             record.block += u64::from(count);
             record.count -= count;
@@ -361,6 +380,7 @@ impl Log {
     fn write_blocks_if(
         &self,
         map: &Map,
+        stream: usize,
         record: Record,
         data: &[u8],
         still: impl Fn(&Map) -> bool,
@@ -385,7 +405,7 @@ impl Log {
                     self.sync_failed.store(false, Relaxed);
                     t.unreported.get_or_insert(e);
                 }
-            } else if !self.room_for(&t, record) && cleanings <= self.sb.segments {
+            } else if !self.room_for(&t, stream, record) && cleanings <= self.sb.segments {
                 cleanings += 1;
                 let Some(victim) = self.clean_one(&mut t, map)? else {
                     // Nothing worth cleaning: placing it takes the reserve or fails.
@@ -405,7 +425,7 @@ impl Log {
             return Ok(());
         }
         let placed = self
-            .reserve(&mut t, map, record, data, true)?
+            .reserve(&mut t, map, stream, record, data, true)?
             .expect("a blocking caller is always placed");
         drop(t);
         let mut outcome = Ok(());

@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::MutexGuard;
 
 use super::layout::Superblock;
-use super::log::{Log, Tail, CLEANER, DATA};
+use super::log::{Log, Tail, STREAMS};
 use super::map::Map;
 use crate::bytes::AlignedBuf;
 use crate::checksum::crc32c;
@@ -25,13 +25,26 @@ const MAGIC: [u8; 4] = *b"SLCP";
 const CRC_AT: usize = 32;
 /// No segment (an open-segment field).
 const NONE: u32 = u32::MAX;
+/// Where the header records each stream's open segment: data, cleaner, metadata (the last
+/// only with the streams feature).
+const OPEN_AT: [usize; STREAMS] = [24, 28, 36];
+
+/// The streams whose open segments the image's checkpoints record.
+fn streams(sb: &Superblock) -> usize {
+    if sb.streams {
+        STREAMS
+    } else {
+        2
+    }
+}
 
 /// One checkpoint, as written and as read back.
 pub(super) struct Checkpoint {
     /// The newest batch it covers: every batch with a sequence number up to this one.
     pub seq: u64,
-    /// The segments the two streams appended to then: their chains may have grown since.
-    pub open: [Option<u32>; 2],
+    /// The segments the streams appended to then (data, cleaner, metadata): their chains may
+    /// have grown since.
+    pub open: [Option<u32>; STREAMS],
     /// The map's entries (log block + 1, 0 for none), one per guest block.
     pub entries: Vec<u32>,
     /// Per segment, the sequence number of its newest batch (0: free).
@@ -61,8 +74,7 @@ impl Checkpoint {
         head[0..4].copy_from_slice(&MAGIC);
         head[8..16].copy_from_slice(&sb.image_id.to_le_bytes());
         head[16..24].copy_from_slice(&self.seq.to_le_bytes());
-        for (i, open) in self.open.iter().enumerate() {
-            let at = 24 + 4 * i;
+        for (&at, open) in OPEN_AT.iter().zip(&self.open).take(streams(sb)) {
             head[at..at + 4].copy_from_slice(&open.unwrap_or(NONE).to_le_bytes());
         }
         let (entries, rest) = body.split_at_mut(self.entries.len() * 4);
@@ -97,7 +109,10 @@ impl Checkpoint {
         }
         let u32_at = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
         let seq = u64::from_le_bytes(head[16..24].try_into().unwrap_or_default());
-        let open = [24, 28].map(|at| Some(u32_at(head, at)).filter(|&s| s != NONE));
+        let mut open = [None; STREAMS];
+        for (i, &at) in OPEN_AT.iter().enumerate().take(streams(sb)) {
+            open[i] = Some(u32_at(head, at)).filter(|&s| s != NONE);
+        }
         let blocks = sb.map_blocks() as usize;
         let segments = sb.segments as usize;
         let entries: Vec<u32> = (0..blocks).map(|i| u32_at(body, 4 * i)).collect();
@@ -186,7 +201,7 @@ impl Log {
     ) -> (MutexGuard<'a, Tail>, Result<()>) {
         let cp = Checkpoint {
             seq: t.head.next_seq - 1,
-            open: [DATA, CLEANER].map(|s| t.open[s].map(|o| o.segment)),
+            open: t.open.map(|o| o.map(|o| o.segment)),
             entries: map.entries(),
             seg_seq: t.head.seg_seq.clone(),
             trims: t.head.trims.clone(),
@@ -271,6 +286,7 @@ mod tests {
             capacity: 100 * 512,
             resizable: false,
             holds: None,
+            streams: true,
             segments: 12,
             image_id: 77,
             policy: Policy::Greedy,
@@ -283,7 +299,7 @@ mod tests {
         let sb = sb();
         let cp = Checkpoint {
             seq: 41,
-            open: [Some(3), None],
+            open: [Some(3), None, Some(5)],
             entries: (0..100)
                 .map(|i| if i % 3 == 0 { 0 } else { i + 1 })
                 .collect(),
@@ -294,7 +310,7 @@ mod tests {
         assert_eq!(buf.len() as u64, sb.checkpoint_blocks() * 512);
         let back = Checkpoint::decode(&sb, &mut buf.to_vec()).unwrap().unwrap();
         assert_eq!(back.seq, 41);
-        assert_eq!(back.open, [Some(3), None]);
+        assert_eq!(back.open, [Some(3), None, Some(5)]);
         assert_eq!(back.entries, cp.entries);
         assert_eq!(back.seg_seq, cp.seg_seq);
         assert_eq!(back.trims, cp.trims);

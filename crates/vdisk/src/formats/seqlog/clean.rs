@@ -210,6 +210,7 @@ impl Log {
         }
         apply_batch(map, at, &header.records);
         self.stats.moved.fetch_add(u64::from(blocks), Relaxed);
+        self.stats.stream_blocks[CLEANER].fetch_add(u64::from(blocks), Relaxed);
         Ok(taken)
     }
 }

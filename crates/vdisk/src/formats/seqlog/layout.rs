@@ -19,7 +19,10 @@ pub const FEATURE_RESIZABLE: u32 = 2;
 /// The incompatible feature of images whose disk holds an image of another format (byte 49
 /// names it): an older reader would serve that image's metadata as a guest disk.
 pub const FEATURE_HOLDS: u32 = 4;
-const FEATURES: u32 = FEATURE_CHECKPOINTS | FEATURE_RESIZABLE | FEATURE_HOLDS;
+/// The incompatible feature of images with a metadata stream: a third open segment, which
+/// checkpoints record (an older reader would not read that segment's newer batches).
+pub const FEATURE_STREAMS: u32 = 8;
+const FEATURES: u32 = FEATURE_CHECKPOINTS | FEATURE_RESIZABLE | FEATURE_HOLDS | FEATURE_STREAMS;
 /// The batch header's magic.
 const BATCH_MAGIC: [u8; 4] = *b"SLBH";
 /// Bytes of a batch header before its records.
@@ -70,6 +73,8 @@ pub struct Superblock {
     /// The image the disk holds, recorded at create ([`FEATURE_HOLDS`]); never guessed from
     /// the disk's bytes, which a guest of a plain seqlog disk writes.
     pub holds: Option<Held>,
+    /// Writes hinted as metadata go to a stream of their own ([`FEATURE_STREAMS`]).
+    pub streams: bool,
 }
 
 /// An image format a seqlog disk can hold (byte 49 of the superblock).
@@ -127,6 +132,7 @@ impl Superblock {
             (self.checkpoints, FEATURE_CHECKPOINTS),
             (self.resizable, FEATURE_RESIZABLE),
             (self.holds.is_some(), FEATURE_HOLDS),
+            (self.streams, FEATURE_STREAMS),
         ] {
             if on {
                 features |= bit;
@@ -178,6 +184,7 @@ impl Superblock {
             capacity: u64_at(b, if resizable { 52 } else { 24 }),
             resizable,
             holds,
+            streams: features & FEATURE_STREAMS != 0,
             segments: u32_at(b, 32),
             image_id: u64_at(b, 40),
             policy: match b[48] {
@@ -331,7 +338,7 @@ pub struct BatchHeader {
     /// segment's batches: what is left in a segment from its earlier uses never matches.
     pub nonce: u64,
     pub image_id: u64,
-    /// The stream the batch was written for (0: data; reserved for separate streams).
+    /// The stream the batch was written for (0: data, 1: the cleaner's, 2: metadata).
     pub stream: u8,
     pub records: Vec<Record>,
 }
@@ -458,6 +465,7 @@ mod tests {
             policy: Policy::Greedy,
             checkpoints: true,
             holds: None,
+            streams: true,
         }
     }
 

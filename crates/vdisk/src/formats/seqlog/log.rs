@@ -33,10 +33,13 @@ pub(super) struct Head {
     pub checkpoint: (u64, u64),
 }
 
-/// The streams: guest writes, and the cleaner's moves (kept apart, so that data the cleaner
-/// found cold is not mixed with data just written).
+/// The streams: guest writes, the cleaner's moves (kept apart, so that data the cleaner found
+/// cold is not mixed with data just written), and guest writes hinted as metadata (seed 003:
+/// a format's tables are rewritten more often than its data).
 pub(super) const DATA: usize = 0;
 pub(super) const CLEANER: usize = 1;
+pub(super) const META: usize = 2;
+pub(super) const STREAMS: usize = 3;
 
 /// Segments the guest's writes leave free for the cleaner's output, so that cleaning can
 /// always go on.
@@ -88,11 +91,16 @@ pub(super) struct LogStats {
     pub cleaned: AtomicU64,
     pub moved: AtomicU64,
     pub checkpoints: AtomicU64,
+    /// Blocks appended per stream (data, cleaner, metadata), and guest bytes written with
+    /// each hint (data, metadata): how well writes were classified.
+    pub stream_blocks: [AtomicU64; STREAMS],
+    pub hinted_bytes: [AtomicU64; 2],
 }
 
-/// A batch of the guest stream whose header is not written yet.
+/// A batch of a guest stream (data or metadata) whose header is not written yet.
 pub(super) struct Forming {
     pub id: u64,
+    pub stream: usize,
     pub segment: u32,
     pub nonce: u64,
     /// The log block of its header; its records' data follow it in record order.
@@ -129,11 +137,11 @@ pub(super) struct Member {
 pub(super) struct Tail {
     pub head: Head,
     /// Per stream, the segment appended to.
-    pub open: [Option<Open>; 2],
+    pub open: [Option<Open>; STREAMS],
     /// Per stream, where its last batch ended, as a file offset.
-    pub last_end: [u64; 2],
-    /// The guest stream's batches whose headers are not written yet, oldest first; the last
-    /// one takes new writes unless it is sealed.
+    pub last_end: [u64; STREAMS],
+    /// The guest streams' batches whose headers are not written yet, oldest first; the last
+    /// one takes new writes of its stream unless it is sealed.
     pub forming: VecDeque<Forming>,
     /// Writes placed and not yet known to be older than every write in flight, by their
     /// number (`sn`), oldest first.
@@ -185,8 +193,8 @@ impl Log {
             reuse: Gate::default(),
             state: Mutex::new(Tail {
                 head,
-                open: [None; 2],
-                last_end: [0; 2],
+                open: [None; STREAMS],
+                last_end: [0; STREAMS],
                 forming: VecDeque::new(),
                 members: VecDeque::new(),
                 next_sn: 0,

@@ -24,7 +24,10 @@
 //! The map is checkpointed (checkpoint.rs) every few segments and at close: an open reads the
 //! newest checkpoint and the segments written since, not the whole log.
 //!
-//! Not yet here (issue 24): a metadata stream, a map with a resident cap.
+//! Writes hinted as metadata (`BlockDev::write_hinted`: qcow2's tables when qcow2 sits on
+//! seqlog) go to a metadata stream, a segment of their own (docs/seqlog-format.md, "Streams").
+//!
+//! Not yet here (issue 24): a map with a resident cap.
 
 mod append;
 mod checkpoint;
@@ -45,7 +48,7 @@ use super::info::{FormatInfo, InfoValue};
 use super::{read_mapped, start_read_mapped, status_mapped, Holes, Layer, Mapping};
 use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
-use crate::storage::{LockRole, Storage};
+use crate::storage::{LockRole, Storage, WriteHint};
 use layout::{Kind, Record, Superblock, MAGIC};
 use log::Log;
 use map::Map;
@@ -113,8 +116,9 @@ impl Seqlog {
         Ok(())
     }
 
-    /// Appends whole blocks: `data` (a multiple of the block size) at guest block `block`.
-    fn append_blocks(&self, mut block: u64, data: &[u8]) -> Result<()> {
+    /// Appends whole blocks to guest stream `stream`: `data` (a multiple of the block size) at
+    /// guest block `block`.
+    fn append_blocks(&self, stream: usize, mut block: u64, data: &[u8]) -> Result<()> {
         let bs = self.bs() as usize;
         // Records count blocks in 32 bits.
         for chunk in data.chunks(u32::MAX as usize / bs * bs) {
@@ -124,7 +128,7 @@ impl Seqlog {
                 count,
                 kind: Kind::Data,
             };
-            self.log.write_blocks(&self.map, record, chunk)?;
+            self.log.write_blocks(&self.map, stream, record, chunk)?;
             block += u64::from(count);
         }
         Ok(())
@@ -140,15 +144,15 @@ impl Seqlog {
                 count,
                 kind: Kind::Trim,
             };
-            self.log.write_blocks(&self.map, record, &[])?;
+            self.log.write_blocks(&self.map, log::DATA, record, &[])?;
             block += u64::from(count);
         }
         Ok(())
     }
 
-    /// Writes `buf` at `offset`, neither of them aligned to blocks: the blocks it touches are
-    /// read, patched and appended whole.
-    fn write_partial(&self, offset: u64, buf: &[u8]) -> Result<()> {
+    /// Writes `buf` at `offset` on guest stream `stream`, neither of them aligned to blocks:
+    /// the blocks it touches are read, patched and appended whole.
+    fn write_partial(&self, stream: usize, offset: u64, buf: &[u8]) -> Result<()> {
         let bs = self.bs();
         let first = offset / bs;
         let end = (offset + buf.len() as u64).div_ceil(bs);
@@ -161,7 +165,19 @@ impl Seqlog {
         }
         let at = (offset - first * bs) as usize;
         whole[at..at + buf.len()].copy_from_slice(buf);
-        self.append_blocks(first, &whole)
+        self.append_blocks(stream, first, &whole)
+    }
+
+    /// The guest stream for a write with `hint` of `len` bytes, counted: metadata has a stream
+    /// of its own where the image has the streams feature.
+    fn stream_for(&self, hint: WriteHint, len: usize) -> usize {
+        let meta = hint == WriteHint::Metadata;
+        self.log.stats.hinted_bytes[usize::from(meta)].fetch_add(len as u64, Ordering::Relaxed);
+        if meta && self.log.sb.streams {
+            log::META
+        } else {
+            log::DATA
+        }
     }
 }
 
@@ -211,16 +227,22 @@ impl BlockDev for Seqlog {
     }
 
     fn write(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        self.write_hinted(offset, buf, WriteHint::Data)
+    }
+
+    /// Metadata goes to the metadata stream (see `stream_for`).
+    fn write_hinted(&self, offset: u64, buf: &[u8], hint: WriteHint) -> Result<()> {
         self.writable("write")?;
         check_range(self.size(), offset, buf.len() as u64)?;
         let bs = self.bs();
         if buf.is_empty() {
             return Ok(());
         }
+        let stream = self.stream_for(hint, buf.len());
         if offset % bs == 0 && buf.len() as u64 % bs == 0 {
-            return self.append_blocks(offset / bs, buf);
+            return self.append_blocks(stream, offset / bs, buf);
         }
-        self.write_partial(offset, buf)
+        self.write_partial(stream, offset, buf)
     }
 
     fn flush(&self) -> Result<()> {
@@ -261,9 +283,12 @@ impl BlockDev for Seqlog {
             kind: Kind::Data,
         };
         let mut t = log::lock(&self.log.state);
-        let Some(placed) = self.log.reserve(&mut t, &self.map, record, data, false)? else {
+        let Some(placed) = (self.log).reserve(&mut t, &self.map, log::DATA, record, data, false)?
+        else {
             return Ok(None);
         };
+        let data_bytes = &self.log.stats.hinted_bytes[0];
+        data_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
         let transfers = placed.transfers.into_iter();
         Ok(Some(StartedWrite {
             storage: &*self.log.storage,
@@ -304,14 +329,18 @@ impl BlockDev for Seqlog {
         let (first, last) = (offset.div_ceil(bs), end / bs);
         if first >= last {
             // Within one block, or across one boundary without a whole block.
-            return self.write_partial(offset, &vec![0u8; len as usize]);
+            return self.write_partial(log::DATA, offset, &vec![0u8; len as usize]);
         }
         if offset < first * bs {
-            self.write_partial(offset, &vec![0u8; (first * bs - offset) as usize])?;
+            self.write_partial(
+                log::DATA,
+                offset,
+                &vec![0u8; (first * bs - offset) as usize],
+            )?;
         }
         self.trim_blocks(first, last)?;
         if end > last * bs {
-            self.write_partial(last * bs, &vec![0u8; (end - last * bs) as usize])?;
+            self.write_partial(log::DATA, last * bs, &vec![0u8; (end - last * bs) as usize])?;
         }
         Ok(())
     }
@@ -397,6 +426,21 @@ impl Driver for Seqlog {
                 ("cleaned-segments", n(get(&stats.cleaned))),
                 ("moved-blocks", n(get(&stats.moved))),
                 ("guest-bytes", n(get(&stats.guest_bytes))),
+                ("metadata-streams", InfoValue::Bool(self.log.sb.streams)),
+                (
+                    "data-stream-blocks",
+                    n(get(&stats.stream_blocks[log::DATA])),
+                ),
+                (
+                    "metadata-stream-blocks",
+                    n(get(&stats.stream_blocks[log::META])),
+                ),
+                (
+                    "cleaner-stream-blocks",
+                    n(get(&stats.stream_blocks[log::CLEANER])),
+                ),
+                ("data-hinted-bytes", n(get(&stats.hinted_bytes[0]))),
+                ("metadata-hinted-bytes", n(get(&stats.hinted_bytes[1]))),
                 ("log-bytes", n(get(&stats.bytes))),
             ]),
             ..FormatInfo::default()

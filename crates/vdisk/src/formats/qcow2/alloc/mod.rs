@@ -18,6 +18,7 @@ mod writes;
 
 use crate::error::{Error, IoContext, Result};
 use crate::storage::Storage;
+use crate::storage::WriteHint;
 
 /// Pool refills start at this many clusters and double up to `MAX_POOL_BYTES`.
 const MIN_POOL: u64 = 16;
@@ -488,7 +489,7 @@ impl Refcounts {
         }
         let bytes: Vec<u8> = self.table.iter().flat_map(|e| e.to_be_bytes()).collect();
         let at = self.table_offset;
-        file.write_at(at, &bytes)
+        file.write_at_hinted(at, &bytes, WriteHint::Metadata)
             .context(|| format!("writing the refcount table at {at:#x}"))?;
         file.sync()
             .context(|| "syncing the refcount table".into())?;

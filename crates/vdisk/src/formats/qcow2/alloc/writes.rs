@@ -5,6 +5,7 @@ use super::Refcounts;
 use crate::error::{IoContext, Result};
 use crate::formats::qcow2::tables::TableWrite;
 use crate::storage::Storage;
+use crate::storage::WriteHint;
 
 /// The refcount writes of one commit.
 #[derive(Debug, Default)]
@@ -30,13 +31,13 @@ impl RefcountWrites {
     /// reads as refcount 0), so a sync comes between. The caller syncs what follows.
     pub fn write(&self, file: &dyn Storage) -> Result<()> {
         for (_, _, (offset, bytes)) in &self.blocks {
-            file.write_at(*offset, bytes)
+            file.write_at_hinted(*offset, bytes, WriteHint::Metadata)
                 .context(|| format!("writing the refcount block at {offset:#x}"))?;
         }
         if let Some((offset, bytes)) = &self.table {
             file.sync()
                 .context(|| "syncing new refcount blocks".into())?;
-            file.write_at(*offset, bytes)
+            file.write_at_hinted(*offset, bytes, WriteHint::Metadata)
                 .context(|| format!("writing the refcount table at {offset:#x}"))?;
         }
         Ok(())

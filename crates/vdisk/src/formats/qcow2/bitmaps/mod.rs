@@ -14,6 +14,7 @@ use super::header::{Header, AUTOCLEAR_BITMAPS};
 use crate::error::{Error, IoContext, Result};
 use crate::formats::DirtyBitmap;
 use crate::storage::Storage;
+use crate::storage::WriteHint;
 pub use dir::Entry;
 
 /// The header extension's type.
@@ -208,7 +209,7 @@ pub fn load(file: &dyn Storage, h: &Header) -> Result<Set> {
     }
     if changed {
         let loc = location(h).expect("bitmaps were read");
-        file.write_at(loc.offset, &dir::to_bytes(&entries))
+        file.write_at_hinted(loc.offset, &dir::to_bytes(&entries), WriteHint::Metadata)
             .and_then(|()| file.sync())
             .context(|| "marking the bitmaps in use".into())?;
     }

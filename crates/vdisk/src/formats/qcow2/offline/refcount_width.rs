@@ -15,6 +15,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::formats::qcow2::alloc::Refcounts;
 use crate::formats::qcow2::header::{Header, MAX_REFTABLE_BYTES};
 use crate::formats::qcow2::{refcount, Qcow2};
+use crate::storage::WriteHint;
 
 /// Placements of the new structure tried before giving up: one is enough unless the old
 /// structure grows more than foreseen while it is allocated (its table moves).
@@ -118,13 +119,13 @@ impl Qcow2 {
             }
             let offset = (first + b) << cb;
             self.file
-                .write_at(offset, &block)
+                .write_at_hinted(offset, &block, WriteHint::Metadata)
                 .context(|| format!("writing the new refcount block at {offset:#x}"))?;
             table[(b * 8) as usize..(b * 8 + 8) as usize].copy_from_slice(&offset.to_be_bytes());
         }
         let table_offset = (first + blocks) << cb;
         self.file
-            .write_at(table_offset, &table)
+            .write_at_hinted(table_offset, &table, WriteHint::Metadata)
             .context(|| format!("writing the new refcount table at {table_offset:#x}"))?;
         // The new structure must be durable before the header names it.
         self.file

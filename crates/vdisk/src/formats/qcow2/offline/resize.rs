@@ -18,6 +18,7 @@ use crate::formats::qcow2::meta::Meta;
 use crate::formats::qcow2::offset::{Guest, Host};
 use crate::formats::qcow2::Qcow2;
 use crate::storage::zero_range;
+use crate::storage::WriteHint;
 
 impl Qcow2 {
     /// Sets the virtual size to `new_size` (a multiple of 512); a growth preallocates the new
@@ -345,7 +346,7 @@ impl Qcow2 {
         bytes.resize((clusters * cs) as usize, 0);
         let at = first << self.header.cluster_bits;
         self.file
-            .write_at(at, &bytes)
+            .write_at_hinted(at, &bytes, WriteHint::Metadata)
             .context(|| format!("writing the new L1 table at {at:#x}"))?;
         // The new table and its refcounts must be durable before the header names it.
         let refs = meta.refs();

@@ -18,6 +18,7 @@ use crate::formats::qcow2::l2::{L2Entry, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_CO
 use crate::formats::qcow2::offset::Host;
 use crate::formats::qcow2::snapshot::{Snapshot, MAX_SNAPSHOTS};
 use crate::formats::qcow2::{read_snapshot_l1, Qcow2};
+use crate::storage::WriteHint;
 
 impl Qcow2 {
     /// Takes snapshot `name` of the active image.
@@ -155,7 +156,7 @@ impl Qcow2 {
         let clusters = (bytes.len() as u64).div_ceil(cs).max(1);
         let at = self.alloc_clusters(meta, clusters)? << self.header.cluster_bits;
         self.file
-            .write_at(at, &bytes)
+            .write_at_hinted(at, &bytes, WriteHint::Metadata)
             .context(|| format!("writing the snapshot L1 table at {at:#x}"))?;
         self.counters.metadata_written(bytes.len() as u64);
         Ok(at)

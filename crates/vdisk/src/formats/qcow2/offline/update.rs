@@ -4,6 +4,7 @@
 use crate::error::{IoContext, Result};
 use crate::formats::qcow2::header::Header;
 use crate::formats::qcow2::Qcow2;
+use crate::storage::WriteHint;
 
 impl Qcow2 {
     /// Writes header `h` and syncs it, then commits what it freed. The refcount table's place
@@ -28,7 +29,7 @@ impl Qcow2 {
         let mut bytes = h.to_bytes()?;
         bytes.resize(bytes.len().max(h.cluster_size() as usize), 0);
         self.file
-            .write_at(0, &bytes)
+            .write_at_hinted(0, &bytes, WriteHint::Metadata)
             .context(|| "writing the header".into())?;
         let frees = self.lock().refs().take_frees();
         let synced = self.file.sync().context(|| "syncing the header".into());

@@ -22,6 +22,7 @@ use crate::formats::qcow2::l2::{
     self, L2Entry, L2Table, OFLAG_COMPRESSED, OFLAG_COPIED, OFLAG_ZERO,
 };
 use crate::formats::qcow2::{read_table, refcount, Qcow2};
+use crate::storage::WriteHint;
 
 const L2E_STD_RESERVED: u64 = 0x3f00_0000_0000_01fe;
 const REFT_OFFSET_MASK: u64 = !0x1ff;
@@ -419,9 +420,12 @@ impl<'a, 's> Checker<'a, 's> {
         }
         let first = i * table.entry_bytes();
         let bytes = table.bytes(first, first + table.entry_bytes());
-        let written = (self.q.file().write_at(at, &bytes))
-            .and_then(|()| self.q.file().sync())
-            .context(|| format!("writing the L2 entry at {}", hx(at)));
+        let written = (self
+            .q
+            .file()
+            .write_at_hinted(at, &bytes, WriteHint::Metadata))
+        .and_then(|()| self.q.file().sync())
+        .context(|| format!("writing the L2 entry at {}", hx(at)));
         match written {
             Ok(()) => {
                 self.report.corruptions -= 1;

@@ -12,6 +12,7 @@ use crate::formats::qcow2::corrupt::{hx, image_is_corrupt};
 use crate::formats::qcow2::l2::{self, OFLAG_COPIED};
 use crate::formats::qcow2::{read_table, refcount, Qcow2};
 use crate::storage::Storage;
+use crate::storage::WriteHint;
 
 /// Reads stored refcounts one host cluster at a time, caching the current refcount block.
 pub struct RefcountReader<'a> {
@@ -89,7 +90,7 @@ impl<'a> RefcountReader<'a> {
         let width = (1usize << self.order).div_ceil(8);
         let at = block_offset + first as u64;
         self.file
-            .write_at(at, &bytes[first..first + width])
+            .write_at_hinted(at, &bytes[first..first + width], WriteHint::Metadata)
             .context(|| format!("writing the refcount block at {}", hx(block_offset)))
     }
 
@@ -377,8 +378,12 @@ impl Checker<'_, '_> {
                     self.report.check_errors += 1;
                     return Err(e);
                 }
-                let written = (self.q.file().write_at(l2_offset, &table.to_bytes()))
-                    .context(|| format!("writing the L2 table at {}", hx(l2_offset)));
+                let written = (self.q.file().write_at_hinted(
+                    l2_offset,
+                    &table.to_bytes(),
+                    WriteHint::Metadata,
+                ))
+                .context(|| format!("writing the L2 table at {}", hx(l2_offset)));
                 if let Err(e) = written {
                     self.say(format!(
                         "ERROR: Could not write L2 table: {}",
@@ -400,7 +405,7 @@ impl Checker<'_, '_> {
         let at = self.q.header().l1_table_offset + 8 * index as u64;
         self.overlap_check(signal::OL_ACTIVE_L1, at, 8)?;
         let file = self.q.file();
-        (file.write_at(at, &entry.to_be_bytes()))
+        (file.write_at_hinted(at, &entry.to_be_bytes(), WriteHint::Metadata))
             .and_then(|()| file.sync())
             .context(|| format!("writing the L1 entry at {}", hx(at)))
     }

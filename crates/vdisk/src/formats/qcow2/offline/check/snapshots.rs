@@ -13,6 +13,7 @@ use crate::formats::info::{CheckFailed, CheckReport, Fix, Messages};
 use crate::formats::qcow2::header::Header;
 use crate::formats::qcow2::snapshot::{self, Cuts, Table, MAX_EXTRA_DATA, MAX_SNAPSHOTS};
 use crate::storage::Storage;
+use crate::storage::WriteHint;
 
 /// The snapshot table as read for a check, and what reading it found.
 pub(in crate::formats::qcow2::offline) struct SnapshotCheck {
@@ -84,7 +85,7 @@ pub(in crate::formats::qcow2::offline) fn read_snapshot_table(
     report.corruptions += u64::from(dropped) + cuts.extra.len() as u64;
     if dropped > 0 {
         let kept = (table.snapshots.len() as u32).to_be_bytes();
-        let written = (file.write_at(60, &kept))
+        let written = (file.write_at_hinted(60, &kept, WriteHint::Metadata))
             .and_then(|()| file.sync())
             .context(|| "writing the snapshot count".into());
         if let Err(e) = written {

@@ -8,6 +8,7 @@ use super::super::signal::{eio, Signal, Tables};
 use super::sync;
 use crate::error::{Error, IoContext, Result};
 use crate::formats::qcow2::refcount;
+use crate::storage::WriteHint;
 
 /// Writes a new refcount structure that describes exactly the counts in `c.refs` (which the
 /// new blocks and table are added to), and points the header at it. The old structure stays
@@ -54,7 +55,7 @@ pub(super) fn rebuild(
     r.overlap_check(table_offset, table_bytes)
         .map_err(writing)?;
     let bytes: Vec<u8> = r.table.iter().flat_map(|e| e.to_be_bytes()).collect();
-    file.write_at(table_offset, &bytes)
+    file.write_at_hinted(table_offset, &bytes, WriteHint::Metadata)
         .context(|| format!("writing the refcount table at {table_offset:#x}"))
         .map_err(writing)?;
     // The new blocks and table must be durable before the header names them (QEMU does not
@@ -64,7 +65,7 @@ pub(super) fn rebuild(
     pointer[..8].copy_from_slice(&table_offset.to_be_bytes());
     pointer[8..].copy_from_slice(&((table_bytes / cs) as u32).to_be_bytes());
     let setting = |e: Error| (e, "ERROR setting reftable".to_string());
-    file.write_at(48, &pointer)
+    file.write_at_hinted(48, &pointer, WriteHint::Metadata)
         .context(|| "writing the header".into())
         .map_err(setting)?;
     sync(&*file).map_err(setting)
@@ -173,7 +174,7 @@ impl Rebuild<'_, '_, '_> {
                 }
             }
             let file = self.c.q.file();
-            file.write_at(offset, &block)
+            file.write_at_hinted(offset, &block, WriteHint::Metadata)
                 .context(|| format!("writing the refcount block at {offset:#x}"))
                 .map_err(writing)?;
             cluster = start + per_block;
