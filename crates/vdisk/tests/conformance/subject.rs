@@ -492,21 +492,7 @@ pub fn seqlog(
                     write,
                 )?))
             });
-            let mut initial = vec![0; size as usize];
-            if filled {
-                // Written twice, the second time in 4 KiB pieces out of order: the log is in
-                // its steady state, free segments down to the cleaner's watermark.
-                initial = (0..size).map(backing_byte).collect();
-                let disk = open(std::slice::from_ref(&storage), true).expect("open seqlog");
-                disk.write(0, &initial).expect("fill seqlog");
-                let pieces = size / 4096;
-                for i in 0..pieces {
-                    let at = (i * 37 % pieces * 4096) as usize;
-                    disk.write(at as u64, &initial[at..at + 4096])
-                        .expect("fill seqlog");
-                }
-                disk.close().expect("close seqlog");
-            }
+            let (initial, base) = fresh_contents(&open, &storage, size, filled);
             Setup {
                 name,
                 size,
@@ -514,10 +500,36 @@ pub fn seqlog(
                 unit: block,
                 storages: vec![storage],
                 initial,
-                base: no_backing(size, filled.then_some(0)),
+                base,
                 open,
                 _dir: dir,
             }
         }),
     }
+}
+
+/// What a fresh disk on `storage` holds, and which layer defines it: zeroes from no layer, or,
+/// `filled`, [`backing_byte`] written into every byte twice, the second time in 4 KiB pieces
+/// out of order, so that a log under it is in its steady state (free segments down to the
+/// cleaner's watermark).
+fn fresh_contents(
+    open: &Open,
+    storage: &Arc<dyn Storage>,
+    size: u64,
+    filled: bool,
+) -> (Vec<u8>, Vec<Option<u32>>) {
+    if !filled {
+        return (vec![0; size as usize], no_backing(size, None));
+    }
+    let initial: Vec<u8> = (0..size).map(backing_byte).collect();
+    let disk = open(std::slice::from_ref(storage), true).expect("open to fill");
+    disk.write(0, &initial).expect("fill");
+    let pieces = size / 4096;
+    for i in 0..pieces {
+        let at = (i * 37 % pieces * 4096) as usize;
+        disk.write(at as u64, &initial[at..at + 4096])
+            .expect("fill");
+    }
+    disk.close().expect("close after filling");
+    (initial, no_backing(size, Some(0)))
 }

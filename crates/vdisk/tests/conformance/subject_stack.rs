@@ -8,8 +8,9 @@ use vdisk::formats::seqlog::{self, Held};
 use vdisk::formats::stack::open_layout;
 use vdisk::{open_storage_with, Format};
 
-use super::super::model::backing_byte;
-use super::{backend_storage, disk_size, no_backing, qcow2_unit, Backend, Open, Setup, Subject};
+use super::{
+    backend_storage, disk_size, fresh_contents, qcow2_unit, Backend, Open, Setup, Subject,
+};
 
 /// A qcow2 image made with `o` on a seqlog layout made with `layout` on `backend`. The
 /// layout's capacity is the qcow2 size and a half, with a MiB more for metadata (a small
@@ -48,19 +49,7 @@ pub fn qcow2_on_seqlog(
                 );
                 Ok(Box::new(image))
             });
-            let mut initial = vec![0; size as usize];
-            if filled {
-                initial = (0..size).map(backing_byte).collect();
-                let disk = open(std::slice::from_ref(&storage), true).expect("open");
-                disk.write(0, &initial).expect("fill qcow2 on seqlog");
-                let pieces = size / 4096;
-                for i in 0..pieces {
-                    let at = (i * 37 % pieces * 4096) as usize;
-                    disk.write(at as u64, &initial[at..at + 4096])
-                        .expect("fill qcow2 on seqlog");
-                }
-                disk.close().expect("close qcow2 on seqlog");
-            }
+            let (initial, base) = fresh_contents(&open, &storage, size, filled);
             Setup {
                 name,
                 size,
@@ -68,7 +57,7 @@ pub fn qcow2_on_seqlog(
                 unit: qcow2_unit(&o),
                 storages: vec![storage],
                 initial,
-                base: no_backing(size, filled.then_some(0)),
+                base,
                 open,
                 _dir: dir,
             }
