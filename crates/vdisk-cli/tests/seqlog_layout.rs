@@ -112,3 +112,74 @@ fn number(json: &str, key: &str) -> u64 {
         .collect();
     digits.parse().expect(key)
 }
+
+/// `vdisk serve` exports qcow2 over seqlog: what qemu-io writes over NBD reads back, and the
+/// image converted out is the one QEMU wrote into a raw file.
+#[test]
+fn qcow2_on_seqlog_serves_over_nbd() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "seqlog-layout-serve");
+    let o = wd.vdisk(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "data_layout=seqlog",
+        "s.qcow2",
+        "64M",
+    ]);
+    assert!(o.success(), "{o:?}");
+    let socket = wd.abs("nbd.sock");
+    let mut serve = std::process::Command::new(&tools.vdisk)
+        .current_dir(wd.path())
+        .args([
+            "serve",
+            "--nbd",
+            &format!("unix:{}", socket.display()),
+            "s.qcow2",
+        ])
+        .spawn()
+        .expect("start vdisk serve");
+    for _ in 0..100 {
+        if socket.exists() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let url = format!("nbd+unix:///?socket={}", socket.display());
+    let writes = [
+        "write -P 0x5a 1M 3M",
+        "write -P 0x11 10M 64k",
+        "write -P 0x22 33M 5k",
+    ];
+    let mut args = vec!["-f", "raw", url.as_str()];
+    for c in writes
+        .iter()
+        .chain(&["read -P 0x5a 1M 3M", "read -P 0x22 33M 5k", "flush"])
+    {
+        args.extend(["-c", c]);
+    }
+    let io = wd.run(&tools.qemu_io, &args);
+    let stopped = std::process::Command::new("kill")
+        .args(["-TERM", &serve.id().to_string()])
+        .status();
+    assert!(stopped.is_ok_and(|s| s.success()));
+    assert!(serve.wait().expect("serve ends").success());
+    assert!(
+        io.success() && !io.stdout.contains("Pattern verification failed"),
+        "{io:?}"
+    );
+    let q = wd.qemu_img(&["create", "-q", "-f", "raw", "ref.raw", "64M"]);
+    assert!(q.success(), "{q:?}");
+    let mut args = vec!["-f", "raw"];
+    for c in &writes {
+        args.extend(["-c", c]);
+    }
+    args.push("ref.raw");
+    assert!(wd.run(&tools.qemu_io, &args).success());
+    let out = wd.vdisk(&["convert", "-O", "qcow2", "s.qcow2", "out.qcow2"]);
+    assert!(out.success(), "{out:?}");
+    let q = wd.qemu_img(&["compare", "ref.raw", "out.qcow2"]);
+    assert!(q.success(), "{}{}", q.stdout, q.stderr);
+}
