@@ -8,7 +8,7 @@
 //! clusters); holes are what its block status reports.
 
 use std::io;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::{IoStats, Storage, WriteHint};
 use crate::blockdev::BlockDev;
@@ -17,6 +17,9 @@ use crate::blockdev::BlockDev;
 pub struct DiskStorage {
     disk: Arc<dyn BlockDev>,
     stats: IoStats,
+    /// Held while growing the disk: two writers past the end, each growing it to its own end,
+    /// would otherwise shrink it again when the smaller end comes second.
+    growing: Mutex<()>,
 }
 
 impl DiskStorage {
@@ -24,11 +27,16 @@ impl DiskStorage {
         DiskStorage {
             disk,
             stats: IoStats::default(),
+            growing: Mutex::new(()),
         }
     }
 
     /// Grows the disk to hold `end` bytes.
     fn reach(&self, end: u64) -> io::Result<()> {
+        if end <= self.disk.size() {
+            return Ok(());
+        }
+        let _one = self.growing.lock().unwrap_or_else(|e| e.into_inner());
         if end > self.disk.size() {
             self.disk.set_size(end).map_err(to_io)?;
         }
@@ -100,6 +108,7 @@ impl Storage for DiskStorage {
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
+        let _one = self.growing.lock().unwrap_or_else(|e| e.into_inner());
         self.disk.set_size(len).map_err(to_io)
     }
 
