@@ -481,6 +481,12 @@ mod tests {
             ..s
         };
         assert_eq!(Superblock::decode(&layout.encode()).unwrap(), layout);
+        // A held format vdisk does not know is refused, not opened as a plain disk.
+        let mut unknown = layout.encode();
+        unknown[49] = 9;
+        let crc = crc32c(0, &unknown[..SUPER_LEN - 4]);
+        unknown[SUPER_LEN - 4..].copy_from_slice(&crc.to_le_bytes());
+        assert!(Superblock::decode(&unknown).is_err());
         for at in [9, 17, 25, 41, 48, 63] {
             let mut bad = b;
             bad[at] ^= 1;
@@ -504,6 +510,11 @@ mod tests {
             },
             Superblock {
                 disk_size: 128 << 20,
+                resizable: true,
+                ..s
+            },
+            Superblock {
+                capacity: 32 << 20,
                 resizable: true,
                 ..s
             },
