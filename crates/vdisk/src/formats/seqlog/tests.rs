@@ -413,3 +413,30 @@ fn metadata_has_its_own_stream_and_replays_in_order() {
         assert!(buf.iter().all(|&x| x == byte), "block {block}: {}", buf[0]);
     }
 }
+
+/// An image made before the metadata stream (no streams feature) opens as before: writes
+/// hinted as metadata go to the data stream, and its checkpoints keep their two open segments.
+#[test]
+fn an_image_without_streams_keeps_metadata_with_data() {
+    let storage = new_image(small());
+    let mut head = [0u8; layout::SUPER_LEN];
+    storage.read_at(0, &mut head).unwrap();
+    let old = Superblock {
+        streams: false,
+        ..Superblock::decode(&head).unwrap()
+    };
+    storage.write_at(0, &old.encode()).unwrap();
+    let disk = Seqlog::open(storage.clone(), false).unwrap();
+    disk.write_hinted(0, &[9; 4096], WriteHint::Metadata)
+        .unwrap();
+    disk.close().unwrap();
+    let blocks =
+        |s: usize| (disk.log.stats.stream_blocks[s]).load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!((blocks(log::DATA), blocks(log::META)), (1, 0));
+    drop(disk);
+    let disk = Seqlog::open(storage, true).unwrap();
+    assert!(disk.recovered_from.is_some(), "opened from its checkpoint");
+    let mut buf = [0u8; 4096];
+    disk.read(0, &mut buf).unwrap();
+    assert!(buf.iter().all(|&x| x == 9));
+}
