@@ -17,6 +17,14 @@
 //! as one request). On storage that completes by callback (RBD) writes take the queue in every
 //! cache mode and with any `-i`, librbd carrying their data. Reads, and writes in the other
 //! cache modes, use the threads.
+//!
+//! Beyond qemu-img's options, for steady-state runs (workload.rs): `--random` offsets (with
+//! `--hot 90/10`, skewed), `--fill` to write the image whole before the clock starts, and
+//! `--sample-every SIZE` for a line of the format's counters along the way; its own counters
+//! (seqlog's write amplification, say) are printed after the run.
+
+mod plan;
+mod workload;
 
 use std::process::ExitCode;
 use std::sync::{Arc, Barrier, Condvar, Mutex, MutexGuard};
@@ -30,9 +38,8 @@ use vdisk::{open_image, BlockDev, CacheMode, Image, ImageOptions, WithCache};
 use crate::flags::ImageFormat;
 use crate::open::image_options;
 use crate::report::{fail, warn_probed_raw};
-use crate::size::parse_size;
-
-const INT_MAX: u64 = i32::MAX as u64;
+use plan::{plan, Plan};
+use workload::{Rng, Sampler, Workload};
 
 /// qemu-img bench's options; like qemu-img, a repeated option takes its last value.
 #[derive(clap::Args)]
@@ -83,64 +90,40 @@ pub struct Args {
     quiet: bool,
     #[arg(short = 'U', long = "force-share")]
     force_share: bool,
+    /// Offsets at random, multiples of the buffer size (vdisk only).
+    #[arg(long = "random")]
+    random: bool,
+    /// With --random: P percent of the requests to the first A percent of the image (P/A,
+    /// e.g. 90/10).
+    #[arg(long = "hot", value_name = "P/A")]
+    hot: Option<String>,
+    /// Seed of the random offsets.
+    #[arg(long = "seed", default_value = "1")]
+    seed: String,
+    /// Write the whole image (1 MiB requests, then a flush) before the clock starts.
+    #[arg(long = "fill")]
+    fill: bool,
+    /// Print a line of counters every SIZE bytes of requests done.
+    #[arg(long = "sample-every", value_name = "SIZE")]
+    sample_every: Option<String>,
     filename: String,
-}
-
-/// qemu's `cvtnum_full`: a size with an optional suffix, within `[min, max]`.
-fn number(what: &str, text: &str, min: u64, max: u64) -> Result<u64, String> {
-    let v = parse_size(text).ok_or_else(|| format!("Invalid {what} specified: '{text}'."))?;
-    if v < min || v > max {
-        return Err(format!(
-            "Invalid {what} specified. Must be between {min} and {max}."
-        ));
-    }
-    Ok(v)
-}
-
-/// What one run does.
-struct Plan {
-    count: u64,
-    depth: u64,
-    offset: u64,
-    bufsize: u64,
-    step: u64,
-    write: bool,
-    pattern: u8,
-    flush_interval: u64,
-    drain: bool,
-}
-
-fn plan(a: &Args) -> Result<Plan, String> {
-    let plan = Plan {
-        count: number("request count", &a.count, 1, INT_MAX)?,
-        depth: number("queue depth", &a.depth, 1, INT_MAX)?,
-        offset: number("offset", &a.offset, 0, i64::MAX as u64)?,
-        bufsize: number("buffer size", &a.buffer_size, 1, INT_MAX)?,
-        step: number("step_size", &a.step_size, 0, INT_MAX)?,
-        write: a.write,
-        pattern: number("pattern byte", &a.pattern, 0, 255)? as u8,
-        flush_interval: number("flush interval", &a.flush_interval, 0, INT_MAX)?,
-        drain: !a.no_drain,
-    };
-    if plan.flush_interval > 0 && !plan.write {
-        return Err("--flush-interval is only available in write tests".into());
-    }
-    if plan.flush_interval > 0 && plan.flush_interval < plan.depth {
-        return Err("Flush interval can't be smaller than depth".into());
-    }
-    Ok(Plan {
-        step: if plan.step == 0 {
-            plan.bufsize
-        } else {
-            plan.step
-        },
-        ..plan
-    })
 }
 
 pub fn run(a: &Args) -> ExitCode {
     let plan = match plan(a) {
         Ok(p) => p,
+        Err(msg) => return fail(msg, 1),
+    };
+    let workload = Workload::parse(
+        a.random,
+        a.hot.as_deref(),
+        &a.seed,
+        a.fill,
+        a.sample_every.as_deref(),
+    );
+    let workload = match workload {
+        Ok(w) if w.fill && !plan.write => return fail("--fill is only for write tests", 1),
+        Ok(w) => w,
         Err(msg) => return fail(msg, 1),
     };
     let mode = match CacheMode::parse(&a.cache) {
@@ -197,8 +180,20 @@ pub fn run(a: &Args) -> ExitCode {
     if plan.flush_interval > 0 {
         println!("Sending flush every {} requests", plan.flush_interval);
     }
+    if workload.random {
+        let hot = workload.hot.map_or(String::new(), |(p, a)| {
+            format!(", {p}% of them to the first {a}% of the image")
+        });
+        println!("Offsets at random (seed {}){hot}", workload.seed);
+    }
     let disk = WithCache { disk: image, mode };
-    let run = Run::new(&plan, disk.disk.size());
+    if workload.fill {
+        if let Err(e) = workload::fill(&disk, plan.pattern) {
+            return fail(format!("Failed to fill the image: {e}"), 1);
+        }
+    }
+    let sampler = Sampler::new(&disk.disk, workload.sample_every);
+    let run = Run::new(&plan, disk.disk.size(), &workload, sampler);
     // Storage that completes transfers by callback (RBD) takes the writes on the queue in
     // every cache mode and whatever `-i` says, as QEMU's rbd driver is asynchronous whatever
     // its aio option; the kernel interface then carries nothing.
@@ -228,6 +223,7 @@ pub fn run(a: &Args) -> ExitCode {
         }
     }
     print_counters(&image);
+    workload::print_format_stats(&image);
     if let Some(q) = queued {
         println!(
             "io queue: {} requests, {} merged transfers, {} blocking transfers, {} declined",
@@ -297,16 +293,22 @@ fn print_streams(image: &Image) {
 /// The shared state of one run: qemu-img bench's request schedule, served by DEPTH threads.
 struct Run<'p> {
     plan: &'p Plan,
+    workload: &'p Workload,
     image_size: u64,
     state: Mutex<State>,
     changed: Condvar,
+    sampler: Mutex<Sampler<'p>>,
 }
 
 #[derive(Default)]
 struct State {
     sent: u64,
     in_flight: u64,
+    /// Requests completed without error.
+    done: u64,
     next_offset: u64,
+    /// Draws the offsets with `--random`.
+    rng: Option<Rng>,
     /// A flush is due or running (`--flush-interval` with draining): nothing is sent.
     flushing: bool,
     /// What the I/O queue did, when the writes went on it.
@@ -319,16 +321,32 @@ struct State {
 }
 
 impl<'p> Run<'p> {
-    fn new(plan: &'p Plan, image_size: u64) -> Run<'p> {
+    fn new(
+        plan: &'p Plan,
+        image_size: u64,
+        workload: &'p Workload,
+        sampler: Sampler<'p>,
+    ) -> Run<'p> {
+        let mut rng = workload.random.then(|| Rng::new(workload.seed));
+        let next_offset = rng.as_mut().map_or(plan.offset, |r| {
+            workload.offset(r, image_size, plan.bufsize)
+        });
         Run {
             plan,
+            workload,
             image_size,
             state: Mutex::new(State {
-                next_offset: plan.offset,
+                next_offset,
+                rng,
                 ..State::default()
             }),
             changed: Condvar::new(),
+            sampler: Mutex::new(sampler),
         }
+    }
+
+    fn sampler(&self) -> MutexGuard<'_, Sampler<'p>> {
+        self.sampler.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Runs the schedule and returns how long it took. Like qemu-img bench, the clock starts
@@ -349,6 +367,7 @@ impl<'p> Run<'p> {
             }
             ready.wait();
             let started = Instant::now();
+            self.sampler().start();
             if !p.drain && p.flush_interval > 0 {
                 s.spawn(|| self.flusher(disk));
             }
@@ -403,7 +422,12 @@ impl<'p> Run<'p> {
         let offset = st.next_offset;
         st.sent += 1;
         st.in_flight += 1;
-        st.next_offset = self.advance(offset);
+        st.next_offset = match &mut st.rng {
+            Some(rng) => self
+                .workload
+                .offset(rng, self.image_size, self.plan.bufsize),
+            None => self.advance(offset),
+        };
         offset
     }
 
@@ -420,6 +444,8 @@ impl<'p> Run<'p> {
             self.changed.notify_all();
             return st;
         }
+        st.done += 1;
+        self.sampler().done(st.done * self.plan.bufsize);
         self.after_completion(st, disk)
     }
 
@@ -437,6 +463,7 @@ impl<'p> Run<'p> {
         let mut idle: Vec<AlignedBuf> = (0..depth).map(|_| self.buffer()).collect();
         let mut done = Vec::new();
         let started = Instant::now();
+        self.sampler().start();
         std::thread::scope(|s| {
             if !p.drain && p.flush_interval > 0 {
                 s.spawn(|| self.flusher(disk));

@@ -68,3 +68,43 @@ impl Counters {
         }
     }
 }
+
+/// One counter of a format's own (seqlog's cleaning and recovery, say), by name: what
+/// `vdisk bench` prints and `vdisk serve --stats` serves as `vdisk_<name>`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FormatStat {
+    /// A Prometheus name without the `vdisk_` prefix, the format's name first
+    /// (`seqlog_write_amplification`).
+    pub name: &'static str,
+    pub help: &'static str,
+    pub value: StatValue,
+}
+
+/// A [`FormatStat`]'s value: Prometheus' kinds (a ratio is a gauge).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum StatValue {
+    /// Only grows while the image is open.
+    Counter(u64),
+    /// A level (bytes of memory, a time measured once).
+    Gauge(u64),
+    /// A fraction or a factor, worked out from counters.
+    Ratio(f64),
+}
+
+impl StatValue {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StatValue::Counter(_) => "counter",
+            StatValue::Gauge(_) | StatValue::Ratio(_) => "gauge",
+        }
+    }
+}
+
+impl std::fmt::Display for StatValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StatValue::Counter(v) | StatValue::Gauge(v) => write!(f, "{v}"),
+            StatValue::Ratio(r) => write!(f, "{r:.4}"),
+        }
+    }
+}

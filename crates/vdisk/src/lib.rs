@@ -20,7 +20,7 @@ pub mod storage;
 
 pub use blockdev::{BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
 pub use cache::{CacheMode, WithCache};
-pub use counters::{Counters, CountersSnapshot};
+pub use counters::{Counters, CountersSnapshot, FormatStat, StatValue};
 pub use error::{Error, Result};
 pub use formats::{
     backing_path, open_image, open_overlay, open_parts, open_storage, open_storage_with, Driver,

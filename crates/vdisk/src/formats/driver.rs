@@ -18,7 +18,7 @@ use super::info::{
 };
 use super::prealloc::Preallocation;
 use crate::blockdev::BlockDev;
-use crate::counters::CountersSnapshot;
+use crate::counters::{CountersSnapshot, FormatStat};
 use crate::error::{Error, Result};
 use crate::storage::Storage;
 
@@ -64,6 +64,12 @@ pub trait Driver: BlockDev {
     /// The format's counters: allocations, copy-on-write work, metadata written, commits.
     fn counters(&self) -> CountersSnapshot {
         CountersSnapshot::default()
+    }
+
+    /// The format's own counters beyond [`Driver::counters`] (seqlog's cleaning, write
+    /// amplification, recovery), for `vdisk bench` and `vdisk serve --stats`.
+    fn format_stats(&self) -> Vec<FormatStat> {
+        Vec::new()
     }
 
     /// The unit of allocation, where the format has one.

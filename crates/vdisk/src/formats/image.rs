@@ -130,6 +130,11 @@ impl Image {
     pub fn counters(&self) -> crate::counters::CountersSnapshot {
         self.driver.counters()
     }
+
+    /// The format's own counters ([`Driver::format_stats`]).
+    pub fn format_stats(&self) -> Vec<crate::counters::FormatStat> {
+        self.driver.format_stats()
+    }
 }
 
 impl BlockDev for Image {

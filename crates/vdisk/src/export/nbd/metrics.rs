@@ -1,7 +1,7 @@
 //! Live counters of a server in Prometheus' text format (version 0.0.4): requests by command,
 //! bytes moved, the I/O queue's work (kernel requests, merged transfers), and, for exports of
 //! images, the storage's operations (syncs, allocations) and the engine's (copy-on-write bytes,
-//! allocations, commits).
+//! allocations, commits), and the format's own (seqlog's write amplification, say).
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -268,6 +268,16 @@ pub fn render(exports: &[Arc<Export>], conns: &ConnectionStats) -> String {
             f.sample(name, &[("export", e.name())], get(&engine(e)));
         }
     }
+    let format_stats: Vec<(&str, Vec<_>)> = images
+        .iter()
+        .map(|e| {
+            (
+                e.name(),
+                e.image().map(|i| i.format_stats()).unwrap_or_default(),
+            )
+        })
+        .collect();
+    f.format_stats(&format_stats);
     f.head(
         "vdisk_export_size_bytes",
         "gauge",

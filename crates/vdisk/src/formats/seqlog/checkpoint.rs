@@ -221,6 +221,8 @@ impl Log {
             self.storage
                 .write_at(self.sb.checkpoint_offset(slot), &buf)
                 .map_err(|source| io_error(source, what))?;
+            let bytes = buf.len() as u64;
+            self.stats.checkpoint_bytes.fetch_add(bytes, Relaxed);
             self.storage
                 .sync()
                 .map_err(|source| sync_failed(io_error(source, what)))

@@ -211,6 +211,8 @@ impl Log {
         apply_batch(map, at, &header.records);
         self.stats.moved.fetch_add(u64::from(blocks), Relaxed);
         self.stats.stream_blocks[CLEANER].fetch_add(u64::from(blocks), Relaxed);
+        let bytes = u64::from(1 + blocks) * u64::from(self.sb.block_size);
+        self.stats.cleaner_bytes.fetch_add(bytes, Relaxed);
         Ok(taken)
     }
 }

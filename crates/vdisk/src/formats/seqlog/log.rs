@@ -90,11 +90,14 @@ pub(super) struct LogStats {
     /// Segments cleaned, and blocks the cleaner moved.
     pub cleaned: AtomicU64,
     pub moved: AtomicU64,
+    /// Bytes of the cleaner's batches (headers and moved blocks), and of checkpoints.
+    pub cleaner_bytes: AtomicU64,
     pub checkpoints: AtomicU64,
     /// Blocks appended per stream (data, cleaner, metadata), and guest bytes written with
     /// each hint (data, metadata): how well writes were classified.
     pub stream_blocks: [AtomicU64; STREAMS],
     pub hinted_bytes: [AtomicU64; 2],
+    pub checkpoint_bytes: AtomicU64,
 }
 
 /// A batch of a guest stream (data or metadata) whose header is not written yet.

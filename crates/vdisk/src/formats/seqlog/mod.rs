@@ -38,6 +38,7 @@ mod log;
 mod map;
 mod recover;
 mod resize;
+mod stats;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -388,6 +389,10 @@ impl Driver for Seqlog {
             self.log.sync_failed.store(false, Ordering::Relaxed);
         }
         written
+    }
+
+    fn format_stats(&self) -> Vec<crate::counters::FormatStat> {
+        self.stats()
     }
 
     fn info(&self) -> FormatInfo {
