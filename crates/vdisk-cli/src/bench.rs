@@ -477,8 +477,9 @@ impl<'p> Run<'p> {
                     if let Err(Declined { buf, .. }) =
                         queue.start(disk, Dir::Write, offset, buf, ())
                     {
-                        // A flush waits for the writes in flight: let them end, then write as
-                        // usual.
+                        // A flush (or seqlog's cleaner) waits for the writes in flight: let
+                        // them end, those gathered but not sent yet too, then write as usual.
+                        queue.submit();
                         while queue.in_flight() > 0 {
                             if let Err(e) = self.reap(&queue, disk, &mut done, &mut idle) {
                                 self.lock().failed.get_or_insert(e);
