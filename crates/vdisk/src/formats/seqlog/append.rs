@@ -405,6 +405,10 @@ impl Log {
                     self.sync_failed.store(false, Relaxed);
                     t.unreported.get_or_insert(e);
                 }
+            } else if !self.room_for(&t, stream, record) && !t.draining.is_empty() {
+                // Another writer's victim is about to be free: cleaning more meanwhile would
+                // take the reserve that victim's moves came from (ENOSPC with 16 writers).
+                t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
             } else if !self.room_for(&t, stream, record) && cleanings <= self.sb.segments {
                 cleanings += 1;
                 let Some(victim) = self.clean_one(&mut t, map)? else {

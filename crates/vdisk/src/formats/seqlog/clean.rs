@@ -1,6 +1,9 @@
 //! The cleaner: when the guest's writes would leave fewer free segments than the reserve, the
 //! writer that needs a segment cleans a victim first (others wait for the lock, and the I/O
-//! queue's writes are declined to the blocking path: that is the back-pressure).
+//! queue's writes are declined to the blocking path: that is the back-pressure). While a
+//! victim drains, writers that need room wait for it to be freed rather than clean another:
+//! each cleaning in flight takes segments from the reserve for its moves, and a few of them
+//! side by side would use it up.
 //!
 //! Cleaning a victim reads its chain of batches and appends, on the cleaner's own stream:
 //! the blocks still live there (the map still points at them), and trims for the trimmed
@@ -74,13 +77,17 @@ impl Log {
         let sb = self.sb;
         let first = sb.log_offset(victim * sb.segment_blocks);
         let zeroes = AlignedBuf::zeroed(sb.block_size as usize);
+        // Writers wait for draining victims rather than clean more (append.rs): this one is
+        // not draining any more whatever happens here. One whose chain could not be ended
+        // stays in use with nothing live in it, and is cleaned again.
+        t.draining.retain(|&s| s != victim);
+        self.changed.notify_all();
         self.storage
             .write_at(first, &zeroes)
             .map_err(|source| Error::Io {
                 context: format!("ending the chain of cleaned segment {victim}"),
                 source,
             })?;
-        t.draining.retain(|&s| s != victim);
         t.head.seg_seq[victim as usize] = 0;
         t.head.no_gain[victim as usize] = 0;
         t.head.trims[victim as usize] = false;

@@ -284,21 +284,46 @@ mod tests {
         );
     }
 
+    /// Memory whose syncs take a while, as a disk's do: long enough for other writers to take
+    /// the log's lock between a cleaning and the freeing of its victim.
+    struct SlowSync(MemStorage);
+
+    impl Storage for SlowSync {
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+            self.0.read_at(offset, buf)
+        }
+        fn write_at(&self, offset: u64, buf: &[u8]) -> std::io::Result<()> {
+            self.0.write_at(offset, buf)
+        }
+        fn sync(&self) -> std::io::Result<()> {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            self.0.sync()
+        }
+        fn allocate(&self, offset: u64, len: u64) -> std::io::Result<()> {
+            self.0.allocate(offset, len)
+        }
+        fn punch_hole(&self, offset: u64, len: u64) -> std::io::Result<()> {
+            self.0.punch_hole(offset, len)
+        }
+        fn len(&self) -> std::io::Result<u64> {
+            self.0.len()
+        }
+        fn set_len(&self, len: u64) -> std::io::Result<()> {
+            self.0.set_len(len)
+        }
+        fn allocated_bytes(&self) -> std::io::Result<u64> {
+            self.0.allocated_bytes()
+        }
+        fn stats(&self) -> &crate::storage::IoStats {
+            self.0.stats()
+        }
+    }
+
     /// Sixteen writers overwriting a full disk at random keep the cleaner busy side by side,
     /// and the counters still add up to the storage's bytes.
     #[test]
     fn concurrent_cleaning_counts_add_up() {
-        // A file: its syncs take long enough for other writers to run while a victim drains.
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("disk.seqlog");
-        std::fs::write(&path, b"").unwrap();
-        let opts = crate::storage::OpenOptions {
-            write: true,
-            create: false,
-            direct: false,
-        };
-        let file = crate::storage::FileStorage::open(&path, opts).unwrap();
-        let storage: Arc<dyn Storage> = Arc::new(file);
+        let storage: Arc<dyn Storage> = Arc::new(SlowSync(MemStorage::new()));
         let o = CreateOptions {
             size: 4 << 20,
             segment_size: 64 << 10,
