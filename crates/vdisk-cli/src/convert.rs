@@ -149,6 +149,11 @@ impl Args {
             format: format.transpose()?,
             image_opts: self.target_image_opts,
             write: true,
+            // As qemu-img's img_add_key_secrets: the target it made opens with its secret.
+            key_secret: (!self.no_create)
+                .then(|| crate::options::parse_options(&self.options))
+                .and_then(|o| o.into_iter().rev().find(|(k, _)| k == "encrypt.key-secret"))
+                .map(|(_, v)| v),
             ..ImageOptions::default()
         })
     }

@@ -22,6 +22,25 @@ pub struct ImageFormat {
     pub image_opts: bool,
 }
 
+/// `--object`, which every subcommand takes, as qemu-img's that open or make images do: the
+/// secrets that image options name (`encrypt.key-secret=sec0`), added before anything opens.
+#[derive(clap::Args)]
+pub struct Objects {
+    /// An object, as QEMU's: secret,id=ID,data=TEXT|file=PATH[,format=raw|base64].
+    #[arg(long = "object", global = true, value_name = "OBJECTDEF", action = clap::ArgAction::Append)]
+    object: Vec<String>,
+}
+
+impl Objects {
+    /// Adds the objects, or fails as qemu-img does on the first it refuses.
+    pub fn add(&self) -> Result<(), ExitCode> {
+        for o in &self.object {
+            vdisk::spec::secret::add_object(o).map_err(|e| fail(e, 1))?;
+        }
+        Ok(())
+    }
+}
+
 /// `-U`.
 #[derive(clap::Args)]
 pub struct ForceShare {

@@ -108,6 +108,7 @@ struct Info {
     has_info: bool,
     cluster_size: Option<u64>,
     dirty: bool,
+    encrypted: bool,
     backing: Option<(String, String, Option<String>)>,
     snapshots: Vec<SnapshotInfo>,
     specific: Option<Specific>,
@@ -137,6 +138,7 @@ impl Info {
             has_info,
             cluster_size: None,
             dirty: false,
+            encrypted: false,
             backing: None,
             snapshots: Vec::new(),
             specific: None,
@@ -150,6 +152,7 @@ impl Info {
             false => f.cluster_size,
         };
         info.dirty = f.dirty;
+        info.encrypted = f.encrypted;
         info.snapshots = image.driver().snapshots();
         // And its snapshot list (RBD's, for raw over RBD).
         if file_answers && info.snapshots.is_empty() {
@@ -212,6 +215,9 @@ impl Info {
         if let Some(cs) = self.cluster_size {
             d.put("cluster-size", cs);
         }
+        if self.encrypted {
+            d.put("encrypted", true);
+        }
         if let Some((name, full, fmt)) = &self.backing {
             d.put("backing-filename", name.as_str());
             d.put("full-backing-filename", full.as_str());
@@ -255,6 +261,9 @@ impl Info {
             self.virtual_size,
             disk_size(self.actual_size)
         );
+        if self.encrypted {
+            s += "encrypted: yes\n";
+        }
         if let Some(cs) = self.cluster_size {
             s += &format!("cluster_size: {cs}\n");
         }

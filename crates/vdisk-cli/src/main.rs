@@ -53,6 +53,8 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    #[command(flatten)]
+    objects: flags::Objects,
 }
 
 #[derive(Subcommand)]
@@ -118,6 +120,9 @@ fn main() -> ExitCode {
     if !matches!(cli.command, Command::Serve(_)) {
         // SAFETY: setting a signal's disposition to the default touches no memory of ours.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
+    if let Err(code) = cli.objects.add() {
+        return code;
     }
     match &cli.command {
         Command::Create(a) => create::run(a),

@@ -16,8 +16,10 @@ use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 use crate::options::{parse_bool, parse_options};
 use crate::report::message;
 use crate::size::{option_number, option_size, parse_size};
+use encrypt::EncryptOptions;
 use native::{create_pcow, create_qcow2_on_seqlog, create_seqlog, seqlog_option};
 
+mod encrypt;
 mod native;
 
 /// An image to make: its format, file, size and backing file, as `create` takes them.
@@ -67,7 +69,11 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
     // (other than the size) shape it.
     let mut layout: Option<seqlog::CreateOptions> = None;
     let mut layout_options = Vec::new();
+    let mut encrypt = EncryptOptions::default();
     for (k, v) in parse_options(args.options) {
+        if format == Format::QCOW2 && encrypt.take(&k, &v) {
+            continue;
+        }
         match (format.name(), k.as_str()) {
             ("qcow2", "data_layout") if v == "seqlog" => {
                 layout = Some(seqlog::CreateOptions {
@@ -145,12 +151,13 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
         backing_size(args.filename, &o)?;
     }
     if !args.quiet {
-        let line = formatting_line(args.filename, format, &o, &shown);
+        let line = formatting_line(args.filename, format, &o, &encrypt.shown(), &shown);
         match args.format {
             FILE_DRIVER => println!("{}", line.replacen("fmt=raw", "fmt=file", 1)),
             _ => println!("{line}"),
         }
     }
+    o.encryption = encrypt.build()?;
     // QEMU's file driver refuses this as it makes the file, before the format checks its own.
     if file_options.extent_size_hint > Some(u32::MAX.into()) {
         return Err(Error::invalid("Extent size hint is too large"));
@@ -494,6 +501,7 @@ fn formatting_line(
     filename: &str,
     format: Format,
     o: &CreateOptions,
+    encrypt: &[(String, String)],
     shown: &[(String, String)],
 ) -> String {
     let given = |k: &str| {
@@ -508,6 +516,7 @@ fn formatting_line(
     let mut parts: Vec<(String, String)> = Vec::new();
     match format.name() {
         "qcow2" => {
+            parts.extend(encrypt.iter().cloned());
             parts.push(("cluster_size".into(), o.cluster_size.to_string()));
             parts.push(("extended_l2".into(), flag("extended_l2", o.extended_l2)));
             if let Some(p) = given("preallocation") {

@@ -86,7 +86,11 @@ pub fn creation_option(format: Format, key: &str) -> Option<Kind> {
         ("qcow2", "compat" | "backing_file" | "backing_fmt" | "data_file" | "compression_type") => {
             Some(Kind::Text)
         }
-        ("qcow2", "lazy_refcounts" | "extended_l2" | "data_file_raw") => Some(Kind::Bool),
+        ("qcow2", "lazy_refcounts" | "extended_l2" | "data_file_raw" | "encryption") => {
+            Some(Kind::Bool)
+        }
+        ("qcow2", "encrypt.iter-time") => Some(Kind::Number),
+        ("qcow2", k) if k.starts_with("encrypt.") => Some(Kind::Text),
         // vdisk's: a qcow2 image on a seqlog layout, and seqlog's options for it.
         ("qcow2", "data_layout" | "cleaner") => Some(Kind::Text),
         ("qcow2", "segment_size" | "block_size") => Some(Kind::Size),

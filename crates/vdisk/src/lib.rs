@@ -9,6 +9,7 @@ pub mod bytes;
 pub mod cache;
 pub mod checksum;
 pub mod counters;
+pub mod crypto;
 pub mod error;
 pub mod export;
 pub mod formats;

@@ -46,6 +46,18 @@ pub trait Opener {
     /// Whether the image is opened to be checked (QEMU's BDRV_O_CHECK).
     fn check(&self) -> bool;
 
+    /// Whether the image is opened only to be described (QEMU's BDRV_O_NO_IO, as `info`
+    /// opens it): no guest data is read or written, so no key is needed.
+    fn no_io(&self) -> bool {
+        false
+    }
+
+    /// The id of the secret that unlocks an encrypted image (its `encrypt.key-secret`
+    /// option), if the open was given one.
+    fn key_secret(&self) -> Option<&str> {
+        None
+    }
+
     /// Tells what the open does besides opening (QEMU prints it on stderr).
     fn say(&mut self, message: String);
 

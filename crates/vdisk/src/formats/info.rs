@@ -117,4 +117,6 @@ pub struct FormatInfo {
     /// QEMU's "format-specific" part: keys as its JSON spells them, in its order; `None` for a
     /// format that has none.
     pub specific: Option<Vec<(&'static str, InfoValue)>>,
+    /// Guest data is encrypted ("encrypted: yes").
+    pub encrypted: bool,
 }

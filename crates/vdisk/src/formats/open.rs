@@ -16,7 +16,7 @@ use super::registry::{probe, Format};
 use super::stack;
 use crate::blockdev::BlockDev;
 use crate::error::{Error, IoContext, Result};
-use crate::spec::{check_format_options, Backing, ImageSpec, Node, Protocol};
+use crate::spec::{check_format_options, Backing, ImageSpec, Leaf, Node, Protocol};
 use crate::storage::{
     Fault, FaultStorage, FileStorage, LockRole, LockUse, MemStorage, NbdStorage, NullStorage,
     OpKind, OpenOptions, RbdStorage, Storage, When,
@@ -63,6 +63,9 @@ pub struct ImageOptions {
     pub messages: Option<fn(String)>,
     /// The name is an `--image-opts` option string, not a file name.
     pub image_opts: bool,
+    /// The `encrypt.key-secret` of the image itself where its name's options give none:
+    /// `convert` opens the target it made with the secret it was made with, as qemu-img does.
+    pub key_secret: Option<String>,
 }
 
 /// Where the files an image names come from.
@@ -97,6 +100,8 @@ struct OpenContext<'a> {
     data_file: Option<&'a Protocol>,
     /// The backing image the format asked for, kept for [`Image::backing`].
     backing: Option<Arc<Image>>,
+    /// The image's `encrypt.key-secret` option.
+    key_secret: Option<String>,
 }
 
 impl Opener for OpenContext<'_> {
@@ -106,6 +111,14 @@ impl Opener for OpenContext<'_> {
 
     fn check(&self) -> bool {
         self.opts.check
+    }
+
+    fn no_io(&self) -> bool {
+        self.opts.data_file_optional
+    }
+
+    fn key_secret(&self) -> Option<&str> {
+        self.key_secret.as_deref()
     }
 
     fn say(&mut self, message: String) {
@@ -143,6 +156,7 @@ impl Opener for OpenContext<'_> {
                     check: false,
                     messages: self.opts.messages,
                     image_opts: false,
+                    key_secret: None,
                 };
                 // Trust: the image names its backing file, so opening it may open what the
                 // user did not name. As QEMU, a name may be `json:` options or a protocol
@@ -275,6 +289,7 @@ pub fn open_parts(
         backing_spec: &Backing::Named,
         data_file: None,
         backing: None,
+        key_secret: None,
     };
     let opened = stack::open(format, probed, storage, &mut cx)?;
     let file = FileNode::new(name, "file");
@@ -375,6 +390,7 @@ fn open_node(node: &Node, opts: &ImageOptions, chain: &mut Chain) -> Result<Imag
         backing_spec: p.backing,
         data_file: p.data_file,
         backing: None,
+        key_secret: p.key_secret,
     };
     let opened = stack::open(p.format, p.probed, p.storage, &mut cx)?;
     let backing = cx.backing;
@@ -399,6 +415,7 @@ struct Prepared<'a> {
     probed: bool,
     backing: &'a Backing,
     data_file: Option<&'a Protocol>,
+    key_secret: Option<String>,
 }
 
 fn prepare<'a>(node: &'a Node, opts: &ImageOptions, chain: &mut Chain) -> Result<Prepared<'a>> {
@@ -444,6 +461,13 @@ fn prepare<'a>(node: &'a Node, opts: &ImageOptions, chain: &mut Chain) -> Result
         probed: matches!(node, Node::Format { format: None, .. }),
         backing,
         data_file,
+        key_secret: match node {
+            Node::Format { extra, .. } => match extra.get("encrypt.key-secret") {
+                Some(Leaf::Str(id)) => Some(id.clone()),
+                _ => opts.key_secret.clone(),
+            },
+            Node::Protocol(_) => None,
+        },
     })
 }
 

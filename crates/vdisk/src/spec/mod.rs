@@ -21,6 +21,7 @@ pub mod json;
 mod nbd;
 mod options;
 mod rbd;
+pub mod secret;
 mod values;
 
 pub use options::{Leaf, Options};
@@ -113,6 +114,9 @@ const QCOW2_IGNORED: &[&str] = &[
     "refcount-cache-size",
     "cache-clean-interval",
 ];
+
+/// qcow2's encryption options: the secret is the open's to find (`formats/qcow2/crypt.rs`).
+const QCOW2_ENCRYPT: &[&str] = &["encrypt.key-secret", "encrypt.format"];
 
 /// The file driver's options that change nothing vdisk does.
 const FILE_IGNORED: &[&str] = &[
@@ -372,7 +376,10 @@ pub fn check_format_options(format: Format, extra: &Options) -> Result<()> {
     if format == Format::QCOW2 {
         rest.drop_where(|k| {
             let child = |c: &str| k.strip_prefix(c).is_some_and(|r| r.starts_with('.'));
-            QCOW2_IGNORED.contains(&k) || child("overlap-check") || child("data-file")
+            QCOW2_IGNORED.contains(&k)
+                || child("overlap-check")
+                || child("data-file")
+                || QCOW2_ENCRYPT.contains(&k)
         });
     }
     rest.refuse_rest(format.name(), false)

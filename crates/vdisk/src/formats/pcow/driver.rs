@@ -91,6 +91,7 @@ impl Driver for Pcow {
                 ("partial-clusters", n(partial)),
                 ("image-end", n(st.end * geo.cluster)),
             ]),
+            encrypted: false,
         }
     }
 }

@@ -6,11 +6,12 @@
 //! blocks written here, so a new image passes `qemu-img check` without leaks.
 
 use super::header::{
-    Compression, Header, AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS, INCOMPAT_COMPRESSION,
-    INCOMPAT_DATA_FILE, INCOMPAT_EXTL2, MAX_L1_BYTES,
+    Compression, Header, AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS, CRYPT_LUKS,
+    INCOMPAT_COMPRESSION, INCOMPAT_DATA_FILE, INCOMPAT_EXTL2, MAX_L1_BYTES,
 };
 use super::l2::OFLAG_COPIED;
 use super::refcount;
+use crate::crypto::luks::{Luks, Params};
 use crate::error::{Error, IoContext, Result};
 use crate::formats::prealloc::{preallocate, Preallocation};
 use crate::storage::Storage;
@@ -32,6 +33,23 @@ pub struct CreateOptions {
     pub data_file_raw: bool,
     pub backing_file: Option<String>,
     pub backing_format: Option<String>,
+    /// LUKS encryption of the data clusters (`encrypt.format=luks`).
+    pub encryption: Option<Encryption>,
+}
+
+/// How a new image is encrypted: the LUKS parameters and the password (the secret's bytes).
+#[derive(Clone)]
+pub struct Encryption {
+    pub params: Params,
+    pub secret: Vec<u8>,
+}
+
+impl std::fmt::Debug for Encryption {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Encryption")
+            .field("params", &self.params)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for CreateOptions {
@@ -49,6 +67,7 @@ impl Default for CreateOptions {
             data_file_raw: false,
             backing_file: None,
             backing_format: None,
+            encryption: None,
         }
     }
 }
@@ -162,6 +181,9 @@ struct Layout {
     refcount_blocks: u64,
     l1: u64,
     l1_entries: u64,
+    /// The LUKS header's first cluster and its length in bytes (0: not encrypted).
+    crypt: u64,
+    crypt_len: u64,
     /// First cluster of the preallocated L2 tables and data, and their count.
     prealloc: u64,
     l2_tables: u64,
@@ -191,7 +213,10 @@ fn layout(o: &CreateOptions, per_block: u64) -> Result<Layout> {
     } else {
         0
     };
-    let fixed = 1 + l1_clusters + l2_tables + data_clusters;
+    // As QEMU: the LUKS header's clusters follow the L1 table.
+    let crypt_len = o.encryption.as_ref().map_or(0, |e| e.params.region_len());
+    let crypt_clusters = crypt_len.div_ceil(cs);
+    let fixed = 1 + l1_clusters + crypt_clusters + l2_tables + data_clusters;
     // The refcount structures count themselves: grow them until they cover everything.
     let (mut table, mut blocks) = (1, 1);
     loop {
@@ -211,7 +236,9 @@ fn layout(o: &CreateOptions, per_block: u64) -> Result<Layout> {
         refcount_blocks: blocks,
         l1,
         l1_entries,
-        prealloc: l1 + l1_clusters,
+        crypt: l1 + l1_clusters,
+        crypt_len,
+        prealloc: l1 + l1_clusters + crypt_clusters,
         l2_tables,
         data_clusters,
         total: fixed + table + blocks,
@@ -258,6 +285,8 @@ fn new_header(o: &CreateOptions, l: &Layout) -> Header {
         header_length: if o.version >= 3 { 112 } else { 72 },
         compression: o.compression,
         data_file: o.data_file.clone(),
+        crypt_method: if l.crypt_len > 0 { CRYPT_LUKS } else { 0 },
+        crypt_header: (l.crypt_len > 0).then_some((l.crypt * cs, l.crypt_len)),
         feature_names: Vec::new(),
         unknown_extensions: Vec::new(),
     }
@@ -334,6 +363,12 @@ pub fn create(file: &dyn Storage, data: Option<&dyn Storage>, o: &CreateOptions)
     }
     file.write_at_hinted(l.l1 * cs, &l1, WriteHint::Metadata)
         .context(io("L1 table"))?;
+    if let Some(e) = &o.encryption {
+        let (mut luks, _) = Luks::create(&e.params, &e.secret)?;
+        luks.resize(luks.len().next_multiple_of(cs as usize), 0);
+        file.write_at_hinted(l.crypt * cs, &luks, WriteHint::Metadata)
+            .context(io("LUKS header"))?;
+    }
     if let Some(data) = data {
         data.set_len(0).context(io("data file"))?;
         preallocate(data, 0, o.size, o.preallocation)?;

@@ -127,6 +127,9 @@ impl Driver for Qcow2 {
             }
         }
         d.push(("refcount-bits", InfoValue::Number(h.refcount_bits().into())));
+        if let Some(e) = self.crypt_info() {
+            d.push(("encrypt", e));
+        }
         if h.version >= 3 {
             if let Some(df) = &h.data_file {
                 d.push(("data-file", text(df)));
@@ -143,6 +146,7 @@ impl Driver for Qcow2 {
             dirty: h.is_dirty(),
             backing: (h.backing_file.clone()).map(|name| (name, h.backing_format.clone())),
             specific: Some(d),
+            encrypted: self.encrypted(),
         }
     }
 }

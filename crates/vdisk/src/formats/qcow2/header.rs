@@ -28,6 +28,10 @@ const EXT_END: u32 = 0;
 const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
 const EXT_FEATURE_TABLE: u32 = 0x6803_f857;
 const EXT_DATA_FILE: u32 = 0x4441_5441;
+/// "Full disk encryption header pointer".
+const EXT_CRYPT: u32 = 0x0537_be77;
+pub const CRYPT_AES: u32 = 1;
+pub const CRYPT_LUKS: u32 = 2;
 
 /// QEMU's limits (block/qcow2.h): tables larger than these are refused as corrupt.
 pub const MAX_L1_BYTES: u64 = 32 << 20;
@@ -76,6 +80,10 @@ pub struct Header {
     pub header_length: u32,
     pub compression: Compression,
     pub data_file: Option<String>,
+    /// 0 (none), [`CRYPT_AES`] or [`CRYPT_LUKS`].
+    pub crypt_method: u32,
+    /// The LUKS header's place in the file: offset and length.
+    pub crypt_header: Option<(u64, u64)>,
     /// Feature names from the feature name table: (type, bit, name).
     pub feature_names: Vec<(u8, u8, String)>,
     pub unknown_extensions: Vec<UnknownExtension>,
@@ -172,11 +180,6 @@ impl Header {
         }
         let cluster_size = 1u64 << cluster_bits;
         let crypt_method = be32(cluster0, 32);
-        if crypt_method != 0 {
-            return Err(Error::unsupported(
-                "Encrypted qcow2 images are not supported",
-            ));
-        }
         let mut h = Header {
             version,
             backing_file: None,
@@ -196,6 +199,8 @@ impl Header {
             header_length: 72,
             compression: Compression::Zlib,
             data_file: None,
+            crypt_method,
+            crypt_header: None,
             feature_names: Vec::new(),
             unknown_extensions: Vec::new(),
         };
@@ -313,6 +318,7 @@ impl Header {
             match kind {
                 EXT_BACKING_FORMAT => self.backing_format = name(),
                 EXT_DATA_FILE => self.data_file = name(),
+                EXT_CRYPT => self.crypt_header = Some(crypt_pointer(self.crypt_method, data)?),
                 EXT_FEATURE_TABLE => {
                     // QEMU reads the table into zeroed memory and stops at the first entry
                     // with no name: a short last entry counts, its missing bytes zero.
@@ -416,6 +422,18 @@ const FEATURE_NAMES: [(u8, u8, &str); 8] = [
     (2, 1, "raw external data"),
 ];
 
+/// The encryption header pointer, checked as QEMU's `qcow2_read_extensions` checks it.
+fn crypt_pointer(method: u32, d: &[u8]) -> Result<(u64, u64)> {
+    let size = |n| format!("CRYPTO header extension size {n}, but expected size 16");
+    match (method, d.len()) {
+        (CRYPT_LUKS, 16) => Ok((be64(d, 0), be64(d, 8))),
+        (CRYPT_LUKS, n) => Err(Error::corrupt(size(n))),
+        _ => Err(Error::corrupt(
+            "CRYPTO header extension only expected with LUKS encryption method",
+        )),
+    }
+}
+
 fn put_extension(out: &mut Vec<u8>, kind: u32, data: &[u8]) {
     out.extend_from_slice(&kind.to_be_bytes());
     out.extend_from_slice(&(data.len() as u32).to_be_bytes());
@@ -435,6 +453,13 @@ impl Header {
         }
         if let Some(df) = &self.data_file {
             put_extension(&mut out, EXT_DATA_FILE, df.as_bytes());
+        }
+        if let Some((at, len)) = self.crypt_header {
+            put_extension(
+                &mut out,
+                EXT_CRYPT,
+                &[at.to_be_bytes(), len.to_be_bytes()].concat(),
+            );
         }
         // Like QEMU, no feature name table with clusters of 4 KiB or less: in a 512-byte
         // header cluster it would leave no room for a backing file name.
@@ -472,7 +497,7 @@ impl Header {
         put32(4, self.version);
         put32(16, backing_len);
         put32(20, self.cluster_bits);
-        put32(32, 0);
+        put32(32, self.crypt_method);
         put32(36, self.l1_size);
         put32(56, self.refcount_table_clusters);
         put32(60, self.nb_snapshots);
@@ -531,6 +556,8 @@ mod tests {
                 Compression::Zlib
             },
             data_file: None,
+            crypt_method: 0,
+            crypt_header: None,
             feature_names: Vec::new(),
             unknown_extensions: vec![UnknownExtension {
                 kind: 0x1234_5678,

@@ -11,6 +11,7 @@ mod compress;
 mod corrupt;
 mod cow;
 pub mod create;
+mod crypt;
 mod driver;
 mod entries;
 pub mod header;
@@ -81,12 +82,16 @@ fn open_driver(file: Arc<dyn Storage>, cx: &mut dyn Opener) -> Result<Box<dyn Dr
         None => None,
     };
     let write = cx.write();
-    if cx.check() {
+    let crypt = crypt::open(&*file, &header, cx)?;
+    let mut q = match cx.check() {
         // As QEMU's BDRV_O_CHECK open: the check reads the snapshot table itself.
-        let q = Qcow2::open_with(file, header, data, backing, write, Default::default())?;
-        return Ok(Box::new(q));
+        true => Qcow2::open_with(file, header, data, backing, write, Default::default())?,
+        false => Qcow2::open(file, header, data, backing, write)?,
+    };
+    if let Some((c, cipher)) = crypt {
+        q.set_crypt(c, cipher);
     }
-    Ok(Box::new(Qcow2::open(file, header, data, backing, write)?))
+    Ok(Box::new(q))
 }
 
 /// Memory for cached L2 tables: QEMU's default maximum on Linux.
@@ -127,6 +132,8 @@ pub struct Qcow2 {
     /// decode it once.
     last_compressed: Mutex<Option<(u64, Arc<Vec<u8>>)>>,
     data_holes: OnceLock<bool>,
+    /// How guest data is encrypted (`data` then decrypts it), if it is.
+    crypt: Option<crypt::Crypt>,
 }
 
 impl std::fmt::Debug for Qcow2 {
@@ -294,6 +301,7 @@ impl Qcow2 {
             backing,
             last_compressed: Mutex::new(None),
             data_holes: OnceLock::new(),
+            crypt: None,
             corruption: OnceLock::new(),
             header,
         };
@@ -478,6 +486,13 @@ impl BlockDev for Qcow2 {
         // only once its copy-on-write is done: pending gaps are filled first.
         if self.writable && status.depth == 0 && status.offset.is_some() {
             self.fill_range(offset, status.len)?;
+        }
+        // As QEMU: where an encrypted image's data lies in the file is not told.
+        if self.encrypted() && status.depth == 0 {
+            return Ok(BlockStatus {
+                offset: None,
+                ..status
+            });
         }
         Ok(status)
     }

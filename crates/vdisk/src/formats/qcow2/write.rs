@@ -221,7 +221,8 @@ impl Qcow2 {
         } else {
             let cluster = self.alloc_clusters(meta, 1)?;
             let refs = meta.refs();
-            let zero = refs.is_known_zero(cluster);
+            // Zero bytes on disk are not encrypted zeroes: an encrypted image writes them.
+            let zero = refs.is_known_zero(cluster) && !self.encrypted();
             self.free_entry_later(meta, e);
             Pending::new(Host(cluster << self.header.cluster_bits), e, zero, cs)
         };

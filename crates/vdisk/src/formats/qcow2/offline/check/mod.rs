@@ -235,6 +235,10 @@ impl<'a, 's> Checker<'a, 's> {
             h.refcount_table_offset,
             u64::from(h.refcount_table_clusters) * self.cs,
         );
+        // The LUKS header's clusters (QEMU's "encryption" step).
+        if let Some((at, len)) = h.crypt_header {
+            self.inc_refs(at, len);
+        }
         self.count_bitmaps()?;
         self.check_refblocks(reftable);
         Ok(())
