@@ -105,6 +105,47 @@ const QCOW2_OPTIONS: &[OptionHelp] = &[
         "bool (on/off)",
         "The external data file must stay valid as a raw image",
     ),
+    (
+        "encrypt.cipher-alg",
+        "str",
+        "Name of encryption cipher algorithm",
+    ),
+    (
+        "encrypt.cipher-mode",
+        "str",
+        "Name of encryption cipher mode",
+    ),
+    (
+        "encrypt.format",
+        "str",
+        "Encrypt the image, format choices: 'aes', 'luks'",
+    ),
+    (
+        "encrypt.hash-alg",
+        "str",
+        "Name of encryption hash algorithm",
+    ),
+    (
+        "encrypt.iter-time",
+        "num",
+        "Time to spend in PBKDF in milliseconds",
+    ),
+    ("encrypt.ivgen-alg", "str", "Name of IV generator algorithm"),
+    (
+        "encrypt.ivgen-hash-alg",
+        "str",
+        "Name of IV generator hash algorithm",
+    ),
+    (
+        "encrypt.key-secret",
+        "str",
+        "ID of secret providing qcow AES key or LUKS passphrase",
+    ),
+    (
+        "encryption",
+        "bool (on/off)",
+        "Encrypt the image with format 'aes'. (Deprecated in favor of encrypt.format=aes)",
+    ),
     ("extended_l2", "bool (on/off)", "Extended L2 tables"),
     (
         "lazy_refcounts",
@@ -126,6 +167,30 @@ const QCOW2_OPTIONS: &[OptionHelp] = &[
 
 const SIZE_OPTION: OptionHelp = ("size", "size", "Virtual disk size");
 
+const LUKS_OPTIONS: &[OptionHelp] = &[
+    ("cipher-alg", "str", "Name of encryption cipher algorithm"),
+    ("cipher-mode", "str", "Name of encryption cipher mode"),
+    (
+        "detached-header",
+        "bool (on/off)",
+        "Create a detached LUKS header",
+    ),
+    ("hash-alg", "str", "Name of encryption hash algorithm"),
+    ("iter-time", "num", "Time to spend in PBKDF in milliseconds"),
+    ("ivgen-alg", "str", "Name of IV generator algorithm"),
+    (
+        "ivgen-hash-alg",
+        "str",
+        "Name of IV generator hash algorithm",
+    ),
+    (
+        "key-secret",
+        "str",
+        "ID of the secret that provides the keyslot passphrase",
+    ),
+    SIZE_OPTION,
+];
+
 /// Options of the file underneath the format, which qemu-img lists only when it knows the file.
 const FILE_OPTIONS: &[OptionHelp] = &[
     (
@@ -146,13 +211,13 @@ const FILE_OPTIONS: &[OptionHelp] = &[
     SIZE_OPTION,
 ];
 
-/// qemu-img's `print_block_option_help`, listing only the options vdisk takes (none of qcow2's
-/// encryption).
+/// qemu-img's `print_block_option_help`, listing the options vdisk takes.
 fn option_help(format: &str, with_file: bool) -> ExitCode {
     // The file protocol driver's own options are the file's.
     let own = match Format::parse(format) {
         _ if format == FILE_DRIVER => FILE_OPTIONS.to_vec(),
         Ok(parsed) if parsed.name() == "qcow2" => QCOW2_OPTIONS.to_vec(),
+        Ok(parsed) if parsed.name() == "luks" => LUKS_OPTIONS.to_vec(),
         Ok(_) => vec![SIZE_OPTION],
         Err(_) => return fail(format!("Unknown file format '{format}'"), 1),
     };

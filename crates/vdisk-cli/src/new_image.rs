@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use vdisk::formats::qcow2::create::{create as create_qcow2, CreateOptions};
 use vdisk::formats::qcow2::header::Compression;
-use vdisk::formats::{raw, seqlog};
+use vdisk::formats::{luks, raw, seqlog};
 use vdisk::spec::Protocol;
 use vdisk::storage::{
     FileStorage, LockRole, LockUse, NbdStorage, OpenOptions, RbdStorage, RbdTarget, Storage,
@@ -69,9 +69,13 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
     // (other than the size) shape it.
     let mut layout: Option<seqlog::CreateOptions> = None;
     let mut layout_options = Vec::new();
-    let mut encrypt = EncryptOptions::default();
+    let luks = format.name() == "luks";
+    let mut encrypt = match luks {
+        true => EncryptOptions::luks(),
+        false => EncryptOptions::qcow2(),
+    };
     for (k, v) in parse_options(args.options) {
-        if format == Format::QCOW2 && encrypt.take(&k, &v) {
+        if (format == Format::QCOW2 || luks) && encrypt.take(&k, &v) {
             continue;
         }
         match (format.name(), k.as_str()) {
@@ -187,6 +191,7 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
             return Err(Error::invalid("Could not resize file: Invalid argument"))
         }
         "raw" => o.size,
+        "luks" => o.size + encrypt.region_len(),
         // Refuses, after the line above, the options and sizes QEMU refuses.
         "qcow2" => o.file_len()?,
         name => {
@@ -217,8 +222,9 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
     if let Some(f) = &file.file {
         file_options.apply(f);
     }
-    let made = match format.name() {
-        "raw" => raw::create(&*file.storage, o.size, o.preallocation),
+    let made = match (format.name(), &o.encryption) {
+        ("raw", _) => raw::create(&*file.storage, o.size, o.preallocation),
+        ("luks", Some(e)) => luks::create(&*file.storage, o.size, &e.params, &e.secret),
         _ if layout.is_some() => {
             create_qcow2_on_seqlog(&file.storage, &o, layout.as_ref().expect("a layout"))
         }
@@ -474,6 +480,8 @@ fn backing_size(filename: &str, o: &CreateOptions) -> vdisk::Result<u64> {
             format,
             // As QEMU: an overlay may be made of an image in use (a snapshot of a running VM).
             force_share: true,
+            // Nor is its data read (QEMU's BDRV_O_NO_IO): an encrypted one needs no key.
+            data_file_optional: true,
             ..ImageOptions::default()
         },
     )
@@ -550,6 +558,7 @@ fn formatting_line(
         }
         _ => {
             parts.push(("size".into(), o.size.to_string()));
+            parts.extend(encrypt.iter().cloned());
             parts.extend(given("nocow").map(|v| ("nocow".into(), v)));
             if let Some(p) = given("preallocation") {
                 parts.push(("preallocation".into(), p));

@@ -136,3 +136,102 @@ fn objects_are_refused_as_qemu_img_refuses_them() {
     }
     f.finish();
 }
+
+/// The luks format: what vdisk makes qemu-io writes and vdisk reads back; what qemu-img
+/// makes vdisk writes (`convert -n`) and qemu-img reads back.
+#[test]
+fn luks_images_interoperate_with_qemu() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "luks-raw");
+    let mut f = Failures::new("luks-raw", &wd);
+    let luks = |image: &str| format!("driver=luks,key-secret=sec0,file.filename={image}");
+    wd.setup_img(&["create", "-q", "-f", "raw", "plain.raw", "1M"]);
+    wd.setup_io(
+        "plain.raw",
+        Some("raw"),
+        &["write -P 0x5c 0 1M", "write -P 0x17 1000 5000"],
+    );
+    let o = ["-o", "key-secret=sec0,iter-time=10"];
+    let made = wd.vdisk(
+        &[
+            &["create", "-q", "-f", "luks", "--object", SECRET][..],
+            &o,
+            &["v.luks", "1M"],
+        ]
+        .concat(),
+    );
+    wd.setup_img(
+        &[
+            &["create", "-q", "-f", "luks", "--object", SECRET][..],
+            &o,
+            &["q.luks", "1M"],
+        ]
+        .concat(),
+    );
+    if !f.count(made.success()) {
+        f.add("v.luks", "vdisk create", &made.stderr);
+    }
+    let v_spec = luks("v.luks");
+    let written = wd.run(
+        &tools.qemu_io,
+        &[
+            "--object",
+            SECRET,
+            "-c",
+            "write -P 0x5c 0 1M",
+            "-c",
+            "write -P 0x17 1000 5000",
+            "--image-opts",
+            &v_spec,
+        ],
+    );
+    assert!(
+        written.success() && !written.stdout.contains("failed"),
+        "{written:?}"
+    );
+    let q_spec = luks("q.luks");
+    let copied = wd.vdisk(&[
+        "convert",
+        "-n",
+        "--object",
+        SECRET,
+        "-f",
+        "raw",
+        "plain.raw",
+        "--target-image-opts",
+        &q_spec,
+    ]);
+    if !f.count(copied.success()) {
+        f.add("q.luks", "vdisk convert -n", &copied.stderr);
+    }
+    for spec in [&v_spec, &q_spec] {
+        let args = [
+            "compare",
+            "--object",
+            SECRET,
+            "--image-opts",
+            spec,
+            "driver=raw,file.filename=plain.raw",
+        ];
+        for out in [wd.qemu_img(&args), wd.vdisk(&args)] {
+            if !f.count(out.success() && out.stdout.contains("Images are identical")) {
+                f.add(spec, "compare", format!("{out:?}"));
+            }
+        }
+        let wrong = [
+            "compare",
+            "--object",
+            WRONG,
+            "--image-opts",
+            spec,
+            "driver=raw,file.filename=plain.raw",
+        ];
+        f.same_outcome(
+            spec,
+            "wrong password",
+            &wd.qemu_img(&wrong),
+            &wd.vdisk(&wrong),
+        );
+    }
+    f.finish();
+}

@@ -99,7 +99,8 @@ impl Plan {
         let backed = backed(args);
         Ok(Plan {
             sparse: sparse as usize,
-            zero_init: (!args.no_create || args.target_is_zero) && !backed,
+            zero_init: (!args.no_create && !new_target_reads_noise(args) || args.target_is_zero)
+                && !backed,
             top_only: backed,
             backing_end: None,
             workers,
@@ -108,6 +109,21 @@ impl Plan {
             salvage: args.salvage,
             quiet: args.progress.messages.quiet,
         })
+    }
+}
+
+/// Whether the target made is encrypted with space allocated (qcow2 preallocation, or the luks
+/// format's payload): that space holds no encrypted zeroes, so zeroes must be written, as
+/// QEMU's has_zero_init says of such images.
+fn new_target_reads_noise(args: &Args) -> bool {
+    let opts = parse_options(&args.options);
+    let given = |k: &str| opts.iter().rev().find(|(key, _)| key == k).map(|(_, v)| v);
+    let encrypted = given("encrypt.format").is_some() || given("encryption").is_some();
+    let prealloc = given("preallocation").is_some_and(|p| p != "off");
+    match args.output_format() {
+        "luks" => true,
+        "qcow2" => encrypted && prealloc,
+        _ => false,
     }
 }
 

@@ -1,6 +1,7 @@
-//! qcow2's `encrypt.*` creation options (and the deprecated `encryption=on`), read as QEMU's
-//! qcow2 driver reads them: gathered while the options are parsed, checked only after the
-//! "Formatting ..." line, as qemu-img checks them.
+//! Encryption's creation options, qcow2's `encrypt.*` (and the deprecated `encryption=on`)
+//! and the luks format's own (the same names without `encrypt.`), read as QEMU's drivers
+//! read them: gathered while the options are parsed, checked only after the "Formatting ..."
+//! line, as qemu-img checks them.
 
 use vdisk::crypto::cipher::{IvGen, Mode};
 use vdisk::crypto::hash::HashAlg;
@@ -9,18 +10,21 @@ use vdisk::formats::qcow2::create::Encryption;
 use vdisk::spec::secret;
 use vdisk::Error;
 
-/// The encryption options in the order qemu-img prints them.
+/// The encryption options in the order qemu-img prints them, without qcow2's `encrypt.`.
 const KEYS: [&str; 9] = [
     "encryption",
-    "encrypt.format",
-    "encrypt.key-secret",
-    "encrypt.cipher-alg",
-    "encrypt.cipher-mode",
-    "encrypt.ivgen-alg",
-    "encrypt.ivgen-hash-alg",
-    "encrypt.hash-alg",
-    "encrypt.iter-time",
+    "format",
+    "key-secret",
+    "cipher-alg",
+    "cipher-mode",
+    "ivgen-alg",
+    "ivgen-hash-alg",
+    "hash-alg",
+    "iter-time",
 ];
+
+/// Options that only qcow2 has.
+const QCOW2_ONLY: [&str; 2] = ["encryption", "format"];
 
 /// Algorithms QEMU knows that vdisk does not have: refused as unsupported, not unknown.
 const OTHER_CIPHERS: &[&str] = &[
@@ -36,16 +40,42 @@ const OTHER_CIPHERS: &[&str] = &[
     "sm4",
 ];
 
-/// The encryption options given, by key.
-#[derive(Default)]
+/// The encryption options given, by key (without the prefix).
 pub struct EncryptOptions {
+    /// `encrypt.` for qcow2, nothing for luks.
+    prefix: &'static str,
     given: Vec<(&'static str, String)>,
 }
 
+fn refuse(what: &str, v: &str) -> Error {
+    Error::invalid(format!("Parameter '{what}' does not accept value '{v}'"))
+}
+
 impl EncryptOptions {
+    /// qcow2's options (`encrypt.*`).
+    pub fn qcow2() -> Self {
+        EncryptOptions {
+            prefix: "encrypt.",
+            given: Vec::new(),
+        }
+    }
+
+    /// The luks format's options: it always encrypts, with LUKS.
+    pub fn luks() -> Self {
+        EncryptOptions {
+            prefix: "",
+            given: Vec::new(),
+        }
+    }
+
     /// Takes `key` if it is an encryption option; false leaves it for others.
     pub fn take(&mut self, key: &str, value: &str) -> bool {
-        let Some(k) = KEYS.iter().find(|k| **k == key) else {
+        let bare = match key.strip_prefix(self.prefix) {
+            _ if key == "encryption" && !self.prefix.is_empty() => key,
+            Some(k) if !(self.prefix.is_empty() && QCOW2_ONLY.contains(&k)) => k,
+            _ => return false,
+        };
+        let Some(k) = KEYS.iter().find(|k| **k == bare) else {
             return false;
         };
         self.given.retain(|(g, _)| g != k);
@@ -62,9 +92,20 @@ impl EncryptOptions {
 
     /// The options for the "Formatting ..." line, in qemu-img's order.
     pub fn shown(&self) -> Vec<(String, String)> {
+        let name = |k: &str| match k {
+            "encryption" => k.to_string(),
+            _ => format!("{}{k}", self.prefix),
+        };
         KEYS.iter()
-            .filter_map(|k| Some((k.to_string(), self.get(k)?.to_string())))
+            .filter_map(|k| Some((name(k), self.get(k)?.to_string())))
             .collect()
+    }
+
+    /// The LUKS header's length for these options (the default's where they are bad: they
+    /// are refused later).
+    pub fn region_len(&self) -> u64 {
+        self.params()
+            .map_or(Params::default().region_len(), |p| p.region_len())
     }
 
     /// The encryption asked for, its secret found, or QEMU's refusal.
@@ -73,7 +114,8 @@ impl EncryptOptions {
             Some(v) => crate::options::parse_bool("encryption", v).map_err(Error::invalid)?,
             None => false,
         };
-        let format = match (self.get("encrypt.format"), legacy) {
+        let format = match (self.get("format"), legacy) {
+            _ if self.prefix.is_empty() => "luks",
             (Some(f), _) => f,
             (None, true) => "aes",
             (None, false) if self.given.is_empty() => return Ok(None),
@@ -84,9 +126,6 @@ impl EncryptOptions {
                 "encrypt.format and encryption are mutually exclusive",
             ));
         }
-        let refuse = |what: &str, v: &str| {
-            Error::invalid(format!("Parameter '{what}' does not accept value '{v}'"))
-        };
         match format {
             "luks" => {}
             "aes" => {
@@ -96,8 +135,21 @@ impl EncryptOptions {
             }
             f => return Err(refuse("format", f)),
         }
+        let params = self.params()?;
+        let id = self.get("key-secret").ok_or_else(|| {
+            Error::invalid(format!(
+                "Parameter '{}key-secret' is required for cipher",
+                self.prefix
+            ))
+        })?;
+        let secret = secret::secret(id)?;
+        Ok(Some(Encryption { params, secret }))
+    }
+
+    /// The LUKS parameters the options give, QEMU's defaults for the others.
+    fn params(&self) -> vdisk::Result<Params> {
         let mut p = Params::default();
-        if let Some(c) = self.get("encrypt.cipher-alg") {
+        if let Some(c) = self.get("cipher-alg") {
             p.aes_bits = match c {
                 "aes-128" => 128,
                 "aes-192" => 192,
@@ -110,7 +162,7 @@ impl EncryptOptions {
                 c => return Err(refuse("cipher-alg", c)),
             };
         }
-        if let Some(m) = self.get("encrypt.cipher-mode") {
+        if let Some(m) = self.get("cipher-mode") {
             p.mode = match m {
                 "xts" => Mode::Xts,
                 "cbc" => Mode::Cbc,
@@ -130,14 +182,14 @@ impl EncryptOptions {
                 v => refuse(key, v),
             })
         };
-        if let Some(h) = self.get("encrypt.hash-alg") {
+        if let Some(h) = self.get("hash-alg") {
             p.hash = hash("hash-alg", h)?;
         }
-        let iv_hash = match self.get("encrypt.ivgen-hash-alg") {
+        let iv_hash = match self.get("ivgen-hash-alg") {
             Some(h) => hash("ivgen-hash-alg", h)?,
             None => HashAlg::Sha256,
         };
-        if let Some(iv) = self.get("encrypt.ivgen-alg") {
+        if let Some(iv) = self.get("ivgen-alg") {
             p.ivgen = match iv {
                 "plain" => IvGen::Plain,
                 "plain64" => IvGen::Plain64,
@@ -145,14 +197,10 @@ impl EncryptOptions {
                 iv => return Err(refuse("ivgen-alg", iv)),
             };
         }
-        if let Some(t) = self.get("encrypt.iter-time") {
-            p.iter_time =
-                crate::size::option_number("encrypt.iter-time", t).map_err(Error::invalid)?;
+        if let Some(t) = self.get("iter-time") {
+            let key = format!("{}iter-time", self.prefix);
+            p.iter_time = crate::size::option_number(&key, t).map_err(Error::invalid)?;
         }
-        let id = self.get("encrypt.key-secret").ok_or_else(|| {
-            Error::invalid("Parameter 'encrypt.key-secret' is required for cipher")
-        })?;
-        let secret = secret::secret(id)?;
-        Ok(Some(Encryption { params: p, secret }))
+        Ok(p)
     }
 }

@@ -155,7 +155,7 @@ fn snapshot_claiming_a_huge_disk_size() {
 }
 
 /// Formats QEMU probes and vdisk does not read are refused by name, not served as raw data
-/// (a LUKS header and ciphertext, a VMDK descriptor); `-f raw` still reads the file as raw.
+/// (a VMDK descriptor, a VDI header); `-f raw` still reads the file as raw.
 #[test]
 fn foreign_formats_are_refused_not_taken_for_raw() {
     if !qemu_img_available() {
@@ -163,21 +163,9 @@ fn foreign_formats_are_refused_not_taken_for_raw() {
     }
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let luks = ["--object", "secret,id=s0,data=abc", "-o", "key-secret=s0"];
-    for (format, extra) in [
-        ("luks", &luks[..]),
-        ("vmdk", &[][..]),
-        ("vdi", &[]),
-        ("vpc", &[]),
-        ("vhdx", &[]),
-        ("qed", &[]),
-        ("parallels", &[]),
-    ] {
+    for format in ["vmdk", "vdi", "vpc", "vhdx", "qed", "parallels"] {
         let name = format!("disk.{format}");
-        let mut args = vec!["create", "-q", "-f", format];
-        args.extend(extra);
-        args.extend([name.as_str(), "4M"]);
-        qemu_img(d, &args);
+        qemu_img(d, &["create", "-q", "-f", format, name.as_str(), "4M"]);
         let image = d.join(&name);
         let want = Expect {
             info: 1,

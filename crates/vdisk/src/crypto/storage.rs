@@ -1,7 +1,8 @@
 //! Storage whose bytes are encrypted sectors: what an encrypted qcow2 image's data clusters
-//! are read and written through. A sector's IV is its number counted from `iv_base` (QEMU's
-//! qcow2 LUKS: the host offset, `crypt_physical_offset`), so the format above moves plain
-//! bytes at host offsets and never sees ciphertext. An image that is not encrypted never
+//! are read and written through, and a LUKS image's payload. A sector's IV is its number in
+//! this storage: for qcow2 the host offset / 512 (QEMU's `crypt_physical_offset`), for a LUKS
+//! image the offset in the payload, which starts `shift` bytes into the file. The format
+//! above moves plain bytes and never sees ciphertext. An image that is not encrypted never
 //! goes through here: its hot paths pay nothing.
 
 use std::io;
@@ -15,19 +16,19 @@ use crate::storage::{IoStats, Storage};
 pub struct EncryptedStorage {
     inner: Arc<dyn Storage>,
     cipher: Option<SectorCipher>,
-    /// The offset of sector 0 of the IVs.
-    iv_base: u64,
+    /// Where offset 0 of this storage is in `inner`.
+    shift: u64,
     /// Writes that cover part of a sector decrypt, patch and re-encrypt it whole; this keeps
     /// two of them in one sector from undoing each other.
     partial: Mutex<()>,
 }
 
 impl EncryptedStorage {
-    pub fn new(inner: Arc<dyn Storage>, cipher: Option<SectorCipher>, iv_base: u64) -> Self {
+    pub fn new(inner: Arc<dyn Storage>, cipher: Option<SectorCipher>, shift: u64) -> Self {
         EncryptedStorage {
             inner,
             cipher,
-            iv_base,
+            shift,
             partial: Mutex::new(()),
         }
     }
@@ -41,35 +42,33 @@ impl EncryptedStorage {
         })
     }
 
-    fn sector(&self, offset: u64) -> io::Result<u64> {
+    /// Where `offset` is in `inner`.
+    fn at(&self, offset: u64) -> io::Result<u64> {
         offset
-            .checked_sub(self.iv_base)
-            .map(|o| o / SECTOR)
+            .checked_add(self.shift)
             .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))
     }
 
     /// Reads and decrypts the whole sectors `[start, end)`.
     fn read_sectors(&self, start: u64, end: u64) -> io::Result<Vec<u8>> {
         let mut buf = vec![0u8; (end - start) as usize];
-        self.inner.read_at(start, &mut buf)?;
-        let sector = self.sector(start)?;
+        self.inner.read_at(self.at(start)?, &mut buf)?;
         self.cipher()?
-            .decrypt(sector, &mut buf)
+            .decrypt(start / SECTOR, &mut buf)
             .map_err(|e| io::Error::other(e.to_string()))?;
         Ok(buf)
     }
 
     /// Encrypts and writes whole sectors starting at `start`.
     fn write_sectors(&self, start: u64, mut buf: Vec<u8>) -> io::Result<()> {
-        let sector = self.sector(start)?;
         self.cipher()?
-            .encrypt(sector, &mut buf)
+            .encrypt(start / SECTOR, &mut buf)
             .map_err(|e| io::Error::other(e.to_string()))?;
-        self.inner.write_at(start, &buf)
+        self.inner.write_at(self.at(start)?, &buf)
     }
 }
 
-/// The sector-aligned range around `[offset, offset + len)`, relative to `base`'s alignment.
+/// The sector-aligned range around `[offset, offset + len)`.
 fn around(offset: u64, len: u64) -> (u64, u64) {
     let start = offset / SECTOR * SECTOR;
     let end = (offset + len).div_ceil(SECTOR) * SECTOR;
@@ -108,19 +107,21 @@ impl Storage for EncryptedStorage {
     }
 
     fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.inner.allocate(offset, len)
+        self.inner.allocate(self.at(offset)?, len)
     }
 
-    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.inner.punch_hole(offset, len)
+    /// A hole reads as zero bytes, which decrypt to noise: refused, so that zeroing falls
+    /// back to writing encrypted zeroes (`storage::zero_range`).
+    fn punch_hole(&self, _offset: u64, _len: u64) -> io::Result<()> {
+        Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP))
     }
 
     fn len(&self) -> io::Result<u64> {
-        self.inner.len()
+        Ok(self.inner.len()?.saturating_sub(self.shift))
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
-        self.inner.set_len(len)
+        self.inner.set_len(self.at(len)?)
     }
 
     fn allocated_bytes(&self) -> io::Result<u64> {
@@ -138,7 +139,7 @@ impl Storage for EncryptedStorage {
     }
 
     fn is_allocated(&self, offset: u64, len: u64) -> io::Result<bool> {
-        self.inner.is_allocated(offset, len)
+        self.inner.is_allocated(self.at(offset)?, len)
     }
 
     fn stats(&self) -> &IoStats {

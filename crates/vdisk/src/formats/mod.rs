@@ -16,6 +16,7 @@ pub mod driver;
 pub mod entry;
 mod image;
 pub mod info;
+pub mod luks;
 pub mod open;
 pub mod pcow;
 pub mod prealloc;

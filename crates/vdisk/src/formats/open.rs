@@ -445,11 +445,25 @@ fn prepare<'a>(node: &'a Node, opts: &ImageOptions, chain: &mut Chain) -> Result
             format.name()
         )));
     }
+    // qcow2 names its secret encrypt.key-secret, luks key-secret.
+    let key_secret =
+        match node {
+            Node::Format { extra, .. } => ["encrypt.key-secret", "key-secret"]
+                .into_iter()
+                .find_map(|k| match extra.get(k) {
+                    Some(Leaf::Str(id)) => Some((k, id.as_str())),
+                    _ => None,
+                }),
+            Node::Protocol(_) => None,
+        };
     let (name, file_node) = match node {
         Node::Format { extra, .. } => {
             check_format_options(format, extra)?;
             let file_node = FileNode::new(&protocol.name(), protocol.driver());
-            (Node::format_name(format, protocol), Some(file_node))
+            (
+                Node::format_name(format, protocol, key_secret),
+                Some(file_node),
+            )
         }
         Node::Protocol(p) => (p.name(), None),
     };
@@ -461,13 +475,9 @@ fn prepare<'a>(node: &'a Node, opts: &ImageOptions, chain: &mut Chain) -> Result
         probed: matches!(node, Node::Format { format: None, .. }),
         backing,
         data_file,
-        key_secret: match node {
-            Node::Format { extra, .. } => match extra.get("encrypt.key-secret") {
-                Some(Leaf::Str(id)) => Some(id.clone()),
-                _ => opts.key_secret.clone(),
-            },
-            Node::Protocol(_) => None,
-        },
+        key_secret: key_secret
+            .map(|(_, id)| id.to_string())
+            .or_else(|| opts.key_secret.clone()),
     })
 }
 

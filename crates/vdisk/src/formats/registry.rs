@@ -6,12 +6,18 @@ use std::sync::Arc;
 
 use super::entry::FormatEntry;
 use super::info::{CheckFailed, CheckReport, Fix, Messages, RepairReport};
-use super::{pcow, qcow2, raw, seqlog};
+use super::{luks, pcow, qcow2, raw, seqlog};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{LockRole, Storage};
 
 /// Every format, in probing order.
-static FORMATS: &[&FormatEntry] = &[&qcow2::FORMAT, &seqlog::FORMAT, &pcow::FORMAT, &raw::FORMAT];
+static FORMATS: &[&FormatEntry] = &[
+    &qcow2::FORMAT,
+    &seqlog::FORMAT,
+    &pcow::FORMAT,
+    &luks::FORMAT,
+    &raw::FORMAT,
+];
 
 /// Bytes of a file that probing looks at.
 const PROBE_BYTES: usize = 68;
@@ -102,7 +108,6 @@ impl std::fmt::Debug for Format {
 const FOREIGN: &[(&str, usize, &[u8])] = &[
     // qcow2's magic with version 1: the older qcow format.
     ("qcow", 0, b"QFI\xfb\0\0\0\x01"),
-    ("luks", 0, b"LUKS\xba\xbe"),
     ("vmdk", 0, b"KDMV"),
     ("vmdk", 0, b"# Disk DescriptorFile"),
     ("vhdx", 0, b"vhdxfile"),

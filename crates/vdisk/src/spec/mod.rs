@@ -382,6 +382,9 @@ pub fn check_format_options(format: Format, extra: &Options) -> Result<()> {
                 || QCOW2_ENCRYPT.contains(&k)
         });
     }
+    if format.name() == "luks" {
+        rest.take("key-secret");
+    }
     rest.refuse_rest(format.name(), false)
 }
 
@@ -436,15 +439,23 @@ impl Protocol {
 
 impl Node {
     /// The name QEMU gives an image of `format` over `file`: the file's when it is a plain
-    /// one, else `json:` with the options of both.
-    pub fn format_name(format: Format, file: &Protocol) -> String {
-        if file.exact() {
+    /// one and no option of the format must be kept (`key_secret`: the secret named by the
+    /// image's options, `(option, id)`), else `json:` with the options of both.
+    pub fn format_name(
+        format: Format,
+        file: &Protocol,
+        key_secret: Option<(&str, &str)>,
+    ) -> String {
+        if file.exact() && key_secret.is_none() {
             return file.name();
         }
-        let members = vec![
+        let mut members = vec![
             ("driver".to_string(), Json::Str(format.name().into())),
             ("file".to_string(), file.options()),
         ];
+        if let Some((option, id)) = key_secret {
+            members.push((option.to_string(), Json::Str(id.into())));
+        }
         format!("json:{}", Json::Dict(members).compact())
     }
 }

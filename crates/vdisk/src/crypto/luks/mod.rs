@@ -101,9 +101,10 @@ impl Luks {
                 )))
             }
         };
+        // QEMU records a hash given for plain IVs too ("plain64:md5"), and ignores it.
         let ivgen = match iv.split_once(':') {
-            None if iv == "plain64" => IvGen::Plain64,
-            None if iv == "plain" => IvGen::Plain,
+            _ if iv.split(':').next() == Some("plain64") => IvGen::Plain64,
+            _ if iv.split(':').next() == Some("plain") => IvGen::Plain,
             Some(("essiv", h)) => IvGen::Essiv(
                 HashAlg::parse(h)
                     .ok_or_else(|| Error::unsupported(format!("Hash '{h}' not supported")))?,

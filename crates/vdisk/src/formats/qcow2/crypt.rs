@@ -50,7 +50,7 @@ pub(super) fn open(
         CRYPT_LUKS => {
             let (at, len) = h.crypt_header.ok_or_else(|| {
                 Error::corrupt(format!(
-                    "No valid crypto header extension for crypt method {CRYPT_LUKS}"
+                    "Missing CRYPTO header for crypt method {CRYPT_LUKS}"
                 ))
             })?;
             let file_len = file.len().context(|| "reading the image size".into())?;
