@@ -138,7 +138,7 @@ fn objects_are_refused_as_qemu_img_refuses_them() {
 }
 
 /// The luks format: what vdisk makes qemu-io writes and vdisk reads back; what qemu-img
-/// makes vdisk writes (`convert -n`) and qemu-img reads back.
+/// makes vdisk writes (`convert -n`) and qemu-img reads back; `info` says what qemu-img says.
 #[test]
 fn luks_images_interoperate_with_qemu() {
     let Some(tools) = tools() else { return };
@@ -217,6 +217,15 @@ fn luks_images_interoperate_with_qemu() {
             if !f.count(out.success() && out.stdout.contains("Images are identical")) {
                 f.add(spec, "compare", format!("{out:?}"));
             }
+        }
+        let image = if spec == &v_spec { "v.luks" } else { "q.luks" };
+        for args in [vec!["info", image], vec!["info", "--output=json", image]] {
+            f.same_outcome(
+                image,
+                &args.join(" "),
+                &wd.qemu_img(&args),
+                &wd.vdisk(&args),
+            );
         }
         let wrong = [
             "compare",

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use super::driver::Driver;
 use super::entry::{FormatEntry, Opener};
+use super::info::FormatInfo;
 use super::raw::Raw;
 use crate::crypto::luks::{Luks, Params, HEADER_LEN};
 use crate::crypto::storage::EncryptedStorage;
@@ -51,8 +52,17 @@ fn open(file: Arc<dyn Storage>, cx: &mut dyn Opener) -> Result<Box<dyn Driver>> 
             Some(luks.unlock(&password, &mut read)?)
         }
     };
-    let payload = Arc::new(EncryptedStorage::new(file, cipher, luks.region_len()));
-    Ok(Box::new(Raw::open(payload, !cx.write())?))
+    let payload = Arc::new(EncryptedStorage::new(
+        file.clone(),
+        cipher,
+        luks.region_len(),
+    ));
+    let info = FormatInfo {
+        specific: Some(luks.info()),
+        encrypted: true,
+        ..FormatInfo::default()
+    };
+    Ok(Box::new(Raw::payload_of(payload, file, info, !cx.write())?))
 }
 
 /// Writes a new LUKS image of `size` bytes, unlocked by `password`, into the empty `file`.

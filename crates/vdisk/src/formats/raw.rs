@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use super::driver::Driver;
 use super::entry::FormatEntry;
+use super::info::FormatInfo;
 use super::prealloc::{preallocate, Preallocation};
 use super::{status_mapped, Holes, Layer, Mapping};
 use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
@@ -46,6 +47,9 @@ pub struct Raw {
     /// The file's length rounded up to whole sectors; it changes with [`BlockDev::set_size`].
     size: AtomicU64,
     read_only: bool,
+    /// The disk is the payload of another format's file (luks): that file, which `info`
+    /// describes as the image's, and what `info` says of the format.
+    outer: Option<(Arc<dyn Storage>, FormatInfo)>,
 }
 
 /// Writes a new raw image of `size` bytes into the empty `storage`. Like QEMU, the first 4 KiB
@@ -76,7 +80,21 @@ impl Raw {
             storage,
             size: AtomicU64::new(size),
             read_only,
+            outer: None,
         })
+    }
+
+    /// A raw disk that is the payload `storage` of `file`, described by `info` (the luks
+    /// format's).
+    pub fn payload_of(
+        storage: Arc<dyn Storage>,
+        file: Arc<dyn Storage>,
+        info: FormatInfo,
+        read_only: bool,
+    ) -> Result<Raw> {
+        let mut raw = Raw::open(storage, read_only)?;
+        raw.outer = Some((file, info));
+        Ok(raw)
     }
 
     fn writable(&self, what: &str) -> Result<()> {
@@ -89,7 +107,13 @@ impl Raw {
 
 impl Driver for Raw {
     fn file(&self) -> &Arc<dyn Storage> {
-        &self.storage
+        self.outer.as_ref().map_or(&self.storage, |(file, _)| file)
+    }
+
+    fn info(&self) -> FormatInfo {
+        self.outer
+            .as_ref()
+            .map_or_else(FormatInfo::default, |(_, info)| info.clone())
     }
 
     /// Sets the size, truncating or extending the file (new space reads as zero and is

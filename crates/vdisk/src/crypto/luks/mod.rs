@@ -18,6 +18,7 @@ use super::cipher::{IvGen, Mode, SectorCipher};
 use super::hash::HashAlg;
 use super::SECTOR;
 use crate::error::{Error, Result};
+use crate::formats::info::InfoValue;
 use header::{DIGEST_LEN, SALT_LEN, SLOTS};
 
 /// Where the first key slot's material starts, and what each slot's is aligned to.
@@ -148,6 +149,42 @@ impl Luks {
             Mode::Cbc => self.header.key_bytes,
         };
         k * 8
+    }
+
+    /// QEMU's description of the header (`QCryptoBlockInfoLUKS`), members in its order.
+    pub fn info(&self) -> Vec<(&'static str, InfoValue)> {
+        let h = &self.header;
+        let text = |s: &str| InfoValue::Text(s.to_string());
+        let mut d = vec![
+            ("cipher-alg", text(&format!("aes-{}", self.aes_bits()))),
+            ("cipher-mode", text(self.mode.name())),
+            ("ivgen-alg", text(self.ivgen.name())),
+        ];
+        if let crate::crypto::cipher::IvGen::Essiv(hash) = self.ivgen {
+            d.push(("ivgen-hash-alg", text(hash.name())));
+        }
+        d.push(("hash-alg", text(self.hash.name())));
+        d.push(("detached-header", InfoValue::Bool(false)));
+        d.push(("payload-offset", InfoValue::Number(self.region_len())));
+        d.push((
+            "master-key-iters",
+            InfoValue::Number(h.mk_iterations.into()),
+        ));
+        d.push(("uuid", text(&h.uuid)));
+        let slots = h.slots.iter().map(|s| {
+            let mut d = vec![("active", InfoValue::Bool(s.active))];
+            if s.active {
+                d.push(("iters", InfoValue::Number(s.iterations.into())));
+                d.push(("stripes", InfoValue::Number(s.stripes.into())));
+            }
+            d.push((
+                "key-offset",
+                InfoValue::Number(u64::from(s.key_offset) * 512),
+            ));
+            InfoValue::Dict(d)
+        });
+        d.push(("slots", InfoValue::List(slots.collect())));
+        d
     }
 
     /// The master key's cipher, unlocked by `password` from the first active slot it opens.

@@ -102,37 +102,8 @@ impl Qcow2 {
             Crypt::Aes => return Some(InfoValue::Dict(vec![("format", text("aes"))])),
             Crypt::Luks(l) => l,
         };
-        let h = &luks.header;
-        let mut d = vec![
-            ("format", text("luks")),
-            ("cipher-alg", text(&format!("aes-{}", luks.aes_bits()))),
-            ("cipher-mode", text(luks.mode.name())),
-            ("ivgen-alg", text(luks.ivgen.name())),
-        ];
-        if let crate::crypto::cipher::IvGen::Essiv(hash) = luks.ivgen {
-            d.push(("ivgen-hash-alg", text(hash.name())));
-        }
-        d.push(("hash-alg", text(luks.hash.name())));
-        d.push(("detached-header", InfoValue::Bool(false)));
-        d.push(("payload-offset", InfoValue::Number(luks.region_len())));
-        d.push((
-            "master-key-iters",
-            InfoValue::Number(h.mk_iterations.into()),
-        ));
-        d.push(("uuid", text(&h.uuid)));
-        let slots = h.slots.iter().map(|s| {
-            let mut d = vec![("active", InfoValue::Bool(s.active))];
-            if s.active {
-                d.push(("iters", InfoValue::Number(s.iterations.into())));
-                d.push(("stripes", InfoValue::Number(s.stripes.into())));
-            }
-            d.push((
-                "key-offset",
-                InfoValue::Number(u64::from(s.key_offset) * 512),
-            ));
-            InfoValue::Dict(d)
-        });
-        d.push(("slots", InfoValue::List(slots.collect())));
+        let mut d = vec![("format", text("luks"))];
+        d.extend(luks.info());
         Some(InfoValue::Dict(d))
     }
 }
