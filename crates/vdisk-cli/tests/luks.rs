@@ -219,7 +219,20 @@ fn luks_images_interoperate_with_qemu() {
             }
         }
         let image = if spec == &v_spec { "v.luks" } else { "q.luks" };
-        for args in [vec!["info", image], vec!["info", "--output=json", image]] {
+        let described = [
+            vec!["info", image],
+            vec!["info", "--output=json", image],
+            vec!["map", "--object", SECRET, "--image-opts", spec],
+            vec![
+                "map",
+                "--output=json",
+                "--object",
+                SECRET,
+                "--image-opts",
+                spec,
+            ],
+        ];
+        for args in described {
             f.same_outcome(
                 image,
                 &args.join(" "),

@@ -1,11 +1,10 @@
-//! Disk encryption as QEMU's crypto layer does it (crypto/block-luks.c, crypto/block-qcow.c),
-//! for qcow2 images whose data clusters are encrypted:
+//! Disk encryption as QEMU's crypto layer does it (crypto/block-luks.c), for qcow2 images
+//! whose data clusters are encrypted and for LUKS images:
 //!
 //! ```text
 //!   luks/     the LUKS1 header (cryptsetup's on-disk spec): parsed, checked, created, and a
 //!             key slot unlocked with a password (PBKDF2, AF-merge, master key digest)
-//!   qcow.rs   QEMU's legacy qcow AES (the password itself is the AES-128-CBC key)
-//!   cipher.rs the sector cipher both give: AES in XTS or CBC, the IV from the sector number
+//!   cipher.rs the sector cipher: AES in XTS or CBC, the IV from the sector number
 //!   hash.rs   the hashes LUKS names (PBKDF2 and AF-splitting's diffusion)
 //!   af.rs     anti-forensic splitting of the master key into stripes
 //!   storage.rs  a Storage whose sectors are encrypted: the data clusters of such an image
@@ -18,7 +17,6 @@ pub mod af;
 pub mod cipher;
 pub mod hash;
 pub mod luks;
-pub mod qcow;
 pub mod storage;
 
 pub use cipher::SectorCipher;

@@ -251,7 +251,15 @@ impl BlockDev for Raw {
 
     fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
         check_range(self.size(), offset, len)?;
-        status_mapped(self, offset, len)
+        let status = status_mapped(self, offset, len)?;
+        // A payload's place in its file is not told (QEMU's luks driver gives none).
+        match self.outer {
+            Some(_) => Ok(BlockStatus {
+                offset: None,
+                ..status
+            }),
+            None => Ok(status),
+        }
     }
 
     /// The file's length follows: a raw image can be storage for another format, which grows
