@@ -159,7 +159,7 @@ fn amend(filename: &str, args: &Args) -> vdisk::Result<ExitCode> {
             "Format driver '{name}' does not support option amendment"
         )));
     }
-    let o = amend_options(&args.options)?;
+    let o = amend_options(&args.options, image.driver().info().encrypted)?;
     let progress = args.progress.shown().then(|| Progress::new(100));
     let result = image.driver_mut().amend(&o);
     if let Some(p) = progress {
@@ -169,8 +169,9 @@ fn amend(filename: &str, args: &Args) -> vdisk::Result<ExitCode> {
 }
 
 /// Reads the `-o` lists as QEMU's option parser does for amend (names, then value types),
-/// then the values QEMU's qcow2 driver checks before the image: encryption, compat.
-fn amend_options(options: &[String]) -> vdisk::Result<AmendOptions> {
+/// then the values QEMU's qcow2 driver checks before the image: encryption (of an image that
+/// is `encrypted` or not), compat.
+fn amend_options(options: &[String], encrypted: bool) -> vdisk::Result<AmendOptions> {
     let amend_kind = |k: &str| AMEND.iter().find(|o| o.0 == k).map(|o| o.1);
     let values = match typed_options(options, amend_kind) {
         Ok(values) => values,
@@ -188,9 +189,10 @@ fn amend_options(options: &[String]) -> vdisk::Result<AmendOptions> {
         }
     };
     if values.iter().any(|(k, _)| k.starts_with("encrypt.")) {
-        return Err(Error::invalid(
-            "Can't amend encryption options - encryption not present",
-        ));
+        return Err(match encrypted {
+            true => Error::unsupported("vdisk does not amend encryption options (key slots)"),
+            false => Error::invalid("Can't amend encryption options - encryption not present"),
+        });
     }
     let mut o = AmendOptions::default();
     let mut compat = None;

@@ -99,6 +99,22 @@ fn luks_qcow2_images_interoperate_with_qemu() {
             f.same_outcome(image, &what, &q, &v);
         }
     }
+    // Key slots are not amended: said so, not that the image is not encrypted.
+    let spec = opts("v.qcow2");
+    let keyslot = "encrypt.keyslot=0,encrypt.state=inactive";
+    let amend = wd.vdisk(&[
+        "amend",
+        "--object",
+        SECRET,
+        "-o",
+        keyslot,
+        "--image-opts",
+        &spec,
+    ]);
+    let refused = !amend.success() && amend.stderr.contains("does not amend encryption options");
+    if !f.count(refused) {
+        f.add("v.qcow2", "amend of key slots", format!("{amend:?}"));
+    }
     // The data is in the file encrypted: the plain pattern appears nowhere.
     let raw = wd.read_file("v.qcow2");
     let plain = [0x33u8; 4096];
