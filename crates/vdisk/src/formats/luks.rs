@@ -21,6 +21,7 @@ pub(crate) static FORMAT: FormatEntry = FormatEntry {
     probe: |head| head.starts_with(b"LUKS\xba\xbe"),
     open,
     repair: None,
+    holds: None,
 };
 
 fn open(file: Arc<dyn Storage>, cx: &mut dyn Opener) -> Result<Box<dyn Driver>> {
