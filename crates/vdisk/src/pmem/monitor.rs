@@ -98,9 +98,17 @@ impl Monitor {
         }
         let at = self.base + slot * self.cluster_size;
         let absent = matches!(self.slots.get(slot), Some(Slot::Absent));
-        if absent && !write && self.uffd.can_zero_page() && self.uffd.zero_page(addr).is_ok() {
+        if absent && !write && self.uffd.can_zero_page() {
+            // Counted before the page is placed, which wakes the faulting thread: a caller
+            // that reads the counters after its loads sees them all.
             self.stats.zero_pages.fetch_add(1, Ordering::Relaxed);
-            return;
+            let placed = self.uffd.zero_page(addr);
+            if !matches!(placed, Ok(true)) {
+                self.stats.zero_pages.fetch_sub(1, Ordering::Relaxed);
+            }
+            if placed.is_ok() {
+                return;
+            }
         }
         if absent {
             self.stats.missing_faults.fetch_add(1, Ordering::Relaxed);

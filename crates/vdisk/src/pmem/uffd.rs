@@ -156,8 +156,9 @@ impl Uffd {
 
     /// Places a write-protected page of zeroes at `addr` (a page of a range registered for
     /// write-protect faults) and wakes the threads waiting there: reads then see zeroes, and
-    /// the first store faults again, as a write. A page placed already is left as it is.
-    pub(super) fn zero_page(&self, addr: usize) -> io::Result<()> {
+    /// the first store faults again, as a write. A page placed already is left as it is
+    /// (`false`).
+    pub(super) fn zero_page(&self, addr: usize) -> io::Result<bool> {
         let mut copy = Copy {
             dst: (addr & !(PAGE - 1)) as u64,
             src: ZEROES.as_ptr() as u64,
@@ -166,8 +167,10 @@ impl Uffd {
             copy: 0,
         };
         match self.ioctl(UFFDIO_COPY, &mut copy) {
-            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => self.wake(addr & !(PAGE - 1), PAGE),
-            r => r,
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                self.wake(addr & !(PAGE - 1), PAGE).map(|()| false)
+            }
+            r => r.map(|()| true),
         }
     }
 
