@@ -29,9 +29,8 @@ impl Qcow2 {
             .context(|| format!("zeroing the data file at {from:#x}"))
     }
 
-    /// write_zeroes and discard: whole clusters become zero clusters; a version 2 image, which
-    /// has none, leaves them unallocated where that reads as zero (no backing file), as
-    /// QEMU's write zeroes does, and a discard always does; parts of clusters are written
+    /// write_zeroes and discard: whole clusters become zero clusters (discard on a v2 image
+    /// without backing leaves them unallocated, as QEMU does); parts of clusters are written
     /// with zeroes, or left alone by a discard.
     pub(super) fn zero_impl(&self, offset: u64, len: u64, kind: Zeroing) -> Result<()> {
         self.writable_or_err(if kind == Zeroing::Discard {
@@ -74,7 +73,7 @@ impl Qcow2 {
                     // A raw data file is the disk itself: every cluster stays mapped where it
                     // is, and the file's own range is zeroed below.
                     meta.txn.data_written = true;
-                } else if whole && (v3 || kind == Zeroing::Discard || self.backing.is_none()) {
+                } else if whole && (v3 || kind == Zeroing::Discard) {
                     let (table_off, index, e) = self.writable_table(&mut meta, Guest(guest))?;
                     // A pending cluster's gaps need no filling any more: it is given up.
                     meta.pending.remove(&Guest(guest));
