@@ -224,7 +224,6 @@ pub fn run(a: &Args) -> ExitCode {
         }
     }
     print_counters(&image);
-    workload::print_format_stats(&image);
     if let Some(q) = queued {
         println!(
             "io queue: {} requests, {} merged transfers, {} blocking transfers, {} declined",

@@ -173,13 +173,6 @@ impl<'i> Sampler<'i> {
     }
 }
 
-/// The format's own counters after the run.
-pub fn print_format_stats(image: &Image) {
-    for s in image.format_stats() {
-        println!("{}: {}", s.name, s.value);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -131,9 +131,13 @@ impl Image {
         self.driver.counters()
     }
 
-    /// The format's own counters ([`Driver::format_stats`]).
+    /// The format's own counters ([`Driver::format_stats`]), and those of the layout under it.
     pub fn format_stats(&self) -> Vec<crate::counters::FormatStat> {
-        self.driver.format_stats()
+        let mut stats = self.driver.format_stats();
+        if let Some(layout) = &self.layout {
+            stats.extend(layout.driver.format_stats());
+        }
+        stats
     }
 }
 

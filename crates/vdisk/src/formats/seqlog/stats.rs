@@ -10,6 +10,7 @@
 
 use std::sync::atomic::Ordering::Relaxed;
 
+use super::log::{CLEANER, DATA, META};
 use super::Seqlog;
 use crate::counters::{FormatStat, StatValue};
 
@@ -78,6 +79,7 @@ impl Seqlog {
     /// The counters of [`crate::Driver::format_stats`].
     pub(super) fn stats(&self) -> Vec<FormatStat> {
         let c = self.counts();
+        let s = &self.log.stats;
         let stat = |name, help, value| FormatStat { name, help, value };
         use StatValue::{Counter, Gauge, Ratio};
         vec![
@@ -146,6 +148,31 @@ impl Seqlog {
                 "seqlog_recovered_batches",
                 "Batches the open replayed (beyond the checkpoint it read).",
                 Gauge(self.recovered.0),
+            ),
+            stat(
+                "seqlog_data_stream_blocks_total",
+                "Blocks appended on the data stream.",
+                Counter(s.stream_blocks[DATA].load(Relaxed)),
+            ),
+            stat(
+                "seqlog_metadata_stream_blocks_total",
+                "Blocks appended on the metadata stream (writes hinted as metadata).",
+                Counter(s.stream_blocks[META].load(Relaxed)),
+            ),
+            stat(
+                "seqlog_cleaner_stream_blocks_total",
+                "Blocks appended on the cleaner's stream.",
+                Counter(s.stream_blocks[CLEANER].load(Relaxed)),
+            ),
+            stat(
+                "seqlog_data_hinted_bytes_total",
+                "Bytes written with the data hint (or none).",
+                Counter(s.hinted_bytes[0].load(Relaxed)),
+            ),
+            stat(
+                "seqlog_metadata_hinted_bytes_total",
+                "Bytes written with the metadata hint.",
+                Counter(s.hinted_bytes[1].load(Relaxed)),
             ),
         ]
     }
