@@ -339,7 +339,14 @@ impl UringContext {
         let overflow = {
             let _sq = self.sq.lock().unwrap_or_else(|e| e.into_inner());
             // SAFETY: only the flags are read, under `self.sq` like every other use.
-            unsafe { self.ring.submission_shared() }.cq_overflow()
+            let sq = unsafe { self.ring.submission_shared() };
+            let overflow = sq.cq_overflow();
+            // Dropped under the lock: a view writes its tail back when dropped, and one
+            // dropped after the lock (as a temporary of the block's last expression would
+            // be) could move the tail back behind entries the submitter added meanwhile,
+            // which the kernel then skips, or, once it took them, runs again and again.
+            drop(sq);
+            overflow
         };
         if overflow {
             // SAFETY: submits nothing and passes no argument.

@@ -293,3 +293,76 @@ fn transfers_completed_by_callback_settle() {
             .all(|&b| b == 0x40 + i as u8));
     }
 }
+
+/// One thread starts and submits reads while another completes them, as an NBD connection's
+/// reader and completer do, over io_uring through the page cache (most reads complete within
+/// their submission): every read comes back once, with its own block's bytes. A submission
+/// queue entry lost, or handed to the kernel twice, would leave a read unanswered (a watchdog
+/// ends the wait) or put another read's bytes in a buffer.
+#[test]
+fn reads_submitted_beside_a_completer_all_come_back_once() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    use std::time::{Duration, Instant};
+    const BLOCKS: usize = 512;
+    const TOTAL: usize = 100_000;
+    const DEPTH: usize = 32;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f");
+    let bytes: Vec<u8> = (0..BLOCKS * 4096).map(|i| (i / 4096) as u8).collect();
+    std::fs::write(&path, bytes).unwrap();
+    let raw = Raw::open(file(&dir, false, false), false).unwrap();
+    let q: IoQueue<AlignedBuf, usize> =
+        IoQueue::new(Backend::IoUring, DEPTH, Arc::default()).unwrap();
+    let (answered, stuck) = (AtomicUsize::new(0), AtomicBool::new(false));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut seen = vec![false; TOTAL];
+            let mut out = Vec::new();
+            while answered.load(SeqCst) < TOTAL && !stuck.load(SeqCst) {
+                q.wait(&mut out).unwrap();
+                for c in out.drain(..) {
+                    assert!(c.result.is_ok(), "{:?}", c.result);
+                    assert!(
+                        !std::mem::replace(&mut seen[c.ctx], true),
+                        "{} twice",
+                        c.ctx
+                    );
+                    let want = (c.ctx * 7 % BLOCKS) as u8;
+                    assert!(c.buf.iter().all(|&b| b == want), "read {}", c.ctx);
+                    answered.fetch_add(1, SeqCst);
+                }
+            }
+        });
+        s.spawn(|| {
+            // The watchdog: no answer for 10 s is a read lost.
+            let (mut last, mut since) = (0, Instant::now());
+            while answered.load(SeqCst) < TOTAL {
+                std::thread::sleep(Duration::from_millis(50));
+                let now = answered.load(SeqCst);
+                if now != last {
+                    (last, since) = (now, Instant::now());
+                } else if since.elapsed() > Duration::from_secs(10) {
+                    stuck.store(true, SeqCst);
+                    q.wake();
+                    return;
+                }
+            }
+        });
+        for i in 0..TOTAL {
+            while i - answered.load(SeqCst) >= DEPTH && !stuck.load(SeqCst) {
+                std::thread::yield_now();
+            }
+            if stuck.load(SeqCst) {
+                break;
+            }
+            let at = (i * 7 % BLOCKS * 4096) as u64;
+            assert!(q.start(&raw, Dir::Read, at, pattern(0xff, 4096), i).is_ok());
+            q.submit();
+        }
+    });
+    assert!(
+        !stuck.load(SeqCst),
+        "{} of {TOTAL} reads answered",
+        answered.load(SeqCst)
+    );
+}
