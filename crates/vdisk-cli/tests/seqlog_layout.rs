@@ -69,6 +69,9 @@ fn qcow2_on_seqlog_is_a_valid_qcow2_inside() {
     );
     let check = ok(&["check", "lay.qcow2"]).stdout;
     assert!(check.contains("No errors were found"), "{check}");
+    // The layout's own check: its checkpoint agrees with its whole log after the cleaning.
+    let check = ok(&["check", "-f", "seqlog", "lay.qcow2"]).stdout;
+    assert!(check.contains("No errors were found"), "{check}");
     ok(&["compare", "-F", "qcow2", "b.raw", "lay.qcow2"]);
     // An internal snapshot (the snapshot table, an L1 copy, refcounts).
     ok(&["snapshot", "-c", "one", "lay.qcow2"]);

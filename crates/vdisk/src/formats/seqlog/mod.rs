@@ -30,6 +30,7 @@
 //! Not yet here (issue 24): a map with a resident cap.
 
 mod append;
+mod check;
 mod checkpoint;
 mod clean;
 mod create;
@@ -43,9 +44,10 @@ mod stats;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use super::driver::Capability;
 use super::driver::Driver;
 use super::entry::FormatEntry;
-use super::info::{FormatInfo, InfoValue};
+use super::info::{CheckFailed, CheckReport, FormatInfo, InfoValue, Messages};
 use super::{read_mapped, start_read_mapped, status_mapped, Holes, Layer, Mapping};
 use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
@@ -61,8 +63,11 @@ pub(crate) static FORMAT: FormatEntry = FormatEntry {
     name: "seqlog",
     lock_role: LockRole::Format,
     probe: |bytes| bytes.starts_with(&MAGIC),
-    open: |storage, cx| Ok(Box::new(Seqlog::open(storage, !cx.write())?)),
-    repair: None,
+    open: |storage, cx| {
+        let checking = cx.check() && !cx.write();
+        Ok(Box::new(Seqlog::open_with(storage, !cx.write(), checking)?))
+    },
+    repair: Some(check::repair),
     holds: Some(|head| Some(Superblock::decode(head).ok()?.holds?.name())),
 };
 
@@ -86,13 +91,22 @@ pub struct Seqlog {
 
 impl Seqlog {
     pub fn open(storage: Arc<dyn Storage>, read_only: bool) -> Result<Seqlog> {
+        Seqlog::open_with(storage, read_only, false)
+    }
+
+    /// Opened to be checked (read-only), an image whose checkpoint is damaged opens from the
+    /// whole log, so that the check can tell of it.
+    fn open_with(storage: Arc<dyn Storage>, read_only: bool, checking: bool) -> Result<Seqlog> {
         let mut head = [0u8; layout::SUPER_LEN];
         storage
             .read_at(0, &mut head)
             .context(|| "reading the seqlog superblock".into())?;
         let sb = Superblock::decode(&head)?;
         let started = std::time::Instant::now();
-        let r = recover::recover(&*storage, &sb)?;
+        let r = match recover::recover(&*storage, &sb) {
+            Err(Error::Corrupt(_)) if checking => recover::scan(&*storage, &sb)?,
+            r => r?,
+        };
         Ok(Seqlog {
             log: Log::new(sb, storage, r.head),
             map: r.map,
@@ -371,6 +385,21 @@ impl BlockDev for Seqlog {
 impl Driver for Seqlog {
     fn file(&self) -> &Arc<dyn Storage> {
         &self.log.storage
+    }
+
+    fn supports(&self, capability: Capability) -> bool {
+        capability == Capability::Check
+    }
+
+    /// The checkpoint the open read against the whole log (check.rs).
+    fn check(&self, say: Messages) -> std::result::Result<CheckReport, Box<CheckFailed>> {
+        check::check(&*self.log.storage, &self.log.sb, say).map_err(|error| {
+            Box::new(CheckFailed {
+                report: CheckReport::default(),
+                error,
+                message: None,
+            })
+        })
     }
 
     fn cluster_size(&self) -> Option<u64> {

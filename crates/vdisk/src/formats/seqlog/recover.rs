@@ -54,6 +54,11 @@ pub(super) fn recover(storage: &dyn Storage, sb: &Superblock) -> Result<Recovere
     if let Some((cp, slot)) = checkpoint::load(storage, sb)? {
         return from_checkpoint(storage, sb, cp, slot);
     }
+    scan(storage, sb)
+}
+
+/// The map as the whole log says, whatever the checkpoints say: every segment's chain.
+pub(super) fn scan(storage: &dyn Storage, sb: &Superblock) -> Result<Recovered> {
     let mut segs = Segments {
         seq: vec![0; sb.segments as usize],
         trims: vec![false; sb.segments as usize],
