@@ -23,6 +23,7 @@
 
 use std::ops::Range;
 use std::sync::atomic::Ordering::{Relaxed, Release};
+use std::sync::MutexGuard;
 
 use super::layout::{Kind, Record};
 use super::log::{lock, Forming, Log, Member, Open, Part, Tail, DATA, RESERVE};
@@ -296,34 +297,59 @@ impl Log {
     /// Waits until every batch formed before the call has its header written (or was given
     /// up), and appends again what landed in batches given up.
     pub(super) fn settle(&self, map: &Map) -> Result<()> {
+        let (mut failure, mut appending) = (None, false);
         loop {
             let mut t = lock(&self.state);
             self.seal(&mut t);
             let target = t.next_batch;
-            while t.forming.front().is_some_and(|b| b.id < target) {
-                t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
+            t = self.await_headers(t, target);
+            if appending {
+                // What this call appended again has its headers now.
+                t.rescuing -= 1;
             }
+            failure = failure.or(t.unreported.take());
             let rescue = std::mem::take(&mut t.rescue);
-            let failed = t.unreported.take();
+            if rescue.is_empty() {
+                if t.rescuing == 0 {
+                    t.unsettled = false;
+                }
+                return failure.map_or(Ok(()), Err);
+            }
+            t.rescuing += 1;
+            appending = true;
             drop(t);
-            let again = !rescue.is_empty();
-            if again {
-                self.append_again(map, rescue)?;
-            }
-            if let Some(e) = failed {
-                return Err(e);
-            }
-            if !again {
-                return Ok(());
+            if let Err(e) = self.append_again(map, &rescue) {
+                // Kept for the next try, which skips what was appended meanwhile.
+                let mut t = lock(&self.state);
+                t.rescue.extend(rescue);
+                t.rescuing -= 1;
+                return Err(failure.unwrap_or(e));
             }
         }
     }
 
+    /// Waits (releasing the lock) until every batch numbered below `before` has its header
+    /// written or was given up.
+    pub(super) fn await_headers<'a>(
+        &self,
+        mut t: MutexGuard<'a, Tail>,
+        before: u64,
+    ) -> MutexGuard<'a, Tail> {
+        while t.forming.front().is_some_and(|b| b.id < before) {
+            t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
+        }
+        t
+    }
+
     /// Appends again the blocks of `runs` the map still points at where they landed.
-    fn append_again(&self, map: &Map, runs: Vec<(u64, u32, u32)>) -> Result<()> {
+    fn append_again(&self, map: &Map, runs: &[(u64, u32, u32)]) -> Result<()> {
         let bs = self.sb.block_size as usize;
         let mut data = AlignedBuf::zeroed(bs);
-        for (block, count, pos) in runs {
+        for &(block, count, pos) in runs {
+            if pos == TRIMMED {
+                self.trim_again(map, block, count)?;
+                continue;
+            }
             for k in 0..count {
                 let (b, at) = (block + u64::from(k), pos + k);
                 if map.get(b) != Some(at) {
@@ -343,6 +369,27 @@ impl Log {
                 // Only where no newer write of it was placed meanwhile.
                 self.write_blocks_if(map, DATA, record, &data, |map| map.get(b) == Some(at))?;
             }
+        }
+        Ok(())
+    }
+
+    /// Appends again a trim of `[block, block + count)` from a batch given up, where its
+    /// blocks still read as trimmed (the map took the trim when it was placed).
+    fn trim_again(&self, map: &Map, block: u64, count: u32) -> Result<()> {
+        let end = block + u64::from(count);
+        let mut b = block;
+        while b < end {
+            let (to, n) = map.run(b, end - b);
+            if to.is_none() {
+                let record = Record {
+                    block: b,
+                    count: n as u32,
+                    kind: Kind::Trim,
+                };
+                let still = |map: &Map| map.run(b, n) == (None, n);
+                self.write_blocks_if(map, DATA, record, &[], still)?;
+            }
+            b += n;
         }
         Ok(())
     }
@@ -411,16 +458,12 @@ impl Log {
                 t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
             } else if !self.room_for(&t, stream, record) && cleanings <= self.sb.segments {
                 cleanings += 1;
-                let Some(victim) = self.clean_one(&mut t, map)? else {
+                let freed;
+                (t, freed) = self.reclaim(t, map)?;
+                if freed.is_none() {
                     // Nothing worth cleaning: placing it takes the reserve or fails.
                     cleanings = u32::MAX;
-                    continue;
-                };
-                drop(t);
-                // The reads that looked the victim up end first.
-                drop(self.reuse.close());
-                t = lock(&self.state);
-                self.free_cleaned(&mut t, victim)?;
+                }
             } else {
                 break;
             }
@@ -460,14 +503,22 @@ fn prune(t: &mut Tail) {
     }
 }
 
-/// Keeps the runs that landed in a batch given up, to be appended again. (Its segment is
-/// left as it is: the next open finds it free if no header of it was written.)
+/// The log block of a rescued run that is a trim.
+const TRIMMED: u32 = u32::MAX;
+
+/// Keeps the runs that landed in a batch given up, and its trims, to be appended again. (Its
+/// segment is left as it is: the next open finds it free if no header of it was written.)
 fn rescue_landed(t: &mut Tail, b: &Forming) {
     let mut pos = b.at + 1;
+    let before = t.rescue.len();
     for (r, (_, part)) in b.records.iter().zip(&b.parts) {
-        if r.kind == Kind::Data && *part == Part::Landed {
-            t.rescue.push((r.block, r.count, pos));
+        match r.kind {
+            Kind::Data if *part == Part::Landed => t.rescue.push((r.block, r.count, pos)),
+            Kind::Data => {}
+            // A trim took effect in the map when it was placed.
+            Kind::Trim => t.rescue.push((r.block, r.count, TRIMMED)),
         }
         pos += r.data_blocks();
     }
+    t.unsettled |= t.rescue.len() > before;
 }

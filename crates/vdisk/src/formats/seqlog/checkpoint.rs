@@ -261,7 +261,7 @@ impl Log {
         }
         let due = t.checkpoint_seq != t.head.next_seq - 1;
         // A write that failed meanwhile leaves blocks to append again first: later.
-        let (mut t, written) = if due && t.rescue.is_empty() {
+        let (mut t, written) = if due && !t.unsettled {
             self.write_checkpoint(t, map)
         } else {
             if !due {

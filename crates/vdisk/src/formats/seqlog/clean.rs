@@ -9,11 +9,15 @@
 //! the blocks still live there (the map still points at them), and trims for the trimmed
 //! blocks that still read as zeroes. Recovery applies batches newest last, so everything the
 //! victim said that still holds is said again, newer, elsewhere; what it said that no longer
-//! holds was overridden by newer batches. After a sync the victim is free, once the reads
-//! that looked it up before the moves have finished (`Log::reuse`, a gate the cleaning writer
-//! closes with the log's lock released: a read on the I/O queue ends on a thread that may be
-//! waiting for that lock to finish a write); its first block is zeroed, so that the next open
-//! finds it free too.
+//! holds was overridden by newer batches. The victim is free once the reads that looked it up
+//! before the moves have finished (`Log::reuse`, a gate the cleaning writer closes with the
+//! log's lock released: a read on the I/O queue ends on a thread that may be waiting for that
+//! lock to finish a write), and once the batches formed before the cleaning have their
+//! headers: a write points the map at itself when it lands, before its batch's header is
+//! written, so the copy it replaced in the victim is not moved, and stays the newest a crash
+//! would find until that header is durable. Then a sync, and its first block is zeroed, so
+//! that the next open finds it free too. While a batch given up has writes not yet appended
+//! again (`Tail::unsettled`), nothing is cleaned or freed: its older copies may be anywhere.
 //!
 //! The moves run under the log's lock: no other write is placed or finished meanwhile, so the
 //! map the cleaner reads is the one its batches will be applied to. A write still in flight
@@ -22,21 +26,49 @@
 
 use std::ops::Range;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::MutexGuard;
 
 use super::layout::{Kind, Policy, Record};
-use super::log::{apply_batch, enospc, Log, Tail, CLEANER};
+use super::log::{apply_batch, enospc, lock, Log, Tail, CLEANER};
 use super::map::Map;
 use super::recover::read_chain;
 use crate::bytes::AlignedBuf;
 use crate::error::{Error, Result};
 
 impl Log {
-    /// Cleans one segment: what still holds in it is appended again and synced. The victim is
-    /// returned, draining: free once the reads that looked it up have finished (the caller
-    /// closes `Log::reuse` without the log's lock, then calls [`Log::free_cleaned`]). `None`
-    /// when no segment is worth cleaning (each holds so much live data, or so many trims still
-    /// in force, that moving it frees nothing).
+    /// Cleans a victim and frees it, for a writer that needs room: the log's lock is released
+    /// while the reads that looked the victim up end (the moves came first) and while the
+    /// batches formed before the cleaning get their headers (their writes replaced the
+    /// victim's other blocks). `None` when nothing was worth cleaning.
+    pub(super) fn reclaim<'a>(
+        &'a self,
+        mut t: MutexGuard<'a, Tail>,
+        map: &Map,
+    ) -> Result<(MutexGuard<'a, Tail>, Option<u32>)> {
+        let Some(victim) = self.clean_one(&mut t, map)? else {
+            return Ok((t, None));
+        };
+        let formed = t.next_batch;
+        drop(t);
+        drop(self.reuse.close());
+        let mut t = self.await_headers(lock(&self.state), formed);
+        self.free_cleaned(&mut t, victim)?;
+        Ok((t, Some(victim)))
+    }
+
+    /// Cleans one segment: what still holds in it is appended again. The victim is returned,
+    /// draining: free once the reads that looked it up have finished and the batches formed
+    /// before have their headers ([`Log::reclaim`] waits for both, then calls
+    /// [`Log::free_cleaned`]). `None` when no segment is
+    /// worth cleaning (each holds so much live data, or so many trims still in force, that
+    /// moving it frees nothing), or while a batch given up is unsettled.
     pub(super) fn clean_one(&self, t: &mut Tail, map: &Map) -> Result<Option<u32>> {
+        // The batch being formed takes no more writes, so that the writes that replaced the
+        // victim's blocks are all in batches the caller can wait for.
+        self.seal(t);
+        if t.unsettled {
+            return Ok(None);
+        }
         let sb = self.sb;
         let mut buf = vec![0u8; sb.segment_size() as usize];
         loop {
@@ -63,16 +95,14 @@ impl Log {
                     map.live(victim)
                 )));
             }
-            // The moves are durable before the victim's batches can be overwritten.
-            self.sync()?;
             t.draining.push(victim);
             return Ok(Some(victim));
         }
     }
 
-    /// Frees a cleaned victim once no read that looked it up is left: its chain is ended at
-    /// its first block, so that an open finds it free. Should that write not reach the disk,
-    /// the open finds whole batches that newer ones override.
+    /// Frees a cleaned victim (see [`Log::clean_one`] for when): after a sync, its chain is
+    /// ended at its first block, so that an open finds it free. Should that write not reach
+    /// the disk, the open finds whole batches that newer ones override.
     pub(super) fn free_cleaned(&self, t: &mut Tail, victim: u32) -> Result<()> {
         let sb = self.sb;
         let first = sb.log_offset(victim * sb.segment_blocks);
@@ -82,6 +112,14 @@ impl Log {
         // stays in use with nothing live in it, and is cleaned again.
         t.draining.retain(|&s| s != victim);
         self.changed.notify_all();
+        if t.unsettled {
+            // A batch given up may have replaced blocks of the victim with writes not yet
+            // appended again: its copies stay, and it is cleaned again later.
+            return Ok(());
+        }
+        // The moves, and the batches that replaced the victim's other blocks, are durable
+        // before its batches can be overwritten.
+        self.sync()?;
         self.storage
             .write_at(first, &zeroes)
             .map_err(|source| Error::Io {

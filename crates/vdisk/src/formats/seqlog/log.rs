@@ -152,8 +152,16 @@ pub(super) struct Tail {
     pub next_sn: u64,
     pub next_batch: u64,
     /// Runs `(guest block, count, log block)` that landed in batches given up (a write in
-    /// them failed): appended again before the next flush counts.
+    /// them failed), and their trims (log block `TRIMMED`): appended again before the next
+    /// flush counts.
     pub rescue: Vec<(u64, u32, u32)>,
+    /// A batch given up has rescued runs not yet appended again with their headers written
+    /// (`settle` clears it). Meanwhile the log may hold no durable copy of those blocks but
+    /// an older one, anywhere, so the cleaner neither cleans nor frees.
+    pub unsettled: bool,
+    /// Calls of `settle` appending rescued runs again whose batches' headers they have not
+    /// yet seen written: `unsettled` is cleared only when there are none.
+    pub rescuing: usize,
     /// An error no caller has heard of (a batch header that did not land, blocks that could
     /// not be appended again): the next flush fails with it.
     pub unreported: Option<Error>,
@@ -203,6 +211,8 @@ impl Log {
                 next_sn: 0,
                 next_batch: 0,
                 rescue: Vec::new(),
+                unsettled: false,
+                rescuing: 0,
                 unreported: None,
                 draining: Vec::new(),
                 checkpointing: false,
