@@ -448,7 +448,7 @@ fn copy_compressed(
         let written = if plan.sparse == 0 || !vdisk::bytes::is_zero(cluster) {
             target.driver().write_compressed(at, cluster)
         } else if !plan.zero_init {
-            target.write_zeroes(at, cluster.len() as u64)
+            zero_image(target, at, cluster.len() as u64)
         } else {
             Ok(())
         };
@@ -519,7 +519,17 @@ fn zero(target: &Target, at: u64, len: u64) -> vdisk::Result<()> {
             }
             Ok(())
         }
-        Target::Image(image, _) => image.write_zeroes(at, len),
+        Target::Image(image, _) => zero_image(image, at, len),
+    }
+}
+
+/// Zeroes in an image target as qemu-img convert's (QEMU's write zeroes with MAY_UNMAP):
+/// without data where the format can, so that a version 2 qcow2 image without a backing
+/// file is left unallocated there (iotest 122), else written.
+fn zero_image(image: &Image, at: u64, len: u64) -> vdisk::Result<()> {
+    match image.write_zeroes_fast(at, len) {
+        Err(vdisk::Error::Unsupported(_)) => image.write_zeroes(at, len),
+        done => done,
     }
 }
 

@@ -504,6 +504,44 @@ fn qcow2_targets_are_allocated_in_guest_order() {
     failures.finish();
 }
 
+/// Zeroes written into a version 2 image without a backing file (here by `convert -n`, over
+/// data the target held) leave its clusters unallocated, as QEMU's write zeroes does there
+/// (version 2 has no zero clusters); with a backing file they are written as data (iotest 122).
+#[test]
+fn zeroes_into_a_version_2_image_unallocate_as_qemu_does() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "convert-v2-zeroes");
+    let mut failures = Failures::new("convert-v2-zeroes", &wd);
+    wd.setup_img(&["create", "-q", "-f", "qcow2", "src.qcow2", "8M"]);
+    wd.setup_io("src.qcow2", Some("qcow2"), &["write -P 0x22 1M 1M"]);
+    wd.setup_img(&["create", "-q", "-f", "qcow2", "base.qcow2", "8M"]);
+    for backing in [false, true] {
+        for (tool, target) in [("qemu-img", "q.qcow2"), ("vdisk", "v.qcow2")] {
+            let mut create = vec!["create", "-q", "-f", "qcow2", "-o", "compat=0.10"];
+            if backing {
+                create.extend(["-b", "base.qcow2", "-F", "qcow2"]);
+            }
+            wd.setup_img(&[&create[..], &[target, "8M"]].concat());
+            wd.setup_io(target, Some("qcow2"), &["write -P 0x11 0 8M"]);
+            let args = ["convert", "-n", "-O", "qcow2", "src.qcow2", target];
+            let out = match tool {
+                "qemu-img" => wd.qemu_img(&args),
+                _ => wd.vdisk(&args),
+            };
+            failures.count(out.success());
+        }
+        let case = format!("backing file: {backing}");
+        same_map(&wd, &mut failures, &case);
+        let cmp = wd.qemu_img(&["compare", "q.qcow2", "v.qcow2"]);
+        if !failures.count(cmp.success()) {
+            failures.add(&case, "qemu-img compare", &cmp.stdout);
+        }
+        wd.remove("q.qcow2");
+        wd.remove("v.qcow2");
+    }
+    failures.finish();
+}
+
 /// Whether qemu-img maps the targets both tools wrote, q.qcow2 and v.qcow2, the same, host
 /// offsets included.
 fn same_map(wd: &Workdir, failures: &mut Failures, case: &str) {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use vdisk::formats::qcow2::create::{create, CreateOptions};
 use vdisk::storage::{MemStorage, Storage};
-use vdisk::{open_storage_with, BlockDev, Format};
+use vdisk::{open_overlay, open_storage_with, BlockDev, Format};
 
 use crate::common::{assert_clean, base, fresh, options, overlay, CLUSTER};
 
@@ -107,7 +107,8 @@ fn fast_zeroing_takes_whole_clusters_only() {
     assert!(zeroed.iter().all(|&b| b == 0));
     image.close().unwrap();
     assert_clean(&storage, false);
-    // A version 2 image has no zero clusters.
+    // A version 2 image has no zero clusters: without a backing file, an unallocated
+    // cluster reads zero (QEMU discards there); over one, zeroing would write zeroes.
     let storage: Arc<dyn Storage> = Arc::new(MemStorage::new());
     let o = CreateOptions {
         version: 2,
@@ -115,6 +116,22 @@ fn fast_zeroing_takes_whole_clusters_only() {
     };
     create(&*storage, None, &o).unwrap();
     let v2 = open_storage_with(storage, Some(Format::QCOW2), "v2.qcow2", true).unwrap();
+    v2.write(0, &[7u8; CLUSTER as usize]).unwrap();
+    v2.write_zeroes_fast(0, CLUSTER).unwrap();
+    let mut one = vec![1u8; CLUSTER as usize];
+    v2.read(0, &mut one).unwrap();
+    assert!(one.iter().all(|&b| b == 0));
+    assert!(!v2.block_status(0, CLUSTER).unwrap().present);
+    let backing = base();
+    let storage: Arc<dyn Storage> = Arc::new(MemStorage::new());
+    let o = CreateOptions {
+        version: 2,
+        backing_file: Some("base.raw".into()),
+        backing_format: Some("raw".into()),
+        ..options()
+    };
+    create(&*storage, None, &o).unwrap();
+    let v2 = open_overlay(storage, backing, "top.qcow2", true).unwrap();
     let e = v2.write_zeroes_fast(0, CLUSTER).unwrap_err();
     assert_eq!(e.errno(), libc::ENOTSUP);
 }

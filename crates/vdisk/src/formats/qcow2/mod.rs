@@ -459,23 +459,24 @@ impl BlockDev for Qcow2 {
         self.zero_impl(offset, len, zero::Zeroing::Zeroes)
     }
 
-    /// Fast where every cluster of the range is zeroed whole in the L2 table: version 3,
+    /// Fast where every cluster of the range is zeroed whole in the L2 table: version 3 (or
+    /// version 2 without a backing file, whose unallocated clusters read as zero),
     /// cluster-aligned, and no raw data file (whose bytes must be zeroed too). Parts of
     /// clusters would be written.
     fn write_zeroes_fast(&self, offset: u64, len: u64) -> Result<()> {
         check_range(self.size, offset, len)?;
         let cs = self.header.cluster_size();
-        if self.header.version < 3
+        if (self.header.version < 3 && self.backing.is_some())
             || offset % cs != 0
             || len % cs != 0
             || self.header.data_file_raw()
         {
             return Err(Error::unsupported(
-                "zeroing this range would write zeroes: parts of clusters, a version 2 image or a raw data file",
+                "zeroing this range would write zeroes: parts of clusters, a version 2 image with a backing file or a raw data file",
             ));
         }
         self.mark_dirty(offset, len);
-        self.zero_impl(offset, len, zero::Zeroing::Zeroes)
+        self.zero_impl(offset, len, zero::Zeroing::Unmap)
     }
 
     fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {

@@ -11,7 +11,12 @@ use crate::storage::zero_range;
 /// What `zero_impl` does with whole clusters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Zeroing {
+    /// They read as zero whatever backing file the image is given later (rebase zeroes
+    /// before it names the new file): zero clusters, or zeroes written in version 2.
     Zeroes,
+    /// They read as zero now: also left unallocated in a version 2 image without a backing
+    /// file, as QEMU's write zeroes with MAY_UNMAP does (convert's zeroes).
+    Unmap,
     Discard,
 }
 
@@ -29,9 +34,9 @@ impl Qcow2 {
             .context(|| format!("zeroing the data file at {from:#x}"))
     }
 
-    /// write_zeroes and discard: whole clusters become zero clusters (discard on a v2 image
-    /// without backing leaves them unallocated, as QEMU does); parts of clusters are written
-    /// with zeroes, or left alone by a discard.
+    /// write_zeroes and discard: whole clusters become zero clusters (a version 2 image has
+    /// none: see `Zeroing`); parts of clusters are written with zeroes, or left alone by a
+    /// discard.
     pub(super) fn zero_impl(&self, offset: u64, len: u64, kind: Zeroing) -> Result<()> {
         self.writable_or_err(if kind == Zeroing::Discard {
             "discard"
@@ -57,7 +62,7 @@ impl Qcow2 {
                 let at_end = within == 0
                     && pos + n == self.size
                     && !self.format.external_data
-                    && kind == Zeroing::Zeroes;
+                    && kind != Zeroing::Discard;
                 let whole = n == cs || at_end;
                 if whole && self.format.external_data {
                     in_data = match in_data {
@@ -73,7 +78,11 @@ impl Qcow2 {
                     // A raw data file is the disk itself: every cluster stays mapped where it
                     // is, and the file's own range is zeroed below.
                     meta.txn.data_written = true;
-                } else if whole && (v3 || kind == Zeroing::Discard) {
+                } else if whole
+                    && (v3
+                        || kind == Zeroing::Discard
+                        || (kind == Zeroing::Unmap && self.backing.is_none()))
+                {
                     let (table_off, index, e) = self.writable_table(&mut meta, Guest(guest))?;
                     // A pending cluster's gaps need no filling any more: it is given up.
                     meta.pending.remove(&Guest(guest));
@@ -90,7 +99,7 @@ impl Qcow2 {
                         (false, false) => L2Entry::default(),
                     };
                     meta.tables.set_entry(table_off, index, zero);
-                } else if kind == Zeroing::Zeroes {
+                } else if kind != Zeroing::Discard {
                     parts.push((pos, n));
                 }
                 pos += n;
