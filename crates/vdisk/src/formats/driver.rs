@@ -151,11 +151,9 @@ pub trait Driver: BlockDev {
     /// A full consistency check, reporting each problem to `say` as it is found.
     fn check(&self, say: Messages) -> std::result::Result<CheckReport, Box<CheckFailed>> {
         let _ = say;
-        Err(Box::new(CheckFailed {
-            report: CheckReport::default(),
-            error: Error::unsupported("This image format does not support checks"),
-            message: None,
-        }))
+        Err(Box::<CheckFailed>::from(Error::unsupported(
+            "This image format does not support checks",
+        )))
     }
 
     /// Writes one whole cluster at `offset` (cluster aligned) compressed.

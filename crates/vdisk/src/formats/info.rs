@@ -55,6 +55,17 @@ pub struct CheckFailed {
     pub message: Option<String>,
 }
 
+impl From<Error> for Box<CheckFailed> {
+    /// A check that failed before it found anything to report.
+    fn from(error: Error) -> Self {
+        Box::new(CheckFailed {
+            report: CheckReport::default(),
+            error,
+            message: None,
+        })
+    }
+}
+
 /// Which repairs `vdisk check -r` makes (QEMU's BDRV_FIX_LEAKS and BDRV_FIX_ERRORS: `-r leaks`
 /// is `leaks`, `-r all` is both).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

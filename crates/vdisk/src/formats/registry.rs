@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::entry::FormatEntry;
-use super::info::{CheckFailed, CheckReport, Fix, Messages, RepairReport};
+use super::info::{CheckFailed, Fix, Messages, RepairReport};
 use super::{luks, pcow, qcow2, raw, seqlog};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{LockRole, Storage};
@@ -75,11 +75,9 @@ impl Format {
     ) -> std::result::Result<RepairReport, Box<CheckFailed>> {
         match self.0.repair {
             Some(repair) => repair(file, fix, say),
-            None => Err(Box::new(CheckFailed {
-                report: CheckReport::default(),
-                error: Error::unsupported("This image format does not support checks"),
-                message: None,
-            })),
+            None => Err(Box::<CheckFailed>::from(Error::unsupported(
+                "This image format does not support checks",
+            ))),
         }
     }
 

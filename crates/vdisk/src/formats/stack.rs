@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use super::driver::Driver;
 use super::entry::Opener;
-use super::info::{CheckFailed, CheckReport, Fix, Messages, RepairReport};
+use super::info::{CheckFailed, Fix, Messages, RepairReport};
 use super::registry::{layout_of, Format};
 use crate::blockdev::BlockDev;
 use crate::error::{Error, Result};
@@ -96,13 +96,7 @@ pub fn repair(
     fix: Fix,
     say: Messages,
 ) -> std::result::Result<RepairReport, Box<CheckFailed>> {
-    let failed = |error| {
-        Box::new(CheckFailed {
-            report: CheckReport::default(),
-            error,
-            message: None,
-        })
-    };
+    let failed = Box::<CheckFailed>::from;
     let opened = open_layout(file.clone(), true).map_err(failed)?;
     let Some((layout, _)) = opened.filter(|(_, held)| *held == format) else {
         return format.repair(file, fix, say);

@@ -12,11 +12,7 @@ use crate::storage::Storage;
 type Checked<T> = std::result::Result<T, Box<CheckFailed>>;
 
 fn failed(error: Error) -> Box<CheckFailed> {
-    Box::new(CheckFailed {
-        report: CheckReport::default(),
-        error,
-        message: None,
-    })
+    Box::<CheckFailed>::from(error)
 }
 
 /// Walks the image in `storage` and reports what is wrong with it.

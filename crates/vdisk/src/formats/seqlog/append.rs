@@ -376,20 +376,10 @@ impl Log {
     /// Appends again a trim of `[block, block + count)` from a batch given up, where its
     /// blocks still read as trimmed (the map took the trim when it was placed).
     fn trim_again(&self, map: &Map, block: u64, count: u32) -> Result<()> {
-        let end = block + u64::from(count);
-        let mut b = block;
-        while b < end {
-            let (to, n) = map.run(b, end - b);
-            if to.is_none() {
-                let record = Record {
-                    block: b,
-                    count: n as u32,
-                    kind: Kind::Trim,
-                };
-                let still = |map: &Map| map.run(b, n) == (None, n);
-                self.write_blocks_if(map, DATA, record, &[], still)?;
-            }
-            b += n;
+        for trim in map.unmapped(block, count) {
+            let n = u64::from(trim.count);
+            let still = |map: &Map| map.run(trim.block, n) == (None, n);
+            self.write_blocks_if(map, DATA, trim, &[], still)?;
         }
         Ok(())
     }

@@ -98,13 +98,7 @@ pub(super) fn repair(
     fix: Fix,
     say: Messages,
 ) -> std::result::Result<RepairReport, Box<CheckFailed>> {
-    let failed = |error| {
-        Box::new(CheckFailed {
-            report: CheckReport::default(),
-            error,
-            message: None,
-        })
-    };
+    let failed = Box::<CheckFailed>::from;
     let sb = superblock(&**file).map_err(failed)?;
     let mut report = check(&**file, &sb, say).map_err(failed)?;
     if report.corruptions > 0 && fix.errors {

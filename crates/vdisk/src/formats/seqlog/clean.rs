@@ -283,18 +283,9 @@ fn push_block(out: &mut Vec<(Record, Range<usize>)>, block: u64, data: Range<usi
 
 /// Adds trims for the runs of `r`'s blocks that are still unmapped.
 fn push_trims(out: &mut Vec<(Record, Range<usize>)>, map: &Map, r: &Record) {
-    let end = r.block + u64::from(r.count);
-    let mut b = r.block;
-    while b < end {
-        let (to, n) = map.run(b, end - b);
-        if to.is_none() {
-            let record = Record {
-                block: b,
-                count: n as u32,
-                kind: Kind::Trim,
-            };
-            out.push((record, 0..0));
-        }
-        b += n;
-    }
+    out.extend(
+        map.unmapped(r.block, r.count)
+            .into_iter()
+            .map(|t| (t, 0..0)),
+    );
 }

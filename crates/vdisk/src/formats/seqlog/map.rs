@@ -4,6 +4,8 @@
 
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
+use super::layout::{Kind, Record};
+
 pub(super) struct Map {
     entries: Vec<AtomicU32>,
     /// Live (mapped) blocks per segment.
@@ -78,6 +80,25 @@ impl Map {
             n += 1;
         }
         (first, n)
+    }
+
+    /// Trim records for the runs of `[block, block + count)` that are unmapped (read as
+    /// zeroes).
+    pub fn unmapped(&self, block: u64, count: u32) -> Vec<Record> {
+        let end = block + u64::from(count);
+        let (mut b, mut out) = (block, Vec::new());
+        while b < end {
+            let (to, n) = self.run(b, end - b);
+            if to.is_none() {
+                out.push(Record {
+                    block: b,
+                    count: n as u32,
+                    kind: Kind::Trim,
+                });
+            }
+            b += n;
+        }
+        out
     }
 
     /// Guest blocks that are mapped.

@@ -393,13 +393,7 @@ impl Driver for Seqlog {
 
     /// The checkpoint the open read against the whole log (check.rs).
     fn check(&self, say: Messages) -> std::result::Result<CheckReport, Box<CheckFailed>> {
-        check::check(&*self.log.storage, &self.log.sb, say).map_err(|error| {
-            Box::new(CheckFailed {
-                report: CheckReport::default(),
-                error,
-                message: None,
-            })
-        })
+        check::check(&*self.log.storage, &self.log.sb, say).map_err(Box::<CheckFailed>::from)
     }
 
     fn cluster_size(&self) -> Option<u64> {
