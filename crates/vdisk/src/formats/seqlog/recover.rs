@@ -65,9 +65,8 @@ pub(super) fn scan(storage: &dyn Storage, sb: &Superblock) -> Result<Recovered> 
     };
     let mut found = Vec::new();
     let mut torn = 0;
-    let mut buf = vec![0u8; sb.segment_size() as usize];
-    for segment in 0..sb.segments {
-        let (chain, damaged) = read_chain(storage, sb, segment, &mut buf)?;
+    let chains = per_segment(sb, |segment, buf| read_chain(storage, sb, segment, buf))?;
+    for (segment, (chain, damaged)) in (0..).zip(chains) {
         torn += u64::from(damaged);
         segs.take_chain(segment, &chain);
         found.extend(chain);
@@ -89,34 +88,68 @@ fn from_checkpoint(
         seq: cp.seg_seq,
         trims: cp.trims,
     };
-    let mut found = Vec::new();
-    let mut torn = 0;
     let bs = sb.block_size as usize;
-    let mut first = vec![0u8; bs];
-    let mut buf = vec![0u8; sb.segment_size() as usize];
-    for segment in 0..sb.segments {
+    // Per segment: `None` where the checkpoint says all it holds, else its chain (empty
+    // where its first block holds no batch).
+    let chains = per_segment(sb, |segment, buf| {
         let offset = sb.log_offset(segment * sb.segment_blocks);
-        storage
-            .read_at(offset, &mut first)
+        (storage.read_at(offset, &mut buf[..bs]))
             .context(|| format!("reading seqlog segment {segment}"))?;
-        let newer = match BatchHeader::decode(&first, sb.image_id, sb.max_records()) {
-            Ok((h, _)) => h.seq > cp.seq || cp.open.contains(&Some(segment)),
-            Err(_) => {
-                segs.take_chain(segment, &[]);
-                continue;
+        match BatchHeader::decode(&buf[..bs], sb.image_id, sb.max_records()) {
+            Ok((h, _)) if h.seq > cp.seq || cp.open.contains(&Some(segment)) => {
+                read_chain(storage, sb, segment, buf).map(Some)
             }
-        };
-        if newer {
-            let (chain, damaged) = read_chain(storage, sb, segment, &mut buf)?;
-            torn += u64::from(damaged);
-            segs.take_chain(segment, &chain);
-            found.extend(chain.into_iter().filter(|f| f.seq > cp.seq));
+            Ok(_) => Ok(None),
+            Err(_) => Ok(Some((Vec::new(), false))),
         }
+    })?;
+    let (mut found, mut torn) = (Vec::new(), 0);
+    for (segment, (chain, damaged)) in (0..).zip(chains).filter_map(|(s, c)| Some((s, c?))) {
+        torn += u64::from(damaged);
+        segs.take_chain(segment, &chain);
+        found.extend(chain.into_iter().filter(|f| f.seq > cp.seq));
     }
     let map = Map::from_entries(cp.entries, sb.segments, sb.segment_blocks);
     let mut r = finish(sb, map, found, segs, torn, (cp.seq, 1 - slot))?;
     r.checkpoint = Some(cp.seq);
     Ok(r)
+}
+
+/// Segments an open reads with one thread; more are read by [`READERS`] threads side by
+/// side, so that the reads of an image not in the page cache wait for the device together
+/// rather than one after another.
+pub(super) const ALONE: u32 = 64;
+const READERS: u32 = 16;
+
+/// `read(segment, buf)` of every segment (`buf` a segment's size), the results in segment
+/// order.
+fn per_segment<T: Send>(
+    sb: &Superblock,
+    read: impl Fn(u32, &mut [u8]) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let run = |segments: std::ops::Range<u32>| -> Result<Vec<T>> {
+        let mut buf = vec![0u8; sb.segment_size() as usize];
+        segments.map(|segment| read(segment, &mut buf)).collect()
+    };
+    if sb.segments <= ALONE {
+        return run(0..sb.segments);
+    }
+    let per = sb.segments.div_ceil(READERS);
+    let parts: Vec<Result<Vec<T>>> = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..sb.segments)
+            .step_by(per as usize)
+            .map(|from| s.spawn(move || run(from..(from + per).min(sb.segments))))
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    let mut out = Vec::with_capacity(sb.segments as usize);
+    for part in parts {
+        out.extend(part?);
+    }
+    Ok(out)
 }
 
 /// Applies the batches `found` to `map` in sequence order and works out the free segments.

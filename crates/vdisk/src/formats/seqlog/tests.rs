@@ -526,3 +526,38 @@ fn a_trim_in_a_batch_given_up_is_appended_again() {
         back[0]
     );
 }
+
+/// A log of more segments than one thread reads at open (recover.rs reads them side by side):
+/// reopened from its checkpoint and read whole, it maps every block where it was written.
+#[test]
+fn a_large_log_recovers_the_same_from_its_checkpoint_and_its_chains() {
+    let storage = new_image(CreateOptions {
+        size: 8 << 20,
+        ..small()
+    });
+    let disk = Seqlog::open(storage.clone(), false).unwrap();
+    let sb = disk.log.sb;
+    assert!(sb.segments > recover::ALONE, "{} segments", sb.segments);
+    let blocks = sb.map_blocks();
+    for b in (0..blocks).step_by(7) {
+        let n = 7.min(blocks - b) as usize;
+        disk.write(b * 4096, &vec![(b % 251) as u8 + 1; n * 4096])
+            .unwrap();
+    }
+    disk.close().unwrap();
+    drop(disk);
+    let opened = recover::recover(&*storage, &sb).unwrap();
+    let scanned = recover::scan(&*storage, &sb).unwrap();
+    assert!(opened.checkpoint.is_some());
+    assert_eq!(opened.map.entries(), scanned.map.entries());
+    assert_eq!(opened.map.mapped(), blocks);
+    let disk = Seqlog::open(storage, true).unwrap();
+    let mut buf = vec![0u8; 4096];
+    for b in [0, 6, 7, blocks / 2, blocks - 1] {
+        disk.read(b * 4096, &mut buf).unwrap();
+        assert!(
+            buf.iter().all(|&x| x == (b / 7 * 7 % 251) as u8 + 1),
+            "block {b}"
+        );
+    }
+}
