@@ -119,7 +119,10 @@ impl Log {
     }
 
     /// Whether `record` fits without cleaning: in `stream`'s open segment, or in segments
-    /// free beyond the reserve.
+    /// free beyond the reserve. One segment more stays idle than `data_segment` needs:
+    /// with `>=` (the reserve alone), writers side by side on a full disk of small segments
+    /// run out of space (conformance `seqlog_filled::concurrent_writers_lose_nothing`: 4 of
+    /// 8 runs, against 1 of 8 with `>`), though it gave 0.05 less write amplification.
     fn room_for(&self, t: &Tail, stream: usize, record: Record) -> bool {
         let room = t.open[stream].map_or(0, |o| self.sb.segment_blocks - o.pos);
         let blocks = record.data_blocks() + 1;

@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::MutexGuard;
 
 use super::layout::Superblock;
-use super::log::{Log, Tail, STREAMS};
+use super::log::{Log, Tail, CLEANER, COLD, DATA, META, OPEN};
 use super::map::Map;
 use crate::bytes::AlignedBuf;
 use crate::checksum::crc32c;
@@ -25,26 +25,29 @@ const MAGIC: [u8; 4] = *b"SLCP";
 const CRC_AT: usize = 32;
 /// No segment (an open-segment field).
 const NONE: u32 = u32::MAX;
-/// Where the header records each stream's open segment: data, cleaner, metadata (the last
-/// only with the streams feature).
-const OPEN_AT: [usize; STREAMS] = [24, 28, 36];
+/// Where the header records each stream's open segment: data, cleaner, metadata (only with
+/// the streams feature), the cleaner's second (only with the cold feature).
+const OPEN_AT: [usize; OPEN] = [24, 28, 36, 40];
 
 /// The streams whose open segments the image's checkpoints record.
-fn streams(sb: &Superblock) -> usize {
-    if sb.streams {
-        STREAMS
-    } else {
-        2
-    }
+fn streams(sb: &Superblock) -> impl Iterator<Item = usize> {
+    [
+        (DATA, true),
+        (CLEANER, true),
+        (META, sb.streams),
+        (COLD, sb.cold),
+    ]
+    .into_iter()
+    .filter_map(|(s, on)| on.then_some(s))
 }
 
 /// One checkpoint, as written and as read back.
 pub(super) struct Checkpoint {
     /// The newest batch it covers: every batch with a sequence number up to this one.
     pub seq: u64,
-    /// The segments the streams appended to then (data, cleaner, metadata): their chains may
-    /// have grown since.
-    pub open: [Option<u32>; STREAMS],
+    /// The segments the streams appended to then (data, cleaner, metadata, the cleaner's
+    /// second): their chains may have grown since.
+    pub open: [Option<u32>; OPEN],
     /// The map's entries (log block + 1, 0 for none), one per guest block.
     pub entries: Vec<u32>,
     /// Per segment, the sequence number of its newest batch (0: free).
@@ -74,7 +77,8 @@ impl Checkpoint {
         head[0..4].copy_from_slice(&MAGIC);
         head[8..16].copy_from_slice(&sb.image_id.to_le_bytes());
         head[16..24].copy_from_slice(&self.seq.to_le_bytes());
-        for (&at, open) in OPEN_AT.iter().zip(&self.open).take(streams(sb)) {
+        for s in streams(sb) {
+            let (at, open) = (OPEN_AT[s], self.open[s]);
             head[at..at + 4].copy_from_slice(&open.unwrap_or(NONE).to_le_bytes());
         }
         let (entries, rest) = body.split_at_mut(self.entries.len() * 4);
@@ -109,9 +113,9 @@ impl Checkpoint {
         }
         let u32_at = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
         let seq = u64::from_le_bytes(head[16..24].try_into().unwrap_or_default());
-        let mut open = [None; STREAMS];
-        for (i, &at) in OPEN_AT.iter().enumerate().take(streams(sb)) {
-            open[i] = Some(u32_at(head, at)).filter(|&s| s != NONE);
+        let mut open = [None; OPEN];
+        for i in streams(sb) {
+            open[i] = Some(u32_at(head, OPEN_AT[i])).filter(|&s| s != NONE);
         }
         let blocks = sb.map_blocks() as usize;
         let segments = sb.segments as usize;
@@ -289,6 +293,7 @@ mod tests {
             resizable: false,
             holds: None,
             streams: true,
+            cold: true,
             segments: 12,
             image_id: 77,
             policy: Policy::Greedy,
@@ -301,7 +306,7 @@ mod tests {
         let sb = sb();
         let cp = Checkpoint {
             seq: 41,
-            open: [Some(3), None, Some(5)],
+            open: [Some(3), None, Some(5), Some(7)],
             entries: (0..100)
                 .map(|i| if i % 3 == 0 { 0 } else { i + 1 })
                 .collect(),
@@ -312,7 +317,7 @@ mod tests {
         assert_eq!(buf.len() as u64, sb.checkpoint_blocks() * 512);
         let back = Checkpoint::decode(&sb, &mut buf.to_vec()).unwrap().unwrap();
         assert_eq!(back.seq, 41);
-        assert_eq!(back.open, [Some(3), None, Some(5)]);
+        assert_eq!(back.open, [Some(3), None, Some(5), Some(7)]);
         assert_eq!(back.entries, cp.entries);
         assert_eq!(back.seg_seq, cp.seg_seq);
         assert_eq!(back.trims, cp.trims);

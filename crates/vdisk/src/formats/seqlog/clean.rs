@@ -29,7 +29,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::MutexGuard;
 
 use super::layout::{Kind, Policy, Record};
-use super::log::{apply_batch, enospc, lock, Log, Tail, CLEANER};
+use super::log::{apply_batch, enospc, lock, Log, Tail, CLEANER, COLD};
 use super::map::Map;
 use super::recover::read_chain;
 use crate::bytes::AlignedBuf;
@@ -84,9 +84,16 @@ impl Log {
                 t.head.no_gain[victim as usize] = t.head.next_seq;
                 continue;
             }
+            // All of a victim goes to one stream, so a cleaning takes at most one new segment
+            // (append.rs counts on it).
+            let to = if sb.cold && t.head.moved[victim as usize] {
+                COLD
+            } else {
+                CLEANER
+            };
             let mut rest = &mut out[..];
             while !rest.is_empty() {
-                let taken = self.append_moves(t, map, rest, &buf)?;
+                let taken = self.append_moves(t, map, to, rest, &buf)?;
                 rest = &mut rest[taken..];
             }
             if map.live(victim) != 0 {
@@ -129,6 +136,7 @@ impl Log {
         t.head.seg_seq[victim as usize] = 0;
         t.head.no_gain[victim as usize] = 0;
         t.head.trims[victim as usize] = false;
+        t.head.moved[victim as usize] = false;
         t.head.free.push_back(victim);
         self.stats.cleaned.fetch_add(1, Relaxed);
         Ok(())
@@ -209,22 +217,23 @@ impl Log {
         best.map(|(_, s)| s)
     }
 
-    /// Appends one batch of moved blocks and carried trims on the cleaner's stream, as many
-    /// of `out` as fit in what is left of its segment (the last one cut to fit), and points
-    /// the map at it. Returns how many of `out` it took whole.
+    /// Appends one batch of moved blocks and carried trims on `stream` (the cleaner's or
+    /// [`COLD`]), as many of `out` as fit in what is left of its segment (the last one cut to
+    /// fit), and points the map at it. Returns how many of `out` it took whole.
     fn append_moves(
         &self,
         t: &mut Tail,
         map: &Map,
+        stream: usize,
         out: &mut [(Record, Range<usize>)],
         victim: &[u8],
     ) -> Result<usize> {
         // A segment with room for a header and a block.
-        if !self.fits(t, CLEANER, 1) {
+        if !self.fits(t, stream, 1) {
             let segment = t.head.free.pop_front().ok_or_else(enospc)?;
-            self.open_segment(t, CLEANER, segment);
+            self.open_segment(t, stream, segment);
         }
-        let open = t.open[CLEANER].expect("a segment is open");
+        let open = t.open[stream].expect("a segment is open");
         let mut room = self.sb.segment_blocks - open.pos - 1;
         let bs = self.sb.block_size as usize;
         let (mut records, mut data, mut taken) = (Vec::new(), Vec::new(), 0);
@@ -248,9 +257,9 @@ impl Log {
             taken += 1;
         }
         let blocks = (data.len() / bs) as u32;
-        let (header, at) = self.place(t, records, blocks);
+        let (header, at) = self.place(t, stream, records, blocks);
         if let Err(e) = self.write_at(&header, &data, at) {
-            t.open[CLEANER] = None;
+            t.open[stream] = None;
             return Err(e);
         }
         apply_batch(map, at, &header.records);

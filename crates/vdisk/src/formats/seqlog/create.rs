@@ -2,7 +2,7 @@
 
 use super::layout::{Held, Policy, Superblock, MIN_SEGMENT_BLOCKS};
 use super::log::random_u64;
-use super::log::{RESERVE, STREAMS};
+use super::log::{OPEN, RESERVE};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::Storage;
 
@@ -52,10 +52,11 @@ impl CreateOptions {
             .map_err(|_| Error::invalid("seqlog segment size is too large"))?;
         let disk_size = self.size.next_multiple_of(bs);
         // Each segment holds at least one header; more headers (a batch per request at worst)
-        // are the spare's to absorb. Beyond it: the three open segments and the reserve.
+        // are the spare's to absorb. Beyond it: the open segments (three streams and the
+        // cleaner's second) and the reserve.
         let data_per_segment = u64::from(segment_blocks.max(MIN_SEGMENT_BLOCKS) - 1) * bs;
         let log_bytes = disk_size as u128 * (100 + u128::from(self.spare)) / 100;
-        let open = STREAMS as u128;
+        let open = OPEN as u128;
         let segments = log_bytes.div_ceil(u128::from(data_per_segment)) + open + RESERVE as u128;
         let sb = Superblock {
             block_size: self.block_size,
@@ -70,6 +71,7 @@ impl CreateOptions {
             checkpoints: true,
             holds: self.holds,
             streams: true,
+            cold: true,
         };
         sb.validate().map_err(Error::invalid)?;
         sb.fits_in_memory().map_err(Error::invalid)?;

@@ -22,7 +22,12 @@ pub const FEATURE_HOLDS: u32 = 4;
 /// The incompatible feature of images with a metadata stream: a third open segment, which
 /// checkpoints record (an older reader would not read that segment's newer batches).
 pub const FEATURE_STREAMS: u32 = 8;
-const FEATURES: u32 = FEATURE_CHECKPOINTS | FEATURE_RESIZABLE | FEATURE_HOLDS | FEATURE_STREAMS;
+/// The incompatible feature of images whose cleaner has a second open segment, for blocks
+/// that outlived a cleaning, which checkpoints record (an older reader would not read that
+/// segment's newer batches).
+pub const FEATURE_COLD: u32 = 16;
+const FEATURES: u32 =
+    FEATURE_CHECKPOINTS | FEATURE_RESIZABLE | FEATURE_HOLDS | FEATURE_STREAMS | FEATURE_COLD;
 /// The batch header's magic.
 const BATCH_MAGIC: [u8; 4] = *b"SLBH";
 /// Bytes of a batch header before its records.
@@ -75,6 +80,9 @@ pub struct Superblock {
     pub holds: Option<Held>,
     /// Writes hinted as metadata go to a stream of their own ([`FEATURE_STREAMS`]).
     pub streams: bool,
+    /// The cleaner moves blocks out of its own segments to a second stream
+    /// ([`FEATURE_COLD`]).
+    pub cold: bool,
 }
 
 /// An image format a seqlog disk can hold (byte 49 of the superblock).
@@ -133,6 +141,7 @@ impl Superblock {
             (self.resizable, FEATURE_RESIZABLE),
             (self.holds.is_some(), FEATURE_HOLDS),
             (self.streams, FEATURE_STREAMS),
+            (self.cold, FEATURE_COLD),
         ] {
             if on {
                 features |= bit;
@@ -185,6 +194,7 @@ impl Superblock {
             resizable,
             holds,
             streams: features & FEATURE_STREAMS != 0,
+            cold: features & FEATURE_COLD != 0,
             segments: u32_at(b, 32),
             image_id: u64_at(b, 40),
             policy: match b[48] {
@@ -466,6 +476,7 @@ mod tests {
             checkpoints: true,
             holds: None,
             streams: true,
+            cold: true,
         }
     }
 

@@ -29,6 +29,9 @@ pub(super) struct Head {
     /// Per segment, whether a batch in it holds a trim record (see recover.rs: such a
     /// segment is not free before the cleaner has said its trims again).
     pub trims: Vec<bool>,
+    /// Per segment, whether the cleaner wrote it (its blocks move to [`COLD`]). Not on disk:
+    /// an open takes every segment for the guest's, which only delays the sorting by a pass.
+    pub moved: Vec<bool>,
     /// The newest checkpoint's sequence number (0: none) and the slot the next one goes to.
     pub checkpoint: (u64, u64),
 }
@@ -40,6 +43,15 @@ pub(super) const DATA: usize = 0;
 pub(super) const CLEANER: usize = 1;
 pub(super) const META: usize = 2;
 pub(super) const STREAMS: usize = 3;
+/// The cleaner's second open segment: blocks moved out of a segment the cleaner wrote, which
+/// have outlived a cleaning already and so are colder than those it moves out of the guest's
+/// segments (the hot ones a skewed guest rewrites empty the cleaner's first stream's segments,
+/// the cold ones fill this one's, and neither pays for moving the other). Its batches say
+/// stream 1 (the header's stream is informative); checkpoints record its open segment, in
+/// images with the cold feature (`layout::FEATURE_COLD`), the only ones it is used in.
+pub(super) const COLD: usize = 3;
+/// The streams with an open segment of their own.
+pub(super) const OPEN: usize = 4;
 
 /// Segments the guest's writes leave free for the cleaner's output, so that cleaning can
 /// always go on.
@@ -140,9 +152,9 @@ pub(super) struct Member {
 pub(super) struct Tail {
     pub head: Head,
     /// Per stream, the segment appended to.
-    pub open: [Option<Open>; STREAMS],
+    pub open: [Option<Open>; OPEN],
     /// Per stream, where its last batch ended, as a file offset.
-    pub last_end: [u64; STREAMS],
+    pub last_end: [u64; OPEN],
     /// The guest streams' batches whose headers are not written yet, oldest first; the last
     /// one takes new writes of its stream unless it is sealed.
     pub forming: VecDeque<Forming>,
@@ -204,8 +216,8 @@ impl Log {
             reuse: Gate::default(),
             state: Mutex::new(Tail {
                 head,
-                open: [None; STREAMS],
-                last_end: [0; STREAMS],
+                open: [None; OPEN],
+                last_end: [0; OPEN],
                 forming: VecDeque::new(),
                 members: VecDeque::new(),
                 next_sn: 0,
@@ -245,22 +257,24 @@ impl Log {
     }
 
     /// Gives a batch of the cleaner's `records` with `blocks` data blocks its sequence
-    /// number and place at the head of the cleaner's open segment, where it fits.
+    /// number and place at the head of the open segment of `stream` (the cleaner's or
+    /// [`COLD`]), where it fits.
     pub(super) fn place(
         &self,
         t: &mut Tail,
+        stream: usize,
         records: Vec<Record>,
         blocks: u32,
     ) -> (BatchHeader, u32) {
-        let open = t.open[CLEANER].as_mut().expect("a segment is open");
+        let open = t.open[stream].as_mut().expect("a segment is open");
         let at = open.segment * self.sb.segment_blocks + open.pos;
         open.pos += 1 + blocks;
         let (segment, nonce) = (open.segment, open.nonce);
         let header = self.number(t, segment, nonce, CLEANER, records);
-        if self.sb.log_offset(at) == t.last_end[CLEANER] {
+        if self.sb.log_offset(at) == t.last_end[stream] {
             self.stats.sequential.fetch_add(1, Ordering::Relaxed);
         }
-        t.last_end[CLEANER] = self.sb.log_offset(at + 1 + blocks);
+        t.last_end[stream] = self.sb.log_offset(at + 1 + blocks);
         (header, at)
     }
 
@@ -286,6 +300,7 @@ impl Log {
         };
         t.head.next_seq += 1;
         t.head.seg_seq[segment as usize] = header.seq;
+        t.head.moved[segment as usize] = stream == CLEANER;
         if header.records.iter().any(|r| r.kind == Kind::Trim) {
             t.head.trims[segment as usize] = true;
         }

@@ -194,6 +194,7 @@ fn finish(
             free,
             seg_seq: segs.seq,
             no_gain: vec![0; sb.segments as usize],
+            moved: vec![false; sb.segments as usize],
             trims: segs.trims,
             checkpoint,
         },

@@ -190,7 +190,7 @@ mod tests {
 
     const BS: u64 = 4096;
 
-    /// A disk of 63 blocks in segments of 8 blocks (7 of data after a header): 19 segments.
+    /// A disk of 63 blocks in segments of 8 blocks (7 of data after a header): 20 segments.
     fn image(policy: Policy) -> (Arc<dyn Storage>, Seqlog) {
         let storage: Arc<dyn Storage> = Arc::new(MemStorage::new());
         let o = CreateOptions {
@@ -202,7 +202,7 @@ mod tests {
         };
         create(&*storage, &o).unwrap();
         let disk = Seqlog::open(storage.clone(), false).unwrap();
-        assert_eq!(disk.log.sb.segments, 19);
+        assert_eq!(disk.log.sb.segments, 20);
         (storage, disk)
     }
 
@@ -272,7 +272,7 @@ mod tests {
             );
             assert_eq!(
                 value(&disk, "seqlog_map_memory_bytes"),
-                StatValue::Gauge(4 * (63 + 19))
+                StatValue::Gauge(4 * (63 + 20))
             );
             assert_eq!(
                 value(&disk, "seqlog_mapped_bytes"),
