@@ -14,6 +14,7 @@ pub mod error;
 pub mod export;
 pub mod formats;
 mod gate;
+pub mod guestfs;
 pub mod io;
 pub mod pmem;
 pub mod spec;

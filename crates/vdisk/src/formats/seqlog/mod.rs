@@ -26,12 +26,15 @@
 //!
 //! Writes hinted as metadata (`BlockDev::write_hinted`: qcow2's tables when qcow2 sits on
 //! seqlog) go to a metadata stream, a segment of their own (docs/seqlog-format.md, "Streams").
+//! On a raw guest disk, unhinted writes to the guest file system's metadata go there too
+//! (classify.rs).
 //!
 //! Not yet here (issue 24): a map with a resident cap.
 
 mod append;
 mod check;
 mod checkpoint;
+mod classify;
 mod clean;
 mod create;
 mod layout;
@@ -87,6 +90,8 @@ pub struct Seqlog {
     /// The checkpoint the open started from, and how long the open took to read the log.
     recovered_from: Option<u64>,
     recovery_time: std::time::Duration,
+    /// Unhinted writes to the guest file system's metadata go to the metadata stream.
+    classify: classify::Classifier,
 }
 
 impl Seqlog {
@@ -107,7 +112,7 @@ impl Seqlog {
             Err(Error::Corrupt(_)) if checking => recover::scan(&*storage, &sb)?,
             r => r?,
         };
-        Ok(Seqlog {
+        let disk = Seqlog {
             log: Log::new(sb, storage, r.head),
             map: r.map,
             partial: Mutex::new(()),
@@ -117,7 +122,10 @@ impl Seqlog {
             recovered: (r.batches, r.torn),
             recovered_from: r.checkpoint,
             recovery_time: started.elapsed(),
-        })
+            classify: classify::Classifier::new(&sb, read_only),
+        };
+        disk.classify_now();
+        Ok(disk)
     }
 
     fn bs(&self) -> u64 {
@@ -253,6 +261,9 @@ impl BlockDev for Seqlog {
         if buf.is_empty() {
             return Ok(());
         }
+        if hint == WriteHint::Data && self.classify.enabled() {
+            return self.write_classified(offset, buf);
+        }
         let stream = self.stream_for(hint, buf.len());
         if offset % bs == 0 && buf.len() as u64 % bs == 0 {
             return self.append_blocks(stream, offset / bs, buf);
@@ -297,13 +308,19 @@ impl BlockDev for Seqlog {
             count,
             kind: Kind::Data,
         };
+        let Some(stream) = self.queued_stream(offset, data.len() as u64) else {
+            return Ok(None);
+        };
         let mut t = log::lock(&self.log.state);
-        let Some(placed) = (self.log).reserve(&mut t, &self.map, log::DATA, record, data, false)?
+        let Some(placed) = (self.log).reserve(&mut t, &self.map, stream, record, data, false)?
         else {
             return Ok(None);
         };
         let data_bytes = &self.log.stats.hinted_bytes[0];
         data_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
+        if stream == log::META {
+            (self.classify.bytes).fetch_add(data.len() as u64, Ordering::Relaxed);
+        }
         let transfers = placed.transfers.into_iter();
         Ok(Some(StartedWrite {
             storage: &*self.log.storage,
@@ -469,6 +486,7 @@ impl Driver for Seqlog {
                 ),
                 ("data-hinted-bytes", n(get(&stats.hinted_bytes[0]))),
                 ("metadata-hinted-bytes", n(get(&stats.hinted_bytes[1]))),
+                ("metadata-classified-bytes", n(get(&self.classify.bytes))),
                 ("log-bytes", n(get(&stats.bytes))),
             ]),
             ..FormatInfo::default()

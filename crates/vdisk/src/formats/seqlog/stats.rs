@@ -156,7 +156,7 @@ impl Seqlog {
             ),
             stat(
                 "seqlog_metadata_stream_blocks_total",
-                "Blocks appended on the metadata stream (writes hinted as metadata).",
+                "Blocks appended on the metadata stream (hinted or classified as metadata).",
                 Counter(s.stream_blocks[META].load(Relaxed)),
             ),
             stat(
@@ -173,6 +173,16 @@ impl Seqlog {
                 "seqlog_metadata_hinted_bytes_total",
                 "Bytes written with the metadata hint.",
                 Counter(s.hinted_bytes[1].load(Relaxed)),
+            ),
+            stat(
+                "seqlog_metadata_classified_bytes_total",
+                "Unhinted guest bytes the guest file system's layout sent to the metadata stream.",
+                Counter(self.classify.bytes.load(Relaxed)),
+            ),
+            stat(
+                "seqlog_guest_layout_scans_total",
+                "Times the guest file system's layout was read.",
+                Counter(self.classify.scans.load(Relaxed)),
             ),
         ]
     }

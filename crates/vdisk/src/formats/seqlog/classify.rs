@@ -1,0 +1,293 @@
+//! Guest writes classified by the guest's own file-system layout (issue 24, streams (b)): on a
+//! seqlog disk that holds a raw guest disk, a write without a caller's hint that touches the
+//! guest file system's metadata (`crate::guestfs`) goes to the metadata stream.
+//!
+//! The layout is read at open, and lazily at the write after one that touched
+//! where it is described (a partition table, the ext4 superblock or its first descriptor
+//! block: mkfs, resize2fs, tune2fs). Never inside the write that changed it, whose data must be
+//! in the map before the layout is read back. A write costs one load of the current layout
+//! (`ArcSwap`) and a binary search; a rescan holds only its own lock, which writes try and
+//! skip: they go by the old layout meanwhile.
+//!
+//! On by default; `VDISK_SEQLOG_CLASSIFY=off` in the environment turns it off at open (no
+//! format change: the classification is a placement choice, which recovery never needs).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+use arc_swap::ArcSwap;
+
+use super::layout::Superblock;
+use super::log::{DATA, META};
+use super::Seqlog;
+use crate::blockdev::BlockDev;
+use crate::error::Result;
+use crate::guestfs::{self, Layout};
+use crate::storage::WriteHint;
+
+pub(super) struct Classifier {
+    enabled: bool,
+    layout: ArcSwap<Layout>,
+    /// Set when a write touched a watched range (and at open): the next write rescans.
+    stale: AtomicBool,
+    rescanning: Mutex<()>,
+    /// Guest bytes sent to the metadata stream by the layout (not by a caller's hint).
+    pub bytes: AtomicU64,
+    /// Times the layout was read.
+    pub scans: AtomicU64,
+}
+
+impl Classifier {
+    pub fn new(sb: &Superblock, read_only: bool) -> Classifier {
+        let off = std::env::var("VDISK_SEQLOG_CLASSIFY").is_ok_and(|v| v == "off");
+        Classifier {
+            // A held image (qcow2) hints its own metadata; without streams there is no
+            // stream to send metadata to.
+            enabled: sb.holds.is_none() && sb.streams && !read_only && !off,
+            layout: ArcSwap::from_pointee(Layout::default()),
+            stale: AtomicBool::new(true),
+            rescanning: Mutex::new(()),
+            bytes: AtomicU64::new(0),
+            scans: AtomicU64::new(0),
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Whether the layout must be read before the next classification.
+    pub fn stale(&self) -> bool {
+        self.enabled && self.stale.load(Relaxed)
+    }
+
+    /// Reads the layout again if a write asked for it and no other write is at it; `read`
+    /// reads the guest disk of `size` bytes.
+    pub fn refresh(&self, size: u64, read: &dyn Fn(u64, &mut [u8]) -> bool) {
+        if !self.stale() {
+            return;
+        }
+        let Ok(_one) = self.rescanning.try_lock() else {
+            return;
+        };
+        // Cleared first: a write to a watched range during the scan sets it again.
+        self.stale.store(false, Relaxed);
+        let layout = guestfs::scan(size, read);
+        self.layout.store(Arc::new(layout));
+        self.scans.fetch_add(1, Relaxed);
+    }
+
+    /// The current layout (a cheap load), for classifying and watching one write.
+    pub fn layout(&self) -> arc_swap::Guard<Arc<Layout>> {
+        self.layout.load()
+    }
+}
+
+impl Seqlog {
+    /// Reads the guest's layout if it is stale (at open, and after a write that may have
+    /// changed it).
+    pub(super) fn classify_now(&self) {
+        if self.classify.stale() {
+            (self.classify).refresh(self.size(), &|at, b| self.read(at, b).is_ok());
+        }
+    }
+
+    /// A write without a caller's hint: whole blocks are cut where the guest's metadata starts
+    /// and ends, each piece on its stream; a write of parts of blocks goes whole to the
+    /// metadata stream if it touches metadata.
+    pub(super) fn write_classified(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        let c = &self.classify;
+        self.classify_now();
+        let (bs, len) = (self.bs(), buf.len() as u64);
+        let whole = offset % bs == 0 && len % bs == 0;
+        // A write through a superblock (a copy of a whole disk, as convert writes) is cut after
+        // it: the rest is placed by the layout the superblock describes, read in between.
+        let cut = c.layout().watched_end(offset, len);
+        if let Some(cut) = cut
+            .map(|e| e.next_multiple_of(bs))
+            .filter(|&e| e < offset + len)
+        {
+            if whole {
+                let (head, rest) = buf.split_at((cut - offset) as usize);
+                self.write_classified(offset, head)?;
+                return self.write_classified(cut, rest);
+            }
+        }
+        // The layout is let go before any I/O.
+        let (pieces, watched) = {
+            let l = c.layout();
+            let pieces = match (whole, l.is_metadata(offset, len)) {
+                (_, false) => vec![(offset, len, false)],
+                (true, true) => l.split(offset, len, bs),
+                (false, true) => vec![(offset, len, true)],
+            };
+            (pieces, l.is_watched(offset, len))
+        };
+        let _ = self.stream_for(WriteHint::Data, buf.len());
+        let mut result = Ok(());
+        for (at, n, meta) in pieces {
+            let stream = if meta { META } else { DATA };
+            if meta {
+                c.bytes.fetch_add(n, Relaxed);
+            }
+            let piece = &buf[(at - offset) as usize..][..n as usize];
+            result = if whole {
+                self.append_blocks(stream, at / bs, piece)
+            } else {
+                self.write_partial(stream, at, piece)
+            };
+            if result.is_err() {
+                break;
+            }
+        }
+        if watched {
+            c.stale.store(true, Relaxed);
+        }
+        result
+    }
+
+    /// The stream for a write of whole blocks placed on the I/O queue (`start_write`): `None`
+    /// sends it the slow way (`write`), when the layout must be read first, when the write
+    /// spans metadata and data, or when it may change the layout.
+    pub(super) fn queued_stream(&self, offset: u64, len: u64) -> Option<usize> {
+        let c = &self.classify;
+        if !c.enabled {
+            return Some(DATA);
+        }
+        if c.stale() {
+            return None;
+        }
+        let l = c.layout();
+        if l.is_watched(offset, len) {
+            return None;
+        }
+        if !l.is_metadata(offset, len) {
+            return Some(DATA);
+        }
+        match l.split(offset, len, self.bs()).as_slice() {
+            [(_, _, true)] => Some(META),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::process::Command;
+
+    use super::super::{create, CreateOptions};
+    use super::*;
+    use crate::formats::driver::Driver;
+    use crate::guestfs::tests::{run, tool};
+    use crate::storage::{MemStorage, Storage};
+
+    fn stat(disk: &Seqlog, name: &str) -> u64 {
+        let s = disk.format_stats().into_iter().find(|s| s.name == name);
+        match s.unwrap().value {
+            crate::counters::StatValue::Counter(v) => v,
+            v => panic!("{name}: {v:?}"),
+        }
+    }
+
+    /// An ext4 image made by mkfs with files in it, written through seqlog as `convert` writes
+    /// (1 MiB at a time): its metadata goes to the metadata stream, counted, and reads back;
+    /// a new superblock (here: none) is read at the write after it.
+    #[test]
+    fn ext4_metadata_goes_to_the_metadata_stream() {
+        let Some(mkfs) = tool("mkfs.ext4") else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let files = dir.path().join("files");
+        std::fs::create_dir(&files).unwrap();
+        for i in 0..40u8 {
+            std::fs::write(
+                files.join(format!("f{i}")),
+                vec![i | 1; 3000 * usize::from(i)],
+            )
+            .unwrap();
+        }
+        let raw = dir.path().join("disk.raw");
+        std::fs::File::create(&raw)
+            .unwrap()
+            .set_len(32 << 20)
+            .unwrap();
+        run(Command::new(mkfs)
+            .args(["-F", "-q", "-b", "4096", "-d"])
+            .arg(&files)
+            .arg(&raw));
+        let image = std::fs::read(&raw).unwrap();
+
+        let storage: Arc<dyn Storage> = Arc::new(MemStorage::new());
+        let o = CreateOptions {
+            size: image.len() as u64,
+            ..CreateOptions::default()
+        };
+        create(&*storage, &o).unwrap();
+        let disk = Seqlog::open(storage, false).unwrap();
+        for (i, chunk) in image.chunks(1 << 20).enumerate() {
+            if chunk.iter().any(|&b| b != 0) {
+                disk.write(i as u64 * (1 << 20), chunk).unwrap();
+            }
+        }
+        disk.flush().unwrap();
+        let layout = disk.classify.layout();
+        assert_eq!(layout.kind, "ext4");
+        let meta = stat(&disk, "seqlog_metadata_classified_bytes_total");
+        let meta_blocks = stat(&disk, "seqlog_metadata_stream_blocks_total");
+        assert!(
+            meta > 0 && meta_blocks * 4096 == meta,
+            "{meta} {meta_blocks}"
+        );
+        // Every written block holding metadata went there, and no other; but for the first two
+        // (the superblock and the descriptors it names), each written before it was read.
+        let expect: u64 = image
+            .chunks(4096)
+            .enumerate()
+            .filter(|(b, _)| *b >= 2 && layout.is_metadata(*b as u64 * 4096, 4096))
+            .filter(|(b, _)| image[(b / 256) << 20..][..1 << 20].iter().any(|&x| x != 0))
+            .count() as u64;
+        assert_eq!(meta, expect * 4096);
+        assert!(stat(&disk, "seqlog_data_stream_blocks_total") > 0);
+        let mut back = vec![0u8; image.len()];
+        disk.read(0, &mut back).unwrap();
+        assert!(back == image, "the image reads back");
+
+        // The superblock zeroed: the layout is read again at the next write, not this one.
+        let scans = disk.classify.scans.load(Relaxed);
+        disk.write(0, &[0u8; 4096]).unwrap();
+        assert_eq!(disk.classify.scans.load(Relaxed), scans);
+        let before = stat(&disk, "seqlog_metadata_classified_bytes_total");
+        let itable = layout.ranges()[2].0 / 4096 * 4096;
+        disk.write(itable, &[7u8; 4096]).unwrap();
+        assert_eq!(disk.classify.scans.load(Relaxed), scans + 1);
+        assert_eq!(disk.classify.layout().kind, "");
+        assert_eq!(
+            stat(&disk, "seqlog_metadata_classified_bytes_total"),
+            before
+        );
+    }
+
+    /// Switched off, or on a disk that holds qcow2, nothing is classified.
+    #[test]
+    fn classification_only_for_raw_guest_disks() {
+        let storage: Arc<dyn Storage> = Arc::new(MemStorage::new());
+        let mut o = CreateOptions {
+            size: 4 << 20,
+            holds: Some(super::super::Held::Qcow2),
+            ..CreateOptions::default()
+        };
+        create(&*storage, &o).unwrap();
+        assert!(!Seqlog::open(storage.clone(), false)
+            .unwrap()
+            .classify
+            .enabled());
+        o.holds = None;
+        create(&*storage, &o).unwrap();
+        assert!(Seqlog::open(storage.clone(), false)
+            .unwrap()
+            .classify
+            .enabled());
+        assert!(!Seqlog::open(storage, true).unwrap().classify.enabled());
+    }
+}
