@@ -180,7 +180,7 @@ impl Fs {
 /// The metadata ranges of an ext2/3/4 file system at `[base, end)` (`None` when there is none
 /// or it is malformed), and the first descriptor block a superblock found there names, whose
 /// rewrite changes them.
-pub(super) fn scan(base: u64, end: u64, read: ReadFn) -> (Option<Ranges>, Vec<(u64, u64)>) {
+pub(super) fn scan(base: u64, end: u64, read: ReadFn) -> (Option<Found>, Vec<(u64, u64)>) {
     let mut sb = [0u8; SUPER_LEN as usize];
     if end.saturating_sub(base) < SUPER_AT + SUPER_LEN || !read(base + SUPER_AT, &mut sb) {
         return (None, Vec::new());
@@ -193,7 +193,10 @@ pub(super) fn scan(base: u64, end: u64, read: ReadFn) -> (Option<Ranges>, Vec<(u
     (ranges(&fs, read), watch)
 }
 
-fn ranges(fs: &Fs, read: ReadFn) -> Option<Ranges> {
+/// The metadata ranges, and the bounds of the journal's blocks among them.
+pub(super) type Found = (Ranges, Option<(u64, u64)>);
+
+fn ranges(fs: &Fs, read: ReadFn) -> Option<Found> {
     let mut r = Ranges::new();
     r.add(fs.base + SUPER_AT, SUPER_LEN);
 
@@ -251,9 +254,15 @@ fn ranges(fs: &Fs, read: ReadFn) -> Option<Ranges> {
     }
 
     if fs.compat & COMPAT_HAS_JOURNAL != 0 && fs.incompat & INCOMPAT_JOURNAL_DEV == 0 {
-        journal(fs, read, &mut r)?;
+        let mut j = Ranges::new();
+        journal(fs, read, &mut j)?;
+        let bounds = j.bounds();
+        for (s, e) in j.0 {
+            r.add(s, e - s).then_some(())?;
+        }
+        return Some((r, bounds));
     }
-    Some(r)
+    Some((r, None))
 }
 
 /// Adds the blocks of the journal inode (and the blocks that map them).

@@ -26,6 +26,8 @@ pub const MAX_RANGES: usize = 1 << 20;
 pub struct Layout {
     /// The file system found ("ext4", or "" when none).
     pub kind: &'static str,
+    /// Where the journal's blocks are, from its first to its last (also among `ranges`).
+    pub journal: Option<(u64, u64)>,
     /// Disjoint `[start, end)` byte ranges, sorted.
     ranges: Vec<(u64, u64)>,
     /// Ranges whose rewrite may change the layout (partition tables, the primary superblock
@@ -34,7 +36,7 @@ pub struct Layout {
 }
 
 /// Ranges gathered during a scan, capped at [`MAX_RANGES`].
-pub(crate) struct Ranges(Vec<(u64, u64)>);
+pub(crate) struct Ranges(pub(crate) Vec<(u64, u64)>);
 
 impl Ranges {
     pub(crate) fn new() -> Ranges {
@@ -63,6 +65,11 @@ impl Ranges {
         true
     }
 
+    fn bounds(&self) -> Option<(u64, u64)> {
+        let start = self.0.iter().map(|r| r.0).min()?;
+        Some((start, self.0.iter().map(|r| r.1).max()?))
+    }
+
     fn merged(mut self) -> Vec<(u64, u64)> {
         self.0.sort_unstable();
         let mut out: Vec<(u64, u64)> = Vec::with_capacity(self.0.len());
@@ -89,15 +96,17 @@ pub fn scan(size: u64, read: ReadFn) -> Layout {
         watch.push((start, start + ext4::SUPER_AT + ext4::SUPER_LEN));
         let (ranges, w) = ext4::scan(start, end, read);
         watch.extend(w);
-        if let Some(r) = ranges.filter(|_| found.is_none()) {
-            found = Some(r.merged());
+        if let Some((r, journal)) = ranges.filter(|_| found.is_none()) {
+            found = Some((r.merged(), journal));
         }
     }
     watch.sort_unstable();
     watch.dedup();
+    let (ranges, journal) = found.unwrap_or_default();
     Layout {
-        kind: if found.is_some() { "ext4" } else { "" },
-        ranges: found.unwrap_or_default(),
+        kind: if ranges.is_empty() { "" } else { "ext4" },
+        journal,
+        ranges,
         watch,
     }
 }

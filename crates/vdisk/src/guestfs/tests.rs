@@ -117,6 +117,18 @@ fn compare(mkfs: &str, args: &[&str], size: u64) {
         expected(&path).as_slice(),
         "{mkfs} {args:?}"
     );
+    // The journal's bounds are its first and last block's.
+    let debugfs = tool("debugfs").unwrap();
+    let journal = run(Command::new(debugfs).args(["-R", "blocks <8>"]).arg(&path));
+    let journal: Vec<u64> = journal
+        .split_whitespace()
+        .map(|b| b.parse().unwrap())
+        .collect();
+    if let (Some(first), Some(last)) = (journal.iter().min(), journal.iter().max()) {
+        let (s, e) = layout.journal.expect("a journal");
+        let bs = e / (last + 1);
+        assert_eq!((s, e), (first * bs, (last + 1) * bs), "{mkfs} {args:?}");
+    }
     assert!(layout.is_watched(1024, 512));
 }
 
@@ -167,6 +179,7 @@ fn ext4_in_first_partition() {
 fn split_cuts_at_metadata() {
     let l = Layout {
         kind: "ext4",
+        journal: None,
         ranges: vec![(4096, 8192), (10000, 12000)],
         watch: vec![],
     };
