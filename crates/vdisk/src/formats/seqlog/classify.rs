@@ -100,30 +100,39 @@ impl Seqlog {
         self.classify_now();
         let (bs, len) = (self.bs(), buf.len() as u64);
         let whole = offset % bs == 0 && len % bs == 0;
+        // One load of the layout, let go before any I/O.
+        let l = c.layout();
         // A write through a superblock (a copy of a whole disk, as convert writes) is cut after
         // it: the rest is placed by the layout the superblock describes, read in between.
-        let cut = c.layout().watched_end(offset, len);
-        if let Some(cut) = cut
+        let cut = (l.watched_end(offset, len))
             .map(|e| e.next_multiple_of(bs))
-            .filter(|&e| e < offset + len)
-        {
-            if whole {
-                let (head, rest) = buf.split_at((cut - offset) as usize);
-                self.write_classified(offset, head)?;
-                return self.write_classified(cut, rest);
-            }
+            .filter(|&e| whole && e < offset + len);
+        if let Some(cut) = cut {
+            drop(l);
+            let (head, rest) = buf.split_at((cut - offset) as usize);
+            self.write_classified(offset, head)?;
+            return self.write_classified(cut, rest);
         }
-        // The layout is let go before any I/O.
-        let (pieces, watched) = {
-            let l = c.layout();
-            let pieces = match (whole, l.is_metadata(offset, len)) {
-                (_, false) => vec![(offset, len, false)],
-                (true, true) => l.split(offset, len, bs),
-                (false, true) => vec![(offset, len, true)],
-            };
-            (pieces, l.is_watched(offset, len))
-        };
+        let watched = l.is_watched(offset, len);
+        let meta = l.is_metadata(offset, len);
         let _ = self.stream_for(WriteHint::Data, buf.len());
+        if !meta {
+            // Most writes: data, no pieces to work out.
+            drop(l);
+            let result = match whole {
+                true => self.append_blocks(DATA, offset / bs, buf),
+                false => self.write_partial(DATA, offset, buf),
+            };
+            if watched {
+                c.stale.store(true, Relaxed);
+            }
+            return result;
+        }
+        let pieces = match whole {
+            true => l.split(offset, len, bs),
+            false => vec![(offset, len, true)],
+        };
+        drop(l);
         let mut result = Ok(());
         for (at, n, meta) in pieces {
             let stream = if meta { META } else { DATA };
