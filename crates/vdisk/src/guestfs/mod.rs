@@ -4,7 +4,8 @@
 //!
 //! ```text
 //!   scan(size, read) ─► part.rs: ext4 at offset 0, else in the first MBR/GPT partition
-//!                    └► ext4.rs: superblock, group descriptors, journal inode ─► Layout
+//!                    ├► ext4.rs: superblock, group descriptors, journal inode ─► Layout
+//!                    └► xfs.rs: AG header sectors, the internal log
 //! ```
 //!
 //! Every byte read is the guest's and untrusted: each field is bounds-checked, the work and the
@@ -13,6 +14,7 @@
 
 mod ext4;
 mod part;
+mod xfs;
 
 /// Reads `buf.len()` guest bytes at an offset; false when the read failed.
 pub type ReadFn<'a> = &'a dyn Fn(u64, &mut [u8]) -> bool;
@@ -24,9 +26,10 @@ pub const MAX_RANGES: usize = 1 << 20;
 /// Where a guest file system keeps its metadata, as sorted, disjoint byte ranges.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Layout {
-    /// The file system found ("ext4", or "" when none).
+    /// The file system found ("ext4", "xfs", or "" when none).
     pub kind: &'static str,
-    /// Where the journal's blocks are, from its first to its last (also among `ranges`).
+    /// Where the journal's (ext4) or the log's (XFS) blocks are, from first to last (also among
+    /// `ranges`).
     pub journal: Option<(u64, u64)>,
     /// Disjoint `[start, end)` byte ranges, sorted.
     ranges: Vec<(u64, u64)>,
@@ -96,15 +99,17 @@ pub fn scan(size: u64, read: ReadFn) -> Layout {
         watch.push((start, start + ext4::SUPER_AT + ext4::SUPER_LEN));
         let (ranges, w) = ext4::scan(start, end, read);
         watch.extend(w);
-        if let Some((r, journal)) = ranges.filter(|_| found.is_none()) {
-            found = Some((r.merged(), journal));
+        let ranges = ranges.map(|r| ("ext4", r));
+        let ranges = ranges.or_else(|| Some(("xfs", xfs::scan(start, end, read)?)));
+        if let Some((kind, (r, journal))) = ranges.filter(|_| found.is_none()) {
+            found = Some((kind, r.merged(), journal));
         }
     }
     watch.sort_unstable();
     watch.dedup();
-    let (ranges, journal) = found.unwrap_or_default();
+    let (kind, ranges, journal) = found.unwrap_or_default();
     Layout {
-        kind: if ranges.is_empty() { "" } else { "ext4" },
+        kind,
         journal,
         ranges,
         watch,

@@ -37,7 +37,12 @@ fn made(mkfs: &str, args: &[&str], size: u64) -> Option<(tempfile::TempDir, Path
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("disk.raw");
     std::fs::File::create(&path).unwrap().set_len(size).unwrap();
-    run(Command::new(mkfs).args(["-F", "-q"]).args(args).arg(&path));
+    let force = if mkfs.ends_with("mkfs.xfs") {
+        "-f"
+    } else {
+        "-F"
+    };
+    run(Command::new(mkfs).args([force, "-q"]).args(args).arg(&path));
     Some((dir, path))
 }
 
@@ -266,4 +271,63 @@ fn read_vec(d: &[u8], at: u64, buf: &mut [u8]) -> bool {
     };
     buf.copy_from_slice(&d[at as usize..e as usize]);
     true
+}
+
+/// XFS: each AG's header sectors and the internal log, where `xfs_db` puts them.
+#[test]
+fn xfs_matches_xfs_db() {
+    let Some(db) = tool("xfs_db") else {
+        return;
+    };
+    let Some((_dir, path)) = made("mkfs.xfs", &[], 512 << 20) else {
+        return;
+    };
+    let p = run(Command::new(db)
+        .args([
+            "-r",
+            "-c",
+            "sb 0",
+            "-c",
+            "p blocksize logstart logblocks agcount agblocks",
+        ])
+        .args(["-c", "p sectsize agblklog"])
+        .arg(&path));
+    let v = |k: &str| -> u64 {
+        let line = p
+            .lines()
+            .find(|l| l.starts_with(&format!("{k} = ")))
+            .unwrap();
+        line[k.len() + 3..].trim().parse().unwrap()
+    };
+    let (bs, ags, agb, sect) = (v("blocksize"), v("agcount"), v("agblocks"), v("sectsize"));
+    let log_ag = v("logstart") >> v("agblklog");
+    let log_bno = v("logstart") & ((1 << v("agblklog")) - 1);
+    let log = ((log_ag * agb + log_bno) * bs, v("logblocks") * bs);
+    let mut r = Ranges::new();
+    for ag in 0..ags {
+        assert!(r.add(ag * agb * bs, 4 * sect));
+    }
+    assert!(r.add(log.0, log.1));
+    let layout = scan_file(&path);
+    assert_eq!(layout.kind, "xfs");
+    assert_eq!(layout.ranges(), r.merged().as_slice());
+    assert_eq!(layout.journal, Some((log.0, log.0 + log.1)));
+    // Damaged superblocks: a layout within the disk or none, never a panic.
+    let image = std::fs::read(&path).unwrap();
+    let mut disk = image[..1 << 20].to_vec();
+    for i in 0..2000u64 {
+        let at = (i * 7919 % 128) as usize;
+        disk[at] = (i * 31) as u8;
+        let len = if i % 3 == 0 {
+            i * 4099 % (512 << 20)
+        } else {
+            512 << 20
+        };
+        let l = scan(len, &|at, buf| {
+            let end = at + buf.len() as u64;
+            end <= len && end <= disk.len() as u64 && read_vec(&disk, at, buf)
+                || end <= len && read_vec(&image, at, buf)
+        });
+        assert!(l.ranges().iter().all(|&(s, e)| s < e && e <= len));
+    }
 }
