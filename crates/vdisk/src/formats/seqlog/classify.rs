@@ -2,12 +2,13 @@
 //! seqlog disk that holds a raw guest disk, a write without a caller's hint that touches the
 //! guest file system's metadata (`crate::guestfs`) goes to the metadata stream.
 //!
-//! The layout is read at open, and lazily at the write after one that touched
-//! where it is described (a partition table, the ext4 superblock or its first descriptor
-//! block: mkfs, resize2fs, tune2fs). Never inside the write that changed it, whose data must be
-//! in the map before the layout is read back. A write costs one load of the current layout
-//! (`ArcSwap`) and a binary search; a rescan holds only its own lock, which writes try and
-//! skip: they go by the old layout meanwhile.
+//! The layout is read at open, and lazily at the write after one that touched where it is
+//! described (a partition table, a superblock, ext4's first descriptor block: mkfs, resize2fs,
+//! tune2fs). Never inside the write that changed it, whose data must be in the map before the
+//! layout is read back; a write of whole blocks through such a range (a whole disk copied by
+//! `convert`) is cut after it, and its rest placed as the next write. A write costs one load
+//! of the current layout (`ArcSwap`) and a binary search; a rescan holds only its own lock,
+//! which writes try and skip: they go by the old layout meanwhile.
 //!
 //! On by default; `VDISK_SEQLOG_CLASSIFY=off` in the environment turns it off at open (no
 //! format change: the classification is a placement choice, which recovery never needs).
