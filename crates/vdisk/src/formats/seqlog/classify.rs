@@ -32,6 +32,10 @@ pub(super) struct Classifier {
     /// Set when a write touched a watched range (and at open): the next write rescans.
     stale: AtomicBool,
     rescanning: Mutex<()>,
+    /// I/O-queue writes in flight that may change the layout (rare: superblocks, descriptors,
+    /// partition tables), by token; `watching` is set while there are any.
+    in_flight: Mutex<Vec<u64>>,
+    watching: AtomicBool,
     /// Guest bytes sent to the metadata stream by the layout (not by a caller's hint).
     pub bytes: AtomicU64,
     /// Times the layout was read.
@@ -48,6 +52,8 @@ impl Classifier {
             layout: ArcSwap::from_pointee(Layout::default()),
             stale: AtomicBool::new(true),
             rescanning: Mutex::new(()),
+            in_flight: Mutex::new(Vec::new()),
+            watching: AtomicBool::new(false),
             bytes: AtomicU64::new(0),
             scans: AtomicU64::new(0),
         }
@@ -157,27 +163,51 @@ impl Seqlog {
     }
 
     /// The stream for a write of whole blocks placed on the I/O queue (`start_write`): `None`
-    /// sends it the slow way (`write`), when the layout must be read first, when the write
-    /// spans metadata and data, or when it may change the layout.
-    pub(super) fn queued_stream(&self, offset: u64, len: u64) -> Option<usize> {
+    /// sends it the slow way (`write`) when it spans metadata and data. The flag says the write may change the layout (`placed_watched`).
+    pub(super) fn queued_stream(&self, offset: u64, len: u64) -> Option<(usize, bool)> {
         let c = &self.classify;
         if !c.enabled {
-            return Some(DATA);
+            return Some((DATA, false));
         }
-        if c.stale() {
-            return None;
-        }
+        // Rare (after a superblock's write): read here, on the queue's thread, rather than send
+        // every write the slow way until a blocking one comes.
+        self.classify_now();
         let l = c.layout();
-        if l.is_watched(offset, len) {
-            return None;
-        }
+        let watched = l.is_watched(offset, len);
         if !l.is_metadata(offset, len) {
-            return Some(DATA);
+            return Some((DATA, watched));
         }
         match l.split(offset, len, self.bs()).as_slice() {
-            [(_, _, true)] => Some(META),
+            [(_, _, true)] => Some((META, watched)),
             _ => None,
         }
+    }
+
+    /// A write that may change the layout was placed on the I/O queue as `token`: the layout
+    /// is read again after it finishes (it is mapped then), not before.
+    pub(super) fn placed_watched(&self, token: u64) {
+        let mut w = self
+            .classify
+            .in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        w.push(token);
+        self.classify.watching.store(true, Relaxed);
+    }
+
+    /// After an I/O-queue write `token` finished: if it was one that may change the layout,
+    /// the next write reads it again.
+    pub(super) fn finished_watched(&self, token: u64) {
+        let c = &self.classify;
+        if !c.watching.load(Relaxed) {
+            return;
+        }
+        let mut w = c.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = w.iter().position(|&t| t == token) {
+            w.swap_remove(i);
+            c.stale.store(true, Relaxed);
+        }
+        c.watching.store(!w.is_empty(), Relaxed);
     }
 }
 

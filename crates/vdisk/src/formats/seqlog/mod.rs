@@ -308,7 +308,7 @@ impl BlockDev for Seqlog {
             count,
             kind: Kind::Data,
         };
-        let Some(stream) = self.queued_stream(offset, data.len() as u64) else {
+        let Some((stream, watched)) = self.queued_stream(offset, data.len() as u64) else {
             return Ok(None);
         };
         let mut t = log::lock(&self.log.state);
@@ -320,6 +320,9 @@ impl BlockDev for Seqlog {
         data_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
         if stream == log::META {
             (self.classify.bytes).fetch_add(data.len() as u64, Ordering::Relaxed);
+        }
+        if watched {
+            self.placed_watched(placed.sns.start);
         }
         let transfers = placed.transfers.into_iter();
         Ok(Some(StartedWrite {
@@ -337,6 +340,8 @@ impl BlockDev for Seqlog {
         let sns = started.token..started.token + started.transfers.len() as u64;
         let mut t = log::lock(&self.log.state);
         self.log.finish(&mut t, &self.map, sns, outcome.is_ok());
+        drop(t);
+        self.finished_watched(started.token);
         outcome
     }
 
