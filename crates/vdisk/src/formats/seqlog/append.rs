@@ -147,7 +147,9 @@ impl Log {
             }
         }
         self.seal(t);
-        if !self.fits(t, stream, 1) {
+        // Room for the header and, for data, a block: what `room_for` counted (a trim's
+        // batch may be its header alone, in a segment's last block).
+        if !self.fits(t, stream, need) {
             let segment = if blocking {
                 self.data_segment(t)?
             } else {

@@ -561,3 +561,37 @@ fn a_large_log_recovers_the_same_from_its_checkpoint_and_its_chains() {
         );
     }
 }
+
+/// A trim's batch is its header alone: it fits in a segment's last block, as the room a
+/// writer checks for counted (taking a new segment instead could take the reserve's last).
+#[test]
+fn a_trim_takes_a_segments_last_block() {
+    let storage = new_image(small());
+    let disk = Seqlog::open(storage.clone(), false).unwrap();
+    let per = u64::from(disk.log.sb.segment_blocks);
+    // A header and per - 2 blocks: one block is left.
+    disk.write(0, &vec![5u8; (per as usize - 2) * 4096])
+        .unwrap();
+    disk.flush().unwrap();
+    let state = || {
+        let t = log::lock(&disk.log.state);
+        (
+            t.open[log::DATA].map(|o| (o.segment, o.pos)),
+            t.head.free.len(),
+        )
+    };
+    let (before, free) = state();
+    assert_eq!(before.unwrap().1, per as u32 - 1);
+    disk.discard(3 * 4096, 4096).unwrap();
+    disk.flush().unwrap();
+    let (after, still_free) = state();
+    assert_eq!(after, Some((before.unwrap().0, per as u32)));
+    assert_eq!(still_free, free);
+    drop(disk);
+    let disk = Seqlog::open(storage, true).unwrap();
+    let mut buf = [1u8; 4096];
+    disk.read(3 * 4096, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0), "trimmed after a reopen");
+    disk.read(2 * 4096, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 5));
+}
