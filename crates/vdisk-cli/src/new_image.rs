@@ -8,7 +8,8 @@ use vdisk::formats::qcow2::header::Compression;
 use vdisk::formats::{luks, raw, seqlog};
 use vdisk::spec::Protocol;
 use vdisk::storage::{
-    FileStorage, LockRole, LockUse, NbdStorage, OpenOptions, RbdStorage, RbdTarget, Storage,
+    FileStorage, LockRole, LockUse, NbdStorage, OpenOptions, RadosStorage, RadosTarget, RbdStorage,
+    RbdTarget, Storage,
 };
 use vdisk::Preallocation;
 use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
@@ -184,6 +185,10 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
         l.size = seqlog::qcow2_capacity(o.size);
         l.superblock()?;
     }
+    let target = match &layout {
+        Some(l) => native::one_segment_per_object(target, l.segment_size),
+        None => target,
+    };
     let image_len = match format.name() {
         "qcow2" if layout.is_some() => 0,
         // QEMU takes the length as an off_t, which such a size does not fit.
@@ -352,6 +357,7 @@ impl NewFile {
                 )
             })?,
             Protocol::Rbd(target) => return NewFile::open_rbd(name, &target, len),
+            Protocol::Rados(target) => return NewFile::open_rados(name, &target),
             Protocol::Null { .. } => return Err(null_creates_nothing()),
         };
         if len > target.len().map_err(|e| create_error(name, e))? {
@@ -378,6 +384,18 @@ impl NewFile {
         Ok(NewFile {
             name: name.to_string(),
             storage: Arc::new(RbdStorage::open(&target, true, true)?),
+            file: None,
+            made: false,
+        })
+    }
+
+    /// Makes the RADOS disk `target` names, empty (emptying one there already, as a file is
+    /// cut), and opens it.
+    fn open_rados(name: &str, target: &RadosTarget) -> vdisk::Result<NewFile> {
+        RadosStorage::create(target)?;
+        Ok(NewFile {
+            name: name.to_string(),
+            storage: Arc::new(RadosStorage::open(target, true)?),
             file: None,
             made: false,
         })

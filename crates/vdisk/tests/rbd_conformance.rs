@@ -1,7 +1,8 @@
 //! The `BlockDev` conformance suite (`conformance.rs`) on RBD images of a real one-node Ceph
-//! cluster, started for this binary by `scripts/ceph-cluster.sh`: raw on RBD, and qcow2 on RBD.
-//! Each disk is a new image. `ceph/queue.rs` drives RBD through the engine's I/O queue
-//! (librbd's aio completions). Without Ceph the tests pass at once with a note, except under
+//! cluster, started for this binary by `scripts/ceph-cluster.sh`: raw on RBD, and qcow2 on RBD;
+//! raw and seqlog on RADOS objects (`rados:`), seqlog with one segment per object. Each disk is
+//! a new image. `ceph/queue.rs` drives RBD through the engine's I/O queue (librbd's aio
+//! completions); `ceph/rados.rs` checks what seqlog leaves in RADOS. Without Ceph the tests pass at once with a note, except under
 //! `CI=true`, where they fail.
 
 #[path = "ceph/mod.rs"]
@@ -18,6 +19,8 @@ mod history;
 mod io;
 #[path = "ceph/queue.rs"]
 mod queue;
+#[path = "ceph/rados.rs"]
+mod rados;
 // This binary runs two of the subjects, so much of these is unused here.
 #[allow(dead_code)]
 #[path = "conformance/model.rs"]
@@ -41,7 +44,7 @@ use std::sync::Arc;
 
 use vdisk::formats::qcow2::create::CreateOptions;
 use vdisk::formats::seqlog::Policy;
-use vdisk::storage::{RbdStorage, RbdTarget, Storage};
+use vdisk::storage::{RadosStorage, RadosTarget, RbdStorage, RbdTarget, Storage};
 
 /// The size of the disks the tests ask for (as in `conformance.rs`).
 const MIN_SIZE: u64 = 1 << 20;
@@ -60,6 +63,34 @@ fn new_image() -> Arc<dyn Storage> {
     Arc::new(RbdStorage::open(&target, true, true).expect("open the RBD image"))
 }
 
+/// The segment size of the seqlog subjects on RADOS, and so the object size of their disks.
+const SEGMENT: u64 = 64 << 10;
+
+/// A new, empty RADOS disk in the pool `rbd`, of objects of [`SEGMENT`] bytes (so that the
+/// suite's requests cross objects' ends), open for writing.
+fn new_rados_disk() -> Arc<dyn Storage> {
+    let cluster = ceph::cluster().expect("the cluster (checked by available())");
+    let target = RadosTarget {
+        pool: "rbd".into(),
+        prefix: ceph::image_name("conformance-rados"),
+        conf: Some(cluster.conf.clone()),
+        object_size: Some(SEGMENT),
+        ..RadosTarget::default()
+    };
+    RadosStorage::create(&target).expect("create a RADOS disk");
+    Arc::new(RadosStorage::open(&target, true).expect("open the RADOS disk"))
+}
+
+/// seqlog's `CreateOptions` with the given fields.
+macro_rules! seqlog_opts {
+    ($($field:ident: $value:expr),* $(,)?) => {
+        vdisk::formats::seqlog::CreateOptions {
+            $($field: $value,)*
+            ..Default::default()
+        }
+    };
+}
+
 fn ceph_ready() -> bool {
     ceph::cluster().is_some()
 }
@@ -68,4 +99,17 @@ subjects! {
     raw_rbd => raw("raw on RBD", Backend::Made(super::new_image)), if super::ceph_ready();
     qcow2_rbd => qcow2_on("qcow2 on RBD", CreateOptions::default(), Backend::Made(super::new_image)),
         if super::ceph_ready();
+    raw_rados => raw("raw on RADOS", Backend::Made(super::new_rados_disk)), if super::ceph_ready();
+    seqlog_rados => seqlog(
+        "seqlog on RADOS",
+        seqlog_opts!(segment_size: super::SEGMENT),
+        Backend::Made(super::new_rados_disk),
+        false,
+    ), if super::ceph_ready();
+    seqlog_rados_filled => seqlog(
+        "seqlog on RADOS filled, greedy cleaner, 10% spare",
+        seqlog_opts!(segment_size: super::SEGMENT, spare: 10, policy: Policy::Greedy),
+        Backend::Made(super::new_rados_disk),
+        true,
+    ), if super::ceph_ready();
 }

@@ -7,7 +7,7 @@ use vdisk::formats::qcow2::create::{create as create_qcow2, CreateOptions};
 use vdisk::formats::stack::open_layout;
 use vdisk::formats::{pcow, seqlog};
 use vdisk::spec::Protocol;
-use vdisk::storage::Storage;
+use vdisk::storage::{RadosTarget, Storage};
 use vdisk::{Error, Format};
 
 use super::{backing_size, image_size, refuse_backing, NewFile, NewImage};
@@ -50,9 +50,22 @@ pub(super) fn create_seqlog(
             o.size
         );
     }
+    let target = one_segment_per_object(target, o.segment_size);
     let file = NewFile::open(args.filename, target, 0, format, false)?;
     file.cut()?;
     seqlog::create(&*file.storage, &o).inspect_err(|_| file.remove_if_made())
+}
+
+/// `target` with objects of `segment_size` bytes where it is a new RADOS disk, so that each
+/// seqlog segment is one object: appended whole, deleted whole when cleaned.
+pub(super) fn one_segment_per_object(target: Protocol, segment_size: u64) -> Protocol {
+    match target {
+        Protocol::Rados(t) => Protocol::Rados(Box::new(RadosTarget {
+            object_size: Some(segment_size),
+            ..*t
+        })),
+        other => other,
+    }
 }
 
 /// Takes a seqlog option other than the size into `o`; false where `k` is none.

@@ -19,7 +19,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::spec::{check_format_options, Backing, ImageSpec, Leaf, Node, Protocol};
 use crate::storage::{
     Fault, FaultStorage, FileStorage, LockRole, LockUse, MemStorage, NbdStorage, NullStorage,
-    OpKind, OpenOptions, RbdStorage, Storage, When,
+    OpKind, OpenOptions, RadosStorage, RbdStorage, Storage, When,
 };
 
 /// Why a write open with `-U` is refused (QEMU's words).
@@ -519,6 +519,7 @@ fn open_protocol(node: &Protocol, opts: &ImageOptions, chain: &mut Chain) -> Res
             opts.write,
             !opts.direct,
         )?)),
+        Protocol::Rados(target) => Opened::Other(Arc::new(RadosStorage::open(target, opts.write)?)),
         Protocol::Null { size, .. } => Opened::Other(Arc::new(NullStorage::new(*size))),
     })
 }

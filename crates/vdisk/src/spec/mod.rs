@@ -6,12 +6,13 @@
 //!   "x.qcow2", "file:x.qcow2"                        a file, format probed
 //!   "nbd://h:p/e", "nbd+unix:///e?socket=s", "nbd:…"  an NBD export, format probed
 //!   "rbd:pool/image[@snap][:conf=…][:id=…]"           an RBD image of a Ceph cluster
+//!   "rados:pool/prefix[:conf=…][:id=…]"               RADOS objects of a Ceph cluster (vdisk's)
 //!   "null-co://"                                      reads zeroes, 1 GiB
 //!   "json:{...}"                                      QEMU's block options as JSON
 //!   --image-opts "driver=qcow2,file.filename=x"       the same options as a QemuOpts string
-//!        │ options.rs (flat dict), json.rs, nbd.rs, rbd.rs
+//!        │ options.rs (flat dict), json.rs, nbd.rs, rbd.rs, rados.rs
 //!        ▼
-//!   ImageSpec: a format over a protocol node (file, nbd, rbd, null-co), or a protocol node alone,
+//!   ImageSpec: a format over a protocol node (file, nbd, rbd, rados, null-co), or a protocol node alone,
 //!   with what the options say of the backing file and of read-only, locking and caching
 //! ```
 //!
@@ -20,6 +21,7 @@
 pub mod json;
 mod nbd;
 mod options;
+mod rados;
 mod rbd;
 pub mod secret;
 mod values;
@@ -29,7 +31,7 @@ pub use values::{option_number, option_size, parse_bool, parse_number, strtosz, 
 
 use crate::error::{Error, Result};
 use crate::formats::Format;
-use crate::storage::{NbdTarget, RbdTarget};
+use crate::storage::{NbdTarget, RadosTarget, RbdTarget};
 use json::Json;
 
 /// The size of a `null-co` node without a `size` option, as in QEMU.
@@ -73,6 +75,8 @@ pub enum Protocol {
     Nbd(NbdTarget),
     /// An RBD image (librbd).
     Rbd(Box<RbdTarget>),
+    /// RADOS objects of one size (librados), vdisk's own protocol.
+    Rados(Box<RadosTarget>),
     /// Reads zeroes, drops writes. `given` holds the options QEMU names it by.
     Null {
         size: u64,
@@ -94,7 +98,7 @@ pub enum Backing {
 }
 
 /// Protocol drivers, by the name `driver` gives them.
-const PROTOCOLS: &[&str] = &["file", "nbd", "rbd", "null-co", "null-aio"];
+const PROTOCOLS: &[&str] = &["file", "nbd", "rbd", "rados", "null-co", "null-aio"];
 
 /// Options of every node (QEMU's `bdrv_runtime_opts`) that change nothing vdisk does.
 const COMMON_IGNORED: &[&str] = &["auto-read-only", "cache.no-flush", "active"];
@@ -289,7 +293,7 @@ fn file_child(flags: &mut Flags, mut o: Options) -> Result<Protocol> {
 fn from_filename(name: &str) -> Result<Protocol> {
     let driver = match protocol_prefix(name) {
         None => "file",
-        Some(p @ ("file" | "nbd" | "rbd" | "null-co" | "null-aio")) => p,
+        Some(p @ ("file" | "nbd" | "rbd" | "rados" | "null-co" | "null-aio")) => p,
         Some("nbd+tcp" | "nbd+unix") => "nbd",
         Some(p) => return Err(Error::unsupported(format!("Unknown protocol '{p}'"))),
     };
@@ -316,6 +320,7 @@ fn protocol(driver: &str, mut o: Options, filename: Option<&str>) -> Result<Prot
         }
         "nbd" => return nbd::target(o, filename).map(Protocol::Nbd),
         "rbd" => return rbd::target(o, filename).map(|t| Protocol::Rbd(Box::new(t))),
+        "rados" => return rados::target(o, filename).map(|t| Protocol::Rados(Box::new(t))),
         _ => {
             let only = format!("{driver}://");
             if filename.is_some_and(|f| f != only) {
@@ -395,6 +400,7 @@ impl Protocol {
             Protocol::File { .. } => "file",
             Protocol::Nbd(_) => "nbd",
             Protocol::Rbd(_) => "rbd",
+            Protocol::Rados(_) => "rados",
             Protocol::Null { .. } => "null-co",
         }
     }
@@ -406,7 +412,7 @@ impl Protocol {
             Protocol::File { filename } => filename.clone(),
             Protocol::Nbd(t) => t.uri(),
             Protocol::Null { given, .. } if given.is_empty() => "null-co://".into(),
-            Protocol::Null { .. } | Protocol::Rbd(_) => {
+            Protocol::Null { .. } | Protocol::Rbd(_) | Protocol::Rados(_) => {
                 format!("json:{}", self.options().compact())
             }
         }
@@ -417,7 +423,7 @@ impl Protocol {
     fn exact(&self) -> bool {
         match self {
             Protocol::Null { given, .. } => given.is_empty(),
-            Protocol::Rbd(_) => false,
+            Protocol::Rbd(_) | Protocol::Rados(_) => false,
             Protocol::File { .. } | Protocol::Nbd(_) => true,
         }
     }
@@ -431,6 +437,7 @@ impl Protocol {
             }
             Protocol::Nbd(t) => members.extend(nbd::options(t)),
             Protocol::Rbd(t) => members.extend(rbd::options(t)),
+            Protocol::Rados(t) => members.extend(rados::options(t)),
             Protocol::Null { given, .. } => members.extend(given.iter().cloned()),
         }
         Json::Dict(members)

@@ -120,7 +120,7 @@ fn parse_filename(name: &str, o: &mut Options) -> Result<Vec<(String, String)>> 
 }
 
 /// `qemu_rbd_strchr`: the first `delim` not escaped by a backslash.
-fn find(text: &str, delim: u8) -> Option<usize> {
+pub(super) fn find(text: &str, delim: u8) -> Option<usize> {
     let bytes = text.as_bytes();
     let mut i = 0;
     while i < bytes.len() {
@@ -137,7 +137,7 @@ fn find(text: &str, delim: u8) -> Option<usize> {
 
 /// `qemu_rbd_next_tok`: the text before the first unescaped `delim`, and what follows it
 /// (`None` when there is no delimiter).
-fn next_token(text: &str, delim: u8) -> (&str, Option<&str>) {
+pub(super) fn next_token(text: &str, delim: u8) -> (&str, Option<&str>) {
     match find(text, delim) {
         // The delimiter is ASCII, so both sides are whole UTF-8.
         Some(at) => (&text[..at], Some(&text[at + 1..])),
@@ -146,7 +146,7 @@ fn next_token(text: &str, delim: u8) -> (&str, Option<&str>) {
 }
 
 /// `qemu_rbd_unescape`: a backslash takes the next character as it is.
-fn unescape(text: &str) -> String {
+pub(super) fn unescape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut chars = text.chars().peekable();
     while let Some(c) = chars.next() {

@@ -14,13 +14,14 @@
 //!           ├─ DiskStorage  (a BlockDev as storage: one format on another)
 //!           ├─ NbdStorage   (an export of an NBD server, as QEMU's nbd driver reads it)
 //!           ├─ RbdStorage   (an RBD image of a Ceph cluster, through librbd)
+//!           ├─ RadosStorage (RADOS objects of one size, through librados: seqlog's segments)
 //!           └─ NullStorage  (QEMU's null-co: reads zeroes, drops writes)
 //! ```
 //!
 //! A caller with many transfers in flight from few threads runs them through the engine's I/O
 //! queue ([`crate::io`]) where the storage offers a descriptor for them
 //! ([`Storage::async_write_fd`], [`Storage::async_read_fd`]) or completes them itself by
-//! callback ([`Storage::start_async`], RBD).
+//! callback ([`Storage::start_async`], RBD and RADOS).
 
 mod crash;
 mod fault;
@@ -31,6 +32,7 @@ mod memory;
 mod nbd;
 mod null;
 mod on_disk;
+mod rados;
 mod rbd;
 mod stats;
 mod transfer;
@@ -46,6 +48,7 @@ pub use memory::MemStorage;
 pub use nbd::{NbdServer, NbdStorage, NbdTarget};
 pub use null::NullStorage;
 pub use on_disk::DiskStorage;
+pub use rados::{RadosStorage, RadosTarget, DEFAULT_OBJECT_SIZE};
 pub use rbd::{RbdStorage, RbdTarget};
 pub use stats::{IoStats, IoStatsSnapshot};
 pub(crate) use transfer::Outcomes;
@@ -144,6 +147,14 @@ pub trait Storage: Send + Sync {
     /// The allocation unit QEMU's protocol driver for this storage reports as its cluster size
     /// (`bdrv_get_info`; an RBD image's object size); `None` where it reports none.
     fn cluster_size(&self) -> Option<u64> {
+        None
+    }
+
+    /// The size of the independent objects this storage keeps its bytes in, where punching a
+    /// whole, aligned object deletes it: one cheap request that frees its space at once
+    /// (RADOS objects). `None` for storage where a hole costs more to fill again than it saves
+    /// (a file, whose blocks a format would rather overwrite in place).
+    fn object_size(&self) -> Option<u64> {
         None
     }
 

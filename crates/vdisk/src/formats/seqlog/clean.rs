@@ -32,7 +32,6 @@ use super::layout::{Kind, Policy, Record};
 use super::log::{apply_batch, enospc, lock, Log, Tail, CLEANER, COLD};
 use super::map::Map;
 use super::recover::read_chain;
-use crate::bytes::AlignedBuf;
 use crate::error::{Error, Result};
 
 impl Log {
@@ -111,9 +110,6 @@ impl Log {
     /// ended at its first block, so that an open finds it free. Should that write not reach
     /// the disk, the open finds whole batches that newer ones override.
     pub(super) fn free_cleaned(&self, t: &mut Tail, victim: u32) -> Result<()> {
-        let sb = self.sb;
-        let first = sb.log_offset(victim * sb.segment_blocks);
-        let zeroes = AlignedBuf::zeroed(sb.block_size as usize);
         // Writers wait for draining victims rather than clean more (append.rs): this one is
         // not draining any more whatever happens here. One whose chain could not be ended
         // stays in use with nothing live in it, and is cleaned again.
@@ -127,12 +123,10 @@ impl Log {
         // The moves, and the batches that replaced the victim's other blocks, are durable
         // before its batches can be overwritten.
         self.sync()?;
-        self.storage
-            .write_at(first, &zeroes)
-            .map_err(|source| Error::Io {
-                context: format!("ending the chain of cleaned segment {victim}"),
-                source,
-            })?;
+        self.end_chain(victim).map_err(|source| Error::Io {
+            context: format!("ending the chain of cleaned segment {victim}"),
+            source,
+        })?;
         t.head.seg_seq[victim as usize] = 0;
         t.head.no_gain[victim as usize] = 0;
         t.head.trims[victim as usize] = false;

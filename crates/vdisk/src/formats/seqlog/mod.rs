@@ -41,6 +41,7 @@ mod layout;
 mod log;
 mod map;
 mod recover;
+mod release;
 mod resize;
 mod stats;
 

@@ -1,5 +1,5 @@
 //! The few functions of librados and librbd vdisk calls, loaded with `dlopen` at the first use
-//! of an `rbd:` image rather than linked: vdisk then runs on machines without Ceph, and only a
+//! of an `rbd:` image or `rados:` objects rather than linked: vdisk then runs on machines without Ceph, and only a
 //! name that needs librbd says that it is missing. The declarations follow
 //! `/usr/include/rados/librados.h` and `/usr/include/rbd/librbd.h` (Ceph 16, stable C ABI).
 //! Every call returns a negative errno on failure; [`check`] turns it into an `io::Error`.
@@ -14,8 +14,9 @@ pub type Handle = *mut c_void;
 /// `rbd_diff_iterate2`'s callback: offset, length, whether the extent exists, argument.
 pub type DiffCallback = extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int;
 
-/// `rbd_callback_t`: an aio completion's callback, run on a librbd thread with the completion
-/// and the argument it was created with.
+/// `rbd_callback_t` (and librados' `rados_callback_t`, the same shape): an aio completion's
+/// callback, run on a librbd (librados) thread with the completion and the argument it was
+/// created with.
 pub type AioCallback = extern "C" fn(Handle, *mut c_void);
 
 /// `rbd_image_info_t`.
@@ -109,6 +110,21 @@ functions! {
     rbd_aio_get_return_value: fn(Handle) -> isize;
     rbd_aio_release: fn(Handle);
     rbd_diff_iterate2: fn(Handle, *const c_char, u64, u64, u8, u8, DiffCallback, *mut c_void)
+        -> c_int;
+    rados_write: fn(Handle, *const c_char, *const c_char, usize, u64) -> c_int;
+    rados_write_full: fn(Handle, *const c_char, *const c_char, usize) -> c_int;
+    rados_read: fn(Handle, *const c_char, *mut c_char, usize, u64) -> c_int;
+    rados_remove: fn(Handle, *const c_char) -> c_int;
+    rados_trunc: fn(Handle, *const c_char, u64) -> c_int;
+    rados_stat: fn(Handle, *const c_char, *mut u64, *mut libc::time_t) -> c_int;
+    rados_aio_create_completion2: fn(*mut c_void, AioCallback, *mut Handle) -> c_int;
+    rados_aio_read: fn(Handle, *const c_char, Handle, *mut c_char, usize, u64) -> c_int;
+    rados_aio_get_return_value: fn(Handle) -> c_int;
+    rados_aio_release: fn(Handle);
+    rados_create_write_op: fn() -> Handle;
+    rados_release_write_op: fn(Handle);
+    rados_write_op_write: fn(Handle, *const c_char, usize, u64);
+    rados_aio_write_op_operate: fn(Handle, Handle, Handle, *const c_char, *mut libc::time_t, c_int)
         -> c_int;
 }
 

@@ -12,9 +12,9 @@
 //! the object map (`extent_at`, where the image has fast-diff), in whole objects.
 
 mod aio;
-mod cluster;
+pub(super) mod cluster;
 mod extents;
-mod ffi;
+pub(super) mod ffi;
 mod snapshots;
 
 use std::io;
