@@ -15,7 +15,9 @@
 //!   write to object i ─► fewer than PER_OBJECT out: sent alone ─► else waits in `waiting[i]`
 //!   completion (librados thread) ─► its writes completed ─► the waiting ones sent as one op
 //! ```
-
+//!
+//! Within a request, writes that continue each other go as one extent (`runs`), as the I/O
+//! queue joins them into one kernel request for a file.
 //!
 //! Reads go one request each. A transfer that crosses an object's end is given back and runs
 //! with the blocking calls. The callback never unwinds into librados, takes no lock but the
@@ -151,11 +153,25 @@ impl Batches {
         if op.is_null() {
             return Err((batch, -libc::ENOMEM));
         }
-        for t in &batch {
-            let at = t.offset() % self.object_size;
-            // SAFETY: a live op and the transfer's bytes, which stay in place and unused by
-            // anyone else until it completes (librados copies them here in any case).
-            unsafe { (lib.rados_write_op_write)(op, t.as_mut_ptr().cast(), t.len(), at) };
+        for run in runs(&batch) {
+            let first = &batch[run[0]];
+            let at = first.offset() % self.object_size;
+            // SAFETY: the transfers' bytes stay in place and unused by anyone else until they
+            // complete; they are only read here.
+            let bytes = |i: usize| unsafe {
+                std::slice::from_raw_parts(batch[i].as_mut_ptr().cast_const(), batch[i].len())
+            };
+            let joined: Vec<u8>;
+            let data = match run.len() {
+                1 => bytes(run[0]),
+                _ => {
+                    joined = run.iter().flat_map(|&i| bytes(i)).copied().collect();
+                    &joined
+                }
+            };
+            // SAFETY: a live op and bytes of the length passed, which librados copies (the C
+            // API appends them to a buffer list of its own).
+            unsafe { (lib.rados_write_op_write)(op, data.as_ptr().cast(), data.len(), at) };
         }
         let arg = Box::into_raw(Box::new(Sent {
             batches: self.clone(),
@@ -194,6 +210,27 @@ impl Batches {
         unsafe { (lib.rados_release_write_op)(sent.op) };
         Err((sent.batch, r))
     }
+}
+
+/// The writes of `batch` as runs of adjacent ones (indexes into it, by offset), each sent as
+/// one extent: seqlog's writes land side by side at a segment's head, and an OSD writes one
+/// large extent for less than many small ones. Writes that overlap keep their order, each its
+/// own run (the later one must land last).
+fn runs(batch: &[AsyncTransfer]) -> Vec<Vec<usize>> {
+    let end = |i: usize| batch[i].offset() + batch[i].len() as u64;
+    let mut order: Vec<usize> = (0..batch.len()).collect();
+    order.sort_by_key(|&i| batch[i].offset());
+    if order.windows(2).any(|w| end(w[0]) > batch[w[1]].offset()) {
+        return (0..batch.len()).map(|i| vec![i]).collect();
+    }
+    let mut runs: Vec<Vec<usize>> = Vec::new();
+    for i in order {
+        match runs.last_mut() {
+            Some(run) if end(run[run.len() - 1]) == batch[i].offset() => run.push(i),
+            _ => runs.push(vec![i]),
+        }
+    }
+    runs
 }
 
 /// What a write completion's callback gets back.
