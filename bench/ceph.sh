@@ -5,7 +5,7 @@
 # on the same `rbd:` image.
 #
 #   bench/ceph.sh [--quick] [--rounds N] [--count N] [--runtime S] [--size-mib N] [--no-build]
-#                 [--baseline BINARY [--baseline-rev REV]] [--out FILE]
+#                 [--baseline BINARY [--baseline-rev REV]] [--rows all|rbd|seqlog] [--out FILE]
 #
 #   --quick       20000 requests per bench run, 5 s per fio run, 3 rounds (about 4 minutes);
 #                 default 50000, 10 s, 5 rounds
@@ -17,7 +17,9 @@
 #   --no-build    use target/release/vdisk as it is
 #   --baseline B  also run vdisk binary B (another build) as a third side of every row
 #   --baseline-rev REV  the commit B was built from, for the report
-#   --out FILE    default bench/results/ceph-<quick|full>.md
+#   --rows R      rbd: the rows below; seqlog: the seqlog-on-RADOS rows (see below); all: both
+#   --out FILE    default bench/results/ceph-<quick|full>.md (ceph-seqlog-<...>.md for
+#                 --rows seqlog)
 #
 # The cluster is scripts/ceph-cluster.sh's (one monitor, one bluestore OSD over a sparse file,
 # pool `rbd` with one replica), started in a directory of its own under bench/work/ (on the
@@ -31,11 +33,19 @@
 # `qemu-nbd -f raw --cache=none` and `vdisk serve -f raw --cache none` on the raw image.
 # Reported: medians, vdisk / peer (above 1: vdisk faster), and each run's CPU time of the
 # tool or server (GNU time: user+system), the work it took to move the same requests.
+#
+# seqlog rows (issue 29, LSVD's case): fio 4 KiB random writes at depth 16 and 32, as above,
+# to `qemu-nbd -f raw --cache=none` on `rbd:rbd/raw` (the peer), `vdisk serve` on the same
+# RBD image, and `vdisk serve` on `rados:rbd/seqlog`, a seqlog image with 4 MiB segments (one
+# RADOS object each), made by `vdisk convert` of the written raw image, so it is full and its
+# cleaner works; then 4 KiB random reads at depth 32 of each; and `rbd bench` (4 KiB random
+# writes, 16 threads, librbd alone) once per round. Ratios: seqlog / qemu-nbd and
+# seqlog / vdisk-on-RBD.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 args="$*"
 
-quick=0 rounds= count= runtime= size_mib=256 build=1 out= baseline= baseline_rev=
+quick=0 rounds= count= runtime= size_mib=256 build=1 out= baseline= baseline_rev= rows_kind=all
 while (($#)); do
     case $1 in
     --quick) quick=1 ;;
@@ -46,6 +56,7 @@ while (($#)); do
     --no-build) build=0 ;;
     --baseline) baseline=$(realpath "$2"); shift ;;
     --baseline-rev) baseline_rev=$2; shift ;;
+    --rows) rows_kind=$2; shift ;;
     --out) out=$2; shift ;;
     -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
     *) echo "ceph.sh: unknown option $1" >&2; exit 2 ;;
@@ -57,7 +68,12 @@ if ((quick)); then
 else
     count=${count:-50000} runtime=${runtime:-10} rounds=${rounds:-5}
 fi
-out=${out:-bench/results/ceph-$( ((quick)) && echo quick || echo full).md}
+case $rows_kind in all | rbd | seqlog) ;; *) echo "ceph.sh: --rows all|rbd|seqlog" >&2; exit 2 ;; esac
+kind=$( ((quick)) && echo quick || echo full)
+case $rows_kind in
+seqlog) out=${out:-bench/results/ceph-seqlog-$kind.md} ;;
+*) out=${out:-bench/results/ceph-$kind.md} ;;
+esac
 for tool in fio qemu-img qemu-nbd ceph-mon; do
     command -v $tool >/dev/null || { echo "ceph.sh: needs $tool" >&2; exit 1; }
 done
@@ -79,6 +95,8 @@ qemu-img create -q -f qcow2 rbd:rbd/qcow2 "${size_mib}M"
 for img in raw qcow2; do
     qemu-img bench -q -f $img -t none -w -d 8 -s 1M -c "$size_mib" rbd:rbd/$img
 done
+[ "$rows_kind" = rbd ] ||
+    "$vdisk" convert -O seqlog -o segment_size=4M rbd:rbd/raw rados:rbd/seqlog
 
 timed=(/usr/bin/time -f "%U %S" -o "$work/time.txt")
 cpu() { awk '{printf "%.2f", $1 + $2}' "$work/time.txt"; }
@@ -100,20 +118,21 @@ bench() {
     awk -v c="$count" -v s="$secs" 'BEGIN {printf "%d", c / s}'
 }
 
-# One fio run (4 KiB random writes at depth $2) against server $1 (qemu-nbd or a vdisk) on
-# the raw image: IOPS.
+# One fio run (4 KiB random writes at depth $2, or $4: randread) against server $1 (qemu-nbd
+# or a vdisk) on image $3 (default the raw RBD image; rados:... is served as seqlog): IOPS.
 serve_fio() {
-    local server=$1 qd=$2 pid v
+    local server=$1 qd=$2 image=${3:-rbd:rbd/raw} rw=${4:-randwrite} pid v fmt=raw
+    [[ $image == rados:* ]] && fmt=seqlog
     rm -f "$sock"
     case $server in
-    qemu-nbd) "${timed[@]}" qemu-nbd -f raw --cache=none -t -k "$sock" rbd:rbd/raw & pid=$! ;;
-    *) "${timed[@]}" "$server" serve -f raw rbd:rbd/raw --nbd "unix:$sock" --cache none & pid=$! ;;
+    qemu-nbd) "${timed[@]}" qemu-nbd -f raw --cache=none -t -k "$sock" "$image" & pid=$! ;;
+    *) "${timed[@]}" "$server" serve -f $fmt "$image" --nbd "unix:$sock" --cache none & pid=$! ;;
     esac
     for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.05; done
-    v=$(fio --name=ceph --ioengine=nbd --uri="nbd+unix:///?socket=$sock" --rw=randwrite \
+    v=$(fio --name=ceph --ioengine=nbd --uri="nbd+unix:///?socket=$sock" --rw="$rw" \
         --bs=4k --iodepth="$qd" --direct=1 --size="${size_mib}m" --time_based \
         --runtime="$runtime" --randrepeat=0 --norandommap --output-format=json 2>/dev/null |
-        python3 -c 'import json,sys; t=sys.stdin.read(); print(round(json.loads(t[t.index("{"):])["jobs"][0]["write"]["iops"]))')
+        python3 -c 'import json,sys; t=sys.stdin.read(); j=json.loads(t[t.index("{"):])["jobs"][0]; print(round(j["write"]["iops"] + j["read"]["iops"]))')
     # The servers' children (GNU time runs them): ask them to stop, then wait for time.
     pkill -TERM -P "$pid"; wait "$pid" 2>/dev/null || true
     echo "$v"
@@ -132,6 +151,41 @@ run() {
     "fio "*) serve_fio "$(binary qemu-nbd "$side")" "${row##*qd}" ;;
     esac
 }
+# The seqlog rows: side qemu-nbd (on RBD), vdisk-rbd, seqlog (vdisk on seqlog on RADOS).
+seqlog_rows=("fio randwrite qd16" "fio randwrite qd32" "fio randread qd32")
+seqlog_sides=(qemu-nbd vdisk-rbd seqlog)
+run_seqlog() {
+    local row=$1 side=$2 rw qd
+    read -r _ rw qd <<<"$row"
+    case $side in
+    qemu-nbd) serve_fio qemu-nbd "${qd#qd}" rbd:rbd/raw "$rw" ;;
+    vdisk-rbd) serve_fio "$vdisk" "${qd#qd}" rbd:rbd/raw "$rw" ;;
+    seqlog) serve_fio "$vdisk" "${qd#qd}" rados:rbd/seqlog "$rw" ;;
+    esac
+}
+# `rbd bench`: 4 KiB random writes from 16 threads, librbd alone: IOPS.
+rbd_bench() {
+    local total=$((count * 4))K
+    rbd bench --io-type write --io-size 4K --io-threads 16 --io-total "$total" \
+        --io-pattern rand rbd/raw 2>/dev/null | awk '/^elapsed:/ {printf "%d", $6}'
+}
+[ "$rows_kind" = rbd ] && rounds_seqlog=0 || rounds_seqlog=$rounds
+for ((r = 1; r <= rounds_seqlog; r++)); do
+    for row in "${seqlog_rows[@]}"; do
+        sides=("${seqlog_sides[@]}")
+        ((r % 2)) || sides=(seqlog vdisk-rbd qemu-nbd)
+        for side in "${sides[@]}"; do
+            v=$(run_seqlog "$row" "$side")
+            iops["$row $side"]+="$v "
+            echo "round $r | $row | $side | $v IOPS | cpu $(cpu) s" | tee -a "$log"
+        done
+    done
+    v=$(rbd_bench)
+    iops["rbd bench"]+="$v "
+    echo "round $r | rbd bench randwrite 16 threads | librbd | $v IOPS" | tee -a "$log"
+done
+
+[ "$rows_kind" = seqlog ] && rounds=0 && rows=()
 for ((r = 1; r <= rounds; r++)); do
     for row in "${rows[@]}"; do
         sides=(peer vdisk ${baseline:+baseline})
@@ -149,16 +203,36 @@ median() {
         awk '{a[NR]=$1} END {if (NR % 2) print a[(NR+1)/2]; else printf "%d", (a[NR/2]+a[NR/2+1])/2}'
 }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
+seqlog_table() {
+    echo "seqlog on RADOS (\`rados:rbd/seqlog\`, 4 MiB segments, one object each, made full by"
+    echo "\`vdisk convert\`) against the RBD image \`rbd:rbd/raw\`, each served over NBD; fio, ${runtime} s"
+    echo "per run, 4 KiB requests; $rounds_seqlog round(s), medians (IOPS). The machine is shared"
+    echo "with other jobs and noisy: compare rows of one run, not runs."
+    echo
+    echo "| row | qemu-nbd on rbd: | vdisk on rbd: | vdisk seqlog on rados: | seqlog / qemu-nbd | seqlog / vdisk-rbd |"
+    echo "|---|---|---|---|---|---|"
+    local row q v l
+    for row in "${seqlog_rows[@]}"; do
+        q=$(median "${iops[$row qemu-nbd]}") v=$(median "${iops[$row vdisk-rbd]}")
+        l=$(median "${iops[$row seqlog]}")
+        echo "| $row | $q | $v | $l | $(ratio "$l" "$q") | $(ratio "$l" "$v") |"
+    done
+    echo "| rbd bench randwrite, 16 threads | $(median "${iops[rbd bench]}") (librbd alone) | | | | |"
+    echo
+}
 {
-    echo "# RBD benchmark ($( ((quick)) && echo quick || echo full))"
+    echo "# Ceph benchmark ($( ((quick)) && echo quick || echo full), rows: $rows_kind)"
     echo
     echo "\`bench/ceph.sh $args\` at $(git rev-parse --short HEAD) on $(date -u +%Y-%m-%d):" \
         "a one-node cluster (scripts/ceph-cluster.sh), ${size_mib} MiB images written whole"
     echo "first; \`bench\` rows: $count 4 KiB writes at depth 32; fio rows: ${runtime} s of"
-    echo "4 KiB random writes over a unix socket; $rounds round(s), medians (IOPS)."
+    echo "4 KiB random writes over a unix socket; medians (IOPS)."
     echo "Peer: \`qemu-img bench\` / \`qemu-nbd -f raw --cache=none\` ($(qemu-img --version | head -1))."
     echo
-    if [ -n "$baseline" ]; then
+    [ "$rows_kind" = rbd ] || seqlog_table
+    if [ "$rows_kind" = seqlog ]; then
+        :
+    elif [ -n "$baseline" ]; then
         echo "Baseline: vdisk built from ${baseline_rev:-another commit} (\`$baseline\`)."
         echo
         echo "| row | peer | vdisk | vdisk / peer | baseline | baseline / peer |"
