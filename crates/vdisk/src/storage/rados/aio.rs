@@ -3,7 +3,7 @@
 //! the OSD answered, and the callback hands the outcome to the queue
 //! ([`AsyncTransfer::complete`]).
 //!
-//! Writes to one object go out at most [`PER_OBJECT`] requests at a time: beyond that, the
+//! Writes to one object go out at most [`PER_OBJECT`] requests at a time (one): beyond that, the
 //! writes that come for the same object wait, and when a request completes they all go as one
 //! (a write op with one extent each, applied in their order). An OSD works through the
 //! requests to one object one after another, each costing it a request's work, so sending
@@ -37,8 +37,11 @@ use crate::storage::{AsyncTransfer, Dir};
 /// The most writes one request carries; more wait for the next.
 const MAX_BATCH: usize = 256;
 
-/// Requests out to one object at once, so that the OSD always has the next one at hand.
-const PER_OBJECT: usize = 4;
+/// Requests out to one object at once. One: an OSD works through one object's requests one
+/// after another (measured on the test cluster: 5000 4 KiB writes to one object, 32 in flight,
+/// took 12.4 s as 951 requests with 4 out, 8.4 s as 319 with 1 out), so a second request out
+/// only waits there, and the writes it took would have joined the next one.
+const PER_OBJECT: usize = 1;
 
 /// One object's requests out and writes waiting.
 #[derive(Default)]
