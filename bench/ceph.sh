@@ -37,7 +37,8 @@
 # seqlog rows (issue 29, LSVD's case): fio 4 KiB random writes at depth 16 and 32, as above,
 # to `qemu-nbd -f raw --cache=none` on `rbd:rbd/raw` (the peer), `vdisk serve` on the same
 # RBD image, and `vdisk serve` on `rados:rbd/seqlog`, a seqlog image with 4 MiB segments (one
-# RADOS object each), made by `vdisk convert` of the written raw image, so it is full and its
+# RADOS object each), made by `vdisk convert -S 0` of the written raw image (its zeroes too:
+# qemu-img bench writes zeroes, which a sparse convert would skip), so it is full and its
 # cleaner works; then 4 KiB random reads at depth 32 of each; and `rbd bench` (4 KiB random
 # writes, 16 threads, librbd alone) once per round. Ratios: seqlog / qemu-nbd and
 # seqlog / vdisk-on-RBD.
@@ -96,7 +97,7 @@ for img in raw qcow2; do
     qemu-img bench -q -f $img -t none -w -d 8 -s 1M -c "$size_mib" rbd:rbd/$img
 done
 [ "$rows_kind" = rbd ] ||
-    "$vdisk" convert -O seqlog -o segment_size=4M rbd:rbd/raw rados:rbd/seqlog
+    "$vdisk" convert -S 0 -O seqlog -o segment_size=4M rbd:rbd/raw rados:rbd/seqlog
 
 timed=(/usr/bin/time -f "%U %S" -o "$work/time.txt")
 cpu() { awk '{printf "%.2f", $1 + $2}' "$work/time.txt"; }
