@@ -5,7 +5,7 @@
 
 use super::json::Json;
 use super::options::{Leaf, Options};
-use super::rbd::{next_token, unescape};
+use super::rbd::{conf_pairs, next_token, unescape};
 use crate::error::{Error, Result};
 use crate::storage::RadosTarget;
 
@@ -56,25 +56,9 @@ fn parse_filename(name: &str, o: &mut Options) -> Result<Vec<(String, String)>> 
         return Err(Error::invalid("Pool name is required"));
     };
     o.put("pool", Leaf::Str(unescape(pool)));
-    let (prefix, mut rest) = next_token(rest, b':');
+    let (prefix, rest) = next_token(rest, b':');
     o.put("prefix", Leaf::Str(unescape(prefix)));
-    let mut pairs = Vec::new();
-    while let Some(text) = rest {
-        let (key, after) = next_token(text, b'=');
-        let key = unescape(key);
-        let Some(after) = after else {
-            return Err(Error::invalid(format!("conf option {key} has no value")));
-        };
-        let (value, after) = next_token(after, b':');
-        let value = unescape(value);
-        match key.as_str() {
-            "conf" => o.put("conf", Leaf::Str(value)),
-            "id" => o.put("user", Leaf::Str(value)),
-            _ => pairs.push((key, value)),
-        }
-        rest = after;
-    }
-    Ok(pairs)
+    conf_pairs(rest, o)
 }
 
 #[cfg(test)]

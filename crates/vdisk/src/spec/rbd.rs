@@ -82,7 +82,7 @@ fn parse_filename(name: &str, o: &mut Options) -> Result<Vec<(String, String)>> 
         return Err(Error::invalid("Pool name is required"));
     };
     put(o, "pool", pool);
-    let (mut image, mut rest) = match find(rest, b'@') {
+    let (mut image, rest) = match find(rest, b'@') {
         Some(_) => {
             let (image, after) = next_token(rest, b'@');
             let (snapshot, after) = next_token(after.unwrap_or(""), b':');
@@ -100,6 +100,12 @@ fn parse_filename(name: &str, o: &mut Options) -> Result<Vec<(String, String)>> 
         None => put(o, "namespace", ""),
     }
     put(o, "image", image);
+    conf_pairs(rest, o)
+}
+
+/// The `:key=value` pairs after a Ceph name (`rest`): `conf` and `id` into `o`, the others
+/// returned in their order.
+pub(super) fn conf_pairs(mut rest: Option<&str>, o: &mut Options) -> Result<Vec<(String, String)>> {
     let mut pairs = Vec::new();
     while let Some(text) = rest {
         let (key, after) = next_token(text, b'=');
