@@ -12,6 +12,14 @@ fn new_image(o: CreateOptions) -> Arc<dyn Storage> {
     storage
 }
 
+/// The error a failed transfer reports.
+fn eio() -> Error {
+    Error::Io {
+        context: "test".into(),
+        source: std::io::Error::from_raw_os_error(libc::EIO),
+    }
+}
+
 fn small() -> CreateOptions {
     CreateOptions {
         size: 1 << 20,
@@ -325,11 +333,7 @@ fn a_failed_write_gives_up_its_batch_and_keeps_the_others() {
             .unwrap();
     }
     disk.finish_write(landed, Ok(())).unwrap();
-    let e = Error::Io {
-        context: "test".into(),
-        source: std::io::Error::from_raw_os_error(libc::EIO),
-    };
-    assert!(disk.finish_write(failed, Err(e)).is_err());
+    assert!(disk.finish_write(failed, Err(eio())).is_err());
     disk.flush().unwrap();
     drop(disk);
     let disk = Seqlog::open(storage, true).unwrap();
@@ -510,11 +514,7 @@ fn a_trim_in_a_batch_given_up_is_appended_again() {
         .unwrap()
         .expect("placed");
     disk.discard(5 * 4096, 4096).unwrap();
-    let e = Error::Io {
-        context: "test".into(),
-        source: std::io::Error::from_raw_os_error(libc::EIO),
-    };
-    assert!(disk.finish_write(failed, Err(e)).is_err());
+    assert!(disk.finish_write(failed, Err(eio())).is_err());
     disk.flush().unwrap();
     drop(disk);
     let disk = Seqlog::open(storage, true).unwrap();
