@@ -10,6 +10,10 @@
 #       under strace: commits and fdatasync calls per binary
 #   bench/ab.sh time FILE COUNT ROUNDS BINARY...
 #       wall time of `vdisk bench -f raw -w -d 16 -s 4096 -t none -i native -c COUNT FILE`
+#   bench/ab.sh cpu FILE COUNT ROUNDS BINARY... [-- BENCH_ARGS...]
+#       the same bench (BENCH_ARGS added, e.g. --flush-interval=256), page cache dropped before
+#       each run: per binary, the medians of the run's time and of the process's CPU time
+#       (user + system) per request
 set -euo pipefail
 mode=${1:?mode: fio, syncs or time}; shift
 case $mode in
@@ -49,6 +53,24 @@ time)
                 -c "$count" "$file" >/dev/null; } 2>&1)
             echo "$(basename "$b") ${s}s"
         done
+    done ;;
+cpu)
+    file=$1 count=$2 rounds=$3; shift 3
+    bins=(); while (($#)) && [ "$1" != -- ]; do bins+=("$1"); shift; done
+    (($#)) && shift
+    runs=$(mktemp); trap 'rm -f "$runs" "$runs.t"' EXIT
+    for ((r = 1; r <= rounds; r++)); do
+        for b in "${bins[@]}"; do
+            sync; echo 3 >/proc/sys/vm/drop_caches
+            s=$(/usr/bin/time -f "%U %S" -o "$runs.t" "$b" bench -f raw -w -d 16 -s 4096 -t none \
+                -i native -c "$count" "$@" "$file" | awk '/Run completed in/ {print $4}')
+            echo "$b $s $(cat "$runs.t")" >>"$runs"
+        done
+    done
+    for b in "${bins[@]}"; do
+        awk -v b="$b" -v n="$count" '$1 == b {t[++k] = $2; c[k] = ($3 + $4) / n * 1e6}
+            function med(a, m,   i, j, x) {for (i = 2; i <= m; i++) for (j = i; j > 1 && a[j-1] > a[j]; j--) {x = a[j]; a[j] = a[j-1]; a[j-1] = x}; return a[int((m + 1) / 2)]}
+            END {printf "%s: %d runs, median %.3f s, median CPU %.2f us per request\n", b, k, med(t, k), med(c, k)}' "$runs"
     done ;;
 *) echo "ab.sh: unknown mode $mode" >&2; exit 2 ;;
 esac

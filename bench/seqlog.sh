@@ -22,9 +22,13 @@
 #
 # Rows, each at iodepth 16 and 32 (one job): randwrite (4 KiB random writes), then on the
 # same disks read (sequential 4 KiB reads) and randread, after the random writes; the file
-# system's own seqwrite and randwrite rates (fio on the raw file, no NBD) as references.
-# Reported: IOPS per disk, seqlog over raw random writes, seqlog over the file system's
-# sequential write rate (the issue's target: >= 0.9), and reads on seqlog over raw. The list
+# system's own seqwrite and randwrite rates (fio on the raw file, no NBD) and the raw file's
+# sequential writes served by vdisk (the same NBD path as every server's) as references.
+# Reported: IOPS per disk, seqlog over raw random writes, seqlog over the raw file's
+# sequential write rate, over NBD and on the file system (the issue's target: >= 0.9), and
+# reads on seqlog over raw. The same writes also run in process, with no NBD and no fio
+# (`vdisk bench -w -s 4k -t none -i native`, one pass over the disk): raw sequential and
+# random, seqlog random, vdisk's qcow2 random. The list
 # of runs gives each server's CPU time and voluntary context switches (GNU time) and, for
 # seqlog, the batches the run appended (requests per batch: IOPS x runtime / batches).
 # Last, recovery: the seqlog disk written at random, its server killed with SIGKILL, and the
@@ -32,6 +36,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+args=$*
 quick=0 size_mib= runtime= rounds= build=1 out=
 while (($#)); do
     case $1 in
@@ -109,6 +114,16 @@ make_disks() {
     sync
 }
 
+# IOPS of `vdisk bench` writing disk $1 (format $2) once over, 4 KiB at depth $3, $4 (seq or
+# random), with O_DIRECT and Linux AIO: the engine without NBD.
+run_bench() {
+    local count=$((size_mib * 256)) random=() secs
+    [[ $4 == random ]] && random=(--random)
+    secs=$("$vdisk" bench -f "$2" -w -d "$3" -s 4k -t none -i native -c "$count" "${random[@]}" \
+        "$work/$1" 2>&1 | awk '/Run completed in/ {print $4}')
+    awk -v n="$count" -v s="$secs" 'BEGIN {printf "%d", n / s}'
+}
+
 # label → (disk, server); `fs` rows run fio on the raw file directly.
 disks=("raw:raw.img:vdisk" "seqlog:disk.seqlog:vdisk" "qcow2-vdisk:disk.qcow2:vdisk"
     "qcow2-qemu-nbd:disk.qcow2:qemu-nbd")
@@ -123,6 +138,16 @@ for ((r = 1; r <= rounds; r++)); do
             fio_rw=${rw/seqwrite/write}
             v=$(run_fio "$work/raw.img" "$fio_rw" "$qd")
             iops["fs $rw qd$qd"]+="$v "; echo "round $r fs $rw qd$qd $v" | tee -a "$log"
+        done
+        v=$(serve_fio raw.img vdisk write "$qd")
+        iops["raw seqwrite qd$qd"]+="$v "
+        echo "round $r raw seqwrite qd$qd $v ($(cat "$work/extra"))" | tee -a "$log"
+        for b in "raw:raw.img:raw:seq" "raw:raw.img:raw:random" "seqlog:disk.seqlog:seqlog:random" \
+            "qcow2:disk.qcow2:qcow2:random"; do
+            IFS=: read -r label disk format how <<<"$b"
+            v=$(run_bench "$disk" "$format" "$qd" "$how")
+            iops["bench $label $how qd$qd"]+="$v "
+            echo "round $r bench $label $how qd$qd $v" | tee -a "$log"
         done
         for rw in randwrite read randread; do
             for d in "${order[@]}"; do
@@ -158,18 +183,33 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
 {
     echo "# seqlog benchmark ($( ((quick)) && echo quick || echo full))"
     echo
-    echo "\`bench/seqlog.sh $*\` at $(git rev-parse --short HEAD) on $(date -u +%Y-%m-%d):" \
+    echo "\`bench/seqlog.sh $args\` at $(git rev-parse --short HEAD) on $(date -u +%Y-%m-%d):" \
         "${size_mib} MiB disks, ${runtime} s per run, $rounds round(s), medians (IOPS, 4 KiB)."
     echo "Every server with O_DIRECT; fio's nbd engine over a unix socket; \`fs\` is fio with"
     echo "libaio and O_DIRECT on the written raw file itself, no NBD."
     echo
-    echo "| qd | fs seqwrite | fs randwrite | raw | seqlog | qcow2 (vdisk) | qcow2 (qemu-nbd) | seqlog / raw | seqlog / fs seqwrite |"
-    echo "|---|---|---|---|---|---|---|---|---|"
+    echo "Random writes over NBD, and the sequential writes they are measured against:"
+    echo
+    echo "| qd | fs seqwrite | fs randwrite | raw seqwrite | raw | seqlog | qcow2 (vdisk) | qcow2 (qemu-nbd) | seqlog / raw | seqlog / raw seqwrite | seqlog / fs seqwrite |"
+    echo "|---|---|---|---|---|---|---|---|---|---|---|"
     for qd in 16 32; do
         m() { median "${iops[$1 qd$qd]}"; }
         s=$(m "seqlog randwrite") raw=$(m "raw randwrite") fsseq=$(m "fs seqwrite")
-        echo "| $qd | $fsseq | $(m "fs randwrite") | $raw | $s | $(m "qcow2-vdisk randwrite") |" \
-            "$(m "qcow2-qemu-nbd randwrite") | $(ratio "$s" "$raw") | $(ratio "$s" "$fsseq") |"
+        rawseq=$(m "raw seqwrite")
+        echo "| $qd | $fsseq | $(m "fs randwrite") | $rawseq | $raw | $s | $(m "qcow2-vdisk randwrite") |" \
+            "$(m "qcow2-qemu-nbd randwrite") | $(ratio "$s" "$raw") | $(ratio "$s" "$rawseq") |" \
+            "$(ratio "$s" "$fsseq") |"
+    done
+    echo
+    echo "The same writes in process (\`vdisk bench -w -s 4k -t none -i native\`, one pass over the"
+    echo "disk, no NBD):"
+    echo
+    echo "| qd | raw seqwrite | raw randwrite | seqlog randwrite | qcow2 randwrite | seqlog / raw seqwrite | seqlog / raw randwrite |"
+    echo "|---|---|---|---|---|---|---|"
+    for qd in 16 32; do
+        m() { median "${iops[bench $1 qd$qd]}"; }
+        s=$(m "seqlog random") seq=$(m "raw seq") rnd=$(m "raw random")
+        echo "| $qd | $seq | $rnd | $s | $(m "qcow2 random") | $(ratio "$s" "$seq") | $(ratio "$s" "$rnd") |"
     done
     echo
     echo "Reads after the random writes (seqlog's blocks are where the writes' order put them):"
