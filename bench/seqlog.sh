@@ -16,7 +16,8 @@
 #
 # Disks, made once per round in bench/work/seqlog/ and written whole first (so no run
 # measures allocation): raw (a file), seqlog (`-o spare=` large enough that the cleaner does not
-# start within the run: this measures appending; cleaning is measured separately), qcow2
+# start within the run: this measures appending; cleaning is measured separately; and
+# `preallocation=full`, its whole log written at create), qcow2
 # made by vdisk and served by vdisk, the same image served by qemu-nbd. Every server uses
 # O_DIRECT (`--cache none`; qemu-nbd also --aio=native), so the page cache helps no one.
 #
@@ -107,8 +108,10 @@ make_disks() {
     rm -f "$work"/*.img "$work"/*.qcow2 "$work"/*.seqlog
     fio --name=fill --filename="$work/raw.img" --rw=write --bs=1m --size="${size_mib}m" \
         --direct=1 --ioengine=libaio --iodepth=8 >/dev/null
-    # A log of 16 times the disk: the cleaner does not start within any run here.
-    "$vdisk" create -q -f seqlog -o spare=1500 "$work/disk.seqlog" "${size_mib}M"
+    # A log of 16 times the disk: the cleaner does not start within any run here. Written
+    # whole (preallocation=full), as the raw file is: no run measures the file system
+    # allocating.
+    "$vdisk" create -q -f seqlog -o spare=1500,preallocation=full "$work/disk.seqlog" "${size_mib}M"
     "$vdisk" convert -n -O seqlog "$work/raw.img" "$work/disk.seqlog"
     qemu-img convert -O qcow2 "$work/raw.img" "$work/disk.qcow2"
     sync

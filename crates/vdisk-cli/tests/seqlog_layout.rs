@@ -1,7 +1,7 @@
 //! qcow2 on a seqlog layout (`vdisk create -f qcow2 -o data_layout=seqlog`), held against
 //! QEMU: what vdisk writes through the stack, converted out to a plain qcow2 image, passes
 //! `qemu-img check` and reads as `qemu-img compare` expects; every command that opens the file
-//! opens qcow2 over seqlog, and `-f seqlog` the layout alone.
+//! opens qcow2 over seqlog, and `-f seqlog` the layout alone. Also seqlog's own preallocation.
 
 mod common;
 
@@ -185,4 +185,53 @@ fn qcow2_on_seqlog_serves_over_nbd() {
     assert!(out.success(), "{out:?}");
     let q = wd.qemu_img(&["compare", "ref.raw", "out.qcow2"]);
     assert!(q.success(), "{}{}", q.stdout, q.stderr);
+}
+
+/// `-f seqlog -o preallocation=full` writes the whole log at create (the file is as long as
+/// its segments, and all of it allocated), and the disk then reads and writes as a new one;
+/// an unknown mode is refused in qemu-img's words.
+#[test]
+fn a_fully_preallocated_seqlog_is_written_whole_and_works() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "seqlog-prealloc");
+    scattered(&wd, "a.raw", 4 << 20, 3);
+    let o = wd.vdisk(&[
+        "create",
+        "-f",
+        "seqlog",
+        "-o",
+        "preallocation=full,spare=50",
+        "full.seqlog",
+        "4M",
+    ]);
+    assert!(o.success(), "{}", o.stderr);
+    assert!(o.stdout.contains("preallocation=full"), "{}", o.stdout);
+    let meta = std::fs::metadata(wd.abs("full.seqlog")).unwrap();
+    // 4 MiB and half of it again, in 1 MiB segments of 255 data blocks, plus the segments
+    // kept open and in reserve: more than 6 MiB, all of it allocated.
+    assert!(meta.len() > 6 << 20, "{}", meta.len());
+    use std::os::unix::fs::MetadataExt;
+    assert!(meta.blocks() * 512 >= meta.len() - (1 << 20), "{meta:?}");
+    let o = wd.vdisk(&["convert", "-n", "-O", "seqlog", "a.raw", "full.seqlog"]);
+    assert!(o.success(), "{}", o.stderr);
+    let o = wd.vdisk(&["compare", "a.raw", "full.seqlog"]);
+    assert!(o.success(), "{}{}", o.stdout, o.stderr);
+    let o = wd.vdisk(&["check", "full.seqlog"]);
+    assert!(o.success(), "{}{}", o.stdout, o.stderr);
+    let bad = wd.vdisk(&[
+        "create",
+        "-f",
+        "seqlog",
+        "-o",
+        "preallocation=metadata",
+        "b",
+        "1M",
+    ]);
+    assert!(!bad.success());
+    assert!(
+        bad.stderr
+            .contains("Parameter 'preallocation' does not accept value 'metadata'"),
+        "{}",
+        bad.stderr
+    );
 }

@@ -14,8 +14,8 @@ use super::{backing_size, image_size, refuse_backing, NewFile, NewImage};
 use crate::options::parse_options;
 use crate::size::option_size;
 
-/// A seqlog image (`-o size=,block_size=,segment_size=,spare=,cleaner=`): checked whole before the
-/// file is made or cut.
+/// A seqlog image (`-o size=,block_size=,segment_size=,spare=,cleaner=,preallocation=`): checked
+/// whole before the file is made or cut.
 pub(super) fn create_seqlog(
     args: &NewImage,
     format: Format,
@@ -28,6 +28,13 @@ pub(super) fn create_seqlog(
         if k == "size" {
             o.size = option_size(&k, &v).map_err(Error::invalid)?;
             size_given = true;
+        } else if k == "preallocation" {
+            // Not among the layout options of qcow2 on seqlog, where the name is qcow2's.
+            o.preallocation = seqlog::Preallocation::parse(&v).ok_or_else(|| {
+                Error::invalid(format!(
+                    "Parameter 'preallocation' does not accept value '{v}'"
+                ))
+            })?;
         } else if !seqlog_option(&mut o, &k, &v)? {
             return Err(Error::invalid(format!("Invalid parameter '{k}'")));
         }
@@ -41,12 +48,13 @@ pub(super) fn create_seqlog(
     if !args.quiet {
         println!(
             "Formatting '{}', fmt=seqlog block_size={} segment_size={} spare={} cleaner={} \
-             size={}",
+             preallocation={} size={}",
             args.filename,
             o.block_size,
             o.segment_size,
             o.spare,
             o.policy.name(),
+            o.preallocation.name(),
             o.size
         );
     }

@@ -3,6 +3,7 @@
 use super::layout::{Held, Policy, Superblock, MIN_SEGMENT_BLOCKS};
 use super::log::random_u64;
 use super::log::{OPEN, RESERVE};
+use crate::bytes::AlignedBuf;
 use crate::error::{Error, IoContext, Result};
 use crate::storage::Storage;
 
@@ -23,6 +24,41 @@ pub struct CreateOptions {
     /// The disk holds an image of this format (`vdisk create -f qcow2 -o data_layout=seqlog`):
     /// it starts empty and grows, as a file does, up to `size` (its capacity).
     pub holds: Option<Held>,
+    /// What of the log is allocated at create (`preallocation=off|falloc|full`).
+    pub preallocation: Preallocation,
+}
+
+/// How much of a new log the storage gets at create, as for qemu-img's raw files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preallocation {
+    /// Nothing: the file grows as segments are first appended (the default).
+    Off,
+    /// Space reserved (fallocate) for every segment, so the host file system cannot run out
+    /// under the log.
+    Falloc,
+    /// Every segment written with zeroes (a zero first block is a free segment): appends then
+    /// overwrite, as on a block device, where a file system would otherwise allocate (and, for
+    /// O_DIRECT writes into reserved space, convert) extents under the first pass.
+    Full,
+}
+
+impl Preallocation {
+    pub fn parse(s: &str) -> Option<Preallocation> {
+        match s {
+            "off" => Some(Preallocation::Off),
+            "falloc" => Some(Preallocation::Falloc),
+            "full" => Some(Preallocation::Full),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Preallocation::Off => "off",
+            Preallocation::Falloc => "falloc",
+            Preallocation::Full => "full",
+        }
+    }
 }
 
 impl Default for CreateOptions {
@@ -34,6 +70,7 @@ impl Default for CreateOptions {
             spare: 25,
             policy: Policy::CostBenefit,
             holds: None,
+            preallocation: Preallocation::Off,
         }
     }
 }
@@ -79,8 +116,8 @@ impl CreateOptions {
     }
 }
 
-/// Writes a new seqlog image into the empty `storage`: its superblock, nothing else (the log
-/// grows as it is written).
+/// Writes a new seqlog image into the empty `storage`: its superblock, and the log's segments
+/// as `o.preallocation` says (without, the log grows as it is written).
 pub fn create(storage: &dyn Storage, o: &CreateOptions) -> Result<()> {
     let sb = Superblock {
         image_id: random_u64(),
@@ -93,8 +130,26 @@ pub fn create(storage: &dyn Storage, o: &CreateOptions) -> Result<()> {
     let mut block = vec![0u8; sb.block_size as usize];
     block[..super::layout::SUPER_LEN].copy_from_slice(&sb.encode());
     storage.write_at(0, &block).context(what)?;
+    let (start, end) = (sb.log_offset(0), sb.log_offset(sb.log_blocks()));
+    match o.preallocation {
+        Preallocation::Off => {}
+        Preallocation::Falloc => storage.allocate(start, end - start).context(what)?,
+        Preallocation::Full => {
+            // Aligned, for storage opened for direct I/O; segments are whole blocks.
+            let zeroes = AlignedBuf::zeroed(CHUNK.min(end - start) as usize);
+            let mut at = start;
+            while at < end {
+                let n = CHUNK.min(end - at) as usize;
+                storage.write_at(at, &zeroes[..n]).context(what)?;
+                at += n as u64;
+            }
+        }
+    }
     storage.sync().context(what)
 }
+
+/// Bytes of zeroes one write of `preallocation=full` puts in the log.
+const CHUNK: u64 = 8 << 20;
 
 /// The capacity of a seqlog disk made to hold a qcow2 image of `size` guest bytes: every data
 /// cluster, all of qcow2's metadata for any cluster size (at most about 3% of the size, with
@@ -104,4 +159,52 @@ pub fn create(storage: &dyn Storage, o: &CreateOptions) -> Result<()> {
 /// full file system.
 pub fn qcow2_capacity(size: u64) -> u64 {
     size.saturating_add(size / 8).saturating_add(16 << 20)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::blockdev::BlockDev;
+    use crate::formats::driver::Driver;
+    use crate::formats::seqlog::Seqlog;
+    use crate::storage::MemStorage;
+
+    /// Preallocated or not, a new log is all free segments and takes writes the same; `full`
+    /// and `falloc` give the storage every segment up front, `off` only the superblock.
+    #[test]
+    fn a_preallocated_log_is_a_new_empty_disk() {
+        for p in [
+            Preallocation::Off,
+            Preallocation::Falloc,
+            Preallocation::Full,
+        ] {
+            let o = CreateOptions {
+                size: 1 << 20,
+                segment_size: 64 << 10,
+                preallocation: p,
+                ..CreateOptions::default()
+            };
+            let storage: Arc<dyn Storage> = Arc::new(MemStorage::new());
+            create(&*storage, &o).unwrap();
+            let sb = o.superblock().unwrap();
+            let log_end = sb.log_offset(sb.log_blocks());
+            let len = storage.len().unwrap();
+            match p {
+                Preallocation::Off => assert_eq!(len, u64::from(sb.block_size), "{p:?}"),
+                _ => assert_eq!(len, log_end, "{p:?}"),
+            }
+            let disk = Seqlog::open(storage.clone(), false).unwrap();
+            assert_eq!(disk.log.free_segments(), sb.segments as usize, "{p:?}");
+            let mut buf = [1u8; 4096];
+            disk.read(8192, &mut buf).unwrap();
+            assert_eq!(buf, [0; 4096], "{p:?}");
+            disk.write(8192, &[9; 4096]).unwrap();
+            disk.close().unwrap();
+            let disk = Seqlog::open(storage, false).unwrap();
+            disk.read(8192, &mut buf).unwrap();
+            assert_eq!(buf, [9; 4096], "{p:?}");
+        }
+    }
 }

@@ -60,7 +60,7 @@ use layout::{Kind, Record, Superblock, MAGIC};
 use log::Log;
 use map::Map;
 
-pub use create::{create, qcow2_capacity, CreateOptions};
+pub use create::{create, qcow2_capacity, CreateOptions, Preallocation};
 pub use layout::{Held, Policy};
 
 pub(crate) static FORMAT: FormatEntry = FormatEntry {
