@@ -14,8 +14,8 @@ use super::{backing_size, image_size, refuse_backing, NewFile, NewImage};
 use crate::options::parse_options;
 use crate::size::option_size;
 
-/// A seqlog image (`-o size=,block_size=,segment_size=,spare=,cleaner=,preallocation=`): checked
-/// whole before the file is made or cut.
+/// A seqlog image (`-o size=,block_size=,segment_size=,spare=,cleaner=,streams=,preallocation=`):
+/// checked whole before the file is made or cut.
 pub(super) fn create_seqlog(
     args: &NewImage,
     format: Format,
@@ -48,12 +48,13 @@ pub(super) fn create_seqlog(
     if !args.quiet {
         println!(
             "Formatting '{}', fmt=seqlog block_size={} segment_size={} spare={} cleaner={} \
-             preallocation={} size={}",
+             streams={} preallocation={} size={}",
             args.filename,
             o.block_size,
             o.segment_size,
             o.spare,
             o.policy.name(),
+            o.streams,
             o.preallocation.name(),
             o.size
         );
@@ -98,6 +99,13 @@ pub(super) fn seqlog_option(
             o.spare = v.parse().map_err(|_| {
                 Error::invalid(format!("Invalid spare '{v}': a percentage of the size"))
             })?
+        }
+        "streams" => {
+            o.streams = v
+                .parse()
+                .ok()
+                .filter(|n| (2..=4).contains(n))
+                .ok_or_else(|| Error::invalid(format!("Invalid streams '{v}': 2, 3 or 4")))?
         }
         _ => return Ok(false),
     }
