@@ -26,11 +26,17 @@
 //! | `vm/peer.rs`    | scenario 4: scenario 1's workload on qemu-storage-daemon too     |
 //! | `vm/reboot.rs`  | scenario 5: a reboot in the VM with writes in flight             |
 //!
+//! Scenario 1 also runs on qcow2 images in the RBD pool of a one-node Ceph cluster
+//! (`../../vdisk/tests/ceph/mod.rs`, issue 29), which Ceph's absence skips as it does the RBD
+//! tests.
+//!
 //! Every scenario is written once, for a [`disk::Transport`], and run over each transport
 //! `vdisk serve` offers: NBD (QEMU's virtio-blk device on its NBD client) and vhost-user-blk
 //! (vdisk is the virtio-blk device). Scenario 4 runs scenario 1's workload over vhost-user-blk
 //! on qemu-storage-daemon as well, the peer vdisk is compared with.
 
+#[path = "../../vdisk/tests/ceph/mod.rs"]
+mod ceph;
 #[path = "vm/cpio.rs"]
 mod cpio;
 #[path = "vm/disk.rs"]
@@ -89,6 +95,19 @@ fn fresh_qcow2_over_nbd() {
 #[test]
 fn fresh_qcow2_over_vhost_user_blk() {
     fresh::fresh_qcow2(VHOST_USER_BLK);
+}
+
+/// Scenario 1 with both disks qcow2 images on RBD (`rbd:rbd/NAME`), made, served and checked
+/// there: the guest boots on, formats and rereads a vdisk export of RBD-backed images.
+#[test]
+fn fresh_qcow2_on_rbd_over_nbd() {
+    let Some(cluster) = ceph::cluster() else {
+        return;
+    };
+    // For every process the scenario starts: vdisk, qemu-img.
+    std::env::set_var("CEPH_CONF", &cluster.conf);
+    let rbd = |what| std::path::PathBuf::from(format!("rbd:rbd/{}", ceph::image_name(what)));
+    fresh::fresh_qcow2_at(Transport::Nbd, |_| (rbd("vm-fs"), rbd("vm-dev")));
 }
 
 #[test]

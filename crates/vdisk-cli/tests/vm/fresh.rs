@@ -5,6 +5,7 @@
 //! checks both images and reads the files and the raw disk back itself.
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use crate::disk::{Export, Served, Server, Transport};
 use crate::guest::{Console, Script, Vm};
@@ -12,6 +13,7 @@ use crate::host::{
     create_qcow2, data_bytes, expect_contents, map, qemu_img_check, to_raw, Ext4, CLEAN,
 };
 use crate::kit::kit;
+use crate::kit::run;
 use crate::pattern::{Fill, Layout};
 use crate::peers::Peers;
 use crate::{scratch, KIB, MIB};
@@ -56,7 +58,7 @@ fn files() -> Vec<(&'static str, Layout, bool)> {
 /// Written, synced, deleted and trimmed: fstrim must hand back at least this much.
 const SCRATCH: u64 = 32 * MIB;
 
-/// The two disks of the scenario, made by `vdisk create` in `d`, exported over `transport` by
+/// The two disks of the scenario, made by `vdisk create`, exported over `transport` by
 /// `server`: the ext4 disk (vda) and the raw device (vdb).
 pub struct Disks {
     pub fs_img: PathBuf,
@@ -66,8 +68,26 @@ pub struct Disks {
 }
 
 impl Disks {
+    /// The disks as files in `d`.
     pub fn serve(p: &Peers, d: &Path, transport: Transport, server: Server) -> Disks {
-        let (fs_img, dev_img) = (d.join("fs.qcow2"), d.join("dev.qcow2"));
+        Disks::serve_at(
+            p,
+            d,
+            (d.join("fs.qcow2"), d.join("dev.qcow2")),
+            transport,
+            server,
+        )
+    }
+
+    /// The disks at `(fs_img, dev_img)`: files, or names of another storage (`rbd:...`); the
+    /// servers' sockets and logs in `d`.
+    pub fn serve_at(
+        p: &Peers,
+        d: &Path,
+        (fs_img, dev_img): (PathBuf, PathBuf),
+        transport: Transport,
+        server: Server,
+    ) -> Disks {
         for (img, size) in [(&fs_img, FS_SIZE), (&dev_img, DEV_SIZE)] {
             create_qcow2(p, img, size);
         }
@@ -178,11 +198,18 @@ pub fn expect_images(p: &Peers, fs_img: &Path, dev_img: &Path) {
 }
 
 pub fn fresh_qcow2(transport: Transport) {
+    fresh_qcow2_at(transport, |d| (d.join("fs.qcow2"), d.join("dev.qcow2")));
+}
+
+/// Scenario 1 on the images `at` names for the scenario's directory: files there, or images
+/// of another storage, which the host checks where they are and then copies into the
+/// directory (`qemu-img convert`) to read back.
+pub fn fresh_qcow2_at(transport: Transport, at: impl FnOnce(&Path) -> (PathBuf, PathBuf)) {
     let Some(kit) = kit() else { return };
     let p = &kit.peers;
     let dir = scratch("fresh");
     let d = dir.path();
-    let disks = Disks::serve(p, d, transport, Server::Vdisk);
+    let disks = Disks::serve_at(p, d, at(d), transport, Server::Vdisk);
 
     let mut first = Script::new();
     workload(&mut first);
@@ -213,5 +240,18 @@ pub fn fresh_qcow2(transport: Transport) {
         .expect(&second);
 
     let (fs_img, dev_img) = disks.stop();
+    let local = |img: PathBuf, name: &str| {
+        if img.starts_with(d) {
+            return img;
+        }
+        qemu_img_check(p, &img, CLEAN);
+        let copy = d.join(name);
+        run(Command::new(&p.qemu_img)
+            .args(["convert", "-O", "qcow2"])
+            .arg(&img)
+            .arg(&copy));
+        copy
+    };
+    let (fs_img, dev_img) = (local(fs_img, "fs.qcow2"), local(dev_img, "dev.qcow2"));
     expect_images(p, &fs_img, &dev_img);
 }
