@@ -17,6 +17,7 @@ mod gate;
 pub mod guestfs;
 pub mod io;
 pub mod pmem;
+pub mod rng;
 pub mod spec;
 pub mod storage;
 

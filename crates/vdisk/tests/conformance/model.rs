@@ -31,22 +31,8 @@ pub fn cases() -> usize {
         .unwrap_or(1)
 }
 
-/// A small deterministic generator (splitmix64), so a failing case reproduces.
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
+/// A small deterministic generator, so a failing case reproduces.
+pub use vdisk::rng::SplitMix64 as Rng;
 
 /// Reads `len` bytes at `offset`, panicking with `what` on failure.
 pub fn read(dev: &dyn BlockDev, offset: u64, len: u64, what: &str) -> Vec<u8> {

@@ -6,6 +6,7 @@
 use std::collections::HashSet;
 
 use super::{CrashOptions, Op};
+use crate::rng::SplitMix64;
 
 /// One unsynced operation that reached the disk in a crash image.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -27,7 +28,7 @@ const MAX_EXHAUSTIVE: usize = 24;
 /// of them), then every other subset or a seeded sample of them, then torn writes.
 pub(super) fn plans(ops: &[Op], opts: &CrashOptions, epoch: usize) -> Vec<Plan> {
     let n = ops.len();
-    let mut rng = Rng(opts.seed ^ (epoch as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let mut rng = SplitMix64(opts.seed ^ (epoch as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
     let mut out = Plans::default();
     for k in 0..=n {
         out.push(whole(0..k));
@@ -95,7 +96,7 @@ impl Plans {
 
 /// Each operation survives with probability one half; with `tear`, each surviving write that
 /// spans sectors is torn with probability one half.
-fn random_plan(ops: &[Op], rng: &mut Rng, tear: bool) -> Plan {
+fn random_plan(ops: &[Op], rng: &mut SplitMix64, tear: bool) -> Plan {
     let mut plan = Plan::new();
     for (op, o) in ops.iter().enumerate() {
         if !rng.coin() {
@@ -119,7 +120,7 @@ fn random_plan(ops: &[Op], rng: &mut Rng, tear: bool) -> Plan {
 /// The partial survivals of a write over `n` sectors: every non-empty proper subset when `n` is
 /// small; otherwise cut points (the head persisted, or only the tail) spread over the write, and
 /// random subsets.
-fn torn_sectors(n: usize, opts: &CrashOptions, rng: &mut Rng) -> Vec<Vec<usize>> {
+fn torn_sectors(n: usize, opts: &CrashOptions, rng: &mut SplitMix64) -> Vec<Vec<usize>> {
     if n <= 1 {
         return Vec::new();
     }
@@ -143,23 +144,6 @@ fn torn_sectors(n: usize, opts: &CrashOptions, rng: &mut Rng) -> Vec<Vec<usize>>
         }
     }
     out
-}
-
-/// SplitMix64: enough randomness for sampling, with no dependency and a stable sequence.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn coin(&mut self) -> bool {
-        self.next() >> 63 == 1
-    }
 }
 
 #[cfg(test)]
@@ -199,7 +183,7 @@ mod tests {
     #[test]
     fn torn_subsets_are_proper_and_bounded() {
         let opts = CrashOptions::default();
-        let mut rng = Rng(1);
+        let mut rng = SplitMix64(1);
         assert!(torn_sectors(1, &opts, &mut rng).is_empty());
         assert_eq!(torn_sectors(3, &opts, &mut rng).len(), 6);
         let big = torn_sectors(2048, &opts, &mut rng);
@@ -211,7 +195,7 @@ mod tests {
     #[test]
     fn random_plans_are_canonical() {
         let ops = writes(3, 1024);
-        let mut rng = Rng(7);
+        let mut rng = SplitMix64(7);
         for _ in 0..1000 {
             for p in random_plan(&ops, &mut rng, true) {
                 assert!(p.sectors.is_none_or(|s| !s.is_empty() && s.len() < 2));
