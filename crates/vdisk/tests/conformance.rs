@@ -18,7 +18,7 @@
 //! | `fault.rs`      | EIO, ENOSPC, short writes on every storage of the disk (FaultStorage)   |
 //!
 //! Around them: `subject.rs` (the subjects and the [`subject::Disk`] they open as; pcow's in
-//! `subject_pcow.rs`),
+//! `subject_pcow.rs`, seqlog's with alternating streams in `subject_streams.rs`),
 //! `model.rs` (the byte model and the data written), `workload.rs` (requests of every size
 //! class), `history.rs` (what a disk may hold after a crash or a failure).
 //!
@@ -115,6 +115,18 @@ subjects! {
     seqlog_filled_greedy => seqlog(
         "seqlog filled, greedy cleaner, 10% spare",
         seqlog_opts!(segment_size: 64 << 10, spare: 10, policy: Policy::Greedy),
+        Backend::Memory,
+        true
+    );
+    seqlog_alternating => seqlog_alternating(
+        "seqlog, writes alternating between its streams",
+        seqlog_opts!(segment_size: 64 << 10),
+        Backend::Memory,
+        false
+    );
+    seqlog_alternating_filled => seqlog_alternating(
+        "seqlog filled, writes alternating between its streams, 4 KiB segments of 512 B blocks",
+        seqlog_opts!(block_size: 512, segment_size: 4096, spare: 25),
         Backend::Memory,
         true
     );

@@ -28,6 +28,10 @@ pub use pcow_subjects::{pcow, pcow_over_pcow_over_raw, pcow_over_raw};
 mod stack_subjects;
 #[allow(unused_imports)]
 pub use stack_subjects::qcow2_on_seqlog;
+#[path = "subject_streams.rs"]
+mod streams_subjects;
+#[allow(unused_imports)]
+pub use streams_subjects::seqlog_alternating;
 
 /// The storages a disk lives on: the image first, then any data file.
 pub type Storages = Vec<Arc<dyn Storage>>;

@@ -1,9 +1,9 @@
-//! The guest's appends (stream 0). A write is placed at the head of the open segment, in the
-//! batch being formed there, and its data is moved by the caller: on the I/O queue
-//! (`start_write`), so that writes in flight side by side land side by side and the queue
-//! joins them into one request, or with a blocking write. The batch's header (its records
-//! and one checksum of the header and all its data) is written once every write in it has
-//! finished; a flush seals the batch being formed, waits for the headers of the batches
+//! The guest's appends (streams 0 and 2). A write is placed at the head of its stream's open
+//! segment, in the batch being formed there, and its data is moved by the caller: on the I/O
+//! queue (`start_write`), so that writes in flight side by side land side by side and the
+//! queue joins them into one request, or with a blocking write. The batch's header (its
+//! records and one checksum of the header and all its data) is written once every write in it
+//! has finished; a flush seals the batches being formed, waits for the headers of the batches
 //! before it and syncs once.
 //!
 //! ```text
@@ -20,6 +20,12 @@
 //! and its chain ends there, as a torn batch did before. Sequence numbers are given as headers
 //! are written, oldest batch first, so that a batch the cleaner writes meanwhile (which may
 //! move an older copy of a block a write in flight replaces) is older than that write.
+//!
+//! Each guest stream (data, metadata) has a batch forming at once, so writes that alternate
+//! between the streams join their stream's batch rather than seal one at every switch. Batches
+//! replay in the order they were formed: a write joins its stream's batch only if no batch
+//! formed after it holds a record of the same blocks (which would replay after the write,
+//! though older); otherwise that batch is sealed and the write starts a new one.
 
 use std::ops::Range;
 use std::sync::atomic::Ordering::{Relaxed, Release};
@@ -62,11 +68,14 @@ impl Log {
         let mut transfers = Vec::new();
         let mut off = 0;
         while record.count > 0 {
-            if let Err(e) = self.batch_for(t, stream, record.kind, blocking) {
-                // The pieces placed already end as failed writes.
-                self.finish(t, map, first..t.next_sn, false);
-                return Err(e);
-            }
+            let f = match self.batch_for(t, stream, record, blocking) {
+                Ok(f) => f,
+                Err(e) => {
+                    // The pieces placed already end as failed writes.
+                    self.finish(t, map, first..t.next_sn, false);
+                    return Err(e);
+                }
+            };
             let open = t.open[stream].as_mut().expect("a segment is open");
             let count = match record.kind {
                 Kind::Data => record.count.min(self.sb.segment_blocks - open.pos),
@@ -78,7 +87,7 @@ impl Log {
             open.pos += piece.data_blocks();
             let bytes = off..off + piece.data_blocks() as usize * bs;
             let end = self.sb.log_offset(pos + piece.data_blocks());
-            let b = t.forming.back_mut().expect("a batch is forming");
+            let b = &mut t.forming[f];
             let (crc, part) = match piece.kind {
                 Kind::Data => {
                     b.in_flight += 1;
@@ -130,23 +139,39 @@ impl Log {
         blocks <= room || t.head.free.len() > RESERVE + blocks.div_ceil(per) as usize
     }
 
-    /// Makes the last forming batch one of `stream` that takes a record of `kind`: with room
-    /// for its header entry and (data) a block in the stream's open segment. Seals it and
-    /// starts another, in a new segment where needed.
+    /// The batch of `stream` that takes `record` (or its first piece), by its index in
+    /// `forming`: the stream's forming batch, with room for its header entry and (data) a
+    /// block in the stream's open segment, unless a batch formed after it holds a record of
+    /// those blocks. Otherwise seals it and starts another, in a new segment where needed.
     ///
-    /// Only the last batch takes writes, whatever its stream: a write joining an older batch
-    /// of its stream, after a newer batch of the other took a write of the same blocks, would
-    /// be replayed before it (batches replay in the order they were formed), not after.
-    fn batch_for(&self, t: &mut Tail, stream: usize, kind: Kind, blocking: bool) -> Result<()> {
+    /// Batches replay in the order they were formed: a write joining its stream's batch after a
+    /// newer batch of the other stream took a write of the same blocks would replay before
+    /// that older write, not after it.
+    fn batch_for(
+        &self,
+        t: &mut Tail,
+        stream: usize,
+        record: Record,
+        blocking: bool,
+    ) -> Result<usize> {
         let max = self.sb.max_records();
-        let need = u32::from(kind == Kind::Data);
-        if let (Some(b), Some(open)) = (t.forming.back(), t.open[stream]) {
-            let room = b.records.len() < max && open.pos + need <= self.sb.segment_blocks;
-            if !b.sealed && b.stream == stream && b.segment == open.segment && room {
-                return Ok(());
+        let need = u32::from(record.kind == Kind::Data);
+        if let Some(f) = t
+            .forming
+            .iter()
+            .rposition(|b| b.stream == stream && !b.sealed)
+        {
+            let b = &t.forming[f];
+            let room = b.records.len() < max
+                && t.open[stream].is_some_and(|o| {
+                    b.segment == o.segment && o.pos + need <= self.sb.segment_blocks
+                });
+            if room && !overlaps_later(t, f, record) {
+                return Ok(f);
             }
+            t.forming[f].sealed = true;
+            self.write_headers(t);
         }
-        self.seal(t);
         // Room for the header and, for data, a block: what `room_for` counted (a trim's
         // batch may be its header alone, in a segment's last block).
         if !self.fits(t, stream, need) {
@@ -177,13 +202,21 @@ impl Log {
         }
         t.next_batch += 1;
         t.forming.push_back(batch);
-        Ok(())
+        // A batch with two formed after it takes no more writes: headers are written in the
+        // order batches formed, so one that kept taking writes (of a stream seldom written)
+        // would hold back the other stream's headers.
+        let n = t.forming.len();
+        if n > 2 {
+            t.forming.range_mut(..n - 2).for_each(|b| b.sealed = true);
+            self.write_headers(t);
+        }
+        Ok(t.forming.len() - 1)
     }
 
-    /// Seals the batch being formed (no write joins it any more), writing its header if
-    /// every write in it has finished.
+    /// Seals the batches being formed (no write joins them any more), writing the headers of
+    /// those whose writes have all finished.
     pub(super) fn seal(&self, t: &mut Tail) {
-        if let Some(b) = t.forming.back_mut() {
+        for b in &mut t.forming {
             b.sealed = true;
         }
         self.write_headers(t);
@@ -488,6 +521,14 @@ impl Log {
 
 fn forming_index(t: &Tail, id: u64) -> usize {
     (id - t.forming[0].id) as usize
+}
+
+/// Whether a batch formed after the one at index `f` holds a record of a block of `record`.
+fn overlaps_later(t: &Tail, f: usize, record: Record) -> bool {
+    let (from, to) = (record.block, record.block + u64::from(record.count));
+    (t.forming.range(f + 1..))
+        .flat_map(|b| &b.records)
+        .any(|r| r.block < to && from < r.block + u64::from(r.count))
 }
 
 /// Drops the members no older write is in flight behind: nothing can finish after them

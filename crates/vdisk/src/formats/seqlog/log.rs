@@ -155,8 +155,9 @@ pub(super) struct Tail {
     pub open: [Option<Open>; OPEN],
     /// Per stream, where its last batch ended, as a file offset.
     pub last_end: [u64; OPEN],
-    /// The guest streams' batches whose headers are not written yet, oldest first; the last
-    /// one takes new writes of its stream unless it is sealed.
+    /// The guest streams' batches whose headers are not written yet, oldest first (their
+    /// sequence numbers follow this order); per stream, at most one is not sealed and takes
+    /// new writes (`batch_for` in append.rs).
     pub forming: VecDeque<Forming>,
     /// Writes placed and not yet known to be older than every write in flight, by their
     /// number (`sn`), oldest first.

@@ -1,10 +1,12 @@
 //! The seqlog format's own tests; the conformance suite (crates/vdisk/tests/conformance.rs)
-//! runs it like every format, crash states included.
+//! runs it like every format, crash states included. The guest streams' are in `streams.rs`.
 
 use std::sync::Arc;
 
 use super::*;
 use crate::storage::MemStorage;
+
+mod streams;
 
 fn new_image(o: CreateOptions) -> Arc<dyn Storage> {
     let storage: Arc<dyn Storage> = Arc::new(MemStorage::new());
@@ -378,71 +380,6 @@ fn a_resizable_disk_grows_and_shrinks_as_a_file() {
     let plain = Seqlog::open(new_image(small()), false).unwrap();
     assert!(plain.set_size(2 << 20).is_err());
     assert_eq!(plain.size(), 1 << 20);
-}
-
-/// Writes hinted as metadata go to a segment of their own; interleaved with data writes of the
-/// same blocks, the newest still wins after a reopen, from the log alone and from a checkpoint
-/// taken while the metadata segment was open.
-#[test]
-fn metadata_has_its_own_stream_and_replays_in_order() {
-    let storage = new_image(small());
-    let disk = Seqlog::open(storage.clone(), false).unwrap();
-    let write = |block: u64, byte: u8, hint| {
-        disk.write_hinted(block * 4096, &[byte; 4096], hint)
-            .unwrap()
-    };
-    write(1, 1, WriteHint::Metadata);
-    write(2, 2, WriteHint::Data);
-    write(1, 3, WriteHint::Data);
-    write(2, 4, WriteHint::Metadata);
-    disk.flush().unwrap();
-    let segment = |block: u64| match disk.map(block * 4096, 4096).unwrap().0 {
-        Mapping::Data { offset } => offset / disk.log.sb.segment_size(),
-        m => panic!("block {block}: {m:?}"),
-    };
-    assert_ne!(segment(1), segment(2), "data and metadata share a segment");
-    disk.log.checkpoint_now(&disk.map).unwrap();
-    write(3, 5, WriteHint::Metadata);
-    write(1, 6, WriteHint::Metadata);
-    disk.flush().unwrap();
-    let blocks =
-        |s: usize| (disk.log.stats.stream_blocks[s]).load(std::sync::atomic::Ordering::Relaxed);
-    assert_eq!((blocks(log::DATA), blocks(log::META)), (2, 4));
-    drop(disk);
-    let disk = Seqlog::open(storage, true).unwrap();
-    assert!(disk.recovered_from.is_some(), "opened from the checkpoint");
-    for (block, byte) in [(1, 6), (2, 4), (3, 5)] {
-        let mut buf = [0u8; 4096];
-        disk.read(block * 4096, &mut buf).unwrap();
-        assert!(buf.iter().all(|&x| x == byte), "block {block}: {}", buf[0]);
-    }
-}
-
-/// An image made before the metadata stream (no streams feature) opens as before: writes
-/// hinted as metadata go to the data stream, and its checkpoints keep their two open segments.
-#[test]
-fn an_image_without_streams_keeps_metadata_with_data() {
-    let storage = new_image(small());
-    let mut head = [0u8; layout::SUPER_LEN];
-    storage.read_at(0, &mut head).unwrap();
-    let old = Superblock {
-        streams: false,
-        ..Superblock::decode(&head).unwrap()
-    };
-    storage.write_at(0, &old.encode()).unwrap();
-    let disk = Seqlog::open(storage.clone(), false).unwrap();
-    disk.write_hinted(0, &[9; 4096], WriteHint::Metadata)
-        .unwrap();
-    disk.close().unwrap();
-    let blocks =
-        |s: usize| (disk.log.stats.stream_blocks[s]).load(std::sync::atomic::Ordering::Relaxed);
-    assert_eq!((blocks(log::DATA), blocks(log::META)), (1, 0));
-    drop(disk);
-    let disk = Seqlog::open(storage, true).unwrap();
-    assert!(disk.recovered_from.is_some(), "opened from its checkpoint");
-    let mut buf = [0u8; 4096];
-    disk.read(0, &mut buf).unwrap();
-    assert!(buf.iter().all(|&x| x == 9));
 }
 
 /// A write that replaced a block's flushed copy has landed (the map points at it), but its
