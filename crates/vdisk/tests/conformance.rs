@@ -130,6 +130,20 @@ subjects! {
         Backend::Memory,
         true
     );
+    // Pages of 128 entries (512 B blocks), two of them in memory: nearly every page is read
+    // back from the newest checkpoint, and checkpoints come every few writes.
+    seqlog_map_capped => seqlog(
+        "seqlog, map memory capped at two pages",
+        seqlog_opts!(block_size: 512, segment_size: 64 << 10, map_memory: 1024),
+        Backend::Memory,
+        false
+    );
+    seqlog_map_capped_filled => seqlog(
+        "seqlog filled, map memory capped at two pages",
+        seqlog_opts!(block_size: 512, segment_size: 4096, spare: 25, map_memory: 1024),
+        Backend::Memory,
+        true
+    );
     qcow2_on_seqlog_memory => qcow2_on_seqlog(
         "qcow2 on seqlog",
         qcow2_opts!(),

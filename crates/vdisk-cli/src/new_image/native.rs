@@ -14,8 +14,8 @@ use super::{backing_size, image_size, refuse_backing, NewFile, NewImage};
 use crate::options::parse_options;
 use crate::size::option_size;
 
-/// A seqlog image (`-o size=,block_size=,segment_size=,spare=,cleaner=,streams=,preallocation=`):
-/// checked whole before the file is made or cut.
+/// A seqlog image (`-o size=,block_size=,segment_size=,spare=,cleaner=,streams=,preallocation=,
+/// map_memory=`): checked whole before the file is made or cut.
 pub(super) fn create_seqlog(
     args: &NewImage,
     format: Format,
@@ -46,9 +46,14 @@ pub(super) fn create_seqlog(
     }
     o.superblock()?;
     if !args.quiet {
+        // map_memory only where set, as qemu-img names only the options given.
+        let cap = match o.map_memory {
+            0 => String::new(),
+            m => format!(" map_memory={m}"),
+        };
         println!(
             "Formatting '{}', fmt=seqlog block_size={} segment_size={} spare={} cleaner={} \
-             streams={} preallocation={} size={}",
+             streams={} preallocation={}{cap} size={}",
             args.filename,
             o.block_size,
             o.segment_size,
@@ -90,6 +95,7 @@ pub(super) fn seqlog_option(
                 .map_err(|_| Error::invalid(format!("Invalid block_size '{v}'")))?
         }
         "segment_size" => o.segment_size = size()?,
+        "map_memory" => o.map_memory = size()?,
         "cleaner" => {
             o.policy = seqlog::Policy::parse(v).ok_or_else(|| {
                 Error::invalid(format!("Invalid cleaner '{v}': cost-benefit or greedy"))

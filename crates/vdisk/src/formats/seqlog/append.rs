@@ -60,9 +60,11 @@ impl Log {
         blocking: bool,
     ) -> Result<Option<Placed>> {
         let room = self.room_for(t, stream, record);
-        if !blocking && (t.checkpointing || self.checkpoint_due(t) || !room) {
+        if !blocking && (t.checkpointing || self.checkpoint_due(t, map) || !room) {
             return Ok(None);
         }
+        // The pages it maps stay in memory until a checkpoint saves them (pages.rs).
+        map.prepare(record.block, u64::from(record.count))?;
         let bs = self.sb.block_size as usize;
         let first = t.next_sn;
         let mut transfers = Vec::new();
@@ -390,7 +392,7 @@ impl Log {
             }
             for k in 0..count {
                 let (b, at) = (block + u64::from(k), pos + k);
-                if map.get(b) != Some(at) {
+                if map.get(b)? != Some(at) {
                     continue;
                 }
                 self.storage
@@ -405,7 +407,8 @@ impl Log {
                     kind: Kind::Data,
                 };
                 // Only where no newer write of it was placed meanwhile.
-                self.write_blocks_if(map, DATA, record, &data, |map| map.get(b) == Some(at))?;
+                let still = |map: &Map| Ok(map.get(b)? == Some(at));
+                self.write_blocks_if(map, DATA, record, &data, still)?;
             }
         }
         Ok(())
@@ -414,9 +417,9 @@ impl Log {
     /// Appends again a trim of `[block, block + count)` from a batch given up, where its
     /// blocks still read as trimmed (the map took the trim when it was placed).
     fn trim_again(&self, map: &Map, block: u64, count: u32) -> Result<()> {
-        for trim in map.unmapped(block, count) {
+        for trim in map.unmapped(block, count)? {
             let n = u64::from(trim.count);
-            let still = |map: &Map| map.run(trim.block, n) == (None, n);
+            let still = |map: &Map| Ok(map.run(trim.block, n)? == (None, n));
             self.write_blocks_if(map, DATA, trim, &[], still)?;
         }
         Ok(())
@@ -444,7 +447,7 @@ impl Log {
             };
             let part = Record { count, ..record };
             let len = part.data_blocks() as usize * bs;
-            self.write_blocks_if(map, stream, part, &data[off..off + len], |_| true)?;
+            self.write_blocks_if(map, stream, part, &data[off..off + len], |_| Ok(true))?;
             off += len;
             record.block += u64::from(count);
             record.count -= count;
@@ -458,7 +461,7 @@ impl Log {
         stream: usize,
         record: Record,
         data: &[u8],
-        still: impl Fn(&Map) -> bool,
+        still: impl Fn(&Map) -> Result<bool>,
     ) -> Result<()> {
         let mut t = lock(&self.state);
         // Each cleaning gains space, however little; the bound only guards against a cleaner
@@ -468,7 +471,7 @@ impl Log {
         loop {
             if t.checkpointing {
                 t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
-            } else if self.checkpoint_due(&t) && !checkpointed {
+            } else if self.checkpoint_due(&t, map) && !checkpointed {
                 // Once per call: one that cannot be written leaves it due.
                 checkpointed = true;
                 drop(t);
@@ -496,7 +499,7 @@ impl Log {
                 break;
             }
         }
-        if !still(map) {
+        if !still(map)? {
             return Ok(());
         }
         let placed = self

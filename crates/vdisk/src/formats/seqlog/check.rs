@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use super::layout::{Superblock, SUPER_LEN};
+use super::layout::{Superblock, SUPER_BYTES};
 use super::recover::{self, Recovered};
 use crate::error::{Error, Result};
 use crate::formats::info::{CheckFailed, CheckReport, Fix, Messages, RepairReport};
@@ -24,7 +24,11 @@ use crate::storage::Storage;
 const NAMED: u64 = 10;
 
 /// Checks the image in `storage` (see the module docs), telling `say` each difference.
-pub(super) fn check(storage: &dyn Storage, sb: &Superblock, say: Messages) -> Result<CheckReport> {
+pub(super) fn check(
+    storage: &Arc<dyn Storage>,
+    sb: &Superblock,
+    say: Messages,
+) -> Result<CheckReport> {
     let scanned = recover::scan(storage, sb)?;
     let mut report = CheckReport {
         total_clusters: sb.disk_size / u64::from(sb.block_size),
@@ -38,7 +42,7 @@ pub(super) fn check(storage: &dyn Storage, sb: &Superblock, say: Messages) -> Re
     match recover::recover(storage, sb) {
         // Without a checkpoint both read the whole log.
         Ok(opened) if opened.checkpoint.is_some() => {
-            report.corruptions = differences(&opened, &scanned, sb, say);
+            report.corruptions = differences(&opened, &scanned, sb, say)?;
         }
         Ok(_) => {}
         // The log reads, so this is the checkpoint's.
@@ -53,7 +57,12 @@ pub(super) fn check(storage: &dyn Storage, sb: &Superblock, say: Messages) -> Re
 
 /// The blocks and segments on which the two readings differ, each told to `say` (the first
 /// few by name).
-fn differences(opened: &Recovered, scanned: &Recovered, sb: &Superblock, say: Messages) -> u64 {
+fn differences(
+    opened: &Recovered,
+    scanned: &Recovered,
+    sb: &Superblock,
+    say: Messages,
+) -> Result<u64> {
     let mut found = 0;
     let mut tell = |found: &mut u64, line: String| {
         if *found < NAMED {
@@ -61,7 +70,9 @@ fn differences(opened: &Recovered, scanned: &Recovered, sb: &Superblock, say: Me
         }
         *found += 1;
     };
-    let (a, b) = (opened.map.entries(), scanned.map.entries());
+    // With a cap, the pages not resident are read from the checkpoint (the opened map's) or
+    // are zeroes (the scanned map's, which has every page the log names resident).
+    let (a, b) = (opened.map.entries()?, scanned.map.entries()?);
     for (block, (&x, &y)) in a.iter().zip(&b).enumerate() {
         if x != y {
             let name = |e: u32| match e {
@@ -88,7 +99,7 @@ fn differences(opened: &Recovered, scanned: &Recovered, sb: &Superblock, say: Me
     if found > NAMED {
         say(format!("... and {} more differences", found - NAMED));
     }
-    found
+    Ok(found)
 }
 
 /// `vdisk check -r` (the format's repair): with `-r all`, drops checkpoints that disagree with
@@ -100,7 +111,7 @@ pub(super) fn repair(
 ) -> std::result::Result<RepairReport, Box<CheckFailed>> {
     let failed = Box::<CheckFailed>::from;
     let sb = superblock(&**file).map_err(failed)?;
-    let mut report = check(&**file, &sb, say).map_err(failed)?;
+    let mut report = check(file, &sb, say).map_err(failed)?;
     if report.corruptions > 0 && fix.errors {
         drop_checkpoints(&**file, &sb).map_err(failed)?;
         say(format!(
@@ -118,7 +129,7 @@ pub(super) fn repair(
 }
 
 fn superblock(storage: &dyn Storage) -> Result<Superblock> {
-    let mut head = [0u8; SUPER_LEN];
+    let mut head = [0u8; SUPER_BYTES];
     storage.read_at(0, &mut head).map_err(|source| Error::Io {
         context: "reading the seqlog superblock".into(),
         source,
@@ -172,7 +183,7 @@ mod tests {
         (storage, sb)
     }
 
-    fn run(storage: &dyn Storage, sb: &Superblock) -> (CheckReport, Vec<String>) {
+    fn run(storage: &Arc<dyn Storage>, sb: &Superblock) -> (CheckReport, Vec<String>) {
         let mut said = Vec::new();
         let report = check(storage, sb, &mut |m| said.push(m)).unwrap();
         (report, said)
@@ -208,7 +219,7 @@ mod tests {
     #[test]
     fn a_written_image_checks_clean() {
         let (storage, sb) = written();
-        let (report, said) = run(&*storage, &sb);
+        let (report, said) = run(&storage, &sb);
         assert_eq!(report.corruptions, 0, "{said:?}");
         assert_eq!(report.allocated_clusters, 16);
         assert_eq!(report.total_clusters, 256);
@@ -224,7 +235,7 @@ mod tests {
         disk.read(5 * 4096, &mut buf).unwrap();
         assert!(buf.iter().all(|&b| b == 0));
         drop(disk);
-        let (report, said) = run(&*storage, &sb);
+        let (report, said) = run(&storage, &sb);
         assert_eq!(report.corruptions, 2, "{said:?}");
         assert!(said[0].contains("guest block 5"), "{said:?}");
 
@@ -234,7 +245,7 @@ mod tests {
         };
         let repaired = repair(&storage, fix, &mut |_| {}).unwrap();
         assert_eq!(repaired.report.corruptions_fixed, 2);
-        assert_eq!(run(&*storage, &sb).0.corruptions, 0);
+        assert_eq!(run(&storage, &sb).0.corruptions, 0);
         // The next open reads the whole log: block 5 holds what was written.
         let disk = Seqlog::open(storage, true).unwrap();
         disk.read(5 * 4096, &mut buf).unwrap();

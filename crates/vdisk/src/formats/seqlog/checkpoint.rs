@@ -41,15 +41,16 @@ fn streams(sb: &Superblock) -> impl Iterator<Item = usize> {
     .filter_map(|(s, on)| on.then_some(s))
 }
 
-/// One checkpoint, as written and as read back.
+/// Bytes of a slot written at a time: a checkpoint of a large map is not held whole.
+const CHUNK_BLOCKS: usize = 256;
+
+/// One checkpoint, as written and as read back, but for its entries (which the map holds).
 pub(super) struct Checkpoint {
     /// The newest batch it covers: every batch with a sequence number up to this one.
     pub seq: u64,
     /// The segments the streams appended to then (data, cleaner, metadata, the cleaner's
     /// second): their chains may have grown since.
     pub open: [Option<u32>; OPEN],
-    /// The map's entries (log block + 1, 0 for none), one per guest block.
-    pub entries: Vec<u32>,
     /// Per segment, the sequence number of its newest batch (0: free).
     pub seg_seq: Vec<u64>,
     /// Per segment, whether any of its batches holds a trim record.
@@ -70,10 +71,18 @@ pub(super) fn interval(sb: &Superblock) -> u32 {
 }
 
 impl Checkpoint {
-    fn encode(&self, sb: &Superblock) -> AlignedBuf {
+    /// Writes the checkpoint's slot through `write(offset in the slot, bytes)`: the body a
+    /// chunk at a time, its entries filled in by `entries(first page, chunk)` (the map's
+    /// `copy_out`), then the header, whose checksum covers the whole slot (so that a slot torn
+    /// anywhere is not whole).
+    fn encode(
+        &self,
+        sb: &Superblock,
+        mut entries: impl FnMut(usize, &mut [u8]) -> Result<()>,
+        mut write: impl FnMut(u64, &[u8]) -> Result<()>,
+    ) -> Result<()> {
         let bs = sb.block_size as usize;
-        let mut buf = AlignedBuf::zeroed(sb.checkpoint_blocks() as usize * bs);
-        let (head, body) = buf.split_at_mut(bs);
+        let mut head = AlignedBuf::zeroed(bs);
         head[0..4].copy_from_slice(&MAGIC);
         head[8..16].copy_from_slice(&sb.image_id.to_le_bytes());
         head[16..24].copy_from_slice(&self.seq.to_le_bytes());
@@ -81,82 +90,148 @@ impl Checkpoint {
             let (at, open) = (OPEN_AT[s], self.open[s]);
             head[at..at + 4].copy_from_slice(&open.unwrap_or(NONE).to_le_bytes());
         }
-        let (entries, rest) = body.split_at_mut(self.entries.len() * 4);
-        for (e, out) in self.entries.iter().zip(entries.chunks_exact_mut(4)) {
-            out.copy_from_slice(&e.to_le_bytes());
-        }
-        let (seqs, bits) = rest.split_at_mut(self.seg_seq.len() * 8);
+        // After the entries: the segments' sequence numbers, then the trims' bitmap.
+        let mut tail = vec![0u8; self.seg_seq.len() * 8 + self.trims.len().div_ceil(8)];
+        let (seqs, bits) = tail.split_at_mut(self.seg_seq.len() * 8);
         for (s, out) in self.seg_seq.iter().zip(seqs.chunks_exact_mut(8)) {
             out.copy_from_slice(&s.to_le_bytes());
         }
         for (i, _) in self.trims.iter().enumerate().filter(|(_, &t)| t) {
             bits[i / 8] |= 1 << (i % 8);
         }
-        let crc = crc32c(crc32c(0, head), body);
+        let entries_len = sb.map_blocks() as usize * 4;
+        let tail_at = entries_len..entries_len + tail.len();
+        let body_len = (sb.checkpoint_blocks() as usize - 1) * bs;
+        let mut crc = crc32c(0, &head);
+        let mut at = 0;
+        while at < body_len {
+            let mut buf = AlignedBuf::zeroed((CHUNK_BLOCKS * bs).min(body_len - at));
+            let end = at + buf.len();
+            if at < entries_len {
+                entries(at / bs, &mut buf)?;
+                buf[entries_len.min(end) - at..].fill(0);
+            }
+            let (from, to) = (tail_at.start.max(at), tail_at.end.min(end));
+            if from < to {
+                buf[from - at..to - at]
+                    .copy_from_slice(&tail[from - entries_len..to - entries_len]);
+            }
+            crc = crc32c(crc, &buf);
+            write((bs + at) as u64, &buf)?;
+            at = end;
+        }
         head[CRC_AT..CRC_AT + 4].copy_from_slice(&crc.to_le_bytes());
-        buf
-    }
-
-    /// The checkpoint in `buf` (a whole slot), `None` if there is none whole (never written,
-    /// torn, another image's). One whose checksum holds but whose entries point outside the
-    /// log is damage no crash makes.
-    fn decode(sb: &Superblock, buf: &mut [u8]) -> Result<Option<Checkpoint>> {
-        let bs = sb.block_size as usize;
-        let (head, body) = buf.split_at_mut(bs);
-        if head[0..4] != MAGIC || head[8..16] != sb.image_id.to_le_bytes() {
-            return Ok(None);
-        }
-        let crc = u32::from_le_bytes(head[CRC_AT..CRC_AT + 4].try_into().unwrap_or_default());
-        head[CRC_AT..CRC_AT + 4].fill(0);
-        if crc32c(crc32c(0, head), body) != crc {
-            return Ok(None);
-        }
-        let u32_at = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
-        let seq = u64::from_le_bytes(head[16..24].try_into().unwrap_or_default());
-        let mut open = [None; OPEN];
-        for i in streams(sb) {
-            open[i] = Some(u32_at(head, OPEN_AT[i])).filter(|&s| s != NONE);
-        }
-        let blocks = sb.map_blocks() as usize;
-        let segments = sb.segments as usize;
-        let entries: Vec<u32> = (0..blocks).map(|i| u32_at(body, 4 * i)).collect();
-        let seqs = &body[4 * blocks..];
-        let seg_seq: Vec<u64> = seqs
-            .chunks_exact(8)
-            .take(segments)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
-            .collect();
-        let bits = &seqs[8 * segments..];
-        let trims = (0..segments).map(|i| bits[i / 8] & (1 << (i % 8)) != 0);
-        let log_blocks = sb.log_blocks();
-        let bad_entry = entries.iter().position(|&e| e > log_blocks);
-        let bad_open = open.iter().flatten().any(|&s| s >= sb.segments);
-        let newer = seg_seq.iter().any(|&s| s > seq);
-        if bad_entry.is_some() || bad_open || newer {
-            return Err(Error::corrupt(format!(
-                "seqlog: the checkpoint of sequence number {seq} points outside the log"
-            )));
-        }
-        Ok(Some(Checkpoint {
-            seq,
-            open,
-            entries,
-            seg_seq,
-            trims: trims.collect(),
-        }))
+        write(0, &head)
     }
 }
 
-/// The newest whole checkpoint of the image, and its slot.
-pub(super) fn load(storage: &dyn Storage, sb: &Superblock) -> Result<Option<(Checkpoint, u64)>> {
+/// A whole checkpoint as an open reads it.
+pub(super) struct Loaded {
+    pub cp: Checkpoint,
+    pub slot: u64,
+    /// Live blocks per segment, by its entries.
+    pub live: Vec<u32>,
+    /// Its entries, where they were asked for (a map without a cap holds them all).
+    pub entries: Option<Vec<u32>>,
+}
+
+/// The checkpoint in slot `slot`, read a chunk at a time (its entries kept where `keep`),
+/// `None` if there is none whole (never written, torn, another image's). One whose checksum
+/// holds but whose entries point outside the log is damage no crash makes.
+fn read_slot(
+    storage: &dyn Storage,
+    sb: &Superblock,
+    slot: u64,
+    keep: bool,
+) -> Result<Option<Loaded>> {
+    let what = "reading a seqlog checkpoint";
+    let bs = sb.block_size as usize;
+    let base = sb.checkpoint_offset(slot);
+    let mut head = AlignedBuf::zeroed(bs);
+    (storage.read_at(base, &mut head)).map_err(|source| io_error(source, what))?;
+    if head[0..4] != MAGIC || head[8..16] != sb.image_id.to_le_bytes() {
+        return Ok(None);
+    }
+    let u32_at = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+    let stored = u32_at(&head, CRC_AT);
+    head[CRC_AT..CRC_AT + 4].fill(0);
+    let mut crc = crc32c(0, &head);
+    let (blocks, segments) = (sb.map_blocks() as usize, sb.segments as usize);
+    let entries_len = 4 * blocks;
+    let tail_len = 8 * segments + segments.div_ceil(8);
+    let body_len = (sb.checkpoint_blocks() as usize - 1) * bs;
+    let mut live = vec![0u32; segments];
+    let mut entries = keep.then(|| Vec::with_capacity(blocks));
+    let (mut tail, mut bad_entry) = (Vec::with_capacity(tail_len), false);
+    let mut buf = AlignedBuf::zeroed((CHUNK_BLOCKS * bs).min(body_len));
+    let mut at = 0;
+    while at < body_len {
+        let chunk = &mut buf[..(CHUNK_BLOCKS * bs).min(body_len - at)];
+        let end = at + chunk.len();
+        (storage.read_at(base + (bs + at) as u64, chunk))
+            .map_err(|source| io_error(source, what))?;
+        crc = crc32c(crc, chunk);
+        for b in chunk[..entries_len.clamp(at, end) - at].chunks_exact(4) {
+            let e = u32_at(b, 0);
+            match e.checked_sub(1) {
+                Some(l) if l < sb.log_blocks() => live[(l / sb.segment_blocks) as usize] += 1,
+                Some(_) => bad_entry = true,
+                None => {}
+            }
+            if let Some(entries) = &mut entries {
+                entries.push(e);
+            }
+        }
+        let (from, to) = (entries_len.max(at), (entries_len + tail_len).min(end));
+        if from < to {
+            tail.extend_from_slice(&chunk[from - at..to - at]);
+        }
+        at = end;
+    }
+    if crc != stored {
+        return Ok(None);
+    }
+    let seq = u64::from_le_bytes(head[16..24].try_into().unwrap_or_default());
+    let mut open = [None; OPEN];
+    for i in streams(sb) {
+        open[i] = Some(u32_at(&head, OPEN_AT[i])).filter(|&s| s != NONE);
+    }
+    let (seqs, bits) = tail.split_at(8 * segments);
+    let seg_seq: Vec<u64> = seqs
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+        .collect();
+    let trims = (0..segments).map(|i| bits[i / 8] & (1 << (i % 8)) != 0);
+    let bad_open = open.iter().flatten().any(|&s| s >= sb.segments);
+    let newer = seg_seq.iter().any(|&s| s > seq);
+    if bad_entry || bad_open || newer {
+        return Err(Error::corrupt(format!(
+            "seqlog: the checkpoint of sequence number {seq} points outside the log"
+        )));
+    }
+    let cp = Checkpoint {
+        seq,
+        open,
+        seg_seq,
+        trims: trims.collect(),
+    };
+    Ok(Some(Loaded {
+        cp,
+        slot,
+        live,
+        entries,
+    }))
+}
+
+/// The newest whole checkpoint of the image, with its entries where `keep`.
+pub(super) fn load(storage: &dyn Storage, sb: &Superblock, keep: bool) -> Result<Option<Loaded>> {
     if !sb.checkpoints {
         return Ok(None);
     }
     let what = "reading a seqlog checkpoint";
     let slot_len = sb.checkpoint_blocks() * u64::from(sb.block_size);
     let file_len = storage.len().map_err(|source| io_error(source, what))?;
-    let mut buf = None;
-    let mut best: Option<(Checkpoint, u64)> = None;
+    let mut best: Option<Loaded> = None;
     for slot in 0..2 {
         let offset = sb.checkpoint_offset(slot);
         // A slot never written is beyond the end of the file, or a hole in it.
@@ -169,13 +244,9 @@ pub(super) fn load(storage: &dyn Storage, sb: &Superblock) -> Result<Option<(Che
         if !data {
             continue;
         }
-        let buf = buf.get_or_insert_with(|| AlignedBuf::zeroed(slot_len as usize));
-        storage
-            .read_at(offset, buf)
-            .map_err(|source| io_error(source, what))?;
-        if let Some(cp) = Checkpoint::decode(sb, buf)? {
-            if best.as_ref().is_none_or(|(b, _)| cp.seq > b.seq) {
-                best = Some((cp, slot));
+        if let Some(l) = read_slot(storage, sb, slot, keep)? {
+            if best.as_ref().is_none_or(|b| l.cp.seq > b.cp.seq) {
+                best = Some(l);
             }
         }
     }
@@ -190,9 +261,11 @@ fn io_error(source: std::io::Error, what: &str) -> Error {
 }
 
 impl Log {
-    /// Whether the log grew enough since the last checkpoint to write another.
-    pub(super) fn checkpoint_due(&self, t: &Tail) -> bool {
-        self.sb.checkpoints && t.opened_since >= interval(&self.sb)
+    /// Whether the log grew enough since the last checkpoint to write another, or the map's
+    /// dirty pages exceed its cap (only a checkpoint makes them evictable).
+    pub(super) fn checkpoint_due(&self, t: &Tail, map: &Map) -> bool {
+        self.sb.checkpoints
+            && (t.opened_since >= interval(&self.sb) || map.pages.wants_checkpoint())
     }
 
     /// Writes a checkpoint of `map` while writers wait and no batch is forming: the map as
@@ -203,10 +276,11 @@ impl Log {
         mut t: MutexGuard<'a, Tail>,
         map: &Map,
     ) -> (MutexGuard<'a, Tail>, Result<()>) {
+        // The map's entries are copied with the lock released: no write is placed or mapped
+        // while a checkpoint is taken (`checkpointing`), and no cleaning runs.
         let cp = Checkpoint {
             seq: t.head.next_seq - 1,
             open: t.open.map(|o| o.map(|o| o.segment)),
-            entries: map.entries(),
             seg_seq: t.head.seg_seq.clone(),
             trims: t.head.trims.clone(),
         };
@@ -221,16 +295,22 @@ impl Log {
         };
         let written = self.sync().map_err(sync_failed).and_then(|()| {
             let what = "writing a seqlog checkpoint";
-            let buf = cp.encode(&self.sb);
-            self.storage
-                .write_at(self.sb.checkpoint_offset(slot), &buf)
-                .map_err(|source| io_error(source, what))?;
-            let bytes = buf.len() as u64;
-            self.stats.checkpoint_bytes.fetch_add(bytes, Relaxed);
+            let base = self.sb.checkpoint_offset(slot);
+            let write = |at: u64, buf: &[u8]| {
+                (self.storage.write_at(base + at, buf)).map_err(|source| io_error(source, what))?;
+                let bytes = buf.len() as u64;
+                self.stats.checkpoint_bytes.fetch_add(bytes, Relaxed);
+                Ok(())
+            };
+            cp.encode(&self.sb, |p, buf| map.pages.copy_out(p, buf), write)?;
             self.storage
                 .sync()
                 .map_err(|source| sync_failed(io_error(source, what)))
         });
+        if written.is_ok() {
+            // Pages not resident are read from the new slot from now on.
+            map.pages.checkpointed(Some(slot));
+        }
         let mut t = super::log::lock(&self.state);
         if written.is_ok() {
             // The next one goes to the other slot; a failed one is written again here.
@@ -270,6 +350,10 @@ impl Log {
         } else {
             if !due {
                 t.opened_since = 0;
+                if !t.unsettled {
+                    // No batch since the last checkpoint: the map is what it saved.
+                    map.pages.checkpointed(None);
+                }
             }
             (t, Ok(()))
         };
@@ -283,6 +367,7 @@ impl Log {
 mod tests {
     use super::*;
     use crate::formats::seqlog::layout::Policy;
+    use crate::storage::MemStorage;
 
     fn sb() -> Superblock {
         Superblock {
@@ -298,43 +383,75 @@ mod tests {
             image_id: 77,
             policy: Policy::Greedy,
             checkpoints: true,
+            map_memory: 0,
         }
+    }
+
+    /// The slot `cp` with `entries` makes.
+    fn slot(sb: &Superblock, cp: &Checkpoint, entries: &[u32]) -> Vec<u8> {
+        let mut out = vec![0u8; sb.checkpoint_blocks() as usize * 512];
+        let per = 512 / 4;
+        let fill = |p: usize, buf: &mut [u8]| {
+            for (e, o) in entries.iter().skip(p * per).zip(buf.chunks_exact_mut(4)) {
+                o.copy_from_slice(&e.to_le_bytes());
+            }
+            Ok(())
+        };
+        let write = |at: u64, buf: &[u8]| {
+            out[at as usize..][..buf.len()].copy_from_slice(buf);
+            Ok(())
+        };
+        cp.encode(sb, fill, write).unwrap();
+        out
+    }
+
+    /// What an open reads from `bytes` in slot 1.
+    fn read(sb: &Superblock, bytes: &[u8]) -> Result<Option<Loaded>> {
+        let storage = MemStorage::new();
+        storage.write_at(sb.checkpoint_offset(1), bytes).unwrap();
+        read_slot(&storage, sb, 1, true)
     }
 
     #[test]
     fn round_trip_and_damage() {
-        let sb = sb();
-        let cp = Checkpoint {
-            seq: 41,
-            open: [Some(3), None, Some(5), Some(7)],
-            entries: (0..100)
-                .map(|i| if i % 3 == 0 { 0 } else { i + 1 })
-                .collect(),
-            seg_seq: (0..12).map(|s| s * 3).collect(),
-            trims: (0..12).map(|s| s % 5 == 1).collect(),
-        };
-        let mut buf = cp.encode(&sb);
-        assert_eq!(buf.len() as u64, sb.checkpoint_blocks() * 512);
-        let back = Checkpoint::decode(&sb, &mut buf.to_vec()).unwrap().unwrap();
-        assert_eq!(back.seq, 41);
-        assert_eq!(back.open, [Some(3), None, Some(5), Some(7)]);
-        assert_eq!(back.entries, cp.entries);
-        assert_eq!(back.seg_seq, cp.seg_seq);
-        assert_eq!(back.trims, cp.trims);
-        // Torn: not a checkpoint at all.
-        let last = buf.len() - 1;
-        buf[last] ^= 1;
-        assert!(Checkpoint::decode(&sb, &mut buf).unwrap().is_none());
-        // Another image's.
-        let other = Superblock { image_id: 78, ..sb };
-        assert!(Checkpoint::decode(&other, &mut cp.encode(&sb))
-            .unwrap()
-            .is_none());
-        // Whole, but pointing outside the log: an error.
-        let bad = Checkpoint {
-            entries: vec![sb.log_blocks() + 1; 100],
-            ..cp
-        };
-        assert!(Checkpoint::decode(&sb, &mut bad.encode(&sb)).is_err());
+        // One chunk, and entries across chunks (40000 of 512 B blocks: 160000 bytes).
+        for blocks in [100u32, 40000] {
+            let sb = Superblock {
+                disk_size: u64::from(blocks) * 512,
+                capacity: u64::from(blocks) * 512,
+                ..sb()
+            };
+            let entries: Vec<u32> = (0..blocks)
+                .map(|i| if i % 3 == 0 { 0 } else { i % 190 + 1 })
+                .collect();
+            let cp = Checkpoint {
+                seq: 41,
+                open: [Some(3), None, Some(5), Some(7)],
+                seg_seq: (0..12).map(|s| s * 3).collect(),
+                trims: (0..12).map(|s| s % 5 == 1).collect(),
+            };
+            let mut buf = slot(&sb, &cp, &entries);
+            let back = read(&sb, &buf).unwrap().unwrap();
+            assert_eq!((back.cp.seq, back.slot), (41, 1));
+            assert_eq!(back.cp.open, [Some(3), None, Some(5), Some(7)]);
+            assert_eq!(back.entries.as_ref(), Some(&entries));
+            assert_eq!(back.cp.seg_seq, cp.seg_seq);
+            assert_eq!(back.cp.trims, cp.trims);
+            let mut live = vec![0; 12];
+            for e in entries.iter().filter(|&&e| e != 0) {
+                live[((e - 1) / 16) as usize] += 1;
+            }
+            assert_eq!(back.live, live);
+            // Torn: not a checkpoint at all.
+            let last = buf.len() - 1;
+            buf[last] ^= 1;
+            assert!(read(&sb, &buf).unwrap().is_none());
+            // Another image's.
+            let other = Superblock { image_id: 78, ..sb };
+            assert!(read(&other, &slot(&sb, &cp, &entries)).unwrap().is_none());
+            // Whole, but pointing outside the log: an error.
+            let bad = vec![sb.log_blocks() + 1; blocks as usize];
+            assert!(read(&sb, &slot(&sb, &cp, &bad)).is_err());
+        }
     }
 }

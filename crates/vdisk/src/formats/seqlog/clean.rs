@@ -157,13 +157,13 @@ impl Log {
                     Kind::Data => {
                         for i in 0..r.count {
                             let from = data_at + i;
-                            if map.get(r.block + u64::from(i)) == Some(from) {
+                            if map.get(r.block + u64::from(i))? == Some(from) {
                                 let at = (from - base) as usize * bs;
                                 push_block(&mut out, r.block + u64::from(i), at..at + bs);
                             }
                         }
                     }
-                    Kind::Trim => push_trims(&mut out, map, r),
+                    Kind::Trim => push_trims(&mut out, map, r)?,
                 }
                 data_at += r.data_blocks();
             }
@@ -256,7 +256,7 @@ impl Log {
             t.open[stream] = None;
             return Err(e);
         }
-        apply_batch(map, at, &header.records);
+        apply_batch(map, at, &header.records)?;
         self.stats.moved.fetch_add(u64::from(blocks), Relaxed);
         self.stats.stream_blocks[CLEANER].fetch_add(u64::from(blocks), Relaxed);
         let bytes = u64::from(1 + blocks) * u64::from(self.sb.block_size);
@@ -285,12 +285,13 @@ fn push_block(out: &mut Vec<(Record, Range<usize>)>, block: u64, data: Range<usi
 }
 
 /// Adds trims for the runs of `r`'s blocks that are still unmapped.
-fn push_trims(out: &mut Vec<(Record, Range<usize>)>, map: &Map, r: &Record) {
+fn push_trims(out: &mut Vec<(Record, Range<usize>)>, map: &Map, r: &Record) -> Result<()> {
     out.extend(
-        map.unmapped(r.block, r.count)
+        map.unmapped(r.block, r.count)?
             .into_iter()
             .map(|t| (t, 0..0)),
     );
+    Ok(())
 }
 
 #[cfg(test)]
@@ -315,7 +316,7 @@ mod tests {
         create(&*mem, &o).unwrap();
         let disk = Seqlog::open(mem.clone(), false).unwrap();
         let per = disk.log.sb.segment_blocks;
-        let segment_of = |b: u64| disk.map.get(b).unwrap() / per;
+        let segment_of = |b: u64| disk.map.get(b).unwrap().unwrap() / per;
         let open = |s: usize| log::lock(&disk.log.state).open[s].map(|o| o.segment);
         let reclaim = || {
             let t = log::lock(&disk.log.state);
@@ -347,11 +348,11 @@ mod tests {
         );
         disk.flush().unwrap();
         // A crash: no checkpoint at close.
-        let crashed = Arc::new(MemStorage::from_bytes(mem.to_bytes()));
+        let crashed: Arc<dyn Storage> = Arc::new(MemStorage::from_bytes(mem.to_bytes()));
         // The open from the checkpoint agrees with the whole log (a block missed there may still
         // read right, from a segment not yet overwritten).
         let sb = disk.log.sb;
-        let report = check::check(&*crashed, &sb, &mut |m| panic!("{m}")).unwrap();
+        let report = check::check(&crashed, &sb, &mut |m| panic!("{m}")).unwrap();
         assert_eq!(report.corruptions, 0);
         let disk = Seqlog::open(crashed, true).unwrap();
         assert!(disk.recovered_from.is_some(), "opened from the checkpoint");

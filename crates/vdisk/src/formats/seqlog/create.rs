@@ -30,6 +30,9 @@ pub struct CreateOptions {
     /// the cleaner's), 3 (and metadata apart from data: the streams feature), 4 (and the
     /// cleaner's colder blocks apart: the cold feature).
     pub streams: u32,
+    /// Bytes of the map kept in memory (`map_memory`, default 0: all of it); the rest is read
+    /// back from the newest checkpoint on demand (docs/seqlog-format.md, "Map memory").
+    pub map_memory: u64,
 }
 
 /// How much of a new log the storage gets at create, as for qemu-img's raw files.
@@ -76,6 +79,7 @@ impl Default for CreateOptions {
             holds: None,
             preallocation: Preallocation::Off,
             streams: 4,
+            map_memory: 0,
         }
     }
 }
@@ -120,6 +124,7 @@ impl CreateOptions {
             holds: self.holds,
             streams: self.streams >= 3,
             cold: self.streams >= 4,
+            map_memory: self.map_memory,
         };
         sb.validate().map_err(Error::invalid)?;
         sb.fits_in_memory().map_err(Error::invalid)?;
@@ -139,7 +144,7 @@ pub fn create(storage: &dyn Storage, o: &CreateOptions) -> Result<()> {
         storage.set_len(0).context(what)?;
     }
     let mut block = vec![0u8; sb.block_size as usize];
-    block[..super::layout::SUPER_LEN].copy_from_slice(&sb.encode());
+    block[..super::layout::SUPER_BYTES].copy_from_slice(&sb.encode());
     storage.write_at(0, &block).context(what)?;
     let (start, end) = (sb.log_offset(0), sb.log_offset(sb.log_blocks()));
     match o.preallocation {

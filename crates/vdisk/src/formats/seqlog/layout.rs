@@ -7,8 +7,10 @@ use crate::error::{Error, Result};
 /// The superblock's first bytes. QEMU knows no format by them and probes the file as raw.
 pub const MAGIC: [u8; 8] = *b"VDSEQLOG";
 pub const VERSION: u32 = 1;
-/// Bytes of the superblock that carry fields (the rest of its block is zero).
+/// Bytes of the superblock that carry fields its checksum covers.
 pub const SUPER_LEN: usize = 64;
+/// With the ignorable fields after it (own checksum; older readers ignore them).
+pub const SUPER_BYTES: usize = 76;
 /// The incompatible feature of images with map checkpoints after the log (an older reader
 /// would not know to keep that area, nor find its checkpoints).
 pub const FEATURE_CHECKPOINTS: u32 = 1;
@@ -83,6 +85,9 @@ pub struct Superblock {
     /// The cleaner moves blocks out of its own segments to a second stream
     /// ([`FEATURE_COLD`]).
     pub cold: bool,
+    /// Bytes of map pages kept in memory, the rest read back from the newest checkpoint (0:
+    /// all; needs checkpoints). Ignorable: older readers keep all, older images have zero.
+    pub map_memory: u64,
 }
 
 /// An image format a seqlog disk can hold (byte 49 of the superblock).
@@ -126,8 +131,8 @@ impl Policy {
 }
 
 impl Superblock {
-    pub fn encode(&self) -> [u8; SUPER_LEN] {
-        let mut b = [0u8; SUPER_LEN];
+    pub fn encode(&self) -> [u8; SUPER_BYTES] {
+        let mut b = [0u8; SUPER_BYTES];
         b[0..8].copy_from_slice(&MAGIC);
         b[8..12].copy_from_slice(&VERSION.to_le_bytes());
         b[12..16].copy_from_slice(&(SUPER_LEN as u32).to_le_bytes());
@@ -155,7 +160,12 @@ impl Superblock {
             b[52..60].copy_from_slice(&self.capacity.to_le_bytes());
         }
         let crc = crc32c(0, &b[..SUPER_LEN - 4]);
-        b[SUPER_LEN - 4..].copy_from_slice(&crc.to_le_bytes());
+        b[SUPER_LEN - 4..SUPER_LEN].copy_from_slice(&crc.to_le_bytes());
+        if self.map_memory != 0 {
+            b[64..72].copy_from_slice(&self.map_memory.to_le_bytes());
+            let crc = crc32c(0, &b[64..72]);
+            b[72..76].copy_from_slice(&crc.to_le_bytes());
+        }
         b
     }
 
@@ -203,6 +213,13 @@ impl Superblock {
                 p => return Err(Error::corrupt(format!("unknown seqlog cleaner policy {p}"))),
             },
             checkpoints: features & FEATURE_CHECKPOINTS != 0,
+            map_memory: match b.get(64..SUPER_BYTES) {
+                Some(x) if x != [0; 12] && crc32c(0, &x[..8]) != u32_at(x, 8) => {
+                    return Err(Error::corrupt("seqlog map_memory checksum mismatch"))
+                }
+                Some(x) => u64_at(x, 0),
+                None => 0,
+            },
         };
         s.validate().map_err(Error::corrupt)?;
         s.fits_in_memory().map_err(Error::unsupported)?;
@@ -228,6 +245,9 @@ impl Superblock {
                 "seqlog disk size {} or capacity {} is not a multiple of the block size {bs}",
                 self.disk_size, self.capacity
             ));
+        }
+        if self.map_memory != 0 && !self.checkpoints {
+            return Err("a seqlog map_memory cap needs the checkpoints feature".into());
         }
         if self.disk_size > self.capacity {
             return Err(format!(
@@ -477,6 +497,7 @@ mod tests {
             holds: None,
             streams: true,
             cold: true,
+            map_memory: 0,
         }
     }
 
@@ -489,6 +510,7 @@ mod tests {
             disk_size: 8 << 20,
             resizable: true,
             holds: Some(Held::Qcow2),
+            map_memory: 3 << 12,
             ..s
         };
         assert_eq!(Superblock::decode(&layout.encode()).unwrap(), layout);
@@ -496,10 +518,10 @@ mod tests {
         let mut unknown = layout.encode();
         unknown[49] = 9;
         let crc = crc32c(0, &unknown[..SUPER_LEN - 4]);
-        unknown[SUPER_LEN - 4..].copy_from_slice(&crc.to_le_bytes());
+        unknown[SUPER_LEN - 4..SUPER_LEN].copy_from_slice(&crc.to_le_bytes());
         assert!(Superblock::decode(&unknown).is_err());
-        for at in [9, 17, 25, 41, 48, 63] {
-            let mut bad = b;
+        for at in [9, 17, 25, 41, 48, 63, 66, 73] {
+            let mut bad = layout.encode();
             bad[at] ^= 1;
             assert!(Superblock::decode(&bad).is_err(), "byte {at} flipped");
         }

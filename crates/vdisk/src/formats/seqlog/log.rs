@@ -389,7 +389,10 @@ pub(super) fn enospc() -> Error {
 
 /// Points the map at what the records of the batch whose header is at log block `at` say:
 /// data records at the blocks after the header, in record order; trims at nothing.
-pub(super) fn apply_batch(map: &Map, at: u32, records: &[Record]) {
+pub(super) fn apply_batch(map: &Map, at: u32, records: &[Record]) -> Result<()> {
+    for r in records {
+        map.prepare(r.block, u64::from(r.count))?;
+    }
     let mut data_at = at + 1;
     for r in records {
         for i in 0..r.count {
@@ -401,4 +404,5 @@ pub(super) fn apply_batch(map: &Map, at: u32, records: &[Record]) {
         }
         data_at += r.data_blocks();
     }
+    Ok(())
 }

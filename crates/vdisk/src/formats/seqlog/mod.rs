@@ -29,7 +29,8 @@
 //! On a raw guest disk, unhinted writes to the guest file system's metadata go there too
 //! (classify.rs).
 //!
-//! Not yet here (issue 24): a map with a resident cap.
+//! With a cap (`-o map_memory=`), the map keeps only some of its pages in memory and reads the
+//! others back from the newest checkpoint (pages.rs).
 
 mod append;
 mod check;
@@ -40,6 +41,7 @@ mod create;
 mod layout;
 mod log;
 mod map;
+mod pages;
 mod recover;
 mod release;
 mod resize;
@@ -103,14 +105,14 @@ impl Seqlog {
     /// Opened to be checked (read-only), an image whose checkpoint is damaged opens from the
     /// whole log, so that the check can tell of it.
     fn open_with(storage: Arc<dyn Storage>, read_only: bool, checking: bool) -> Result<Seqlog> {
-        let mut head = [0u8; layout::SUPER_LEN];
+        let mut head = [0u8; layout::SUPER_BYTES];
         storage
             .read_at(0, &mut head)
             .context(|| "reading the seqlog superblock".into())?;
         let sb = Superblock::decode(&head)?;
         let started = std::time::Instant::now();
-        let r = match recover::recover(&*storage, &sb) {
-            Err(Error::Corrupt(_)) if checking => recover::scan(&*storage, &sb)?,
+        let r = match recover::recover(&storage, &sb) {
+            Err(Error::Corrupt(_)) if checking => recover::scan(&storage, &sb)?,
             r => r?,
         };
         let disk = Seqlog {
@@ -211,7 +213,7 @@ impl Layer for Seqlog {
         let block = offset / bs;
         let within = offset % bs;
         let blocks = (within + len).div_ceil(bs);
-        let (to, n) = self.map.run(block, blocks);
+        let (to, n) = self.map.run(block, blocks)?;
         let n = (n * bs - within).min(len);
         let mapping = match to {
             Some(l) => Mapping::Data {
@@ -416,7 +418,7 @@ impl Driver for Seqlog {
 
     /// The checkpoint the open read against the whole log (check.rs).
     fn check(&self, say: Messages) -> std::result::Result<CheckReport, Box<CheckFailed>> {
-        check::check(&*self.log.storage, &self.log.sb, say).map_err(Box::<CheckFailed>::from)
+        check::check(&self.log.storage, &self.log.sb, say).map_err(Box::<CheckFailed>::from)
     }
 
     fn cluster_size(&self) -> Option<u64> {
@@ -460,6 +462,7 @@ impl Driver for Seqlog {
                 ("free-segments", n(self.log.free_segments() as u64)),
                 ("mapped-blocks", n(self.map.mapped())),
                 ("map-memory", n(self.map.memory() as u64)),
+                ("map-memory-cap", n(self.log.sb.map_memory)),
                 ("recovered-batches", n(self.recovered.0)),
                 ("newest-batch", n(self.log.newest_batch())),
                 ("torn-segments", n(self.recovered.1)),
@@ -512,5 +515,7 @@ impl Drop for Seqlog {
     }
 }
 
+#[cfg(test)]
+mod capped_tests;
 #[cfg(test)]
 mod tests;

@@ -6,8 +6,9 @@
 //! number, are damage no crash makes: the image is corrupt.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
-use super::checkpoint::{self, Checkpoint};
+use super::checkpoint::{self, Loaded};
 use super::layout::{BadBatch, BatchHeader, Kind, Record, Superblock};
 use super::log::{apply_batch, Head};
 use super::map::Map;
@@ -50,28 +51,30 @@ impl Segments {
     }
 }
 
-pub(super) fn recover(storage: &dyn Storage, sb: &Superblock) -> Result<Recovered> {
-    if let Some((cp, slot)) = checkpoint::load(storage, sb)? {
-        return from_checkpoint(storage, sb, cp, slot);
+/// The map keeps `storage`, to read back pages it does not keep in memory.
+pub(super) fn recover(storage: &Arc<dyn Storage>, sb: &Superblock) -> Result<Recovered> {
+    // A map without a cap holds every entry; one with a cap holds none of them at first.
+    if let Some(loaded) = checkpoint::load(&**storage, sb, sb.map_memory == 0)? {
+        return from_checkpoint(storage, sb, loaded);
     }
     scan(storage, sb)
 }
 
 /// The map as the whole log says, whatever the checkpoints say: every segment's chain.
-pub(super) fn scan(storage: &dyn Storage, sb: &Superblock) -> Result<Recovered> {
+pub(super) fn scan(storage: &Arc<dyn Storage>, sb: &Superblock) -> Result<Recovered> {
     let mut segs = Segments {
         seq: vec![0; sb.segments as usize],
         trims: vec![false; sb.segments as usize],
     };
     let mut found = Vec::new();
     let mut torn = 0;
-    let chains = per_segment(sb, |segment, buf| read_chain(storage, sb, segment, buf))?;
+    let chains = per_segment(sb, |segment, buf| read_chain(&**storage, sb, segment, buf))?;
     for (segment, (chain, damaged)) in (0..).zip(chains) {
         torn += u64::from(damaged);
         segs.take_chain(segment, &chain);
         found.extend(chain);
     }
-    let map = Map::new(sb.map_blocks(), sb.segments, sb.segment_blocks);
+    let map = Map::new(sb, storage.clone());
     finish(sb, map, found, segs, torn, (0, 0))
 }
 
@@ -79,11 +82,16 @@ pub(super) fn scan(storage: &dyn Storage, sb: &Superblock) -> Result<Recovered> 
 /// only segments opened since (whose first batch is newer) and those open then can hold. A
 /// segment whose first block holds no batch any more was cleaned since: empty.
 fn from_checkpoint(
-    storage: &dyn Storage,
+    storage: &Arc<dyn Storage>,
     sb: &Superblock,
-    cp: Checkpoint,
-    slot: u64,
+    loaded: Loaded,
 ) -> Result<Recovered> {
+    let Loaded {
+        cp,
+        slot,
+        live,
+        entries,
+    } = loaded;
     let mut segs = Segments {
         seq: cp.seg_seq,
         trims: cp.trims,
@@ -97,7 +105,7 @@ fn from_checkpoint(
             .context(|| format!("reading seqlog segment {segment}"))?;
         match BatchHeader::decode(&buf[..bs], sb.image_id, sb.max_records()) {
             Ok((h, _)) if h.seq > cp.seq || cp.open.contains(&Some(segment)) => {
-                read_chain(storage, sb, segment, buf).map(Some)
+                read_chain(&**storage, sb, segment, buf).map(Some)
             }
             Ok(_) => Ok(None),
             Err(_) => Ok(Some((Vec::new(), false))),
@@ -109,7 +117,8 @@ fn from_checkpoint(
         segs.take_chain(segment, &chain);
         found.extend(chain.into_iter().filter(|f| f.seq > cp.seq));
     }
-    let map = Map::from_entries(cp.entries, sb.segments, sb.segment_blocks);
+    let map = Map::from_checkpoint(sb, storage.clone(), Some(slot), live, entries.as_deref());
+    drop(entries);
     let mut r = finish(sb, map, found, segs, torn, (cp.seq, 1 - slot))?;
     r.checkpoint = Some(cp.seq);
     Ok(r)
@@ -171,7 +180,7 @@ fn finish(
         )));
     }
     for f in &found {
-        apply_batch(&map, f.at, &f.records);
+        apply_batch(&map, f.at, &f.records)?;
     }
     // A segment whose batches hold only data that newer batches overrode decides nothing
     // (one the cleaner freed, whose first block did not get zeroed before a crash): free.

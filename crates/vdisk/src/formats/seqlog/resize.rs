@@ -11,7 +11,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::layout::{Superblock, SUPER_LEN};
+use super::layout::{Superblock, SUPER_BYTES};
 use super::log::lock;
 use super::Seqlog;
 use crate::blockdev::BlockDev;
@@ -53,8 +53,8 @@ impl Seqlog {
             return Ok(());
         }
         let (low, high) = (old.min(size) / bs, old.max(size) / bs);
-        let (_, unmapped) = self.map.run(low, high - low);
-        if self.map.get(low).is_some() || unmapped < high - low {
+        let (_, unmapped) = self.map.run(low, high - low)?;
+        if self.map.get(low)?.is_some() || unmapped < high - low {
             self.trim_blocks(low, high)?;
             resized.trimmed |= size > old;
         }
@@ -79,7 +79,7 @@ impl Seqlog {
             ..self.log.sb
         };
         let mut block = AlignedBuf::zeroed(self.bs() as usize);
-        block[..SUPER_LEN].copy_from_slice(&new.encode());
+        block[..SUPER_BYTES].copy_from_slice(&new.encode());
         self.log
             .storage
             .write_at(0, &block)

@@ -136,8 +136,18 @@ impl Seqlog {
             ),
             stat(
                 "seqlog_map_memory_bytes",
-                "Bytes of memory the map holds.",
+                "Bytes of memory the map holds (its resident pages, and a few bytes a page).",
                 Gauge(self.map.memory() as u64),
+            ),
+            stat(
+                "seqlog_map_page_ins_total",
+                "Pages of the map read back from the checkpoint (a map_memory cap).",
+                Counter(self.map.pages.page_ins.load(Relaxed)),
+            ),
+            stat(
+                "seqlog_map_evictions_total",
+                "Pages of the map dropped from memory (a map_memory cap).",
+                Counter(self.map.pages.evictions.load(Relaxed)),
             ),
             stat(
                 "seqlog_recovery_microseconds",
@@ -282,7 +292,9 @@ mod tests {
             );
             assert_eq!(
                 value(&disk, "seqlog_map_memory_bytes"),
-                StatValue::Gauge(4 * (63 + 20))
+                // One page of 1024 entries (with its counts and pointer), a pointer and two
+                // marks for it, and the live counts of 20 segments.
+                StatValue::Gauge(4096 + 32 + 10 + 4 * 20)
             );
             assert_eq!(
                 value(&disk, "seqlog_mapped_bytes"),

@@ -240,7 +240,7 @@ fn checkpoints_bound_what_an_open_reads() {
     assert!(checkpoints >= 2, "{checkpoints} checkpoints");
     drop(disk);
     let sb = Superblock::decode(&{
-        let mut b = [0u8; layout::SUPER_LEN];
+        let mut b = [0u8; layout::SUPER_BYTES];
         storage.read_at(0, &mut b).unwrap();
         b
     })
@@ -483,10 +483,13 @@ fn a_large_log_recovers_the_same_from_its_checkpoint_and_its_chains() {
     }
     disk.close().unwrap();
     drop(disk);
-    let opened = recover::recover(&*storage, &sb).unwrap();
-    let scanned = recover::scan(&*storage, &sb).unwrap();
+    let opened = recover::recover(&storage, &sb).unwrap();
+    let scanned = recover::scan(&storage, &sb).unwrap();
     assert!(opened.checkpoint.is_some());
-    assert_eq!(opened.map.entries(), scanned.map.entries());
+    assert_eq!(
+        opened.map.entries().unwrap(),
+        scanned.map.entries().unwrap()
+    );
     assert_eq!(opened.map.mapped(), blocks);
     let disk = Seqlog::open(storage, true).unwrap();
     let mut buf = vec![0u8; 4096];

@@ -150,7 +150,7 @@ fn metadata_has_its_own_stream_and_replays_in_order() {
 #[test]
 fn an_image_without_streams_keeps_metadata_with_data() {
     let storage = new_image(small());
-    let mut head = [0u8; layout::SUPER_LEN];
+    let mut head = [0u8; layout::SUPER_BYTES];
     storage.read_at(0, &mut head).unwrap();
     let old = Superblock {
         streams: false,
