@@ -1,7 +1,7 @@
 //! `vdisk check`: the report, messages and exit status of `qemu-img check`, and with `-r` its
 //! repairs.
 
-use std::io::Write as _;
+use std::io::IsTerminal as _;
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -71,6 +71,10 @@ pub fn run(a: &Args) -> ExitCode {
         }
         return fail("This image format does not support checks", NO_CHECK);
     }
+    // What the repair prints on stdout before the second check: C's stdio holds it back until
+    // the exit where stdout is no terminal, so that qemu-img's output to a pipe or file has it
+    // after every message of the second check (iotest 271).
+    let mut held = String::new();
     let report = match fix {
         None => match image.driver().check(&mut |m| eprintln!("{m}")) {
             Ok(r) => r,
@@ -87,15 +91,18 @@ pub fn run(a: &Args) -> ExitCode {
             };
             let path = path.name.clone();
             drop(image);
-            match run_repair(filename, &path, format, fix, output, quiet) {
+            match run_repair(filename, &path, format, fix, output, quiet, &mut held) {
                 Ok(r) => r,
-                Err(code) => return code,
+                Err(code) => {
+                    print!("{held}");
+                    return code;
+                }
             }
         }
     };
     if !quiet {
         match output {
-            Output::Human => print!("{}", human(&report)),
+            Output::Human => print!("{held}{}", human(&report)),
             Output::Json => println!("{}", qjson::to_pretty(&json(&report, filename))),
         }
     }
@@ -113,6 +120,7 @@ pub fn run(a: &Args) -> ExitCode {
 
 /// Repairs the image in the file `path`, then (when anything was fixed) checks again, as
 /// qemu-img does: the report printed is the second check's, with the first one's fixed counts.
+/// What qemu-img prints in between goes to `held` unless stdout is a terminal.
 fn run_repair(
     filename: &str,
     path: &str,
@@ -120,6 +128,7 @@ fn run_repair(
     fix: Fix,
     output: Output,
     quiet: bool,
+    held: &mut String,
 ) -> Result<CheckReport, ExitCode> {
     let writable = OpenOptions {
         write: true,
@@ -150,11 +159,13 @@ fn run_repair(
         return Ok(first);
     }
     if output == Output::Human && !quiet {
-        print!(
+        held.push_str(&format!(
             "The following inconsistencies were found and repaired:\n\n    {} leaked clusters\n    {} corruptions\n\nDouble checking the fixed image now...\n",
             first.leaks_fixed, first.corruptions_fixed
-        );
-        let _ = std::io::stdout().flush();
+        ));
+        if std::io::stdout().is_terminal() {
+            print!("{}", std::mem::take(held));
+        }
     }
     if repaired.marked_corrupt {
         // QEMU makes an image unusable once it marked it corrupt: its second check fails.

@@ -1,5 +1,5 @@
-//! qemu-img's messages where QEMU's iotests read them (036, 054, 080, 111, 112, 114): the same
-//! command line, run by qemu-img and by vdisk on images qemu-img made (and damaged the way the
+//! qemu-img's messages where QEMU's iotests read them (036, 054, 080, 111, 112, 114, 271): the
+//! same command line, run by qemu-img and by vdisk on images qemu-img made (and damaged the way the
 //! iotest damages them), must print the same and exit alike.
 
 mod common;
@@ -320,5 +320,62 @@ fn create_and_convert_refuse_in_qemus_words() {
         let args = [&["convert"], extra, &sources[..]].concat();
         same(&mut f, &wd, "convert (concatenation)", &args, "t.qcow2");
     }
+    f.finish();
+}
+
+/// Runs `program` named `qemu-img` in `wd` with stdout and stderr into one file, as an iotest's
+/// `2>&1` takes them, and returns what the file holds.
+fn into_one_file(wd: &Workdir, program: &std::path::Path, args: &[&str]) -> String {
+    use std::os::unix::process::CommandExt as _;
+    let path = wd.abs("merged.out");
+    let file = std::fs::File::create(&path).expect("creating merged.out");
+    let status = std::process::Command::new(program)
+        .arg0("qemu-img")
+        .args(args)
+        .current_dir(wd.path())
+        .stdout(file.try_clone().expect("dup"))
+        .stderr(file)
+        .status()
+        .expect("running the tool");
+    format!(
+        "{}exit {:?}\n",
+        String::from_utf8_lossy(&wd.read_file("merged.out")),
+        status.code()
+    )
+}
+
+/// `check -r all` of an image it cannot repair whole (iotest 271: an extended L2 entry naming an
+/// unaligned data cluster), both streams into one file: C's stdio holds qemu-img's stdout back
+/// until the exit, so the second check's messages come before "The following inconsistencies".
+#[test]
+fn a_repair_prints_in_qemus_order_into_one_file() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "msg-repair-order");
+    let mut f = Failures::new("msg-repair-order", &wd);
+    wd.setup_img(&["create", "-q", "-f", "raw", "base.raw", "128k"]);
+    wd.setup_io("base.raw", Some("raw"), &["write -P 0xff 0 128k"]);
+    let o = "extended_l2=on";
+    let b = ["-F", "raw", "-b", "base.raw"];
+    wd.setup_img(
+        &[
+            &["create", "-q", "-f", "qcow2", "-o", o][..],
+            &b,
+            &["d.qcow2"],
+        ]
+        .concat(),
+    );
+    wd.setup_io("d.qcow2", None, &["write -P 1 4k 2k"]);
+    let e = Qcow2Edit::open(&wd.abs("d.qcow2"));
+    let entry = e.l2_entry_offset(0);
+    e.write(entry + 6, &[2]);
+    let mut outs = Vec::new();
+    for (who, program) in [("q", &tools.qemu_img), ("v", &tools.vdisk)] {
+        let copy = format!("{who}.qcow2");
+        wd.copy_dense("d.qcow2", &copy);
+        let out = into_one_file(&wd, program, &["check", "-r", "all", "-f", "qcow2", &copy]);
+        assert!(out.contains("Double checking"), "{who}: {out}");
+        outs.push(out.replace(&copy, "IMG"));
+    }
+    f.same_text("d.qcow2", "check -r all, 2>&1", &outs[0], &outs[1]);
     f.finish();
 }
