@@ -346,7 +346,7 @@ impl NewFile {
         even_empty: bool,
     ) -> vdisk::Result<NewFile> {
         let target = match target {
-            Protocol::File { filename } => {
+            Protocol::File { filename, .. } => {
                 return NewFile::open_file(&filename, len, format, even_empty)
             }
             Protocol::Nbd(target) => NbdStorage::connect(&target, true).map_err(|e| {

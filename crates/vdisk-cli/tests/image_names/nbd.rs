@@ -4,7 +4,7 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::{tools, under_ci, Failures, Workdir};
+use crate::common::{self, tools, under_ci, Failures, Workdir};
 use crate::{chain, same};
 
 /// qemu-nbd serving one image, until dropped.
@@ -145,6 +145,79 @@ fn nbd_exports_read_as_in_qemu() {
         "too small",
         &["create", "-f", "raw", &export, "8M"],
     );
+    f.finish();
+}
+
+/// Block status through another context than `base:allocation` (iotest nbd-qemu-allocation):
+/// qemu-nbd -A's allocation depths, read by `x-dirty-bitmap` as base:allocation's flags.
+#[test]
+fn allocation_depth_maps_as_in_qemu() {
+    let Some(tools) = tools() else { return };
+    if !have_qemu_nbd() {
+        return;
+    }
+    let wd = Workdir::new(&tools, "image-names-depth");
+    let mut f = Failures::new("image-names-depth", &wd);
+    wd.setup_img(&["create", "-q", "-f", "qcow2", "base.qcow2", "4M"]);
+    wd.setup_io("base.qcow2", None, &["write 0 2M"]);
+    let top = ["-b", "base.qcow2", "-F", "qcow2", "top.qcow2"];
+    wd.setup_img(&[&["create", "-q", "-f", "qcow2"][..], &top].concat());
+    wd.setup_io("top.qcow2", None, &["write 1M 2M"]);
+    let sock = format!("{}.sock", wd.abs("top").display());
+    let args = ["-r", "-f", "qcow2", "-A", "-k", &sock, "top.qcow2"];
+    let _nbd = QemuNbd::start(&wd, &args, || std::path::Path::new(&sock).exists());
+    let img = format!("driver=nbd,server.type=unix,server.path={sock}");
+    for name in [
+        img.clone(),
+        format!("{img},x-dirty-bitmap=qemu:allocation-depth"),
+    ] {
+        same(
+            &mut f,
+            &wd,
+            &name,
+            &["map", "--output=json", "--image-opts", &name],
+        );
+        same(&mut f, &wd, &name, &["map", "--image-opts", &name]);
+    }
+    f.finish();
+}
+
+/// A file named with `locking=off` (iotest 102) is opened without locks: a resize goes through
+/// while qemu-nbd holds the image, which the locks refuse otherwise, in QEMU's words.
+#[test]
+fn locking_off_takes_no_locks() {
+    let Some(tools) = tools() else { return };
+    if !have_qemu_nbd() {
+        return;
+    }
+    let wd = Workdir::new(&tools, "image-names-locking");
+    let mut f = Failures::new("image-names-locking", &wd);
+    let mut outcomes = Vec::new();
+    for who in ["q", "v"] {
+        let image = format!("{who}.qcow2");
+        wd.setup_img(&["create", "-q", "-f", "qcow2", &image, "1M"]);
+        let sock = format!("{}.sock", wd.abs(&image).display());
+        let args = ["-f", "qcow2", "-k", &sock, &image];
+        let _held = QemuNbd::start(&wd, &args, || std::path::Path::new(&sock).exists());
+        let opts = format!("driver=raw,file.driver=file,file.filename={image}");
+        let mut run = |locking: &str| {
+            let args = ["resize", "--image-opts", &format!("{opts}{locking}"), "2M"];
+            let out = match who {
+                "q" => wd.qemu_img(&args),
+                _ => wd.vdisk(&args),
+            };
+            outcomes.push(common::Outcome {
+                stderr: out.stderr.replace(&image, "IMG"),
+                ..out
+            });
+        };
+        run("");
+        run(",file.locking=off");
+    }
+    assert!(outcomes[3].success(), "{:?}", outcomes[3]);
+    f.same_outcome("locked", "resize", &outcomes[0], &outcomes[2]);
+    f.same_outcome("locking=off", "resize", &outcomes[1], &outcomes[3]);
+    assert_eq!(wd.read_file("q.qcow2").len(), wd.read_file("v.qcow2").len());
     f.finish();
 }
 

@@ -80,6 +80,26 @@ fn json_and_option_names_read_as_in_qemu() {
     f.finish();
 }
 
+/// A name whose colon is the file's own (iotest 126): after `file:` QEMU names the file
+/// `./image:top.qcow2`, so that the rest does not read as a protocol, and resolves the backing
+/// file against that name.
+#[test]
+fn a_colon_after_the_file_prefix_is_part_of_the_name() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "image-names-colon");
+    let mut f = Failures::new("image-names-colon", &wd);
+    chain(&wd, "base.qcow2", "file:image:top.qcow2");
+    for name in ["file:image:top.qcow2", "./image:top.qcow2"] {
+        for output in ["--output=human", "--output=json"] {
+            same(&mut f, &wd, name, &["info", output, name]);
+        }
+        same(&mut f, &wd, name, &["info", "--backing-chain", name]);
+        same(&mut f, &wd, name, &["map", "--output=json", name]);
+        same(&mut f, &wd, name, &["check", name]);
+    }
+    f.finish();
+}
+
 /// `cache.direct=on` (iotest 253): with O_DIRECT QEMU answers block status in whole blocks, so
 /// data ending at the end of a file of a partial last sector covers that sector.
 #[test]

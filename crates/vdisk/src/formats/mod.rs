@@ -182,22 +182,21 @@ pub(crate) fn status_mapped(layer: &dyn Layer, offset: u64, len: u64) -> Result<
         Mapping::Data { offset: host } => match layer.holes() {
             Holes::Ignored => here(true, false, Some(host), false),
             holes => {
-                let (is_data, run) = layer
+                let s = layer
                     .data_storage()
-                    .extent_at(host, n)
+                    .status_at(host, n)
                     .context(|| format!("querying holes at host offset {host:#x}"))?;
-                let data = is_data || holes == Holes::ZeroData;
-                let storage = layer.data_storage();
-                if !data && !storage.holes_read_as_zero() {
+                let data = s.data || holes == Holes::ZeroData;
+                if !data && !s.zero {
                     return Ok(BlockStatus {
-                        len: run,
+                        len: s.len,
                         present: false,
                         ..here(false, false, None, false)
                     });
                 }
                 BlockStatus {
-                    len: run,
-                    ..here(data, !is_data, Some(host), false)
+                    len: s.len,
+                    ..here(data, s.zero, Some(host), false)
                 }
             }
         },

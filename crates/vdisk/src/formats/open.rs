@@ -183,8 +183,14 @@ impl Opener for OpenContext<'_> {
                 .ok_or_else(|| Error::unsupported("an external data file needs a path to open"));
         }
         let path = match (self.data_file, name) {
-            (Some(Protocol::File { filename }), _) => Path::new(filename),
-            // Not files: no locks, as in QEMU.
+            (
+                Some(Protocol::File {
+                    filename,
+                    locking: true,
+                }),
+                _,
+            ) => Path::new(filename),
+            // Not files, or files with `locking=off`: no locks, as in QEMU.
             (Some(other), _) => {
                 let opened = open_protocol(other, self.opts, &mut Chain::default())?;
                 return opened.locked(LockRole::DataFile, self.opts);
@@ -507,10 +513,14 @@ impl Opened {
 
 fn open_protocol(node: &Protocol, opts: &ImageOptions, chain: &mut Chain) -> Result<Opened> {
     Ok(match node {
-        Protocol::File { filename } => {
+        Protocol::File { filename, locking } => {
             visit(chain, filename)?;
             let path = Path::new(filename);
-            Opened::File(open_file(path, opts)?, path.to_path_buf())
+            let file = open_file(path, opts)?;
+            match locking {
+                true => Opened::File(file, path.to_path_buf()),
+                false => Opened::Other(Arc::new(file)),
+            }
         }
         Protocol::Nbd(target) => Opened::Other(Arc::new(NbdStorage::connect(target, opts.write)?)),
         // librbd's cache as in QEMU: on unless the image bypasses host caches.

@@ -71,6 +71,8 @@ pub enum Node {
 pub enum Protocol {
     File {
         filename: String,
+        /// QEMU's `locking` (on unless `off`): without, no lock is taken, also for writing.
+        locking: bool,
     },
     Nbd(NbdTarget),
     /// An RBD image (librbd).
@@ -126,7 +128,6 @@ const QCOW2_ENCRYPT: &[&str] = &["encrypt.key-secret", "encrypt.format"];
 const FILE_IGNORED: &[&str] = &[
     "aio",
     "aio-max-batch",
-    "locking",
     "pr-manager",
     "drop-cache",
     "x-check-cache-dropped",
@@ -311,12 +312,23 @@ fn protocol_prefix(name: &str) -> Option<&str> {
 fn protocol(driver: &str, mut o: Options, filename: Option<&str>) -> Result<Protocol> {
     let node = match driver {
         "file" => {
-            let name = filename.map(|f| f.strip_prefix("file:").unwrap_or(f).to_string());
+            let name = filename.map(|f| match f.strip_prefix("file:") {
+                // As `bdrv_parse_filename_strip_prefix`: what is left must not read as a
+                // protocol prefix in turn (`file:a:b` names ./a:b), which QEMU's name says.
+                Some(rest) if protocol_prefix(rest).is_some() => format!("./{rest}"),
+                Some(rest) => rest.to_string(),
+                None => f.to_string(),
+            });
             let filename = name
                 .or_else(|| o.take_str("filename"))
                 .ok_or_else(|| Error::invalid("The 'file' block driver requires a file name"))?;
+            let locking = match o.take_text("locking").as_deref() {
+                None | Some("on" | "auto") => true,
+                Some("off") => false,
+                Some(v) => return Err(Error::invalid(format!("Invalid parameter '{v}'"))),
+            };
             o.drop_where(|k| FILE_IGNORED.contains(&k));
-            Protocol::File { filename }
+            Protocol::File { filename, locking }
         }
         "nbd" => return nbd::target(o, filename).map(Protocol::Nbd),
         "rbd" => return rbd::target(o, filename).map(|t| Protocol::Rbd(Box::new(t))),
@@ -409,7 +421,7 @@ impl Protocol {
     /// `null-co://` when no option shapes it, else (always for RBD) `json:` and its options.
     pub fn name(&self) -> String {
         match self {
-            Protocol::File { filename } => filename.clone(),
+            Protocol::File { filename, .. } => filename.clone(),
             Protocol::Nbd(t) => t.uri(),
             Protocol::Null { given, .. } if given.is_empty() => "null-co://".into(),
             Protocol::Null { .. } | Protocol::Rbd(_) | Protocol::Rados(_) => {
@@ -432,7 +444,7 @@ impl Protocol {
     fn options(&self) -> Json {
         let mut members = vec![("driver".to_string(), Json::Str(self.driver().into()))];
         match self {
-            Protocol::File { filename } => {
+            Protocol::File { filename, .. } => {
                 members.push(("filename".into(), Json::Str(filename.clone())));
             }
             Protocol::Nbd(t) => members.extend(nbd::options(t)),

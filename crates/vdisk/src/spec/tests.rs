@@ -11,6 +11,7 @@ fn named(name: &str) -> Result<ImageSpec> {
 fn file(filename: &str) -> Protocol {
     Protocol::File {
         filename: filename.into(),
+        locking: true,
     }
 }
 
@@ -45,6 +46,18 @@ fn plain_and_json_names_resolve_to_the_same_image() {
         Some(Format::QCOW2),
     );
     assert_eq!(forced.unwrap().node, qcow2);
+}
+
+#[test]
+fn a_file_prefix_keeps_the_rest_from_reading_as_a_protocol() {
+    // QEMU names `file:a:b` ./a:b, and opens a file whose name has a colon after a slash as is.
+    let node = |f| format_node(None, file(f), Backing::Named);
+    assert_eq!(
+        named("file:image:top.qcow2").unwrap().node,
+        node("./image:top.qcow2")
+    );
+    assert_eq!(named("file:d/a:b.qcow2").unwrap().node, node("d/a:b.qcow2"));
+    assert_eq!(named("d/a:b.qcow2").unwrap().node, node("d/a:b.qcow2"));
 }
 
 #[test]

@@ -51,6 +51,15 @@ pub use on_disk::DiskStorage;
 pub use rados::{RadosStorage, RadosTarget, DEFAULT_OBJECT_SIZE};
 pub use rbd::{RbdStorage, RbdTarget};
 pub use stats::{IoStats, IoStatsSnapshot};
+
+/// What [`Storage::status_at`] answers: QEMU's `BDRV_BLOCK_DATA` and `BDRV_BLOCK_ZERO` of a
+/// protocol node, for `len` bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostStatus {
+    pub data: bool,
+    pub zero: bool,
+    pub len: u64,
+}
 pub(crate) use transfer::Outcomes;
 pub use transfer::{AsyncTransfer, Dir};
 
@@ -179,11 +188,17 @@ pub trait Storage: Send + Sync {
         Ok(true)
     }
 
-    /// Whether the holes [`Storage::extent_at`] reports read as zero. Not those of an NBD
-    /// export read through a dirty bitmap (QEMU's `x-dirty-bitmap`), which are its dirty
-    /// ranges: QEMU reports them as neither data nor zero.
-    fn holes_read_as_zero(&self) -> bool {
-        true
+    /// Block status of `[offset, offset + len)` as QEMU's protocol drivers answer it, for a
+    /// format's data mapped there: [`Storage::extent_at`]'s data or hole, a hole reading as
+    /// zero. An NBD export says both flags itself (zeroes that are data, holes whose content
+    /// is unknown; through QEMU's `x-dirty-bitmap`, whatever the context's bits are).
+    fn status_at(&self, offset: u64, len: u64) -> io::Result<HostStatus> {
+        let (data, len) = self.extent_at(offset, len)?;
+        Ok(HostStatus {
+            data,
+            zero: !data,
+            len,
+        })
     }
 
     /// The descriptor to which an asynchronous write of `buf` at `offset` (on the I/O queue)

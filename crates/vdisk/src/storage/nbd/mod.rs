@@ -10,11 +10,11 @@ use std::net::{TcpStream, ToSocketAddrs};
 use std::os::unix::net::UnixStream;
 use std::sync::Mutex;
 
-use super::{IoStats, Storage};
+use super::{HostStatus, IoStats, Storage};
 use crate::error::{Error, Result};
 use crate::export::nbd::proto::{
     CMD_BLOCK_STATUS, CMD_DISC, CMD_FLAG_REQ_ONE, CMD_FLUSH, CMD_READ, CMD_WRITE, CMD_WRITE_ZEROES,
-    FLAG_READ_ONLY, FLAG_SEND_FLUSH, FLAG_SEND_WRITE_ZEROES, MAX_PAYLOAD, STATE_HOLE,
+    FLAG_READ_ONLY, FLAG_SEND_FLUSH, FLAG_SEND_WRITE_ZEROES, MAX_PAYLOAD, STATE_HOLE, STATE_ZERO,
 };
 use wire::{HandshakeError, Negotiated};
 
@@ -31,8 +31,8 @@ pub struct NbdTarget {
     pub server: NbdServer,
     pub export: Option<String>,
     /// QEMU's `x-dirty-bitmap`: block status from this metadata context (a bitmap a server
-    /// exports, `qemu:dirty-bitmap:NAME`) instead of `base:allocation`; its dirty ranges are
-    /// reported as holes that do not read as zero, as QEMU reports them.
+    /// exports, `qemu:dirty-bitmap:NAME`, or `qemu:allocation-depth`) instead of
+    /// `base:allocation`, its values read as that context's flags, as QEMU reads them.
     pub dirty_bitmap: Option<String>,
 }
 
@@ -267,9 +267,22 @@ impl Storage for NbdStorage {
     }
 
     fn extent_at(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
+        let s = self.status_at(offset, len)?;
+        Ok((s.data, s.len))
+    }
+
+    /// The context's flags as QEMU's client reads them: a hole without the zero flag is of
+    /// unknown content; `x-dirty-bitmap=qemu:allocation-depth` depths past 2 count as 2 (zero
+    /// data), and a bitmap's dirty bit has the place of the hole flag.
+    fn status_at(&self, offset: u64, len: u64) -> io::Result<HostStatus> {
+        let all_data = HostStatus {
+            data: true,
+            zero: false,
+            len,
+        };
         let n = self.info.size.saturating_sub(offset).min(len);
         if self.info.allocation.is_none() || n == 0 {
-            return Ok((true, len));
+            return Ok(all_data);
         }
         let ask = n.min(u64::from(u32::MAX) & !4095).max(1) as u32;
         let reply = self.call(
@@ -281,17 +294,22 @@ impl Storage for NbdStorage {
             &mut [],
         )?;
         Ok(match reply.status {
-            // A dirty bit has the place of the hole flag.
-            Some((run, flags)) if run > 0 => (flags & STATE_HOLE == 0, u64::from(run).min(len)),
-            _ => (true, len),
+            Some((run, flags)) if run > 0 => {
+                let flags = match self.dirty_bitmap.as_deref() {
+                    Some("qemu:allocation-depth") => flags.min(2),
+                    _ => flags,
+                };
+                HostStatus {
+                    data: flags & STATE_HOLE == 0,
+                    zero: flags & STATE_ZERO != 0,
+                    len: u64::from(run).min(len),
+                }
+            }
+            _ => all_data,
         })
     }
 
     fn stats(&self) -> &IoStats {
         &self.stats
-    }
-
-    fn holes_read_as_zero(&self) -> bool {
-        self.dirty_bitmap.is_none()
     }
 }
