@@ -9,8 +9,10 @@ use vdisk::{open_image, Error, ImageOptions};
 
 use crate::flags::{bad_cache, ImageFormat, ShowProgress};
 use crate::open::image_options;
-use crate::options::{asks_help, check_option_lists, parse_options, typed_options, Kind, Value};
-use crate::report::{fail, message, usage_fail, warn_probed_raw};
+use crate::options::{
+    asks_help, check_option_lists, parse_options, typed_options, Kind, Value, READ_ONLY_FORMATS,
+};
+use crate::report::{fail, message, program, usage_fail, warn_probed_raw};
 use crate::text::Progress;
 
 #[derive(clap::Args)]
@@ -35,49 +37,57 @@ pub struct Args {
 }
 
 /// qcow2's amend options in QEMU's order (`qcow2_amend_opts`, which its checks follow), the
-/// type QEMU reads each value as, and `-o help`'s description of those vdisk acts on (it lists
-/// no encryption option: vdisk opens no encrypted image).
-const AMEND: &[(&str, Kind, Option<&str>)] = &[
-    ("encrypt.state", Kind::Text, None),
-    ("encrypt.keyslot", Kind::Number, None),
-    ("encrypt.old-secret", Kind::Text, None),
-    ("encrypt.new-secret", Kind::Text, None),
-    ("encrypt.iter-time", Kind::Number, None),
-    ("size", Kind::Size, Some("Virtual disk size")),
+/// type QEMU reads each value as, and `-o help`'s description, QEMU's (the key slot options are
+/// listed as qemu-img lists them, though vdisk refuses to change key slots).
+const AMEND: &[(&str, Kind, &str)] = &[
+    (
+        "encrypt.state",
+        Kind::Text,
+        "Select new state of affected keyslots (active/inactive)",
+    ),
+    (
+        "encrypt.keyslot",
+        Kind::Number,
+        "Select a single keyslot to modify explicitly",
+    ),
+    (
+        "encrypt.old-secret",
+        Kind::Text,
+        "Select all keyslots that match this password",
+    ),
+    (
+        "encrypt.new-secret",
+        Kind::Text,
+        "New secret to set in the matching keyslots. Empty string to erase",
+    ),
+    (
+        "encrypt.iter-time",
+        Kind::Number,
+        "Time to spend in PBKDF in milliseconds",
+    ),
+    ("size", Kind::Size, "Virtual disk size"),
     (
         "compat",
         Kind::Text,
-        Some("Compatibility level (v2 [0.10] or v3 [1.1])"),
+        "Compatibility level (v2 [0.10] or v3 [1.1])",
     ),
-    (
-        "backing_file",
-        Kind::Text,
-        Some("File name of a base image"),
-    ),
-    (
-        "backing_fmt",
-        Kind::Text,
-        Some("Image format of the base image"),
-    ),
+    ("backing_file", Kind::Text, "File name of a base image"),
+    ("backing_fmt", Kind::Text, "Image format of the base image"),
     (
         "data_file",
         Kind::Text,
-        Some("File name of an external data file"),
+        "File name of an external data file",
     ),
     (
         "data_file_raw",
         Kind::Bool,
-        Some("The external data file must stay valid as a raw image"),
+        "The external data file must stay valid as a raw image",
     ),
-    (
-        "lazy_refcounts",
-        Kind::Bool,
-        Some("Postpone refcount updates"),
-    ),
+    ("lazy_refcounts", Kind::Bool, "Postpone refcount updates"),
     (
         "refcount_bits",
         Kind::Number,
-        Some("Width of a reference count entry in bits"),
+        "Width of a reference count entry in bits",
     ),
 ];
 
@@ -121,14 +131,21 @@ pub fn run(args: &Args) -> ExitCode {
     }
 }
 
-/// Why amend failed, as qemu-img says it. A downgrade to v2 that meets a bad snapshot L1 table
-/// while it turns zero clusters into data: QEMU reports the table on a line of its own, then
-/// fails the step with the errno of its check (iotest 080).
+/// QEMU's hint after refusing a change of the backing file, naming the program as run.
+const BACKING_REFUSED: &str = "Cannot amend the backing file";
+
+/// Why amend failed, as qemu-img says it. A refused change of the backing file gets QEMU's
+/// hint (iotest 061). A downgrade to v2 that meets a bad snapshot L1 table while it turns zero
+/// clusters into data: QEMU reports the table on a line of its own, then fails the step with
+/// the errno of its check (iotest 080).
 fn downgrade_failure(args: &Args, e: Error) -> String {
     let text = e.to_string();
     let options = parse_options(&args.options);
     let compat = options.iter().rev().find(|(k, _)| k == "compat");
     let downgrade = compat.is_some_and(|(_, v)| v == "0.10" || v == "v2");
+    if text == BACKING_REFUSED {
+        return format!("{text}\nYou can use '{} rebase' instead.", program());
+    }
     if !downgrade || !text.starts_with("Snapshot L1 table") {
         return text;
     }
@@ -224,18 +241,22 @@ fn option_help(format: &str) -> ExitCode {
     match format {
         "qcow2" => {}
         "raw" => return fail("Format driver 'raw' does not support option amendment", 1),
+        _ if READ_ONLY_FORMATS.contains(&format) => {
+            let msg = format!("Format driver '{format}' does not support option amendment");
+            return fail(msg, 1);
+        }
         _ => return fail(format!("Unknown file format '{format}'"), 1),
     }
     let mut list: Vec<(&str, &str, &str)> = AMEND
         .iter()
-        .filter_map(|&(name, kind, help)| {
+        .map(|&(name, kind, help)| {
             let kind = match kind {
                 Kind::Size => "size",
                 Kind::Number => "num",
                 Kind::Bool => "bool (on/off)",
                 Kind::Text => "str",
             };
-            Some((name, kind, help?))
+            (name, kind, help)
         })
         .collect();
     list.sort();

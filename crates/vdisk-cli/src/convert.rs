@@ -26,6 +26,7 @@ use vdisk::bytes::AlignedBuf;
 use vdisk::storage::Storage;
 use vdisk::{open_image, BlockDev, BlockStatus, CacheMode, Error, Format, Image, ImageOptions};
 
+use crate::create::option_help;
 use crate::flags::{parse_cache, ForceShare, ImageFormat, ShowProgress};
 use crate::new_image::{create, NewImage};
 use crate::report::fail;
@@ -171,7 +172,9 @@ impl Args {
 
 pub fn run(args: &Args) -> ExitCode {
     let plan = match Plan::new(args) {
-        Ok(p) => p,
+        Ok(Some(p)) => p,
+        // qemu-img lists the file's options too once a target is named.
+        Ok(None) => return option_help(args.output_format(), args.files.len() > 1),
         Err(e) => return fail(e, 1),
     };
     // As qemu-img, the line starts before anything is opened, and ends whatever happens.
@@ -287,7 +290,9 @@ fn open_target(source: &Sources, args: &Args) -> vdisk::Result<Image> {
             options: &args.options,
             backing: args.backing.as_deref(),
             backing_format: args.backing_format.as_deref(),
-            unsafe_backing: false,
+            // As qemu-img's `bdrv_create`: the backing file is first opened with the target,
+            // whose open then fails in its words, the target left made (iotest 082).
+            unsafe_backing: true,
             quiet: true,
             filename: args.target(),
             size: Some(&source.size().to_string()),

@@ -2,11 +2,11 @@
 
 use std::process::ExitCode;
 
-use vdisk::{Error, Format};
+use vdisk::Error;
 
 use crate::flags::Quiet;
 use crate::new_image::{create, NewImage, FILE_DRIVER};
-use crate::options::{asks_help, check_option_lists, parse_options};
+use crate::options::{asks_help, check_option_lists, new_format, parse_options};
 use crate::report::{fail, usage_fail};
 use crate::size::cvtnum;
 
@@ -211,15 +211,17 @@ const FILE_OPTIONS: &[OptionHelp] = &[
     SIZE_OPTION,
 ];
 
-/// qemu-img's `print_block_option_help`, listing the options vdisk takes.
-fn option_help(format: &str, with_file: bool) -> ExitCode {
+/// qemu-img's `print_block_option_help`, listing the options vdisk takes (`create` and
+/// `convert`'s `-o help`); `with_file` when a file name was given, whose protocol's options
+/// (the file's) are listed with the format's.
+pub fn option_help(format: &str, with_file: bool) -> ExitCode {
     // The file protocol driver's own options are the file's.
-    let own = match Format::parse(format) {
+    let own = match new_format(format) {
         _ if format == FILE_DRIVER => FILE_OPTIONS.to_vec(),
         Ok(parsed) if parsed.name() == "qcow2" => QCOW2_OPTIONS.to_vec(),
         Ok(parsed) if parsed.name() == "luks" => LUKS_OPTIONS.to_vec(),
         Ok(_) => vec![SIZE_OPTION],
-        Err(_) => return fail(format!("Unknown file format '{format}'"), 1),
+        Err(e) => return fail(e, 1),
     };
     let mut list = own;
     if with_file {

@@ -14,7 +14,7 @@ use vdisk::storage::{
 use vdisk::Preallocation;
 use vdisk::{open_image, BlockDev, Error, Format, ImageOptions};
 
-use crate::options::{parse_bool, parse_options};
+use crate::options::{new_format, parse_bool, parse_options};
 use crate::report::message;
 use crate::size::{option_number, option_size, parse_size};
 use encrypt::EncryptOptions;
@@ -50,8 +50,7 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
     // `-f file` is QEMU's protocol driver made directly: a raw image under its own name.
     let format = match args.format {
         FILE_DRIVER => Format::RAW,
-        name => Format::parse(name)
-            .map_err(|_| Error::unsupported(format!("Unknown file format '{name}'")))?,
+        name => new_format(name)?,
     };
     // Where the image goes is known (or refused) before anything is said of it.
     let target = new_target(args.filename)?;

@@ -1,5 +1,5 @@
-//! The `-o` option lists of qemu-img's commands, read as QEMU's option parser reads them, and
-//! the snapshot parameter of `-l`.
+//! The `-o` option lists of qemu-img's commands, read as QEMU's option parser reads them, the
+//! snapshot parameter of `-l`, and the format names of new images.
 
 use vdisk::{Error, Format, Image};
 
@@ -145,4 +145,17 @@ pub fn snapshot_param(source: &Image, param: &str) -> vdisk::Result<String> {
         }
     }
     Ok(id.or(name).unwrap_or(param).to_string())
+}
+
+/// Formats QEMU reads but cannot make, which it refuses to make in words of their own.
+pub const READ_ONLY_FORMATS: &[&str] = &["bochs", "cloop", "dmg"];
+
+/// The format `-f` or `-O` names for a new image, or qemu-img's refusal.
+pub fn new_format(name: &str) -> vdisk::Result<Format> {
+    Format::parse(name).map_err(|_| match READ_ONLY_FORMATS.contains(&name) {
+        true => Error::unsupported(format!(
+            "Format driver '{name}' does not support image creation"
+        )),
+        false => Error::unsupported(format!("Unknown file format '{name}'")),
+    })
 }

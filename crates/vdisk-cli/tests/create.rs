@@ -371,3 +371,70 @@ fn create_f_file_matches_qemu_img() {
     }
     f.finish();
 }
+
+/// `-o help` of create and convert (iotest 082): the options of the format, with the file's
+/// once a target is named; a format QEMU reads but cannot make is refused in its words. Nothing
+/// is made.
+#[test]
+fn option_help_matches_qemu_img() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "option-help");
+    let mut f = Failures::new("option-help", &wd);
+    wd.setup_img(&["create", "-q", "-f", "qcow2", "s.qcow2", "1M"]);
+    let cases: [&[&str]; 12] = [
+        &["create", "-f", "qcow2", "-o", "help"],
+        &["create", "-f", "qcow2", "-o", "help", "t.img", "1M"],
+        &["create", "-f", "bochs", "-o", "help"],
+        &["create", "-f", "bochs", "t.img", "1M"],
+        &["convert", "-O", "qcow2", "-o", "help", "s.qcow2", "t.img"],
+        &[
+            "convert",
+            "-O",
+            "qcow2",
+            "-o",
+            "cluster_size=4k,?",
+            "s.qcow2",
+            "t.img",
+        ],
+        &[
+            "convert",
+            "-O",
+            "qcow2",
+            "-o",
+            "cluster_size=4k",
+            "-o",
+            "help",
+            "s.qcow2",
+            "t.img",
+        ],
+        &["convert", "-O", "raw", "-o", "help", "s.qcow2", "t.img"],
+        &["convert", "-O", "qcow2", "-o", "help"],
+        &["convert", "-o", "help"],
+        &["convert", "-O", "bochs", "-o", "help"],
+        &["convert", "-O", "qcow2", "-o", ",help", "s.qcow2", "t.img"],
+    ];
+    for args in cases {
+        let (q, v) = (wd.qemu_img(args), wd.vdisk(args));
+        f.same_outcome(&args.join(" "), "-o help", &q, &v);
+        if !f.count(!wd.abs("t.img").exists()) {
+            f.add(&args.join(" "), "t.img", "made");
+            wd.remove("t.img");
+        }
+    }
+    // A backing file name that only looks like a request for help: qemu-img makes the target,
+    // then fails to open it for want of that file.
+    let o = "backing_fmt=qcow2,backing_file=s.qcow2,,help";
+    let args = ["convert", "-O", "qcow2", "-o", o, "s.qcow2", "t.img"];
+    let mut made = Vec::new();
+    let mut outs = Vec::new();
+    for run in [Workdir::qemu_img, Workdir::vdisk] {
+        outs.push(run(&wd, &args));
+        made.push(wd.abs("t.img").exists());
+        let _ = std::fs::remove_file(wd.abs("t.img"));
+    }
+    f.same_outcome(o, "convert", &outs[0], &outs[1]);
+    if !f.count(made == [true, true]) {
+        f.add(o, "t.img made (qemu-img, vdisk)", format!("{made:?}"));
+    }
+    f.finish();
+}

@@ -4,7 +4,9 @@
 use vdisk::{Error, Format};
 
 use super::{Args, MAX_SPARSE, SPARSE};
-use crate::options::{check_option_lists, creation_option, parse_options, typed_options};
+use crate::options::{
+    asks_help, check_option_lists, creation_option, parse_options, typed_options,
+};
 use crate::size::parse_size;
 
 /// How the copy treats zeroes, and how many workers run it.
@@ -30,7 +32,8 @@ pub(super) struct Plan {
 }
 
 impl Plan {
-    pub(super) fn new(args: &Args) -> vdisk::Result<Plan> {
+    /// The plan, or `None` when `-o` asks for help (the list of the target's options).
+    pub(super) fn new(args: &Args) -> vdisk::Result<Option<Plan>> {
         check_option_lists(&args.options).map_err(Error::invalid)?;
         let sparse = match args.sparse.as_deref() {
             None => SPARSE as u64,
@@ -93,11 +96,15 @@ impl Plan {
                 "--target-image-opts requires use of -n flag",
             ));
         }
+        // After the refusals of the flags, as in qemu-img.
+        if asks_help(&args.options) {
+            return Ok(None);
+        }
         if args.files.len() < 2 {
             return Err(Error::invalid("Must specify image file name"));
         }
         let backed = backed(args);
-        Ok(Plan {
+        Ok(Some(Plan {
             sparse: sparse as usize,
             zero_init: (!args.no_create && !new_target_reads_noise(args) || args.target_is_zero)
                 && !backed,
@@ -108,7 +115,7 @@ impl Plan {
             copy_offload: args.copy_offload,
             salvage: args.salvage,
             quiet: args.progress.messages.quiet,
-        })
+        }))
     }
 }
 

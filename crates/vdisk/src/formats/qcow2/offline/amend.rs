@@ -112,9 +112,8 @@ impl Qcow2 {
         if backing_named
             && (o.backing_file != h.backing_file || o.backing_format != h.backing_format)
         {
-            return Err(Error::invalid(
-                "Cannot amend the backing file\nYou can use 'vdisk rebase' instead.",
-            ));
+            // The CLI adds QEMU's hint, which names the program run.
+            return Err(Error::invalid("Cannot amend the backing file"));
         }
         if o.lazy_refcounts == Some(true) && !h.lazy_refcounts() && new_version < 3 {
             return Err(Error::invalid(
