@@ -191,6 +191,42 @@ const LUKS_OPTIONS: &[OptionHelp] = &[
     SIZE_OPTION,
 ];
 
+/// seqlog's options (docs/seqlog-format.md).
+const SEQLOG_OPTIONS: &[OptionHelp] = &[
+    ("block_size", "size", "Unit the map tracks (default 4 KiB)"),
+    (
+        "cleaner",
+        "str",
+        "Victim choice: cost-benefit (default) or greedy",
+    ),
+    (
+        "map_memory",
+        "size",
+        "Map memory to keep resident, the rest read back on demand (0: all)",
+    ),
+    (
+        "preallocation",
+        "str",
+        "Preallocation mode of the log (allowed values: off, falloc, full)",
+    ),
+    (
+        "segment_size",
+        "size",
+        "Unit of appending and cleaning (default 1 MiB)",
+    ),
+    SIZE_OPTION,
+    (
+        "spare",
+        "number",
+        "Log space beyond the disk's size, in percent of it (default 25)",
+    ),
+    (
+        "streams",
+        "number",
+        "Open segments: 2, 3 (metadata apart) or 4 (and colder moved blocks apart; default)",
+    ),
+];
+
 /// Options of the file underneath the format, which qemu-img lists only when it knows the file.
 const FILE_OPTIONS: &[OptionHelp] = &[
     (
@@ -220,6 +256,7 @@ pub fn option_help(format: &str, with_file: bool) -> ExitCode {
         _ if format == FILE_DRIVER => FILE_OPTIONS.to_vec(),
         Ok(parsed) if parsed.name() == "qcow2" => QCOW2_OPTIONS.to_vec(),
         Ok(parsed) if parsed.name() == "luks" => LUKS_OPTIONS.to_vec(),
+        Ok(parsed) if parsed.name() == "seqlog" => SEQLOG_OPTIONS.to_vec(),
         Ok(_) => vec![SIZE_OPTION],
         Err(e) => return fail(e, 1),
     };

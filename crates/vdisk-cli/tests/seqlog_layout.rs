@@ -189,7 +189,8 @@ fn qcow2_on_seqlog_serves_over_nbd() {
 
 /// `-f seqlog -o preallocation=full` writes the whole log at create (the file is as long as
 /// its segments, and all of it allocated), and the disk then reads and writes as a new one;
-/// an unknown mode is refused in qemu-img's words. `streams=` takes 2 to 4.
+/// an unknown mode is refused in qemu-img's words. `streams=` takes 2 to 4; `-o help` lists
+/// seqlog's options.
 #[test]
 fn a_fully_preallocated_seqlog_is_written_whole_and_works() {
     let Some(tools) = tools() else { return };
@@ -234,6 +235,10 @@ fn a_fully_preallocated_seqlog_is_written_whole_and_works() {
         "{}",
         bad.stderr
     );
+    let help = wd.vdisk(&["create", "-f", "seqlog", "-o", "help"]).stdout;
+    for option in ["preallocation=", "streams=", "map_memory=", "segment_size="] {
+        assert!(help.contains(option), "{help}");
+    }
     let bad = wd.vdisk(&["create", "-f", "seqlog", "-o", "streams=9", "c", "1M"]);
     assert!(bad.stderr.contains("Invalid streams '9'"), "{}", bad.stderr);
     let two = wd.vdisk(&[
