@@ -305,3 +305,33 @@ fn seqlog_steady_state_samples_and_counts() {
     let bad = ["bench", "-w", "--hot", "90/10", "s.img"];
     assert_eq!(wd.vdisk(&bad).code, Some(1));
 }
+
+/// `create -o map_memory=`: a 16 MiB seqlog disk (a map of four 4 KiB pages) that keeps two
+/// in memory; random writes read pages back, the map stays under the cap, `info` tells the
+/// cap and `check` finds the image whole.
+#[test]
+fn seqlog_map_memory_cap() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "bench-seqlog-cap");
+    let made = wd.vdisk(&[
+        "create",
+        "-f",
+        "seqlog",
+        "-o",
+        "map_memory=8K",
+        "c.img",
+        "16M",
+    ]);
+    assert_eq!(made.code, Some(0), "{made:?}");
+    assert!(made.stdout.contains(" map_memory=8192 "), "{made:?}");
+    let a = ["bench", "-w", "-c", "4096", "-d", "8", "--random", "c.img"];
+    let v = wd.vdisk(&a);
+    assert_eq!(v.code, Some(0), "{v:?}");
+    assert!(counter(&v, "seqlog_map_page_ins_total") > 0, "{v:?}");
+    // Two pages of 4 KiB and a few bytes each, far from the whole map's four.
+    assert!(counter(&v, "seqlog_map_memory_bytes") < 3 * 4096, "{v:?}");
+    let info = wd.vdisk(&["info", "c.img"]);
+    assert!(info.stdout.contains("map memory cap: 8192"), "{info:?}");
+    let check = wd.vdisk(&["check", "c.img"]);
+    assert_eq!(check.code, Some(0), "{check:?}");
+}
