@@ -158,6 +158,13 @@ subjects! {
         Backend::File,
         false
     );
+    qcow2_on_seqlog_map_capped => qcow2_on_seqlog(
+        "qcow2 on seqlog, map memory capped at two pages of 512 B blocks",
+        qcow2_opts!(),
+        seqlog_opts!(block_size: 512, segment_size: 64 << 10, map_memory: 1024),
+        Backend::Memory,
+        false
+    );
     qcow2_on_seqlog_filled => qcow2_on_seqlog(
         "qcow2 on seqlog filled, 4 KiB segments of 512 B blocks, 4 KiB clusters",
         qcow2_opts!(cluster_size: 4096),
