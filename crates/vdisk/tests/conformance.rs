@@ -130,8 +130,8 @@ subjects! {
         Backend::Memory,
         true
     );
-    // Pages of 128 entries (512 B blocks), two of them in memory: nearly every page is read
-    // back from the newest checkpoint, and checkpoints come every few writes.
+    // Pages of 128 entries (512 B blocks), two of them in memory: nearly every page is written
+    // out and read back, from the newest checkpoint's slot or the next one's.
     seqlog_map_capped => seqlog(
         "seqlog, map memory capped at two pages",
         seqlog_opts!(block_size: 512, segment_size: 64 << 10, map_memory: 1024),

@@ -261,8 +261,8 @@ fn io_error(source: std::io::Error, what: &str) -> Error {
 }
 
 impl Log {
-    /// Whether the log grew enough since the last checkpoint to write another, or the map's
-    /// dirty pages exceed its cap (only a checkpoint makes them evictable).
+    /// Whether the log grew enough since the last checkpoint to write another, or the map
+    /// could not write a page out (only a checkpoint makes it evictable then).
     pub(super) fn checkpoint_due(&self, t: &Tail, map: &Map) -> bool {
         self.sb.checkpoints
             && (t.opened_since >= interval(&self.sb) || map.pages.wants_checkpoint())

@@ -85,8 +85,8 @@ impl Map {
     pub fn set(&self, block: u64, to: Option<u32>) {
         let new = to.map_or(0, |l| l + 1);
         let (p, i) = self.at(block);
-        // Prepared pages stay resident: the page is read in here only if one was not.
-        let Ok(old) = self.pages.with(p, |e| e[i].swap(new, Relaxed)) else {
+        // Read in again where a cap wrote the prepared page out meanwhile.
+        let Ok(old) = self.pages.modify(p, |e| e[i].swap(new, Relaxed)) else {
             self.pages.break_map();
             return;
         };
@@ -258,38 +258,54 @@ mod tests {
     }
 
     #[test]
-    fn dirty_pages_stay_until_a_checkpoint_saves_them() {
+    fn dirty_pages_are_written_out_ahead_and_read_back() {
         let (m, storage, sb) = capped();
+        let dirtied = [0u64, 4, 5, 6, 7];
+        let check = |m: &Map| {
+            for p in 0..8u64 {
+                let first = match dirtied.contains(&p) {
+                    true => 1100 + p as u32,
+                    false => (p * 128) as u32 % 1000,
+                };
+                assert_eq!(m.get(p * 128).unwrap(), Some(first), "page {p}");
+                assert_eq!(
+                    m.get(p * 128 + 1).unwrap(),
+                    Some((p * 128 + 1) as u32 % 1000)
+                );
+            }
+        };
+        // Before the open's replay ends nothing is written: dirty pages stay, over the cap.
         for p in [0u64, 4, 5] {
             m.prepare(p * 128, 1).unwrap();
             m.set(p * 128, Some(1100 + p as u32));
         }
-        // Three dirty pages over a cap of two: all stay, and the map asks for a checkpoint.
         m.get(300).unwrap();
-        m.get(400).unwrap();
         let resident = m.pages.resident_pages();
         assert!(
             [0, 4, 5].iter().all(|p| resident.contains(p)),
             "{resident:?}"
         );
-        assert!(m.pages.wants_checkpoint());
-        // The checkpoint: the map copied into slot 1, which pages are read from after.
+        // Then the appender writes them out into slot 1 (the next checkpoint's).
+        m.pages.start_writing();
+        for p in [6u64, 7] {
+            m.prepare(p * 128, 1).unwrap();
+            m.set(p * 128, Some(1100 + p as u32));
+        }
+        assert!(m.pages.resident_pages().len() <= 2);
+        assert!(m.pages.page_outs.load(Relaxed) >= 3);
+        assert!(!m.pages.wants_checkpoint());
+        check(&m);
+        // The checkpoint: the map copied into slot 1 (pages written out included), which
+        // pages are read from after.
         let mut buf = crate::bytes::AlignedBuf::zeroed(8 * 512);
         m.pages.copy_out(0, &mut buf).unwrap();
         storage
             .write_at(sb.checkpoint_offset(1) + 512, &buf)
             .unwrap();
         m.pages.checkpointed(Some(1));
-        assert!(!m.pages.wants_checkpoint());
         assert!(m.pages.resident_pages().len() <= 2);
-        for p in [0u64, 4, 5] {
-            assert_eq!(m.get(p * 128).unwrap(), Some(1100 + p as u32), "page {p}");
-            assert_eq!(
-                m.get(p * 128 + 1).unwrap(),
-                Some((p * 128 + 1) as u32 % 1000)
-            );
-        }
-        assert_eq!(m.live(3), 100 + 3);
+        check(&m);
+        assert_eq!(m.live(3), 100 + 5);
         assert_eq!(m.entries().unwrap()[4 * 128], 1105);
     }
 

@@ -127,6 +127,10 @@ impl Seqlog {
             recovery_time: started.elapsed(),
             classify: classify::Classifier::new(&sb, read_only),
         };
+        if !read_only {
+            // Not before: the replay must not write, nor a read-only open.
+            disk.map.pages.start_writing();
+        }
         disk.classify_now();
         Ok(disk)
     }
@@ -279,6 +283,8 @@ impl BlockDev for Seqlog {
             return Ok(());
         }
         self.log.settle(&self.map)?;
+        // The storage failed a write (of a map page, kept in memory instead): said here.
+        self.map.pages.failure()?;
         self.write_size()?;
         self.log.sync()
     }

@@ -69,7 +69,9 @@ impl Seqlog {
             guest_bytes: s.guest_bytes.load(Relaxed),
             log_bytes: s.bytes.load(Relaxed),
             cleaner_bytes: s.cleaner_bytes.load(Relaxed),
-            checkpoint_bytes: s.checkpoint_bytes.load(Relaxed),
+            // Pages written out ahead of a checkpoint are the map's writes too.
+            checkpoint_bytes: s.checkpoint_bytes.load(Relaxed)
+                + self.map.pages.page_outs.load(Relaxed) * self.bs(),
             cleaned: s.cleaned.load(Relaxed),
             moved: s.moved.load(Relaxed),
             block_size: self.bs(),
@@ -101,7 +103,7 @@ impl Seqlog {
             ),
             stat(
                 "seqlog_checkpoint_written_bytes_total",
-                "Bytes of map checkpoints written.",
+                "Bytes of the map written: checkpoints, and pages written out ahead of one.",
                 Counter(c.checkpoint_bytes),
             ),
             stat(
@@ -148,6 +150,11 @@ impl Seqlog {
                 "seqlog_map_evictions_total",
                 "Pages of the map dropped from memory (a map_memory cap).",
                 Counter(self.map.pages.evictions.load(Relaxed)),
+            ),
+            stat(
+                "seqlog_map_page_outs_total",
+                "Changed pages of the map written out before they were dropped.",
+                Counter(self.map.pages.page_outs.load(Relaxed)),
             ),
             stat(
                 "seqlog_recovery_microseconds",
@@ -292,9 +299,9 @@ mod tests {
             );
             assert_eq!(
                 value(&disk, "seqlog_map_memory_bytes"),
-                // One page of 1024 entries (with its counts and pointer), a pointer and two
+                // One page of 1024 entries (with its counts and pointer), a pointer and three
                 // marks for it, and the live counts of 20 segments.
-                StatValue::Gauge(4096 + 32 + 10 + 4 * 20)
+                StatValue::Gauge(4096 + 32 + 11 + 4 * 20)
             );
             assert_eq!(
                 value(&disk, "seqlog_mapped_bytes"),
