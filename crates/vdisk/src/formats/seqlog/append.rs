@@ -129,16 +129,17 @@ impl Log {
         }))
     }
 
-    /// Whether `record` fits without cleaning: in `stream`'s open segment, or in segments
-    /// free beyond the reserve. One segment more stays idle than `data_segment` needs:
-    /// with `>=` (the reserve alone), writers side by side on a full disk of small segments
-    /// run out of space (conformance `seqlog_filled::concurrent_writers_lose_nothing`: 4 of
-    /// 8 runs, against 1 of 8 with `>`), though it gave 0.05 less write amplification.
+    /// Whether `record` fits without cleaning: in `stream`'s open segment, or in the
+    /// segments free beyond the reserve. (Until the trim fix of 2e5b788, `>=` here, the
+    /// reserve alone, ran writers side by side out of space on a full disk of small segments,
+    /// and one more idle segment was kept; since, the seqlog conformance subjects' concurrent
+    /// writers passed 81 runs of 81 with it, and it saves 0.06 of write amplification at 80%
+    /// fill, bench/results/seqlog-clean.md.)
     fn room_for(&self, t: &Tail, stream: usize, record: Record) -> bool {
         let room = t.open[stream].map_or(0, |o| self.sb.segment_blocks - o.pos);
         let blocks = record.data_blocks() + 1;
         let per = self.sb.segment_blocks - 1;
-        blocks <= room || t.head.free.len() > RESERVE + blocks.div_ceil(per) as usize
+        blocks <= room || t.head.free.len() >= RESERVE + blocks.div_ceil(per) as usize
     }
 
     /// The batch of `stream` that takes `record` (or its first piece), by its index in
