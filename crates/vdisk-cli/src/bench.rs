@@ -40,7 +40,8 @@ use crate::open::image_options;
 use crate::report::{fail, warn_probed_raw};
 use plan::{plan, Plan};
 use report::print_counters;
-use workload::{Rng, Sampler, Workload};
+use vdisk::rng::SplitMix64;
+use workload::{Sampler, Workload};
 
 /// qemu-img bench's options; like qemu-img, a repeated option takes its last value.
 #[derive(clap::Args)]
@@ -258,7 +259,7 @@ struct State {
     done: u64,
     next_offset: u64,
     /// Draws the offsets with `--random`.
-    rng: Option<Rng>,
+    rng: Option<SplitMix64>,
     /// A flush is due or running (`--flush-interval` with draining): nothing is sent.
     flushing: bool,
     /// What the I/O queue did, when the writes went on it.
@@ -277,7 +278,7 @@ impl<'p> Run<'p> {
         workload: &'p Workload,
         sampler: Sampler<'p>,
     ) -> Run<'p> {
-        let mut rng = workload.random.then(|| Rng::new(workload.seed));
+        let mut rng = workload.random.then_some(SplitMix64(workload.seed));
         let next_offset = rng.as_mut().map_or(plan.offset, |r| {
             workload.offset(r, image_size, plan.bufsize)
         });

@@ -8,27 +8,12 @@
 mod nbd_common;
 
 use nbd_common::{peers, run, scratch, try_run, under_ci, vdisk_bin, Serve};
+use vdisk::rng::SplitMix64;
 
 const SIZE: u64 = 16 << 20;
 
-/// A small deterministic generator (xorshift), so a failure names its seed and reproduces.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 /// One turn's qemu-io commands: offsets and lengths in 512-byte units, some cluster aligned.
-fn turn(rng: &mut Rng, n: usize) -> Vec<String> {
+fn turn(rng: &mut SplitMix64, n: usize) -> Vec<String> {
     (0..n)
         .map(|_| {
             let unit = if rng.below(2) == 0 { 512 } else { 65536 };
@@ -112,7 +97,7 @@ fn qemu_and_vdisk_take_turns_writing() {
             std::fs::write(&reference, vec![0u8; SIZE as usize]).unwrap();
         }
         run(qemu_img, &[&create[..], &[img_s, "16M"]].concat());
-        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let mut rng = SplitMix64(seed);
         for round in 0..6 {
             let cmds = turn(&mut rng, 12);
             // Discards leave the contents undefined: the reference reads what the image reads

@@ -16,7 +16,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use vdisk::export::nbd::fuzz::{self, Rng};
+use vdisk::export::nbd::fuzz;
+use vdisk::rng::SplitMix64;
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -84,7 +85,7 @@ fn campaign(name: &str, target: fn(&[u8]), seeds: Vec<Vec<u8>>, default_iters: u
     let pool: Vec<Vec<u8>> = seeds.into_iter().chain(corpus.iter().cloned()).collect();
     let iters = env_u64("NBD_FUZZ_ITERS").unwrap_or(default_iters);
     let seed = env_u64("NBD_FUZZ_SEED").unwrap_or(0x5eed);
-    let mut rng = Rng::new(seed);
+    let mut rng = SplitMix64::new(seed);
     for i in 0..iters {
         let mut input = pool[rng.below(pool.len() as u64) as usize].clone();
         // Sometimes pure noise after a seed's first byte (the configuration).

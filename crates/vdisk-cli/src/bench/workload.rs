@@ -7,6 +7,7 @@
 use std::time::Instant;
 
 use vdisk::bytes::AlignedBuf;
+use vdisk::rng::SplitMix64;
 use vdisk::{BlockDev, FormatStat, Image, StatValue};
 
 use crate::size::parse_size;
@@ -62,42 +63,26 @@ impl Workload {
     }
 }
 
-/// splitmix64: a fixed sequence from the seed, so that runs compare.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed)
-    }
-
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// A number in `[0, n)` (n > 0).
-    fn below(&mut self, n: u64) -> u64 {
-        ((u128::from(self.next()) * u128::from(n)) >> 64) as u64
-    }
+/// A number in `[0, n)` (n > 0) from `rng`'s fixed sequence, so that runs compare: the high
+/// half of a 128-bit product, which keeps offsets uniform where a remainder would not.
+fn below(rng: &mut SplitMix64, n: u64) -> u64 {
+    ((u128::from(rng.next_u64()) * u128::from(n)) >> 64) as u64
 }
 
 impl Workload {
     /// A random request offset, a multiple of `bufsize`, the request within `size`.
-    pub fn offset(&self, rng: &mut Rng, size: u64, bufsize: u64) -> u64 {
+    pub fn offset(&self, rng: &mut SplitMix64, size: u64, bufsize: u64) -> u64 {
         let slots = (size / bufsize).max(1);
         let slot = match self.hot {
             Some((p, a)) => {
                 let hot = (slots * a / 100).clamp(1, slots);
-                if rng.below(100) < p || hot == slots {
-                    rng.below(hot)
+                if below(rng, 100) < p || hot == slots {
+                    below(rng, hot)
                 } else {
-                    hot + rng.below(slots - hot)
+                    hot + below(rng, slots - hot)
                 }
             }
-            None => rng.below(slots),
+            None => below(rng, slots),
         };
         slot * bufsize
     }
@@ -181,7 +166,7 @@ mod tests {
     #[test]
     fn hot_offsets_are_skewed() {
         let w = Workload::parse(true, Some("90/10"), "1", false, None).unwrap();
-        let mut rng = Rng::new(w.seed);
+        let mut rng = SplitMix64(w.seed);
         let (size, bs) = (1000 * 4096, 4096);
         let mut hot = 0;
         for _ in 0..100_000 {

@@ -2,15 +2,12 @@
 
 use std::fmt::Write as _;
 
-/// Deterministic bytes (xorshift64*), for incompressible data.
+/// Deterministic bytes, for incompressible data.
 pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut rng = vdisk::rng::SplitMix64(seed);
     let mut out = Vec::with_capacity(len + 8);
     while out.len() < len {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        out.extend_from_slice(&x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes());
+        out.extend_from_slice(&rng.next_u64().to_le_bytes());
     }
     out.truncate(len);
     out

@@ -21,15 +21,8 @@ fn the_writer_makes_a_valid_image() {
 #[test]
 fn random_bytes_as_qcow2() {
     let dir = tempfile::tempdir().unwrap();
-    let mut x = 0x2545_f491_4f6c_dd1du64;
-    let bytes: Vec<u8> = (0..64 << 10)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect();
+    let mut rng = vdisk::rng::SplitMix64(0x2545_f491_4f6c_dd1d);
+    let bytes: Vec<u8> = (0..64 << 10).map(|_| rng.next_u64() as u8).collect();
     let img = write(dir.path(), "random.bin", &bytes);
     let want = Expect {
         info: 1,

@@ -5,7 +5,7 @@
 
 use vdisk::export::nbd::proto::*;
 
-pub use vdisk::export::nbd::fuzz::Rng;
+use vdisk::rng::SplitMix64;
 
 fn option(out: &mut Vec<u8>, opt: u32, data: &[u8]) {
     out.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -16,7 +16,7 @@ fn option(out: &mut Vec<u8>, opt: u32, data: &[u8]) {
 
 /// A plausible session against an export of `size` bytes: the handshake, then requests.
 /// Returns the stream and where the transmission phase starts in it.
-pub fn session(r: &mut Rng, size: u64) -> (Vec<u8>, usize) {
+pub fn session(r: &mut SplitMix64, size: u64) -> (Vec<u8>, usize) {
     let mut s = Vec::new();
     s.extend_from_slice(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes());
     let structured = r.chance(80);
@@ -135,7 +135,7 @@ const INTERESTING32: [u32; 10] = [
 ];
 
 /// Mutates `s` in place a few times; mutations land mostly after `start` (the requests).
-pub fn mutate(r: &mut Rng, s: &mut Vec<u8>, start: usize) {
+pub fn mutate(r: &mut SplitMix64, s: &mut Vec<u8>, start: usize) {
     for _ in 0..(1 + r.below(4)) {
         if s.is_empty() {
             s.push(r.next_u64() as u8);
@@ -187,7 +187,7 @@ pub fn mutate(r: &mut Rng, s: &mut Vec<u8>, start: usize) {
 }
 
 /// Random bytes, sometimes after a valid handshake prefix.
-pub fn noise(r: &mut Rng, size: u64) -> Vec<u8> {
+pub fn noise(r: &mut SplitMix64, size: u64) -> Vec<u8> {
     let mut s = if r.chance(50) {
         let (mut s, start) = session(r, size);
         s.truncate(start);

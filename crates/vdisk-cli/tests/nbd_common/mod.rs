@@ -325,9 +325,9 @@ pub fn connect(server: &Server, o: &client::Opts) -> client::Client {
     client::Client::connect(a, o).expect("handshake")
 }
 
-/// Deterministic bytes (xorshift64*).
+/// Deterministic bytes.
 pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
-    let mut r = fuzz::Rng::new(seed);
+    let mut r = vdisk::rng::SplitMix64::new(seed);
     (0..len).map(|_| r.next_u64() as u8).collect()
 }
 

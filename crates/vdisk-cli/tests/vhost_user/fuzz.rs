@@ -14,27 +14,9 @@ use std::time::Duration;
 
 use super::{new_image, pattern, qemu_img_check, read, write, Served, MIB};
 use crate::common::tools;
+use vdisk::rng::SplitMix64;
 use vhost_load::blk::S_OK;
 use vhost_load::Slots;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-}
 
 fn cases() -> u64 {
     std::env::var("VHOST_FUZZ_CASES")
@@ -53,20 +35,20 @@ fn descriptor(addr: u64, len: u32, flags: u16, next: u16) -> [u8; 16] {
 }
 
 /// An address a driver might give: inside the buffers, just past guest memory, or anything.
-fn address(rng: &mut Rng, buffers: u64, buffers_len: u64, ram_len: u64) -> u64 {
+fn address(rng: &mut SplitMix64, buffers: u64, buffers_len: u64, ram_len: u64) -> u64 {
     match rng.below(10) {
-        0 => rng.next(),
+        0 => rng.next_u64(),
         1 => ram_len - rng.below(64),
         2 => u64::MAX - rng.below(4096),
         _ => buffers + rng.below(buffers_len - 4096),
     }
 }
 
-fn length(rng: &mut Rng) -> u32 {
+fn length(rng: &mut SplitMix64) -> u32 {
     match rng.below(10) {
         0 => 0,
         1 => u32::MAX - rng.below(16) as u32,
-        2 => rng.next() as u32,
+        2 => rng.next_u64() as u32,
         3 => 1 + rng.below(16) as u32,
         _ => 512 * (1 + rng.below(16) as u32),
     }
@@ -78,7 +60,7 @@ fn fuzzed_chains_and_messages_leave_the_server_serving() {
     let dir = tempfile::tempdir().unwrap();
     let image = new_image(&tools, dir.path(), "f.qcow2", "4M");
     let mut served = Served::start(&tools, &image, &[]);
-    let mut rng = Rng(0x005e_ed0f_f022 ^ cases());
+    let mut rng = SplitMix64(0x005e_ed0f_f022 ^ cases());
     let (mut dev, mut queues) = served.connect(1);
     let mut stuck = 0;
     for case in 0..cases() {
@@ -88,12 +70,12 @@ fn fuzzed_chains_and_messages_leave_the_server_serving() {
         // A header the device will read: a known or random type, a sector near the disk.
         let header = buffers;
         let mut h = [0u8; 16];
-        let kind = [0u32, 1, 4, 8, 11, 13, rng.next() as u32][rng.below(7) as usize];
+        let kind = [0u32, 1, 4, 8, 11, 13, rng.next_u64() as u32][rng.below(7) as usize];
         h[0..4].copy_from_slice(&kind.to_le_bytes());
         let sector = if rng.chance(80) {
             rng.below(8192 + 16)
         } else {
-            rng.next()
+            rng.next_u64()
         };
         h[8..16].copy_from_slice(&sector.to_le_bytes());
         ram.write(header, &h);
@@ -174,9 +156,15 @@ fn fuzzed_chains_and_messages_leave_the_server_serving() {
             .unwrap();
         for _ in 0..1 + rng.below(6) {
             let request = rng.below(50) as u32;
-            let flags = [1u32, 0, 0x9, rng.next() as u32][rng.below(4) as usize];
-            let size = [0u32, 8, 40, 4096, rng.next() as u32, rng.below(512) as u32]
-                [rng.below(6) as usize];
+            let flags = [1u32, 0, 0x9, rng.next_u64() as u32][rng.below(4) as usize];
+            let size = [
+                0u32,
+                8,
+                40,
+                4096,
+                rng.next_u64() as u32,
+                rng.below(512) as u32,
+            ][rng.below(6) as usize];
             let mut msg = Vec::new();
             msg.extend_from_slice(&request.to_le_bytes());
             msg.extend_from_slice(&flags.to_le_bytes());
@@ -187,7 +175,7 @@ fn fuzzed_chains_and_messages_leave_the_server_serving() {
             } else {
                 rng.below(payload as u64 + 1) as usize
             };
-            msg.extend((0..payload).map(|_| rng.next() as u8));
+            msg.extend((0..payload).map(|_| rng.next_u64() as u8));
             let sent = if rng.chance(20) {
                 send_with_fd(&sock, &msg)
             } else {

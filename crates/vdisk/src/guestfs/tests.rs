@@ -206,13 +206,8 @@ fn hostile_superblocks_give_no_layout() {
     };
     let image = std::fs::read(&path).unwrap();
     let size = image.len() as u64;
-    let mut seed = 0x9e3779b97f4a7c15u64;
-    let mut next = || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
+    let mut rng = crate::rng::SplitMix64(0x9e37_79b9_7f4a_7c15);
+    let mut next = || rng.next_u64();
     for round in 0..3000 {
         let mut disk = image[..1 << 20].to_vec();
         let fields = [

@@ -278,14 +278,11 @@ fn any_text_resolves_or_fails_without_panicking() {
         "true",
         "null",
     ];
-    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut rng = crate::rng::SplitMix64(0x2545_f491_4f6c_dd1d);
     for _ in 0..20_000 {
         let mut text = String::new();
-        for _ in 0..(seed % 12) {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            text.push_str(pieces[(seed % pieces.len() as u64) as usize]);
+        for _ in 0..rng.below(12) {
+            text.push_str(pieces[rng.below(pieces.len() as u64) as usize]);
         }
         let _ = named(&text);
         let _ = ImageSpec::from_image_opts(&text, None);

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use vdisk::formats::qcow2::create::{create, CreateOptions};
 use vdisk::io::{Backend, Completion, Declined, Dir, IoCounters, IoCountersSnapshot, IoQueue};
+use vdisk::rng::SplitMix64;
 use vdisk::storage::{RbdStorage, RbdTarget, Storage};
 use vdisk::{open_storage_with, BlockDev, Format, Image};
 
@@ -46,18 +47,6 @@ fn drain(q: &IoQueue<'_, Vec<u8>, u64>) -> Vec<Completion<Vec<u8>, u64>> {
     done
 }
 
-/// A small deterministic generator (xorshift64*).
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
-    }
-}
-
 /// A request of the workload: its number (the seed of a write's data), where, how long.
 #[derive(Clone, Copy)]
 struct Req {
@@ -75,7 +64,7 @@ fn mixed_at_depth(disk: &dyn BlockDev, count: u64, what: &str) -> IoCountersSnap
     let blocks = size / BLOCK;
     let mut model = vec![0u8; size as usize];
     let mut busy = vec![false; blocks as usize];
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = SplitMix64(0x9e37_79b9_7f4a_7c15);
     let counters = Arc::new(IoCounters::default());
     let q = IoQueue::new(Backend::LinuxAio, DEPTH, counters.clone()).expect("an I/O queue");
     let mut reqs: Vec<Req> = Vec::new();

@@ -92,14 +92,8 @@ fn every_truncation_of_a_valid_image_fails_cleanly() {
 
 #[test]
 fn random_bytes_behind_a_qcow2_magic_fail_cleanly() {
-    // A fixed xorshift stream: deterministic, no extra dependency.
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
+    let mut rng = vdisk::rng::SplitMix64(0x9e37_79b9_7f4a_7c15);
+    let mut next = || rng.next_u64();
     for round in 0..200 {
         let len = 72 + (next() % 20_000) as usize;
         let mut bytes: Vec<u8> = (0..len).map(|_| next() as u8).collect();

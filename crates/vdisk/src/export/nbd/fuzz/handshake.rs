@@ -2,10 +2,10 @@
 
 use std::sync::OnceLock;
 
-use super::seeds::Rng;
 use crate::export::nbd::export::Exports;
 use crate::export::nbd::handshake::{Handshake, Outcome, MAX_OPTION_DATA, MAX_PENDING_OUTPUT};
 use crate::export::nbd::proto::*;
+use crate::rng::SplitMix64;
 
 /// What one run produced, compared between the whole and the piecewise run.
 #[derive(Debug, PartialEq, Eq)]
@@ -35,7 +35,7 @@ fn exports() -> &'static Exports {
 /// Drives a negotiation with `input`, in pieces of at most `piece` bytes (never more than it
 /// asks for), reading the replies away at moments `rng` picks (always when it would otherwise
 /// stall).
-fn drive(input: &[u8], mut rng: Option<Rng>) -> Run {
+fn drive(input: &[u8], mut rng: Option<SplitMix64>) -> Run {
     let exports = exports();
     let mut hs = Handshake::new();
     let mut output = Vec::new();
@@ -145,7 +145,7 @@ pub fn handshake(data: &[u8]) {
     };
     let whole = drive(input, None);
     check_replies(&whole);
-    let pieces = drive(input, Some(Rng::new(u64::from(seed) + 1)));
+    let pieces = drive(input, Some(SplitMix64::new(u64::from(seed) + 1)));
     assert_eq!(
         whole, pieces,
         "the pieces the input came in changed the negotiation"

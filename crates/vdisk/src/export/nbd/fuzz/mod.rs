@@ -24,7 +24,7 @@ use crate::storage::{MemStorage, Storage};
 use crate::{CacheMode, Format};
 
 pub use handshake::handshake;
-pub use seeds::{handshake_seeds, mutate, transmission_seeds, Rng};
+pub use seeds::{handshake_seeds, mutate, transmission_seeds};
 pub use transmission::transmission;
 
 /// Size of the disks the targets serve.

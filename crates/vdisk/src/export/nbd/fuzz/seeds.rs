@@ -2,41 +2,7 @@
 //! plus a few broken on purpose), and the mutations the replay test applies to them.
 
 use crate::export::nbd::proto::*;
-
-/// xorshift64*: deterministic and good enough to pick mutations.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    /// A number below `n` (0 when `n` is 0).
-    pub fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.next_u64() % n
-        }
-    }
-
-    /// True `percent` times in a hundred.
-    pub fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-
-    /// One of `items` (which must not be empty).
-    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len() as u64) as usize]
-    }
-}
+use crate::rng::SplitMix64;
 
 fn option(out: &mut Vec<u8>, opt: u32, data: &[u8]) {
     out.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -369,7 +335,7 @@ const INTERESTING32: [u32; 10] = [
 
 /// Mutates `s` a few times the way fuzzers do: bit flips, random bytes, interesting 32-bit
 /// values (lengths, offsets), insertions, deletions, repeated spans, truncation.
-pub fn mutate(r: &mut Rng, s: &mut Vec<u8>) {
+pub fn mutate(r: &mut SplitMix64, s: &mut Vec<u8>) {
     for _ in 0..=r.below(4) {
         if s.is_empty() {
             s.push(r.next_u64() as u8);
