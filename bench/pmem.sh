@@ -22,7 +22,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 mkdir -p bench/results
 run() {
-    cargo test --release -q -p vdisk --test pmem -- --ignored --nocapture --exact latency::latency 2>&1 |
+    cargo test --release -q -p vdisk --test pmem -- --ignored --nocapture latency 2>&1 |
         grep -E ': p50 '
 }
 ((build)) && cargo test --release -q -p vdisk --test pmem --no-run 2>/dev/null

@@ -43,7 +43,9 @@ void *pcow_map_ptr(const pcow_map *map);
 /* The disk's size in bytes (0 for a NULL map). */
 size_t pcow_map_len(const pcow_map *map);
 
-/* Makes the stores to [offset, offset + len) durable. -EINVAL for a range past the end. */
+/* Makes the stores to [offset, offset + len) durable, and with them every cluster allocated
+ * and page copied since the last persist (faults record them in memory only; a crash before
+ * the persist reads the old content there). -EINVAL for a range past the end. */
 int pcow_map_persist(const pcow_map *map, size_t offset, size_t len);
 
 /* Persists every store, unmaps the image and frees map (NULL: nothing). Returns a negative

@@ -7,6 +7,8 @@
 //! The crash test runs this binary again as a child with `PCOW_CHILD` set, which selects what
 //! the ignored `child` test does.
 
+#[path = "pcow_mapping/durable.rs"]
+mod durable;
 #[path = "pcow_mapping/points.rs"]
 mod points;
 

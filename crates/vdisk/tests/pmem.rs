@@ -8,6 +8,7 @@
 //! | `thin.rs`      | absent slots filled on first touch, once                    |
 //! | `cow.rs`       | fine-grained copy-on-write of read-only clusters            |
 //! | `latency.rs`   | first-touch and copy-on-write latency (ignored; prints)     |
+//! | `pcow_latency.rs` | the same through pcow's mapping, and its persists (ignored) |
 //!
 //! Tests that end a process (a crash outside any region, SIGBUS after a provider failure) or
 //! count the process's threads and descriptors run this binary again as a child with
@@ -19,6 +20,8 @@ mod common;
 mod cow;
 #[path = "pmem/latency.rs"]
 mod latency;
+#[path = "pmem/pcow_latency.rs"]
+mod pcow_latency;
 #[path = "pmem/thin.rs"]
 mod thin;
 

@@ -85,16 +85,27 @@ pub enum Need {
 
 /// Where a region's writable clusters come from: the image format.
 ///
-/// Called on the region's monitor thread only, one call at a time. Every call is on the path of
-/// a faulting thread that waits for it, except [`Provider::refill`].
+/// Called on the region's monitor thread, one call at a time, except [`Provider::commit`],
+/// which [`Region::persist`] calls on the persisting thread (never during another call: the
+/// region holds the provider under a lock). Every call but `refill` and `commit` is on the
+/// path of a faulting thread that waits for it.
+///
+/// **Durability at the application's persist.** A store is durable only once the application
+/// persists it, so a fault need not make anything durable: `cluster` and `pages_copied` may
+/// keep their records in memory (the mapping already serves the new memory), and `commit`
+/// makes every record made so far durable, after the data it names. A crash before that shows
+/// the old content (the base's, or zeroes) there, as it would an unpersisted store.
 pub trait Provider: Send {
-    /// A writable cluster for `slot`. Before it returns, whatever makes the cluster the slot's
-    /// after a restart is durable (pcow: the data entry, persisted), because the application may
-    /// store and persist into it as soon as it is mapped.
+    /// A writable cluster for `slot`. What makes the cluster the slot's after a restart (pcow:
+    /// the data entry) is durable before the next [`Provider::commit`] returns; with
+    /// [`Need::Zeroed`] the cluster must already read as zeroes on the media.
     fn cluster(&mut self, slot: u64, need: Need) -> io::Result<Cluster>;
 
-    /// Pages of `slot`'s copy target now hold their copies, persisted. Record it durably (pcow:
-    /// the cow_bitmap) before returning: the pages are made writable right after.
+    /// Pages of `slot`'s copy target now hold their copies; the pages are made writable right
+    /// after. With cache-line persistence the copies are persisted already; with
+    /// [`PersistKind::Msync`] they are only in the page cache, and `commit` makes them durable
+    /// ([`Persist::persist_file`]) before it makes their record durable (pcow: the cow_bitmap),
+    /// so that no record ever reaches the media before the copy it names.
     fn pages_copied(&mut self, slot: u64, pages: &[u32]) -> io::Result<()>;
 
     /// Called after each fault is answered, off the faulting thread's path: a provider that
@@ -102,6 +113,22 @@ pub trait Provider: Send {
     fn refill(&mut self) -> io::Result<()> {
         Ok(())
     }
+
+    /// Makes durable, in the format's order, everything `cluster` and `pages_copied` recorded
+    /// so far: the copied pages first, then the records naming them. [`Region::persist`] calls
+    /// it after persisting the caller's range, before returning.
+    fn commit(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The provider, shared by the monitor thread (faults) and [`Region::persist`] (commits).
+type SharedProvider = Arc<std::sync::Mutex<Box<dyn Provider>>>;
+
+/// Locks the provider; a panic inside an earlier call (caught, counted as a failure) leaves
+/// it as it was, so a poisoned lock is taken anyway.
+fn lock(p: &SharedProvider) -> std::sync::MutexGuard<'_, Box<dyn Provider>> {
+    p.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// What a region's monitor did, counted.

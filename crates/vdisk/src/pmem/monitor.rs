@@ -2,11 +2,13 @@
 //! read-only pages (requests from the SIGSEGV handler), one at a time, so a slot is filled once
 //! and a page copied once however many threads fault on it together.
 //!
-//! Durability order of a copy-on-write, which the format's crash consistency rests on: the page
-//! is copied into the new cluster and persisted; only then is the provider told it is copied
-//! (it records that durably, e.g. a bit of pcow's cow_bitmap); only then is the new page mapped
-//! writable. So a page counted as copied always holds its whole copy, and no store of the
-//! application reaches the new page before the record that makes it visible after a restart.
+//! Order of a copy-on-write, which the format's crash consistency rests on: the page is copied
+//! into the new cluster (and, with cache-line persistence, persisted); only then is the provider
+//! told it is copied; only then is the new page mapped writable. The provider keeps that record
+//! in memory until [`Region::persist`](super::Region::persist) calls its commit, which makes the
+//! copies durable first (with `msync` persistence: one sync of the file), then the records
+//! (pcow: the cow_bitmap bits). So a page counted as copied after a crash always holds its
+//! whole copy; a crash before the commit shows the old page, as it would an unpersisted store.
 //!
 //! An access the provider cannot serve (it failed or panicked, or a system call did) maps a
 //! hole past the end of an empty memfd over the slot (missing fault) or the page (write
@@ -22,7 +24,7 @@ use std::sync::Arc;
 use super::fault::{Request, HANDLED, NOT_OURS};
 use super::map::{self, PAGE};
 use super::uffd::{Fault, Uffd};
-use super::{Cluster, Need, Persist, Provider, Stats, Written};
+use super::{lock, Cluster, Need, Persist, PersistKind, SharedProvider, Stats, Written};
 
 /// What a slot holds now. Only the monitor thread (after the region's construction) reads or
 /// changes it.
@@ -44,7 +46,7 @@ pub(super) struct Monitor {
     pub(super) base: usize,
     pub(super) cluster_size: usize,
     pub(super) slots: Vec<Slot>,
-    pub(super) provider: Box<dyn Provider>,
+    pub(super) provider: SharedProvider,
     pub(super) persist: Arc<dyn Persist>,
     /// `MAP_SHARED`, or `MAP_SHARED_VALIDATE | MAP_SYNC` when stores persist by cache flushes.
     pub(super) shared: libc::c_int,
@@ -284,11 +286,17 @@ impl Monitor {
                 )
             };
         }
-        let span = (pages.iter().max().unwrap_or(&first) + 1 - first) * PAGE;
-        // SAFETY: `[scratch, scratch + span)` is inside the scratch mapping.
-        unsafe { self.persist.persist(scratch as *const u8, span)? };
+        if self.persist.kind() != PersistKind::Msync {
+            // Cache-line write-backs cost about a microsecond a page: done here, so that the
+            // provider's commit need not know where the copies are. An msync (a write-back
+            // and a disk flush, hundreds of microseconds) is left to the commit, which makes
+            // every copy since the last one durable with one sync of the file.
+            let span = (pages.iter().max().unwrap_or(&first) + 1 - first) * PAGE;
+            // SAFETY: `[scratch, scratch + span)` is inside the scratch mapping.
+            unsafe { self.persist.persist(scratch as *const u8, span)? };
+        }
         let list: Vec<u32> = pages.iter().map(|&p| p as u32).collect();
-        let provider = &mut self.provider;
+        let mut provider = lock(&self.provider);
         flatten(catch_unwind(AssertUnwindSafe(|| {
             provider.pages_copied(slot as u64, &list)
         })))
@@ -296,10 +304,11 @@ impl Monitor {
 
     fn ask(&mut self, slot: usize, need: Need) -> io::Result<Cluster> {
         self.stats.provider_calls.fetch_add(1, Ordering::Relaxed);
-        let provider = &mut self.provider;
+        let mut provider = lock(&self.provider);
         let c = flatten(catch_unwind(AssertUnwindSafe(|| {
             provider.cluster(slot as u64, need)
         })))?;
+        drop(provider);
         if c.offset % PAGE as u64 != 0 {
             return Err(io::Error::other("the provider gave an unaligned cluster"));
         }
@@ -307,7 +316,7 @@ impl Monitor {
     }
 
     fn refill(&mut self) {
-        let provider = &mut self.provider;
+        let mut provider = lock(&self.provider);
         let _ = catch_unwind(AssertUnwindSafe(|| provider.refill()));
     }
 

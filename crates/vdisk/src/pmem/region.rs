@@ -10,7 +10,8 @@ use super::map::{self, PAGE};
 use super::monitor::{Monitor, Slot};
 use super::uffd::Uffd;
 use super::{
-    fault, os, Cluster, Error, Persist, PersistKind, Provider, RegionStats, Stats, Written,
+    fault, lock, os, Cluster, Error, Persist, PersistKind, Provider, RegionStats, SharedProvider,
+    Stats, Written,
 };
 
 /// Mappings left to the rest of the process when a region's budget is checked.
@@ -165,6 +166,7 @@ pub struct Region {
     len: usize,
     cluster_size: usize,
     persist: Arc<dyn Persist>,
+    provider: SharedProvider,
     stats: Arc<Stats>,
     written: Arc<Written>,
     table_slot: usize,
@@ -200,8 +202,10 @@ impl Region {
         let align = layout.cluster_size.min(2 << 20);
         let base = map::reserve(layout.len, align).map_err(os("reserving the region"))?;
         let written = Arc::new(Written::new(slots));
+        let provider: SharedProvider = Arc::new(std::sync::Mutex::new(provider));
         let built = build(base, &layout, shared, &written).and_then(|states| {
             let persist = persist.clone();
+            let provider = provider.clone();
             start(base, &layout, states, provider, persist, shared, written)
         });
         match built {
@@ -210,6 +214,7 @@ impl Region {
                 len: layout.len,
                 cluster_size: layout.cluster_size,
                 persist,
+                provider,
                 stats,
                 written,
                 table_slot,
@@ -247,13 +252,28 @@ impl Region {
         self.persist.kind()
     }
 
-    /// Makes the stores to `[offset, offset + len)` of the region durable.
+    /// Makes the stores to `[offset, offset + len)` of the region durable, and with them
+    /// every cluster and copied page the region took so far ([`Provider::commit`]): a store
+    /// into a slot filled or a page copied since the last persist is not durable until the
+    /// record that makes that memory the slot's is.
     pub fn persist(&self, offset: usize, len: usize) -> std::io::Result<()> {
         if offset.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(std::io::Error::other(
                 "persist: range past the end of the region",
             ));
         }
+        self.persist_range(offset, len)?;
+        self.commit()
+    }
+
+    /// [`Provider::commit`], on this thread; a panic in it is an error.
+    pub fn commit(&self) -> std::io::Result<()> {
+        let mut p = lock(&self.provider);
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.commit()))
+            .unwrap_or_else(|_| Err(std::io::Error::other("the provider panicked")))
+    }
+
+    fn persist_range(&self, offset: usize, len: usize) -> std::io::Result<()> {
         if self.persist.kind() == PersistKind::Msync {
             // msync skips what is not a file's (absent slots) by itself.
             // SAFETY: the whole region stays mapped while `self` lives.
@@ -282,9 +302,11 @@ impl Region {
 
     /// Makes durable every store to the region's clusters of `file` that the kernel writes
     /// back: with [`PersistKind::Msync`], the same as [`Region::persist`] of every slot mapped
-    /// from `file`, in one sync of the file rather than one per mapping.
+    /// from `file`, in one sync of the file rather than one per mapping; then
+    /// [`Region::commit`].
     pub fn persist_file(&self, file: &std::fs::File) -> std::io::Result<()> {
-        self.persist.persist_file(file)
+        self.persist.persist_file(file)?;
+        self.commit()
     }
 
     pub fn stats(&self) -> RegionStats {
@@ -448,7 +470,7 @@ fn start(
     base: usize,
     layout: &Layout,
     (uffd, slots): (Uffd, Vec<Slot>),
-    provider: Box<dyn Provider>,
+    provider: SharedProvider,
     persist: Arc<dyn Persist>,
     shared: libc::c_int,
     written: Arc<Written>,

@@ -29,7 +29,7 @@ impl Persist for NoPersist {
     }
 }
 
-fn percentiles(mut ns: Vec<u128>) -> String {
+pub fn percentiles(mut ns: Vec<u128>) -> String {
     ns.sort_unstable();
     let at = |q: f64| ns[((ns.len() - 1) as f64 * q) as usize] as f64 / 1000.0;
     format!(
@@ -93,6 +93,46 @@ fn kernel_floor(file: &std::fs::File, len: usize, shared: bool, offsets: &[usize
     ns
 }
 
+/// How a file's clusters are made ready before their first store.
+#[derive(Clone, Copy)]
+enum Ahead {
+    No,
+    /// `fallocate`: unwritten extents, which the first store converts (ext4's journal).
+    Fallocate,
+    /// Zeroes written and synced: written extents, and the pages left in the page cache.
+    Zeroes,
+}
+
+impl Ahead {
+    fn prepare(self, file: &std::fs::File, len: usize) {
+        use std::os::unix::fs::FileExt;
+        match self {
+            Ahead::No => {}
+            Ahead::Fallocate => {
+                // SAFETY: fallocate on a descriptor we own.
+                let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as i64) };
+                assert_eq!(r, 0);
+            }
+            Ahead::Zeroes => {
+                let zeroes = vec![0u8; 2 * MIB];
+                for at in (0..len).step_by(zeroes.len()) {
+                    let n = zeroes.len().min(len - at);
+                    file.write_all_at(&zeroes[..n], at as u64).unwrap();
+                }
+                file.sync_all().unwrap();
+            }
+        }
+    }
+
+    fn name(self, none: &'static str) -> &'static str {
+        match self {
+            Ahead::No => none,
+            Ahead::Fallocate => "allocated ahead",
+            Ahead::Zeroes => "zeroes written ahead",
+        }
+    }
+}
+
 #[test]
 #[ignore = "a measurement: prints latencies"]
 fn latency() {
@@ -102,41 +142,27 @@ fn latency() {
         ("msync", Arc::new(MediaPersist::msync()) as Arc<dyn Persist>),
         ("no persist", Arc::new(NoPersist)),
     ] {
-        for ahead in [false, true] {
+        for ahead in [Ahead::No, Ahead::Fallocate, Ahead::Zeroes] {
             let file = disk_file(&dir, "touch");
-            if ahead {
-                // Clusters allocated ahead, as a provider's background pool would.
-                // SAFETY: fallocate on a descriptor we own.
-                let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, (FAULTS * cs) as i64) };
-                assert_eq!(r, 0);
-            }
+            ahead.prepare(&file, FAULTS * cs);
             let (provider, _) = FileProvider::new(file, cs);
             let layout = Layout::new(FAULTS * cs, cs).unwrap();
             let r = Region::new(layout, Box::new(provider), persist.clone()).unwrap();
             let ns = timed(&r, (0..FAULTS).map(|s| s * cs));
-            let how = if ahead {
-                "allocated ahead"
-            } else {
-                "grown per cluster"
-            };
+            let how = ahead.name("grown per cluster");
             println!(
                 "first touch, 2 MiB clusters, {how} ({name}): {}",
                 percentiles(ns)
             );
         }
         if name == "msync" {
-            for ahead in [false, true] {
+            for ahead in [Ahead::No, Ahead::Fallocate, Ahead::Zeroes] {
                 let file = disk_file(&dir, "floor");
                 file.set_len((FAULTS * cs) as u64).unwrap();
-                if ahead {
-                    // SAFETY: fallocate on a descriptor we own.
-                    let r =
-                        unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, (FAULTS * cs) as i64) };
-                    assert_eq!(r, 0);
-                }
+                ahead.prepare(&file, FAULTS * cs);
                 let offsets: Vec<_> = (0..FAULTS).map(|s| s * cs).collect();
                 let ns = kernel_floor(&file, FAULTS * cs, true, &offsets);
-                let how = if ahead { "allocated ahead" } else { "sparse" };
+                let how = ahead.name("sparse");
                 println!(
                     "kernel floor: first store into a shared file mapping, {how}: {}",
                     percentiles(ns)

@@ -134,7 +134,10 @@ impl Mapping {
     }
 
     /// Makes the stores to `[offset, offset + len)` durable (`msync` on a regular file, cache
-    /// line write-backs on a DAX file system; see [`Mapping::persist_kind`]).
+    /// line write-backs on a DAX file system; see [`Mapping::persist_kind`]), and with them
+    /// every cluster allocated and page copied since the last persist: faults record those
+    /// in memory only, and a crash before a persist reads the old content there
+    /// (docs/pcow-format.md, "Durability at the persist").
     pub fn persist(&self, offset: usize, len: usize) -> Result<()> {
         self.region
             .persist(offset, len)

@@ -1,12 +1,26 @@
 //! pcow as the mapping engine's [`Provider`]: the writable part of the top image hands out data
 //! clusters and records copied pages, in the paper's durability order with the region's
-//! [`Persist`] in place of the block path's sync (docs/pcow-format.md, "The mapping"):
+//! [`Persist`] in place of the block path's sync (docs/pcow-format.md, "The mapping").
+//!
+//! A fault only records in memory (the cluster handed out, the pages copied); the records
+//! become durable at the application's next persist ([`Provider::commit`]), as seed 000's
+//! gsync does, all at once in this order, each step persisted before the next starts:
 //!
 //! ```text
-//!  data (zeroed: allocated ahead and synced by refill; copied: by the engine), persisted
-//!  entry: one aligned 8-byte store of cow_bitmap + data_cluster_num, persisted
-//!  cluster_counter: one aligned 4-byte store, persisted
+//!  data: the pages the engine copied (msync persistence: one sync of the file; cache lines
+//!        were written back at the copy); zeroed clusters were allocated and synced ahead
+//!  new segments' meta clusters (counter 0), then entries: cow_bitmap words of wide bitmaps,
+//!        then one aligned 8-byte store of cow_bitmap + data_cluster_num each
+//!  cluster_counter of every segment that gained entries: one aligned 4-byte store each
+//!  cur_segment_num, when segments were started: one aligned 4-byte store
 //! ```
+//!
+//! Nothing pending is stored into the mapped metadata before its step: the kernel may write a
+//! dirty page of a shared mapping back at any time, so an entry stored early could reach the
+//! file before the copy it names. A crash before the commit therefore shows the committed
+//! image (those clusters' old content: the base's, or zeroes); a crash inside it shows entries
+//! past a counter (ignored), or segments past cur_segment_num (past the committed end, cut by
+//! the next writable open), never a record naming data that is not durable.
 //!
 //! Metadata is written through shared mappings of the super cluster's first page and of the
 //! writable part's meta clusters (with `MAP_SYNC` where the persistence flushes cache lines),
@@ -22,7 +36,7 @@
 //! the pool past the committed end, where the walk does not look; a writable open cuts it, and
 //! so does a clean drop.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
 use std::io;
 use std::os::fd::AsFd;
@@ -34,7 +48,7 @@ use super::super::layout::{
 };
 use super::super::pages::Pages;
 use super::super::state::{Placed, State};
-use crate::pmem::{Cluster, Need, Persist, Provider};
+use crate::pmem::{Cluster, Need, Persist, PersistKind, Provider};
 use crate::storage::Storage;
 
 /// Clusters kept allocated past the committed end (the paper's prototype keeps five).
@@ -72,6 +86,14 @@ pub struct PcowProvider {
     segment_at: Vec<u64>,
     /// A copy target handed out whose first page is not recorded yet: (slot, data cluster).
     target: Option<(u64, u64)>,
+    /// Records made since the last commit: logical clusters whose entry (and wide bitmap)
+    /// changed, segments started, and each changed segment's counter by its meta cluster.
+    dirty: BTreeSet<u32>,
+    started: Vec<(u64, u32)>,
+    counters: BTreeMap<u64, u32>,
+    /// cur_segment_num and the committed end as the file holds them durably.
+    durable_segments: u32,
+    durable_end: u64,
 }
 
 /// A shared mapping of part of the image file, unmapped on drop.
@@ -127,6 +149,11 @@ impl PcowProvider {
             entries,
             segment_at,
             target: None,
+            dirty: BTreeSet::new(),
+            started: Vec::new(),
+            counters: BTreeMap::new(),
+            durable_segments: segments,
+            durable_end: end,
         })
     }
 
@@ -173,45 +200,21 @@ impl PcowProvider {
         Ok(addr)
     }
 
-    /// [`Self::put8`], persisted.
-    fn store8(&mut self, meta: u64, at: u64, bytes: [u8; 8]) -> io::Result<()> {
-        let addr = self.put8(meta, at, bytes)?;
-        // SAFETY: the 8 bytes are mapped.
-        unsafe { self.persist.persist(addr as *const u8, 8) }
-    }
-
-    /// Stores the words of a wide bitmap at `at` that differ from `old` (all of them without
-    /// one), each with one aligned store, then persists the bitmap.
-    fn store_words(
-        &mut self,
-        meta: u64,
-        at: u64,
-        old: Option<&[u8]>,
-        new: &[u8],
-    ) -> io::Result<()> {
-        for (i, w) in new.chunks(8).enumerate() {
-            if old.is_none_or(|o| o[8 * i..8 * i + 8] != *w) {
-                let word = w.try_into().expect("wide bitmaps are whole words");
-                self.put8(meta, at + 8 * i as u64, word)?;
-            }
+    /// Persists the fields stored at `stored` (address, length), with one sync of the file
+    /// for `msync` persistence (one `msync` per field would sync the file once each).
+    fn persist_stored(&self, stored: &[(usize, usize)]) -> io::Result<()> {
+        if self.persist.kind() == PersistKind::Msync {
+            return self.persist.persist_file(&self.file);
         }
-        let addr = self.meta_addr(meta, at)?;
-        // SAFETY: the bitmap's bytes are inside the meta cluster's mapping.
-        unsafe { self.persist.persist(addr as *const u8, new.len()) }
+        for &(addr, len) in stored {
+            // SAFETY: each field is inside a live mapping of ours.
+            unsafe { self.persist.persist(addr as *const u8, len)? };
+        }
+        Ok(())
     }
 
-    /// Stores 4 bytes at `addr` (an aligned field of a mapping of ours) and persists them.
-    fn store4(&self, addr: usize, value: u32) -> io::Result<()> {
-        // SAFETY: `addr` is 4-byte aligned inside a live shared mapping only this thread
-        // writes.
-        unsafe { AtomicU32::from_ptr(addr as *mut u32) }
-            .store(u32::from_ne_bytes(value.to_le_bytes()), Ordering::Release);
-        // SAFETY: the 4 bytes are mapped.
-        unsafe { self.persist.persist(addr as *const u8, 4) }
-    }
-
-    /// Starts a segment at the committed end: its meta cluster (counter 0) persisted, then
-    /// cur_segment_num counting it, persisted. The last segment is full (or there is none in
+    /// Starts a segment at the end, in memory: the commit writes its meta cluster (counter 0)
+    /// and then counts it in cur_segment_num. The last segment is full (or there is none in
     /// the writable part), as the walk requires of a segment another follows.
     fn new_segment(&mut self) -> io::Result<Last> {
         let meta = self.end;
@@ -220,18 +223,8 @@ impl PcowProvider {
             // `cluster`).
             self.allocate(meta + 1 + POOL_CLUSTERS)?;
         }
-        let header = encode_meta(self.segments, self.image_id, 0);
-        let addr = self.meta_addr(meta, meta * self.geo.cluster)?;
-        // SAFETY: the header's 64 bytes at the start of the meta cluster's mapping, which is
-        // not part of the image until cur_segment_num counts it.
-        unsafe {
-            std::ptr::copy_nonoverlapping(header.as_ptr(), addr as *mut u8, header.len());
-            self.persist.persist(addr as *const u8, header.len())?;
-        }
-        self.store4(
-            self.head.addr + CUR_SEGMENT_NUM_AT as usize,
-            self.segments + 1,
-        )?;
+        // Written by the commit: see the module docs.
+        self.started.push((meta, self.segments));
         self.segments += 1;
         self.segment_at.push(meta);
         self.end = meta + 1;
@@ -249,8 +242,7 @@ impl PcowProvider {
     }
 
     /// Records data cluster `host` (the next one of the last segment) for logical cluster `n`
-    /// holding `pages`: wide bitmap words, persisted; the entry, persisted; the counter,
-    /// persisted.
+    /// holding `pages`, in memory until the commit.
     fn enter(&mut self, n: u32, host: u64, pages: Pages) -> io::Result<()> {
         let last = self.open_segment()?;
         if host != last.meta + 1 + u64::from(last.entries) {
@@ -260,15 +252,8 @@ impl PcowProvider {
             )));
         }
         let slot = last.entries;
-        if self.geo.wide() {
-            let at = self.geo.bitmap_at(last.meta, slot);
-            // The slot is past the counter and may hold what a crash left: every word is set.
-            self.store_words(last.meta, at, None, &pages.wide_bytes(&self.geo))?;
-        }
-        let entry = encode_entry(pages.cow_bitmap(&self.geo), n);
-        self.store8(last.meta, self.geo.entry_at(last.meta, slot), entry)?;
-        let counter = self.meta_addr(last.meta, last.meta * self.geo.cluster + COUNTER_AT)?;
-        self.store4(counter, slot + 1)?;
+        self.dirty.insert(n);
+        self.counters.insert(last.meta, slot + 1);
         self.last = Some(Last {
             meta: last.meta,
             entries: slot + 1,
@@ -332,23 +317,14 @@ impl Provider for PcowProvider {
             return Err(io::Error::other(format!("page {p} past the cluster")));
         }
         if let Some(e) = self.entries.get(&n) {
-            let (meta, slot_k) = (self.segment_at[e.segment as usize], e.slot);
             let mut now = e.pages.clone();
             for &p in pages {
                 now.add(u64::from(p), u64::from(p) + 1);
             }
-            // Only the words that change: each bit names a page already persisted.
-            if self.geo.wide() {
-                let at = self.geo.bitmap_at(meta, slot_k);
-                let (old, new) = (e.pages.wide_bytes(&self.geo), now.wide_bytes(&self.geo));
-                self.store_words(meta, at, Some(&old), &new)?;
-            } else {
-                let entry = encode_entry(now.cow_bitmap(&self.geo), n);
-                self.store8(meta, self.geo.entry_at(meta, slot_k), entry)?;
-            }
             if let Some(e) = self.entries.get_mut(&n) {
                 e.pages = now;
             }
+            self.dirty.insert(n);
             return Ok(());
         }
         match self.target {
@@ -367,6 +343,62 @@ impl Provider for PcowProvider {
         }
     }
 
+    fn commit(&mut self) -> io::Result<()> {
+        if self.dirty.is_empty() && self.started.is_empty() && self.counters.is_empty() {
+            return Ok(());
+        }
+        // The copied pages: see `pmem::Provider::pages_copied`.
+        if self.persist.kind() == PersistKind::Msync {
+            self.persist.persist_file(&self.file)?;
+        }
+        let mut stored = Vec::new();
+        for (meta, segment) in self.started.clone() {
+            let header = encode_meta(segment, self.image_id, 0);
+            let addr = self.meta_addr(meta, meta * self.geo.cluster)?;
+            // SAFETY: the header's 64 bytes at the start of the meta cluster's mapping, which
+            // is not part of the image until cur_segment_num counts it.
+            unsafe {
+                std::ptr::copy_nonoverlapping(header.as_ptr(), addr as *mut u8, header.len())
+            };
+            stored.push((addr, header.len()));
+        }
+        for n in std::mem::take(&mut self.dirty) {
+            let Some(e) = self.entries.get(&n) else {
+                continue;
+            };
+            let (meta, slot, pages) =
+                (self.segment_at[e.segment as usize], e.slot, e.pages.clone());
+            if self.geo.wide() {
+                // Every word: a new slot may hold what a crash left, and an old word stored
+                // again unchanged is harmless. Each bit names a page persisted above.
+                let at = self.geo.bitmap_at(meta, slot);
+                for (i, w) in pages.wide_bytes(&self.geo).chunks(8).enumerate() {
+                    let word = w.try_into().expect("wide bitmaps are whole words");
+                    stored.push((self.put8(meta, at + 8 * i as u64, word)?, 8));
+                }
+            }
+            let entry = encode_entry(pages.cow_bitmap(&self.geo), n);
+            stored.push((self.put8(meta, self.geo.entry_at(meta, slot), entry)?, 8));
+        }
+        self.persist_stored(&stored)?;
+        stored.clear();
+        for (meta, count) in std::mem::take(&mut self.counters) {
+            let counter = self.meta_addr(meta, meta * self.geo.cluster + COUNTER_AT)?;
+            put4(counter, count);
+            stored.push((counter, 4));
+        }
+        self.persist_stored(&stored)?;
+        if self.segments != self.durable_segments {
+            let at = self.head.addr + CUR_SEGMENT_NUM_AT as usize;
+            put4(at, self.segments);
+            self.persist_stored(&[(at, 4)])?;
+            self.durable_segments = self.segments;
+        }
+        self.started.clear();
+        self.durable_end = self.end;
+        Ok(())
+    }
+
     /// Keeps up to [`POOL_CLUSTERS`] clusters allocated past what is taken, off the faulting
     /// thread's path; topped up once fewer than half are left, so one allocation and one sync
     /// serve several faults.
@@ -383,12 +415,22 @@ impl Provider for PcowProvider {
 /// path's writable open would leave it, and `vdisk check` finds nothing leaked.
 impl Drop for PcowProvider {
     fn drop(&mut self) {
+        // `Mapping`'s drop committed already; a commit that failed there fails here too, and
+        // what it would have recorded is cut off with the pool.
+        let _ = self.commit();
         self.metas.clear();
-        if self.allocated > self.end {
-            let end = self.end * self.geo.cluster;
+        if self.allocated > self.durable_end {
+            let end = self.durable_end * self.geo.cluster;
             let _ = self.storage.set_len(end).and_then(|()| self.storage.sync());
         }
     }
+}
+
+/// Stores 4 bytes at `addr` (an aligned field of a mapping of ours) with one store.
+fn put4(addr: usize, value: u32) {
+    // SAFETY: `addr` is 4-byte aligned inside a live shared mapping only this provider writes.
+    unsafe { AtomicU32::from_ptr(addr as *mut u32) }
+        .store(u32::from_ne_bytes(value.to_le_bytes()), Ordering::Release);
 }
 
 /// Maps `len` bytes of `file` at `offset`, shared and read-write.

@@ -1,0 +1,101 @@
+//! First-touch and copy-on-write latency through pcow's mapping (the engine with pcow's
+//! provider), DRAM-emulated: what an application of a pcow image waits at a fault, and what
+//! its persist costs after one, since a fault records its cluster or copied page in memory and
+//! the persist makes the record durable (`formats/pcow/mapping/provider.rs`). `bench/pmem.sh`
+//! runs it beside `latency.rs`:
+//! `cargo test --release -p vdisk --test pmem -- --ignored --nocapture pcow_latency`
+
+use std::path::Path;
+use std::time::Instant;
+
+use vdisk::formats::pcow::{create, Base, CreateOptions, Mapping};
+use vdisk::storage::{FileStorage, OpenOptions};
+
+use super::common::*;
+use super::latency::percentiles;
+
+const FAULTS: usize = 1000;
+
+fn new_pcow(path: &Path, size: u64, cs: u64, base: Option<&str>) {
+    let opts = OpenOptions {
+        write: true,
+        create: true,
+        direct: false,
+    };
+    let storage = FileStorage::open(path, opts).unwrap();
+    let o = CreateOptions {
+        size,
+        cluster_size: cs,
+        base: base.map(|name| Base {
+            name: name.into(),
+            format: Some("raw".into()),
+        }),
+    };
+    create(&storage, &o).unwrap();
+}
+
+/// Times a store of 8 bytes at each offset, and with `persist` the persist of it after.
+fn run(m: &Mapping, offsets: &[usize], persist: bool) -> (Vec<u128>, Vec<u128>) {
+    // Dirty pages of the run before would otherwise be written back during this one.
+    // SAFETY: sync takes no arguments.
+    unsafe { libc::sync() };
+    let (mut stores, mut persists) = (Vec::new(), Vec::new());
+    for &off in offsets {
+        assert!(off + 8 <= m.len() && off % 8 == 0);
+        let t = Instant::now();
+        // SAFETY: inside the mapped disk, 8-byte aligned; raw pointers only.
+        unsafe { m.as_ptr().add(off).cast::<u64>().write_volatile(1) };
+        stores.push(t.elapsed().as_nanos());
+        if persist {
+            let t = Instant::now();
+            m.persist(off, 8).unwrap();
+            persists.push(t.elapsed().as_nanos());
+        }
+    }
+    (stores, persists)
+}
+
+#[test]
+#[ignore = "a measurement: prints latencies"]
+fn pcow_latency() {
+    let dir = tempdir();
+    let cs = 2 * MIB;
+    for persist in [false, true] {
+        let then = if persist { ", each persisted" } else { "" };
+        let img = dir.path().join("touch.pcow");
+        new_pcow(&img, (FAULTS * cs) as u64, cs as u64, None);
+        let m = Mapping::open(img.to_str().unwrap()).unwrap();
+        let offsets: Vec<_> = (0..FAULTS).map(|s| s * cs).collect();
+        let (stores, persists) = run(&m, &offsets, persist);
+        println!(
+            "pcow mapping: first touch, 2 MiB clusters{then}: {}",
+            percentiles(stores)
+        );
+        if persist {
+            println!(
+                "pcow mapping: persist after a first touch: {}",
+                percentiles(persists)
+            );
+        }
+        drop(m);
+
+        let clusters = 4;
+        let raw = dir.path().join("base.raw");
+        std::fs::write(&raw, vec![1u8; clusters * cs]).unwrap();
+        let img = dir.path().join("cow.pcow");
+        new_pcow(&img, (clusters * cs) as u64, cs as u64, Some("base.raw"));
+        let m = Mapping::open(img.to_str().unwrap()).unwrap();
+        let offsets: Vec<_> = (0..FAULTS).map(|i| i * 4096 + 64).collect();
+        let (stores, persists) = run(&m, &offsets, persist);
+        println!(
+            "pcow mapping: copy-on-write of a 4 KiB page{then}: {}",
+            percentiles(stores)
+        );
+        if persist {
+            println!(
+                "pcow mapping: persist after a copy-on-write: {}",
+                percentiles(persists)
+            );
+        }
+    }
+}
