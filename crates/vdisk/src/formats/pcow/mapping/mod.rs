@@ -16,6 +16,7 @@
 //! Base images are mapped cluster by cluster, so they must be pcow images of the same cluster
 //! size or raw files; others (qcow2, seqlog, images not in files) are refused.
 
+mod pool;
 mod provider;
 mod stack;
 

@@ -28,10 +28,11 @@
 //! the block path's (`layout.rs`, `pages.rs`).
 //!
 //! Clusters are appended strictly in order (data cluster `k` of a segment is the `k`-th after
-//! its meta cluster), so the pool is simply space allocated past the committed end: `refill`
-//! keeps up to [`POOL_CLUSTERS`] clusters there, allocated and synced, so that a fault neither
-//! grows the file nor waits for a sync of the file's size. The pool is set up by the first
-//! allocation (which takes it whole with its own cluster, one sync for both), not by the open:
+//! its meta cluster), so the pool is simply space past the committed end: `refill` asks the
+//! pool's thread (`pool.rs`) to keep up to [`POOL_CLUSTERS`] clusters there, written with zeroes
+//! and synced, so that a fault neither grows the file nor waits for a sync of the file's size,
+//! and its first store is a page-cache fault. The pool is set up by the first allocation
+//! (which waits for it with its own cluster, one sync for both), not by the open:
 //! a mapping that allocates nothing leaves the file as it found it, unsynced. A crash leaves
 //! the pool past the committed end, where the walk does not look; a writable open cuts it, and
 //! so does a clean drop.
@@ -48,6 +49,7 @@ use super::super::layout::{
 };
 use super::super::pages::Pages;
 use super::super::state::{Placed, State};
+use super::pool::Pool;
 use crate::pmem::{Cluster, Need, Persist, PersistKind, Provider};
 use crate::storage::Storage;
 
@@ -78,8 +80,8 @@ pub struct PcowProvider {
     segments: u32,
     /// The committed end (a cluster index): the next cluster a segment or entry takes.
     end: u64,
-    /// The file is allocated up to this cluster.
-    allocated: u64,
+    /// The clusters allocated past the committed end.
+    pool: Pool,
     /// The writable part's entries by logical cluster, as the walk placed them (taken over,
     /// not copied: an image of 1 GiB written has 16384), and each segment's meta cluster.
     entries: HashMap<u32, Placed>,
@@ -90,6 +92,8 @@ pub struct PcowProvider {
     /// changed, segments started, and each changed segment's counter by its meta cluster.
     dirty: BTreeSet<u32>,
     started: Vec<(u64, u32)>,
+    /// Pages were copied since the last commit (their data is not durable yet with `msync`).
+    copied: bool,
     counters: BTreeMap<u64, u32>,
     /// cur_segment_num and the committed end as the file holds them durably.
     durable_segments: u32,
@@ -133,6 +137,7 @@ impl PcowProvider {
         let segment_at = part.segments.iter().map(|s| s.at).collect();
         let entries = part.entries;
         let allocated = storage.len()?.div_ceil(geo.cluster).max(end);
+        let pool = Pool::new(storage.clone(), geo.cluster, allocated);
         Ok(PcowProvider {
             storage,
             file,
@@ -145,12 +150,13 @@ impl PcowProvider {
             last,
             segments,
             end,
-            allocated,
+            pool,
             entries,
             segment_at,
             target: None,
             dirty: BTreeSet::new(),
             started: Vec::new(),
+            copied: false,
             counters: BTreeMap::new(),
             durable_segments: segments,
             durable_end: end,
@@ -160,20 +166,6 @@ impl PcowProvider {
     /// The first cluster no segment, entry or copy target has taken.
     fn next_free(&self) -> u64 {
         self.target.map_or(self.end, |(_, host)| host + 1)
-    }
-
-    /// Makes clusters up to `until` allocated and their size durable (zeroes, since the file
-    /// was cut at its committed end when it was opened).
-    fn allocate(&mut self, until: u64) -> io::Result<()> {
-        if until <= self.allocated {
-            return Ok(());
-        }
-        let cs = self.geo.cluster;
-        self.storage
-            .allocate(self.allocated * cs, (until - self.allocated) * cs)?;
-        self.storage.sync()?;
-        self.allocated = until;
-        Ok(())
     }
 
     /// The address of file offset `at`, inside meta cluster `meta` (mapped on first use).
@@ -218,11 +210,9 @@ impl PcowProvider {
     /// the writable part), as the walk requires of a segment another follows.
     fn new_segment(&mut self) -> io::Result<Last> {
         let meta = self.end;
-        if self.allocated < meta + 2 {
-            // The meta cluster and its first data cluster, and the pool with them (see
-            // `cluster`).
-            self.allocate(meta + 1 + POOL_CLUSTERS)?;
-        }
+        // The meta cluster and its first data cluster, and the pool with them (see
+        // `cluster`).
+        self.pool.wait(meta + 2, meta + 1 + POOL_CLUSTERS)?;
         // Written by the commit: see the module docs.
         self.started.push((meta, self.segments));
         self.segments += 1;
@@ -288,11 +278,10 @@ impl Provider for PcowProvider {
         }
         let last = self.open_segment()?;
         let host = last.meta + 1 + u64::from(last.entries);
-        if self.allocated <= host {
-            // Nothing allocated ahead (the first allocation, or a refill that failed): the
-            // pool comes with this cluster, for the price of the one sync this needs anyway.
-            self.allocate(host + POOL_CLUSTERS)?;
-        }
+        // Nothing allocated ahead (the first allocation, a refill that failed, or faults
+        // faster than the pool's thread): the pool comes with this cluster, for the price of
+        // the one sync this needs anyway.
+        self.pool.wait(host + 1, host + POOL_CLUSTERS)?;
         match need {
             // The cluster reads as zeroes (allocated past the committed end after the open cut
             // it, and synced): whole, as the logical cluster's content is zeroes.
@@ -309,6 +298,7 @@ impl Provider for PcowProvider {
 
     fn pages_copied(&mut self, slot: u64, pages: &[u32]) -> io::Result<()> {
         let n = u32::try_from(slot).map_err(|_| io::Error::other("slot past 2^32"))?;
+        self.copied = true;
         let total = self.geo.pages();
         let Some(&first) = pages.first() else {
             return Ok(());
@@ -347,10 +337,12 @@ impl Provider for PcowProvider {
         if self.dirty.is_empty() && self.started.is_empty() && self.counters.is_empty() {
             return Ok(());
         }
-        // The copied pages: see `pmem::Provider::pages_copied`.
-        if self.persist.kind() == PersistKind::Msync {
+        // The copied pages: see `pmem::Provider::pages_copied`. Clusters of first stores are
+        // pool space, durable zeroes already.
+        if self.copied && self.persist.kind() == PersistKind::Msync {
             self.persist.persist_file(&self.file)?;
         }
+        self.copied = false;
         let mut stored = Vec::new();
         for (meta, segment) in self.started.clone() {
             let header = encode_meta(segment, self.image_id, 0);
@@ -404,8 +396,8 @@ impl Provider for PcowProvider {
     /// serve several faults.
     fn refill(&mut self) -> io::Result<()> {
         let next = self.next_free();
-        if self.allocated < next + POOL_CLUSTERS.div_ceil(2) {
-            self.allocate(next + POOL_CLUSTERS)?;
+        if self.pool.allocated() < next + POOL_CLUSTERS.div_ceil(2) {
+            self.pool.ask(next + POOL_CLUSTERS)?;
         }
         Ok(())
     }
@@ -419,8 +411,9 @@ impl Drop for PcowProvider {
         // what it would have recorded is cut off with the pool.
         let _ = self.commit();
         self.metas.clear();
-        if self.allocated > self.durable_end {
-            let end = self.durable_end * self.geo.cluster;
+        self.pool.stop();
+        let end = self.durable_end * self.geo.cluster;
+        if self.storage.len().is_ok_and(|len| len > end) {
             let _ = self.storage.set_len(end).and_then(|()| self.storage.sync());
         }
     }
