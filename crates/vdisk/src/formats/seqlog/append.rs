@@ -183,7 +183,7 @@ impl Log {
             } else {
                 t.head.free.pop_front().ok_or_else(super::log::enospc)?
             };
-            self.open_segment(t, stream, segment);
+            self.open_segment(t, stream, segment)?;
         }
         let open: &mut Open = t.open[stream].as_mut().expect("a segment is open");
         let at = open.segment * self.sb.segment_blocks + open.pos;

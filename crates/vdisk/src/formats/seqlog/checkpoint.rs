@@ -63,11 +63,7 @@ pub(super) struct Checkpoint {
 /// log writes. (A map of a large disk makes that many segments: checkpoints of only the parts
 /// of the map that changed are for later.)
 pub(super) fn interval(sb: &Superblock) -> u32 {
-    let slot = sb.checkpoint_blocks() * u64::from(sb.block_size);
-    let amortized = (8 * slot).div_ceil(sb.segment_size());
-    (sb.segments / 8)
-        .clamp(2, 64)
-        .max(u32::try_from(amortized).unwrap_or(u32::MAX))
+    sb.checkpoint_interval()
 }
 
 impl Checkpoint {
@@ -171,17 +167,17 @@ fn read_slot(
         (storage.read_at(base + (bs + at) as u64, chunk))
             .map_err(|source| io_error(source, what))?;
         crc = crc32c(crc, chunk);
-        for b in chunk[..entries_len.clamp(at, end) - at].chunks_exact(4) {
-            let e = u32_at(b, 0);
-            match e.checked_sub(1) {
-                Some(l) if l < sb.log_blocks() => live[(l / sb.segment_blocks) as usize] += 1,
-                Some(_) => bad_entry = true,
-                None => {}
+        let words = chunk[..entries_len.clamp(at, end) - at]
+            .chunks_exact(4)
+            .map(|b| u32_at(b, 0));
+        bad_entry |= match &mut entries {
+            Some(entries) => {
+                let from = entries.len();
+                entries.extend(words);
+                count_live(sb, entries[from..].iter().copied(), &mut live)
             }
-            if let Some(entries) = &mut entries {
-                entries.push(e);
-            }
-        }
+            None => count_live(sb, words, &mut live),
+        };
         let (from, to) = (entries_len.max(at), (entries_len + tail_len).min(end));
         if from < to {
             tail.extend_from_slice(&chunk[from - at..to - at]);
@@ -223,7 +219,38 @@ fn read_slot(
     }))
 }
 
-/// The newest whole checkpoint of the image, with its entries where `keep`.
+/// Counts each entry of `entries` (log block + 1, 0 for none) into its segment's live
+/// blocks; returns whether one points past the log. A hot loop of an open (one entry per
+/// guest block): a shift where segments are a power of two blocks, as they are by default.
+fn count_live(sb: &Superblock, entries: impl Iterator<Item = u32>, live: &mut [u32]) -> bool {
+    fn count(
+        entries: impl Iterator<Item = u32>,
+        live: &mut [u32],
+        log_blocks: u32,
+        segment_of: impl Fn(u32) -> u32,
+    ) -> bool {
+        let mut bad = false;
+        for e in entries {
+            match e.checked_sub(1) {
+                Some(l) if l < log_blocks => live[segment_of(l) as usize] += 1,
+                Some(_) => bad = true,
+                None => {}
+            }
+        }
+        bad
+    }
+    let (log_blocks, per) = (sb.log_blocks(), sb.segment_blocks);
+    if per.is_power_of_two() {
+        let shift = per.trailing_zeros();
+        count(entries, live, log_blocks, |l| l >> shift)
+    } else {
+        count(entries, live, log_blocks, |l| l / per)
+    }
+}
+
+/// The newest whole checkpoint of the image, with its entries where `keep`. Only the slot
+/// whose header says the larger sequence number is read whole, unless it is not whole: the
+/// other is then read (an open reads one slot, not two).
 pub(super) fn load(storage: &dyn Storage, sb: &Superblock, keep: bool) -> Result<Option<Loaded>> {
     if !sb.checkpoints {
         return Ok(None);
@@ -231,7 +258,7 @@ pub(super) fn load(storage: &dyn Storage, sb: &Superblock, keep: bool) -> Result
     let what = "reading a seqlog checkpoint";
     let slot_len = sb.checkpoint_blocks() * u64::from(sb.block_size);
     let file_len = storage.len().map_err(|source| io_error(source, what))?;
-    let mut best: Option<Loaded> = None;
+    let mut candidates = Vec::new();
     for slot in 0..2 {
         let offset = sb.checkpoint_offset(slot);
         // A slot never written is beyond the end of the file, or a hole in it.
@@ -244,13 +271,22 @@ pub(super) fn load(storage: &dyn Storage, sb: &Superblock, keep: bool) -> Result
         if !data {
             continue;
         }
-        if let Some(l) = read_slot(storage, sb, slot, keep)? {
-            if best.as_ref().is_none_or(|b| l.cp.seq > b.cp.seq) {
-                best = Some(l);
-            }
+        // The header's sequence number only orders the reads: the checksum of the whole
+        // slot decides.
+        let mut head = AlignedBuf::zeroed(sb.block_size as usize);
+        (storage.read_at(offset, &mut head)).map_err(|source| io_error(source, what))?;
+        if head[0..4] == MAGIC && head[8..16] == sb.image_id.to_le_bytes() {
+            let seq = u64::from_le_bytes(head[16..24].try_into().unwrap_or_default());
+            candidates.push((seq, slot));
         }
     }
-    Ok(best)
+    candidates.sort_unstable_by(|a, b| b.cmp(a));
+    for (_, slot) in candidates {
+        if let Some(l) = read_slot(storage, sb, slot, keep)? {
+            return Ok(Some(l));
+        }
+    }
+    Ok(None)
 }
 
 fn io_error(source: std::io::Error, what: &str) -> Error {
@@ -264,8 +300,11 @@ impl Log {
     /// Whether the log grew enough since the last checkpoint to write another, or the map
     /// could not write a page out (only a checkpoint makes it evictable then).
     pub(super) fn checkpoint_due(&self, t: &Tail, map: &Map) -> bool {
+        let grew = t.checkpoint_seq != t.head.next_seq - 1;
         self.sb.checkpoints
-            && (t.opened_since >= interval(&self.sb) || map.pages.wants_checkpoint())
+            && (t.opened_since >= interval(&self.sb)
+                || map.pages.wants_checkpoint()
+                || (grew && self.journal_half_full(t)))
     }
 
     /// Writes a checkpoint of `map` while writers wait and no batch is forming: the map as
@@ -312,6 +351,7 @@ impl Log {
             map.pages.checkpointed(Some(slot));
         }
         let mut t = super::log::lock(&self.state);
+        self.journal_checkpointed(&mut t, cp.seq, written.is_ok());
         if written.is_ok() {
             // The next one goes to the other slot; a failed one is written again here.
             t.checkpoint_slot = 1 - slot;
@@ -384,6 +424,7 @@ mod tests {
             policy: Policy::Greedy,
             checkpoints: true,
             map_memory: 0,
+            opens: false,
         }
     }
 

@@ -225,7 +225,7 @@ impl Log {
         // A segment with room for a header and a block.
         if !self.fits(t, stream, 1) {
             let segment = t.head.free.pop_front().ok_or_else(enospc)?;
-            self.open_segment(t, stream, segment);
+            self.open_segment(t, stream, segment)?;
         }
         let open = t.open[stream].expect("a segment is open");
         let mut room = self.sb.segment_blocks - open.pos - 1;

@@ -125,6 +125,7 @@ impl CreateOptions {
             streams: self.streams >= 3,
             cold: self.streams >= 4,
             map_memory: self.map_memory,
+            opens: true,
         };
         sb.validate().map_err(Error::invalid)?;
         sb.fits_in_memory().map_err(Error::invalid)?;

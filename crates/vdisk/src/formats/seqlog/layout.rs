@@ -28,8 +28,16 @@ pub const FEATURE_STREAMS: u32 = 8;
 /// that outlived a cleaning, which checkpoints record (an older reader would not read that
 /// segment's newer batches).
 pub const FEATURE_COLD: u32 = 16;
-const FEATURES: u32 =
-    FEATURE_CHECKPOINTS | FEATURE_RESIZABLE | FEATURE_HOLDS | FEATURE_STREAMS | FEATURE_COLD;
+/// The incompatible feature of images that reserve, in a journal after the checkpoint slots,
+/// every segment before opening it (journal.rs): an open from a checkpoint reads only those
+/// segments. An older writer would open segments no reservation names.
+pub const FEATURE_OPENS: u32 = 32;
+const FEATURES: u32 = FEATURE_CHECKPOINTS
+    | FEATURE_RESIZABLE
+    | FEATURE_HOLDS
+    | FEATURE_STREAMS
+    | FEATURE_COLD
+    | FEATURE_OPENS;
 /// The batch header's magic.
 const BATCH_MAGIC: [u8; 4] = *b"SLBH";
 /// Bytes of a batch header before its records.
@@ -88,6 +96,9 @@ pub struct Superblock {
     /// Bytes of map pages kept in memory, the rest read back from the newest checkpoint (0:
     /// all; needs checkpoints). Ignorable: older readers keep all, older images have zero.
     pub map_memory: u64,
+    /// Segments are reserved in a journal before they are opened ([`FEATURE_OPENS`]; needs
+    /// checkpoints).
+    pub opens: bool,
 }
 
 /// An image format a seqlog disk can hold (byte 49 of the superblock).
@@ -147,6 +158,7 @@ impl Superblock {
             (self.holds.is_some(), FEATURE_HOLDS),
             (self.streams, FEATURE_STREAMS),
             (self.cold, FEATURE_COLD),
+            (self.opens, FEATURE_OPENS),
         ] {
             if on {
                 features |= bit;
@@ -213,6 +225,7 @@ impl Superblock {
                 p => return Err(Error::corrupt(format!("unknown seqlog cleaner policy {p}"))),
             },
             checkpoints: features & FEATURE_CHECKPOINTS != 0,
+            opens: features & FEATURE_OPENS != 0,
             map_memory: match b.get(64..SUPER_BYTES) {
                 Some(x) if x != [0; 12] && crc32c(0, &x[..8]) != u32_at(x, 8) => {
                     return Err(Error::corrupt("seqlog map_memory checksum mismatch"))
@@ -248,6 +261,9 @@ impl Superblock {
         }
         if self.map_memory != 0 && !self.checkpoints {
             return Err("a seqlog map_memory cap needs the checkpoints feature".into());
+        }
+        if self.opens && !self.checkpoints {
+            return Err("a seqlog journal of opens needs the checkpoints feature".into());
         }
         if self.disk_size > self.capacity {
             return Err(format!(
@@ -304,9 +320,10 @@ impl Superblock {
         self.segment_size() + u64::from(block) * u64::from(self.block_size)
     }
 
-    /// The file's length when every segment (and both checkpoint slots) is written.
+    /// The file's length when every segment (and both checkpoint slots, and the journal of
+    /// opens) is written.
     pub fn file_len(&self) -> u64 {
-        self.checkpoint_offset(2)
+        self.journal_offset(self.journal_blocks())
     }
 
     /// Blocks of one checkpoint slot: a header block, then the map's entries, each segment's
@@ -318,6 +335,15 @@ impl Superblock {
         let segments = u64::from(self.segments);
         let body = self.map_blocks() * 4 + segments * 8 + segments.div_ceil(8);
         1 + body.div_ceil(u64::from(self.block_size))
+    }
+
+    /// Segment openings between two checkpoints (see `checkpoint::interval`).
+    pub fn checkpoint_interval(&self) -> u32 {
+        let slot = self.checkpoint_blocks() * u64::from(self.block_size);
+        let amortized = (8 * slot).div_ceil(self.segment_size());
+        (self.segments / 8)
+            .clamp(2, 64)
+            .max(u32::try_from(amortized).unwrap_or(u32::MAX))
     }
 
     /// The file offset of checkpoint slot `slot` (0 or 1), right after the log.
@@ -480,121 +506,5 @@ impl BatchHeader {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn sb() -> Superblock {
-        Superblock {
-            block_size: 4096,
-            segment_blocks: 256,
-            disk_size: 64 << 20,
-            capacity: 64 << 20,
-            resizable: false,
-            segments: 40,
-            image_id: 0x1234_5678_9abc_def0,
-            policy: Policy::Greedy,
-            checkpoints: true,
-            holds: None,
-            streams: true,
-            cold: true,
-            map_memory: 0,
-        }
-    }
-
-    #[test]
-    fn superblock_round_trip_and_damage() {
-        let s = sb();
-        let b = s.encode();
-        assert_eq!(Superblock::decode(&b).unwrap(), s);
-        let layout = Superblock {
-            disk_size: 8 << 20,
-            resizable: true,
-            holds: Some(Held::Qcow2),
-            map_memory: 3 << 12,
-            ..s
-        };
-        assert_eq!(Superblock::decode(&layout.encode()).unwrap(), layout);
-        // A held format vdisk does not know is refused, not opened as a plain disk.
-        let mut unknown = layout.encode();
-        unknown[49] = 9;
-        let crc = crc32c(0, &unknown[..SUPER_LEN - 4]);
-        unknown[SUPER_LEN - 4..SUPER_LEN].copy_from_slice(&crc.to_le_bytes());
-        assert!(Superblock::decode(&unknown).is_err());
-        for at in [9, 17, 25, 41, 48, 63, 66, 73] {
-            let mut bad = layout.encode();
-            bad[at] ^= 1;
-            assert!(Superblock::decode(&bad).is_err(), "byte {at} flipped");
-        }
-        // Geometries whose memory would not fit are refused, not allocated.
-        for bad in [
-            Superblock {
-                block_size: 3000,
-                ..s
-            },
-            Superblock {
-                segment_blocks: 1 << 30,
-                segments: 2,
-                ..s
-            },
-            Superblock {
-                disk_size: 1 << 50,
-                capacity: 1 << 50,
-                ..s
-            },
-            Superblock {
-                disk_size: 128 << 20,
-                resizable: true,
-                ..s
-            },
-            Superblock {
-                capacity: 32 << 20,
-                resizable: true,
-                ..s
-            },
-        ] {
-            assert!(Superblock::decode(&bad.encode()).is_err(), "{bad:?}");
-        }
-        assert_eq!(s.log_offset(0), 1 << 20);
-        assert_eq!(s.max_records(), 253);
-    }
-
-    #[test]
-    fn batch_round_trip_and_checksum() {
-        let h = BatchHeader {
-            seq: 7,
-            nonce: 99,
-            image_id: 5,
-            stream: 0,
-            records: vec![
-                Record {
-                    block: 10,
-                    count: 2,
-                    kind: Kind::Data,
-                },
-                Record {
-                    block: 1 << 40,
-                    count: 9,
-                    kind: Kind::Trim,
-                },
-            ],
-        };
-        let data = vec![0xabu8; 8192];
-        let mut block = vec![0u8; 4096];
-        h.encode(&mut block, &data);
-        let (back, blocks) = BatchHeader::decode(&block, 5, 253).unwrap();
-        assert_eq!((back, blocks), (h, 2));
-        assert!(BatchHeader::verify(&block, &data));
-        let mut torn = data.clone();
-        torn[5000] = 0;
-        assert!(!BatchHeader::verify(&block, &torn));
-        assert_eq!(
-            BatchHeader::decode(&block, 6, 253).unwrap_err(),
-            BadBatch::NotABatch
-        );
-        block[32] = 3;
-        assert!(matches!(
-            BatchHeader::decode(&block, 5, 253),
-            Err(BadBatch::Damaged(_))
-        ));
-    }
-}
+#[path = "layout_tests.rs"]
+mod tests;

@@ -7,6 +7,7 @@ use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
+use super::journal::Journal;
 use super::layout::{BatchHeader, Kind, Record, Superblock};
 use super::map::Map;
 use crate::bytes::AlignedBuf;
@@ -34,6 +35,8 @@ pub(super) struct Head {
     pub moved: Vec<bool>,
     /// The newest checkpoint's sequence number (0: none) and the slot the next one goes to.
     pub checkpoint: (u64, u64),
+    /// The segments reserved for opening since that checkpoint (journal.rs).
+    pub journal: Journal,
 }
 
 /// The streams: guest writes, the cleaner's moves (kept apart, so that data the cleaner found
@@ -247,14 +250,20 @@ impl Log {
         matches!(t.open[stream], Some(o) if o.pos + 1 + blocks <= self.sb.segment_blocks)
     }
 
-    /// Makes `segment`, just taken from the free list, the one `stream` appends to.
-    pub(super) fn open_segment(&self, t: &mut Tail, stream: usize, segment: u32) {
+    /// Makes `segment`, just taken from the free list, the one `stream` appends to, once a
+    /// durable journal block names it (opens.rs); if none can be written, it goes back.
+    pub(super) fn open_segment(&self, t: &mut Tail, stream: usize, segment: u32) -> Result<()> {
+        if let Err(e) = self.reserve_open(t, segment) {
+            t.head.free.push_front(segment);
+            return Err(e);
+        }
         t.open[stream] = Some(Open {
             segment,
             pos: 0,
             nonce: random_u64(),
         });
         t.opened_since += 1;
+        Ok(())
     }
 
     /// Gives a batch of the cleaner's `records` with `blocks` data blocks its sequence

@@ -188,6 +188,7 @@ mod tests {
             policy: Policy::Greedy,
             checkpoints: true,
             map_memory,
+            opens: false,
         }
     }
 

@@ -9,6 +9,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::checkpoint::{self, Loaded};
+use super::journal::{self, Journal};
 use super::layout::{BadBatch, BatchHeader, Kind, Record, Superblock};
 use super::log::{apply_batch, Head};
 use super::map::Map;
@@ -68,19 +69,27 @@ pub(super) fn scan(storage: &Arc<dyn Storage>, sb: &Superblock) -> Result<Recove
     };
     let mut found = Vec::new();
     let mut torn = 0;
-    let chains = per_segment(sb, |segment, buf| read_chain(&**storage, sb, segment, buf))?;
+    let every: Vec<u32> = (0..sb.segments).collect();
+    let chains = per_segment(&every, |segment, buf| {
+        buf.resize(sb.segment_size() as usize, 0);
+        read_chain(&**storage, sb, segment, buf)
+    })?;
     for (segment, (chain, damaged)) in (0..).zip(chains) {
         torn += u64::from(damaged);
         segs.take_chain(segment, &chain);
         found.extend(chain);
     }
     let map = Map::new(sb, storage.clone());
-    finish(sb, map, found, segs, torn, (0, 0))
+    // Without a checkpoint, no open reads the journal: opens need no reservation until one.
+    finish(sb, map, found, segs, torn, (0, 0), Journal::free(sb, false))
 }
 
 /// From the checkpoint `cp` (in slot `slot`): its map, then the batches newer than it, which
 /// only segments opened since (whose first batch is newer) and those open then can hold. A
-/// segment whose first block holds no batch any more was cleaned since: empty.
+/// segment whose first block holds no batch any more was cleaned since: empty. With the
+/// journal of opens, the segments opened since are among those it names: only they (and
+/// the open ones) are read; without it, or where its marker says so, every segment's first
+/// block is.
 fn from_checkpoint(
     storage: &Arc<dyn Storage>,
     sb: &Superblock,
@@ -97,14 +106,30 @@ fn from_checkpoint(
         trims: cp.trims,
     };
     let bs = sb.block_size as usize;
-    // Per segment: `None` where the checkpoint says all it holds, else its chain (empty
+    let (named, journal) = match sb.opens {
+        true => journal::read(&**storage, sb, cp.seq)?,
+        false => (None, Journal::free(sb, false)),
+    };
+    let read: Vec<u32> = match named {
+        Some(mut named) => {
+            named.extend(cp.open.iter().flatten());
+            named.sort_unstable();
+            named.dedup();
+            named
+        }
+        None => (0..sb.segments).collect(),
+    };
+    // Per segment read: `None` where the checkpoint says all it holds, else its chain (empty
     // where its first block holds no batch).
-    let chains = per_segment(sb, |segment, buf| {
+    let chains = per_segment(&read, |segment, buf| {
         let offset = sb.log_offset(segment * sb.segment_blocks);
+        // A segment's buffer only for the few chains read whole.
+        buf.resize(bs.max(buf.len()), 0);
         (storage.read_at(offset, &mut buf[..bs]))
             .context(|| format!("reading seqlog segment {segment}"))?;
         match BatchHeader::decode(&buf[..bs], sb.image_id, sb.max_records()) {
             Ok((h, _)) if h.seq > cp.seq || cp.open.contains(&Some(segment)) => {
+                buf.resize(sb.segment_size() as usize, 0);
                 read_chain(&**storage, sb, segment, buf).map(Some)
             }
             Ok(_) => Ok(None),
@@ -112,14 +137,15 @@ fn from_checkpoint(
         }
     })?;
     let (mut found, mut torn) = (Vec::new(), 0);
-    for (segment, (chain, damaged)) in (0..).zip(chains).filter_map(|(s, c)| Some((s, c?))) {
+    let chains = read.into_iter().zip(chains);
+    for (segment, (chain, damaged)) in chains.filter_map(|(s, c)| Some((s, c?))) {
         torn += u64::from(damaged);
         segs.take_chain(segment, &chain);
         found.extend(chain.into_iter().filter(|f| f.seq > cp.seq));
     }
     let map = Map::from_checkpoint(sb, storage.clone(), Some(slot), live, entries.as_deref());
     drop(entries);
-    let mut r = finish(sb, map, found, segs, torn, (cp.seq, 1 - slot))?;
+    let mut r = finish(sb, map, found, segs, torn, (cp.seq, 1 - slot), journal)?;
     r.checkpoint = Some(cp.seq);
     Ok(r)
 }
@@ -130,31 +156,34 @@ fn from_checkpoint(
 pub(super) const ALONE: u32 = 64;
 const READERS: u32 = 16;
 
-/// `read(segment, buf)` of every segment (`buf` a segment's size), the results in segment
-/// order.
+/// `read(segment, buf)` of each of `segments` (`buf` a buffer the reader sizes), the results
+/// in that order.
 fn per_segment<T: Send>(
-    sb: &Superblock,
-    read: impl Fn(u32, &mut [u8]) -> Result<T> + Sync,
+    segments: &[u32],
+    read: impl Fn(u32, &mut Vec<u8>) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
-    let run = |segments: std::ops::Range<u32>| -> Result<Vec<T>> {
-        let mut buf = vec![0u8; sb.segment_size() as usize];
-        segments.map(|segment| read(segment, &mut buf)).collect()
+    let run = |segments: &[u32]| -> Result<Vec<T>> {
+        let mut buf = Vec::new();
+        segments
+            .iter()
+            .map(|&segment| read(segment, &mut buf))
+            .collect()
     };
-    if sb.segments <= ALONE {
-        return run(0..sb.segments);
+    if segments.len() <= ALONE as usize {
+        return run(segments);
     }
-    let per = sb.segments.div_ceil(READERS);
+    let per = segments.len().div_ceil(READERS as usize);
+    let run = &run;
     let parts: Vec<Result<Vec<T>>> = std::thread::scope(|s| {
-        let threads: Vec<_> = (0..sb.segments)
-            .step_by(per as usize)
-            .map(|from| s.spawn(move || run(from..(from + per).min(sb.segments))))
+        let threads: Vec<_> = (segments.chunks(per))
+            .map(|part| s.spawn(move || run(part)))
             .collect();
         threads
             .into_iter()
             .map(|t| t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
             .collect()
     });
-    let mut out = Vec::with_capacity(sb.segments as usize);
+    let mut out = Vec::with_capacity(segments.len());
     for part in parts {
         out.extend(part?);
     }
@@ -171,6 +200,7 @@ fn finish(
     mut segs: Segments,
     torn: u64,
     checkpoint: (u64, u64),
+    journal: Journal,
 ) -> Result<Recovered> {
     found.sort_unstable_by_key(|f| f.seq);
     if let Some(w) = found.windows(2).find(|w| w[0].seq == w[1].seq) {
@@ -206,6 +236,7 @@ fn finish(
             moved: vec![false; sb.segments as usize],
             trims: segs.trims,
             checkpoint,
+            journal,
         },
         batches: found.len() as u64,
         torn,

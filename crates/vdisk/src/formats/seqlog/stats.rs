@@ -69,7 +69,8 @@ impl Seqlog {
             guest_bytes: s.guest_bytes.load(Relaxed),
             log_bytes: s.bytes.load(Relaxed),
             cleaner_bytes: s.cleaner_bytes.load(Relaxed),
-            // Pages written out ahead of a checkpoint are the map's writes too.
+            // Pages written out ahead of a checkpoint, and the journal of opens, are the map's
+            // writes too.
             checkpoint_bytes: s.checkpoint_bytes.load(Relaxed)
                 + self.map.pages.page_outs.load(Relaxed) * self.bs(),
             cleaned: s.cleaned.load(Relaxed),
@@ -103,7 +104,8 @@ impl Seqlog {
             ),
             stat(
                 "seqlog_checkpoint_written_bytes_total",
-                "Bytes of the map written: checkpoints, and pages written out ahead of one.",
+                "Bytes of the map written: checkpoints, pages written out ahead of one, and the \
+                 journal of opens.",
                 Counter(c.checkpoint_bytes),
             ),
             stat(

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use super::*;
 use crate::storage::MemStorage;
 
+mod opens;
 mod streams;
 
 fn new_image(o: CreateOptions) -> Arc<dyn Storage> {
