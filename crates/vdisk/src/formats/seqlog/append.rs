@@ -31,6 +31,7 @@ use std::ops::Range;
 use std::sync::atomic::Ordering::{Relaxed, Release};
 use std::sync::MutexGuard;
 
+use super::header_thread::Header;
 use super::layout::{Kind, Record};
 use super::log::{lock, Forming, Log, Member, Open, Part, Tail, DATA, RESERVE};
 use super::map::Map;
@@ -46,10 +47,12 @@ pub(super) struct Placed {
 }
 
 impl Log {
-    /// Places `record` (a trim, or data: `data`, its blocks) at the head of guest stream
+    /// Places `record` (a trim, or data: `data`, its blocks, whose CRC-32C is `crc` where
+    /// the caller worked it out before it took the lock) at the head of guest stream
     /// `stream` (data or metadata), cut where segments end. `blocking` callers may wait for
     /// the cleaner; others get `None` where a segment would have to be cleaned first, or a
     /// checkpoint is due.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn reserve(
         &self,
         t: &mut Tail,
@@ -57,6 +60,7 @@ impl Log {
         stream: usize,
         mut record: Record,
         data: &[u8],
+        crc: Option<u32>,
         blocking: bool,
     ) -> Result<Option<Placed>> {
         let room = self.room_for(t, stream, record);
@@ -94,7 +98,13 @@ impl Log {
                 Kind::Data => {
                     b.in_flight += 1;
                     transfers.push((self.sb.log_offset(pos), bytes.clone()));
-                    (crc32c(0, &data[bytes.clone()]), Part::InFlight)
+                    // Uncut (the usual case), the data's own checksum is the piece's.
+                    let whole = bytes.start == 0 && bytes.end == data.len();
+                    let crc = match crc {
+                        Some(crc) if whole => crc,
+                        _ => crc32c(0, &data[bytes.clone()]),
+                    };
+                    (crc, Part::InFlight)
                 }
                 Kind::Trim => (0, Part::Landed),
             };
@@ -198,6 +208,7 @@ impl Log {
             parts: Vec::new(),
             in_flight: 0,
             sealed: false,
+            header: Header::Waiting,
             dead: false,
         };
         if self.sb.log_offset(at) == t.last_end[stream] {
@@ -240,15 +251,14 @@ impl Log {
             }
             let (batch, index, block, count, pos) = (m.batch, m.index, m.block, m.count, m.pos);
             if landed {
-                let newer: Vec<(u64, u64)> = t
-                    .members
-                    .range(i + 1..)
-                    .filter(|n| n.done)
-                    .map(|n| (n.block, n.block + u64::from(n.count)))
-                    .collect();
+                // Without allocating: most finishes have no newer write done behind them.
+                let newer = t.members.range(i + 1..).filter(|n| n.done);
                 for k in 0..count {
                     let b = block + u64::from(k);
-                    if !newer.iter().any(|&(from, to)| (from..to).contains(&b)) {
+                    let taken = newer
+                        .clone()
+                        .any(|n| (n.block..n.block + u64::from(n.count)).contains(&b));
+                    if !taken {
                         map.set(b, Some(pos + k));
                     }
                 }
@@ -270,7 +280,7 @@ impl Log {
 
     /// Gives up the forming batches of `segment` from index `f` on (their chain ends where
     /// the first one's header would be): the segment takes no more writes.
-    fn give_up(&self, t: &mut Tail, segment: u32, f: usize) {
+    pub(super) fn give_up(&self, t: &mut Tail, segment: u32, f: usize) {
         for b in t.forming.range_mut(f..).filter(|b| b.segment == segment) {
             b.dead = true;
             b.sealed = true;
@@ -279,59 +289,6 @@ impl Log {
             if open.is_some_and(|o| o.segment == segment) {
                 *open = None;
             }
-        }
-    }
-
-    /// Writes the headers of the oldest batches that are sealed and whose writes have all
-    /// finished, in order (their sequence numbers grow along each chain).
-    fn write_headers(&self, t: &mut Tail) {
-        let bs = self.sb.block_size as usize;
-        while t
-            .forming
-            .front()
-            .is_some_and(|b| b.sealed && b.in_flight == 0)
-        {
-            let b = t.forming.pop_front().expect("a batch");
-            self.changed.notify_all();
-            if b.records.is_empty() {
-                continue;
-            }
-            if !b.dead {
-                let header = self.number(t, b.segment, b.nonce, b.stream, b.records.clone());
-                let mut block = AlignedBuf::zeroed(bs);
-                header.encode_with(&mut block, |mut crc| {
-                    for (r, (part, _)) in b.records.iter().zip(&b.parts) {
-                        if r.kind == Kind::Data {
-                            for _ in 0..r.count {
-                                crc = self.shift_block.apply(crc);
-                            }
-                            crc ^= part;
-                        }
-                    }
-                    crc
-                });
-                let offset = self.sb.log_offset(b.at);
-                let written = self.storage.write_at(offset, &block);
-                if written.is_ok() {
-                    self.written.fetch_add(1, Release);
-                    let data = u64::from(header.data_blocks()) * bs as u64;
-                    self.stats.stream_blocks[b.stream]
-                        .fetch_add(u64::from(header.data_blocks()), Relaxed);
-                    self.stats.batches.fetch_add(1, Relaxed);
-                    self.stats.bytes.fetch_add(bs as u64 + data, Relaxed);
-                    continue;
-                }
-                // The header did not land: given up like a batch whose data failed, and the
-                // next flush fails (its writes were answered already).
-                self.give_up(t, b.segment, 0);
-                if let Err(source) = written {
-                    t.unreported.get_or_insert(Error::Io {
-                        context: format!("writing a seqlog batch header at {offset:#x}"),
-                        source,
-                    });
-                }
-            }
-            rescue_landed(t, &b);
         }
     }
 
@@ -464,6 +421,7 @@ impl Log {
         data: &[u8],
         still: impl Fn(&Map) -> Result<bool>,
     ) -> Result<()> {
+        let crc = (record.kind == Kind::Data).then(|| crc32c(0, data));
         let mut t = lock(&self.state);
         // Each cleaning gains space, however little; the bound only guards against a cleaner
         // that would not.
@@ -488,6 +446,10 @@ impl Log {
                 // Another writer's victim is about to be free: cleaning more meanwhile would
                 // take the reserve that victim's moves came from (ENOSPC with 16 writers).
                 t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
+            } else if !self.room_for(&t, stream, record) && self.headers_queued(&mut t) {
+                // A segment whose batch's header is being written is no victim: the cleaner
+                // could find nothing to clean where a moment later it would.
+                t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
             } else if !self.room_for(&t, stream, record) && cleanings <= self.sb.segments {
                 cleanings += 1;
                 let freed;
@@ -504,7 +466,7 @@ impl Log {
             return Ok(());
         }
         let placed = self
-            .reserve(&mut t, map, stream, record, data, true)?
+            .reserve(&mut t, map, stream, record, data, crc, true)?
             .expect("a blocking caller is always placed");
         drop(t);
         let mut outcome = Ok(());
@@ -523,7 +485,7 @@ impl Log {
     }
 }
 
-fn forming_index(t: &Tail, id: u64) -> usize {
+pub(super) fn forming_index(t: &Tail, id: u64) -> usize {
     (id - t.forming[0].id) as usize
 }
 
@@ -548,7 +510,7 @@ const TRIMMED: u32 = u32::MAX;
 
 /// Keeps the runs that landed in a batch given up, and its trims, to be appended again. (Its
 /// segment is left as it is: the next open finds it free if no header of it was written.)
-fn rescue_landed(t: &mut Tail, b: &Forming) {
+pub(super) fn rescue_landed(t: &mut Tail, b: &Forming) {
     let mut pos = b.at + 1;
     let before = t.rescue.len();
     for (r, (_, part)) in b.records.iter().zip(&b.parts) {

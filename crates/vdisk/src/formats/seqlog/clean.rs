@@ -319,6 +319,8 @@ mod tests {
         let segment_of = |b: u64| disk.map.get(b).unwrap().unwrap() / per;
         let open = |s: usize| log::lock(&disk.log.state).open[s].map(|o| o.segment);
         let reclaim = || {
+            // The headers written (by the header thread): their segments may be victims.
+            disk.flush().unwrap();
             let t = log::lock(&disk.log.state);
             disk.log.reclaim(t, &disk.map).unwrap().1.expect("a victim")
         };

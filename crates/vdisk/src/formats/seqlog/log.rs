@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use super::journal::Journal;
+use super::header_thread::{Header, HeaderWriter};
 use super::layout::{BatchHeader, Kind, Record, Superblock};
 use super::map::Map;
 use crate::bytes::AlignedBuf;
@@ -91,6 +92,8 @@ pub(super) struct Log {
     pub stats: LogStats,
     /// Advances a checksum over one block: headers combine their data's checksums with it.
     pub(super) shift_block: CrcShift,
+    /// Writes the guest batches' headers, off the log's lock (headers.rs).
+    pub(super) headers: Arc<HeaderWriter>,
 }
 
 #[derive(Default)]
@@ -129,6 +132,10 @@ pub(super) struct Forming {
     pub in_flight: usize,
     /// No more writes join it.
     pub sealed: bool,
+    /// Where its header stands: not yet given to the header writer, being written, landed or
+    /// failed (headers.rs). The batch stays here until then, so that whoever waits for its
+    /// header (a flush, the cleaner, a checkpoint) waits for it to land.
+    pub header: Header,
     /// A write in it (or its header) failed, or one in a batch before it in its segment: no
     /// header is written, and the writes that landed are appended again.
     pub dead: bool,
@@ -212,9 +219,9 @@ pub(super) fn random_u64() -> u64 {
 }
 
 impl Log {
-    pub fn new(sb: Superblock, storage: Arc<dyn Storage>, head: Head) -> Log {
+    pub fn new(sb: Superblock, storage: Arc<dyn Storage>, head: Head) -> Arc<Log> {
         let (checkpoint_seq, checkpoint_slot) = head.checkpoint;
-        Log {
+        Arc::new(Log {
             sb,
             storage,
             reuse: Gate::default(),
@@ -242,7 +249,8 @@ impl Log {
             sync_failed: Default::default(),
             stats: LogStats::default(),
             shift_block: CrcShift::new(u64::from(sb.block_size)),
-        }
+            headers: Arc::default(),
+        })
     }
 
     /// Whether a batch of `blocks` data blocks fits in what is left of `stream`'s segment.

@@ -39,6 +39,8 @@ mod classify;
 mod clean;
 mod create;
 mod journal;
+mod header_thread;
+mod headers;
 mod layout;
 mod log;
 mod map;
@@ -81,7 +83,7 @@ pub(crate) static FORMAT: FormatEntry = FormatEntry {
 
 pub struct Seqlog {
     map: Map,
-    log: Log,
+    log: Arc<Log>,
     /// Held by writes of part of a block, from reading the block to appending it.
     partial: Mutex<()>,
     read_only: bool,
@@ -132,6 +134,7 @@ impl Seqlog {
         if !read_only {
             // Not before: the replay must not write, nor a read-only open.
             disk.map.pages.start_writing();
+            Log::start_headers(&disk.log)?;
         }
         disk.classify_now();
         Ok(disk)
@@ -322,8 +325,11 @@ impl BlockDev for Seqlog {
         let Some((stream, watched)) = self.queued_stream(offset, data.len() as u64) else {
             return Ok(None);
         };
+        // Before the lock: other writers place and finish meanwhile.
+        let crc = crate::checksum::crc32c(0, data);
         let mut t = log::lock(&self.log.state);
-        let Some(placed) = (self.log).reserve(&mut t, &self.map, stream, record, data, false)?
+        let Some(placed) =
+            (self.log).reserve(&mut t, &self.map, stream, record, data, Some(crc), false)?
         else {
             return Ok(None);
         };
@@ -519,6 +525,7 @@ impl Drop for Seqlog {
         if !self.read_only {
             let _ = self.log.settle(&self.map);
             let _ = self.write_size();
+            self.log.headers.stop();
         }
     }
 }

@@ -1,0 +1,102 @@
+//! The queue of the guest batches' headers and the thread that writes them (what it does
+//! with each is `headers.rs`, which also has the why and the ordering rules).
+
+use std::collections::VecDeque;
+use std::io;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use super::layout::BatchHeader;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Where a batch's header stands.
+pub(super) enum Header {
+    /// Not given to the header writer yet (writes still in flight, or not sealed).
+    Waiting,
+    /// Numbered and queued, or being written.
+    Queued,
+    Landed,
+    Failed(io::Error),
+}
+
+/// A numbered header to write, with the checksums of its records' data (0 for trims).
+pub(super) struct Job {
+    pub batch: u64,
+    pub offset: u64,
+    pub header: BatchHeader,
+    pub crcs: Vec<u32>,
+}
+
+#[derive(Default)]
+struct Jobs {
+    queue: VecDeque<Job>,
+    /// The log is going away: the thread ends once the queue is empty.
+    closed: bool,
+}
+
+/// The queue of headers to write and the thread that writes them (its work, `headers.rs`,
+/// holds the log only while it writes: a `Weak` otherwise, so that dropping the disk drops the
+/// log).
+#[derive(Default)]
+pub(super) struct HeaderWriter {
+    jobs: Mutex<Jobs>,
+    ready: Condvar,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl HeaderWriter {
+    /// Starts the thread (a writable open does, before any write), which hands each job to
+    /// `work` until that returns `false` (the log is gone).
+    pub(super) fn start(
+        self: &Arc<Self>,
+        work: impl Fn(Job) -> bool + Send + 'static,
+    ) -> io::Result<()> {
+        let mut thread = lock(&self.thread);
+        if thread.is_some() {
+            return Ok(());
+        }
+        let me = self.clone();
+        let handle = std::thread::Builder::new()
+            .name("seqlog-headers".into())
+            .spawn(move || me.run(work))?;
+        *thread = Some(handle);
+        Ok(())
+    }
+
+    /// Writes what is queued, ends the thread and waits for it, so that nothing of the log
+    /// outlives the disk (its file is closed when the disk is dropped).
+    pub(super) fn stop(&self) {
+        lock(&self.jobs).closed = true;
+        self.ready.notify_all();
+        if let Some(handle) = lock(&self.thread).take() {
+            let _ = handle.join();
+        }
+    }
+
+    pub(super) fn push(&self, jobs: Vec<Job>) {
+        lock(&self.jobs).queue.extend(jobs);
+        self.ready.notify_one();
+    }
+
+    fn run(&self, work: impl Fn(Job) -> bool) {
+        loop {
+            let job = {
+                let mut jobs = lock(&self.jobs);
+                loop {
+                    if let Some(job) = jobs.queue.pop_front() {
+                        break job;
+                    }
+                    if jobs.closed {
+                        return;
+                    }
+                    jobs = self.ready.wait(jobs).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            if !work(job) {
+                return;
+            }
+        }
+    }
+}
