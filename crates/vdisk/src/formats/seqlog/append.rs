@@ -29,7 +29,6 @@
 
 use std::ops::Range;
 use std::sync::atomic::Ordering::{Relaxed, Release};
-use std::sync::MutexGuard;
 
 use super::header_thread::Header;
 use super::layout::{Kind, Record};
@@ -326,19 +325,6 @@ impl Log {
         }
     }
 
-    /// Waits (releasing the lock) until every batch numbered below `before` has its header
-    /// written or was given up.
-    pub(super) fn await_headers<'a>(
-        &self,
-        mut t: MutexGuard<'a, Tail>,
-        before: u64,
-    ) -> MutexGuard<'a, Tail> {
-        while t.forming.front().is_some_and(|b| b.id < before) {
-            t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
-        }
-        t
-    }
-
     /// Appends again the blocks of `runs` the map still points at where they landed.
     fn append_again(&self, map: &Map, runs: &[(u64, u32, u32)]) -> Result<()> {
         let bs = self.sb.block_size as usize;
@@ -449,7 +435,7 @@ impl Log {
             } else if !self.room_for(&t, stream, record) && self.headers_queued(&mut t) {
                 // A segment whose batch's header is being written is no victim: the cleaner
                 // could find nothing to clean where a moment later it would.
-                t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
+                t = self.wait_for_header(t);
             } else if !self.room_for(&t, stream, record) && cleanings <= self.sb.segments {
                 cleanings += 1;
                 let freed;

@@ -380,9 +380,9 @@ impl Log {
         }
         t.checkpointing = true;
         self.seal(&mut t);
-        while !t.forming.is_empty() {
-            t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
-        }
+        // Every batch, its header landed (no new one forms while `checkpointing`).
+        let all = t.next_batch;
+        t = self.await_headers(t, all);
         let due = t.checkpoint_seq != t.head.next_seq - 1;
         // A write that failed meanwhile leaves blocks to append again first: later.
         let (mut t, written) = if due && !t.unsettled {

@@ -3,6 +3,7 @@
 
 use std::collections::VecDeque;
 use std::io;
+use std::sync::atomic::AtomicU8;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use super::layout::BatchHeader;
@@ -15,15 +16,30 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub(super) enum Header {
     /// Not given to the header writer yet (writes still in flight, or not sealed).
     Waiting,
-    /// Numbered and queued, or being written.
-    Queued,
-    Landed,
-    Failed(io::Error),
+    /// Numbered and queued: the header thread says in the slot how its write went.
+    Queued(Arc<Slot>),
 }
 
-/// A numbered header to write, with the checksums of its records' data (0 for trims).
+/// What the header thread says of a header, without the log's lock: the writers that take
+/// that lock (to place and finish their writes) never wait for the header thread holding it.
+#[derive(Default)]
+pub(super) struct Slot {
+    /// `PENDING`, `LANDED`, `FAILED` (the error is in `error`) or `SKIPPED` (a header
+    /// before it in its segment failed).
+    pub state: AtomicU8,
+    pub error: Mutex<Option<io::Error>>,
+}
+
+pub(super) const PENDING: u8 = 0;
+pub(super) const LANDED: u8 = 1;
+pub(super) const FAILED: u8 = 2;
+pub(super) const SKIPPED: u8 = 3;
+
+/// A numbered header to write at `offset`, of a batch in `segment` (whose nonce the header
+/// holds), with the checksums of its records' data (0 for trims).
 pub(super) struct Job {
-    pub batch: u64,
+    pub slot: Arc<Slot>,
+    pub segment: u32,
     pub offset: u64,
     pub header: BatchHeader,
     pub crcs: Vec<u32>,
@@ -43,6 +59,9 @@ struct Jobs {
 pub(super) struct HeaderWriter {
     jobs: Mutex<Jobs>,
     ready: Condvar,
+    /// Segments (and their nonces) where a header failed: the thread writes no more
+    /// headers there (their batches are given up, see headers.rs).
+    pub failed: Mutex<Vec<(u32, u64)>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 

@@ -94,6 +94,8 @@ pub(super) struct Log {
     pub(super) shift_block: CrcShift,
     /// Writes the guest batches' headers, off the log's lock (headers.rs).
     pub(super) headers: Arc<HeaderWriter>,
+    /// Callers waiting on `changed` for the header thread (it signals only when there are).
+    pub(super) header_waiters: std::sync::atomic::AtomicUsize,
 }
 
 #[derive(Default)]
@@ -250,6 +252,7 @@ impl Log {
             stats: LogStats::default(),
             shift_block: CrcShift::new(u64::from(sb.block_size)),
             headers: Arc::default(),
+            header_waiters: Default::default(),
         })
     }
 

@@ -1,5 +1,6 @@
 //! The seqlog format's own tests; the conformance suite (crates/vdisk/tests/conformance.rs)
-//! runs it like every format, crash states included. The guest streams' are in `streams.rs`.
+//! runs it like every format, crash states included. The guest streams' are in `streams.rs`,
+//! the header thread's in `headers.rs`.
 
 use std::sync::Arc;
 
@@ -7,6 +8,7 @@ use super::*;
 use crate::storage::MemStorage;
 
 mod opens;
+mod headers;
 mod streams;
 
 fn new_image(o: CreateOptions) -> Arc<dyn Storage> {
