@@ -25,7 +25,7 @@ cd "$root"
 mkdir -p bench/results
 run() {
     cargo test --release -q -p vdisk --test pmem -- --ignored --nocapture --test-threads=1 latency 2>&1 |
-        grep -E ': p50 '
+        grep -E ': p50 ' | sed 's/^\.*//'
 }
 ((build)) && cargo test --release -q -p vdisk --test pmem --no-run 2>/dev/null
 load=$(uptime | sed 's/.*load average: //')

@@ -104,7 +104,7 @@ pub trait Provider: Send {
     /// Pages of `slot`'s copy target now hold their copies; the pages are made writable right
     /// after. With cache-line persistence the copies are persisted already; with
     /// [`PersistKind::Msync`] they are only in the page cache, and `commit` makes them durable
-    /// ([`Persist::persist_file`]) before it makes their record durable (pcow: the cow_bitmap),
+    /// (an `msync` of them, or [`Persist::persist_file`]) before it makes their record durable (pcow: the cow_bitmap),
     /// so that no record ever reaches the media before the copy it names.
     fn pages_copied(&mut self, slot: u64, pages: &[u32]) -> io::Result<()>;
 

@@ -6,7 +6,7 @@
 //! into the new cluster (and, with cache-line persistence, persisted); only then is the provider
 //! told it is copied; only then is the new page mapped writable. The provider keeps that record
 //! in memory until [`Region::persist`](super::Region::persist) calls its commit, which makes the
-//! copies durable first (with `msync` persistence: one sync of the file), then the records
+//! copies durable first (with `msync` persistence: an `msync` of them), then the records
 //! (pcow: the cow_bitmap bits). So a page counted as copied after a crash always holds its
 //! whole copy; a crash before the commit shows the old page, as it would an unpersisted store.
 //!
@@ -290,7 +290,7 @@ impl Monitor {
             // Cache-line write-backs cost about a microsecond a page: done here, so that the
             // provider's commit need not know where the copies are. An msync (a write-back
             // and a disk flush, hundreds of microseconds) is left to the commit, which makes
-            // every copy since the last one durable with one sync of the file.
+            // every copy since the last one durable, a run of neighbours at once.
             let span = (pages.iter().max().unwrap_or(&first) + 1 - first) * PAGE;
             // SAFETY: `[scratch, scratch + span)` is inside the scratch mapping.
             unsafe { self.persist.persist(scratch as *const u8, span)? };

@@ -7,7 +7,7 @@
 //! gsync does, all at once in this order, each step persisted before the next starts:
 //!
 //! ```text
-//!  data: the pages the engine copied (msync persistence: one sync of the file; cache lines
+//!  data: the pages the engine copied (msync persistence: an msync of each run; cache lines
 //!        were written back at the copy); zeroed clusters were allocated and synced ahead
 //!  new segments' meta clusters (counter 0), then entries: cow_bitmap words of wide bitmaps,
 //!        then one aligned 8-byte store of cow_bitmap + data_cluster_num each
@@ -92,8 +92,9 @@ pub struct PcowProvider {
     /// changed, segments started, and each changed segment's counter by its meta cluster.
     dirty: BTreeSet<u32>,
     started: Vec<(u64, u32)>,
-    /// Pages were copied since the last commit (their data is not durable yet with `msync`).
-    copied: bool,
+    /// Pages copied since the last commit, as (data cluster, page): with `msync` their data
+    /// is not durable yet.
+    copied: Vec<(u64, u32)>,
     counters: BTreeMap<u64, u32>,
     /// cur_segment_num and the committed end as the file holds them durably.
     durable_segments: u32,
@@ -156,7 +157,7 @@ impl PcowProvider {
             target: None,
             dirty: BTreeSet::new(),
             started: Vec::new(),
-            copied: false,
+            copied: Vec::new(),
             counters: BTreeMap::new(),
             durable_segments: segments,
             durable_end: end,
@@ -192,15 +193,45 @@ impl PcowProvider {
         Ok(addr)
     }
 
-    /// Persists the fields stored at `stored` (address, length), with one sync of the file
-    /// for `msync` persistence (one `msync` per field would sync the file once each).
+    /// Persists the fields stored at `stored` (address, length); with `msync` each page once.
     fn persist_stored(&self, stored: &[(usize, usize)]) -> io::Result<()> {
+        let mut stored = stored.to_vec();
         if self.persist.kind() == PersistKind::Msync {
-            return self.persist.persist_file(&self.file);
+            stored = stored
+                .iter()
+                .map(|&(a, _)| (a / PAGE as usize * PAGE as usize, 1))
+                .collect();
+            stored.sort_unstable();
+            stored.dedup();
         }
-        for &(addr, len) in stored {
+        for &(addr, len) in &stored {
             // SAFETY: each field is inside a live mapping of ours.
             unsafe { self.persist.persist(addr as *const u8, len)? };
+        }
+        Ok(())
+    }
+
+    /// Persists the pages copied since the last commit (`msync` persistence), each run of
+    /// neighbours through a mapping of its own: an `msync` writes back those pages only, where
+    /// an `fdatasync` of the image would also write back every other dirty page of it (the
+    /// pool's zeroes being written, stores not persisted).
+    fn persist_copies(&mut self) -> io::Result<()> {
+        let mut at: Vec<u64> = (self.copied.iter())
+            .map(|&(host, p)| host * self.geo.cluster + u64::from(p) * PAGE)
+            .collect();
+        at.sort_unstable();
+        at.dedup();
+        let mut i = 0;
+        while i < at.len() {
+            let mut j = i + 1;
+            while j < at.len() && at[j] == at[j - 1] + PAGE {
+                j += 1;
+            }
+            let len = (j - i) * PAGE as usize;
+            let m = map(&self.file, at[i], len, libc::MAP_SHARED)?;
+            // SAFETY: the run's pages, mapped just now.
+            unsafe { self.persist.persist(m.addr as *const u8, len)? };
+            i = j;
         }
         Ok(())
     }
@@ -298,7 +329,6 @@ impl Provider for PcowProvider {
 
     fn pages_copied(&mut self, slot: u64, pages: &[u32]) -> io::Result<()> {
         let n = u32::try_from(slot).map_err(|_| io::Error::other("slot past 2^32"))?;
-        self.copied = true;
         let total = self.geo.pages();
         let Some(&first) = pages.first() else {
             return Ok(());
@@ -307,6 +337,7 @@ impl Provider for PcowProvider {
             return Err(io::Error::other(format!("page {p} past the cluster")));
         }
         if let Some(e) = self.entries.get(&n) {
+            self.copied.extend(pages.iter().map(|&p| (e.host, p)));
             let mut now = e.pages.clone();
             for &p in pages {
                 now.add(u64::from(p), u64::from(p) + 1);
@@ -324,6 +355,7 @@ impl Provider for PcowProvider {
                     set.add(u64::from(p), u64::from(p) + 1);
                 }
                 self.enter(n, host, set)?;
+                self.copied.extend(pages.iter().map(|&p| (host, p)));
                 self.target = None;
                 Ok(())
             }
@@ -339,10 +371,10 @@ impl Provider for PcowProvider {
         }
         // The copied pages: see `pmem::Provider::pages_copied`. Clusters of first stores are
         // pool space, durable zeroes already.
-        if self.copied && self.persist.kind() == PersistKind::Msync {
-            self.persist.persist_file(&self.file)?;
+        if self.persist.kind() == PersistKind::Msync {
+            self.persist_copies()?;
         }
-        self.copied = false;
+        self.copied.clear();
         let mut stored = Vec::new();
         for (meta, segment) in self.started.clone() {
             let header = encode_meta(segment, self.image_id, 0);
@@ -354,7 +386,9 @@ impl Provider for PcowProvider {
             };
             stored.push((addr, header.len()));
         }
-        for n in std::mem::take(&mut self.dirty) {
+        // Records stay pending until the commit succeeds: one that fails is redone whole by
+        // the next, each store the same again.
+        for n in self.dirty.clone() {
             let Some(e) = self.entries.get(&n) else {
                 continue;
             };
@@ -374,7 +408,7 @@ impl Provider for PcowProvider {
         }
         self.persist_stored(&stored)?;
         stored.clear();
-        for (meta, count) in std::mem::take(&mut self.counters) {
+        for (meta, count) in self.counters.clone() {
             let counter = self.meta_addr(meta, meta * self.geo.cluster + COUNTER_AT)?;
             put4(counter, count);
             stored.push((counter, 4));
@@ -387,6 +421,8 @@ impl Provider for PcowProvider {
             self.durable_segments = self.segments;
         }
         self.started.clear();
+        self.dirty.clear();
+        self.counters.clear();
         self.durable_end = self.end;
         Ok(())
     }
