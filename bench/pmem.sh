@@ -49,7 +49,9 @@ done)
         "paper's copy-on-write is ~200 µs). \"kernel floor\" rows are the kernel's own faults on the" \
         "same kind of file, the fair comparison on a loaded machine. A pcow mapping's fault records" \
         "in memory; the persist after it makes the records durable (docs/pcow-format.md," \
-        "\"Durability at the persist\"), so its cost shows in the persist rows. Its first touches come" \
+        "\"Durability at the persist\"), so its cost shows in the persist rows, beside the kernel's" \
+        "msync of one page: a persist is the caller's range, then the copied pages, the entries and" \
+        "the counters (and cur_segment_num for a new segment), an msync each. Its first touches come" \
         "1000 in a burst, faster than the pool's thread writes 2 MiB clusters of zeroes: the p99."
     echo
     echo "| row | p50 (µs) | p99 (µs) |"

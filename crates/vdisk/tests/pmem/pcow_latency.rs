@@ -55,11 +55,52 @@ fn run(m: &Mapping, offsets: &[usize], persist: bool) -> (Vec<u128>, Vec<u128>) 
     (stores, persists)
 }
 
+/// The kernel alone: an `msync` of one page after a store into it, in a shared mapping of a
+/// file written whole (no allocation): the one sync a persist cannot do with less, beside
+/// which the mapping's persists (the caller's range, then its records) are measured.
+fn msync_floor(dir: &tempfile::TempDir) -> Vec<u128> {
+    use std::os::fd::AsRawFd;
+    let file = disk_file(dir, "floor");
+    let len = FAULTS * 4096;
+    std::fs::write(dir.path().join("floor"), vec![0u8; len]).unwrap();
+    file.sync_all().unwrap();
+    // SAFETY: a new shared mapping of a file we own, unmapped below.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    let ns = (0..FAULTS)
+        .map(|i| {
+            let at = p.cast::<u8>().wrapping_add(i * 4096);
+            // SAFETY: page `i` of the mapping.
+            unsafe { at.cast::<u64>().write_volatile(1) };
+            let t = Instant::now();
+            // SAFETY: msync of a mapped page.
+            assert_eq!(unsafe { libc::msync(at.cast(), 4096, libc::MS_SYNC) }, 0);
+            t.elapsed().as_nanos()
+        })
+        .collect();
+    // SAFETY: the mapping made above, no longer used.
+    unsafe { libc::munmap(p, len) };
+    ns
+}
+
 #[test]
 #[ignore = "a measurement: prints latencies"]
 fn pcow_latency() {
     let dir = tempdir();
     let cs = 2 * MIB;
+    println!(
+        "kernel floor: msync of a 4 KiB page after a store into a shared file mapping: {}",
+        percentiles(msync_floor(&dir))
+    );
     for persist in [false, true] {
         let then = if persist { ", each persisted" } else { "" };
         let img = dir.path().join("touch.pcow");
