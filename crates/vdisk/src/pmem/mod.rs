@@ -21,9 +21,11 @@
 //!   without write-protect faults for anonymous memory (before 5.7) fill the slot on a load.
 //! - **writable**: a file range mapped shared, read-write.
 //! - **read-only** (a snapshot's or a base image's cluster): mapped `PROT_READ`. The first write
-//!   to a 4 KiB page copies that page only into the slot's writable cluster, persists it, tells
+//!   to a 4 KiB page copies that page only into the slot's writable cluster (writing its cache
+//!   lines back when persistence flushes them; an `msync` is left to the next persist), tells
 //!   the provider, and maps the new page over the old one (`mremap` of a scratch mapping).
-//!   Pages never written keep reading the old cluster.
+//!   Pages never written keep reading the old cluster. The provider makes the copy's record
+//!   durable at the next [`Region::persist`], after the copy.
 //!
 //! **Why SIGSEGV and not shmem with userfaultfd write-protect.** userfaultfd registers only
 //! anonymous, shmem and hugetlb memory; a write to a read-only *file* mapping can only be caught
