@@ -10,7 +10,9 @@
 #     (overwrite) and over data a snapshot just made read-only (copy on write, the paper's
 #     Fig. 7a): qemu-img bench -t writethrough on qcow2 (pwrite + fdatasync), vdisk bench
 #     -t writethrough on pcow (the block path), and stores through a pcow::Mapping each
-#     followed by its persist (msync of the page); and the same without durability;
+#     followed by its persist (msync of the page, then of the records of the clusters and pages
+#     its faults took: docs/pcow-format.md, "Durability at the persist"); and the same
+#     without durability;
 #   - a mapping once faulted in against a plain shared mmap of a raw file of the same size
 #     (pcow_map access, both in one process): random 8-byte loads and stores, 1 MiB copies
 #     out of and into the disk, with 64 KiB and with 2 MiB clusters;
@@ -32,7 +34,7 @@ while (($#)); do
         --count) count=${2:?}; shift ;;
         --size-mib) size_mib=${2:?}; shift ;;
         --no-build) build=0 ;;
-        -h|--help) sed -n 2,23p "$0" | cut -c3-; exit 0 ;;
+        -h|--help) sed -n 2,25p "$0" | cut -c3-; exit 0 ;;
         *) echo "pcow.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
@@ -225,9 +227,10 @@ done
     echo
     echo "First touch of every cluster ($((size >> 16)) of 64 KiB) of a fresh $size_mib MiB disk, one" \
         "8-byte store each (\`pcow_map touch\`; milliseconds for all): a new pcow image, each" \
-        "store a userfaultfd fault that allocates the cluster and persists its entry and" \
-        "counter, against a sparse raw file mmapped (the kernel's page fault, ext4's delayed" \
-        "allocation); then each store persisted too (\`msync\` of its page for both). One run" \
+        "store a userfaultfd fault that takes a cluster of the pool and records its entry in" \
+        "memory, against a sparse raw file mmapped (the kernel's page fault, ext4's delayed" \
+        "allocation); then each store persisted too (\`msync\` of its page for both; for the" \
+        "mapping, then its entry and counter, an \`msync\` each). One run" \
         "(the first round's):"
     echo
     echo "| first touches | mmap of a raw file | pcow::Mapping | mapping / mmap |"
