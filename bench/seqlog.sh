@@ -5,6 +5,7 @@
 # on a written file), which seqlog is meant to reach.
 #
 #   bench/seqlog.sh [--quick] [--size-mib N] [--runtime S] [--rounds N] [--no-build] [--out FILE]
+#                   [--in-process] [--vdisk PATH] [--baseline PATH]
 #
 #   --quick       256 MiB disks, 3 s per run, 1 round (about 3 minutes); default 1 GiB, 10 s, 3
 #   --size-mib N  size of every disk
@@ -13,6 +14,12 @@
 #                 median of each is reported, every run listed
 #   --no-build    use target/release/vdisk as it is
 #   --out FILE    default bench/results/seqlog-<quick|full>.md
+#   --in-process  only the in-process rows (`vdisk bench`, raw beside seqlog and qcow2): no
+#                 NBD, no fio rows, no recovery
+#   --vdisk PATH  the vdisk binary to run (implies --no-build; default target/release/vdisk)
+#   --baseline PATH  another vdisk binary (an older build): the in-process seqlog rows run
+#                 with it too, right beside this one's (which goes first alternates by
+#                 round), and a table sets the two side by side against the same raw rows
 #
 # Disks, made once per round in bench/work/seqlog/ and written whole first (so no run
 # measures allocation): raw (a file), seqlog (`-o spare=` large enough that the cleaner does not
@@ -39,7 +46,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 args=$*
-quick=0 size_mib= runtime= rounds= build=1 out=
+quick=0 size_mib= runtime= rounds= build=1 out= inproc=0 vdisk= baseline=
 while (($#)); do
     case $1 in
     --quick) quick=1 ;;
@@ -48,6 +55,9 @@ while (($#)); do
     --rounds) rounds=$2; shift ;;
     --no-build) build=0 ;;
     --out) out=$2; shift ;;
+    --in-process) inproc=1 ;;
+    --vdisk) vdisk=$(realpath "$2") build=0; shift ;;
+    --baseline) baseline=$(realpath "$2"); shift ;;
     -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
     *) echo "seqlog.sh: unknown option $1" >&2; exit 2 ;;
     esac
@@ -63,7 +73,7 @@ for tool in fio qemu-img qemu-nbd; do
     command -v $tool >/dev/null || { echo "seqlog.sh: needs $tool" >&2; exit 1; }
 done
 ((build)) && cargo build --release -q -p vdisk-cli
-vdisk=$PWD/target/release/vdisk
+vdisk=${vdisk:-$PWD/target/release/vdisk}
 work=$PWD/bench/work/seqlog
 mkdir -p "$work"
 sock=$work/nbd.sock
@@ -121,9 +131,9 @@ make_disks() {
 # IOPS of `vdisk bench` writing disk $1 (format $2) once over, 4 KiB at depth $3, $4 (seq or
 # random), with O_DIRECT and Linux AIO: the engine without NBD.
 run_bench() {
-    local count=$((size_mib * 256)) random=() secs
+    local count=$((size_mib * 256)) random=() secs bin=${5:-$vdisk}
     [[ $4 == random ]] && random=(--random)
-    secs=$("$vdisk" bench -f "$2" -w -d "$3" -s 4k -t none -i native -c "$count" "${random[@]}" \
+    secs=$("$bin" bench -f "$2" -w -d "$3" -s 4k -t none -i native -c "$count" "${random[@]}" \
         "$work/$1" 2>&1 | awk '/Run completed in/ {print $4}')
     awk -v n="$count" -v s="$secs" 'BEGIN {printf "%d", n / s}'
 }
@@ -138,21 +148,32 @@ for ((r = 1; r <= rounds; r++)); do
         if ((r % 2)); then order+=("$d"); else order=("$d" "${order[@]}"); fi
     done
     for qd in 16 32; do
-        for rw in seqwrite randwrite; do
-            fio_rw=${rw/seqwrite/write}
-            v=$(run_fio "$work/raw.img" "$fio_rw" "$qd")
-            iops["fs $rw qd$qd"]+="$v "; echo "round $r fs $rw qd$qd $v" | tee -a "$log"
-        done
-        v=$(serve_fio raw.img vdisk write "$qd")
-        iops["raw seqwrite qd$qd"]+="$v "
-        echo "round $r raw seqwrite qd$qd $v ($(cat "$work/extra"))" | tee -a "$log"
+        if ((!inproc)); then
+            for rw in seqwrite randwrite; do
+                fio_rw=${rw/seqwrite/write}
+                v=$(run_fio "$work/raw.img" "$fio_rw" "$qd")
+                iops["fs $rw qd$qd"]+="$v "; echo "round $r fs $rw qd$qd $v" | tee -a "$log"
+            done
+            v=$(serve_fio raw.img vdisk write "$qd")
+            iops["raw seqwrite qd$qd"]+="$v "
+            echo "round $r raw seqwrite qd$qd $v ($(cat "$work/extra"))" | tee -a "$log"
+        fi
         for b in "raw:raw.img:raw:seq" "raw:raw.img:raw:random" "seqlog:disk.seqlog:seqlog:seq" \
             "seqlog:disk.seqlog:seqlog:random" "qcow2:disk.qcow2:qcow2:random"; do
             IFS=: read -r label disk format how <<<"$b"
-            v=$(run_bench "$disk" "$format" "$qd" "$how")
-            iops["bench $label $how qd$qd"]+="$v "
-            echo "round $r bench $label $how qd$qd $v" | tee -a "$log"
+            builds=("$label:$vdisk")
+            if [[ -n $baseline && $label == seqlog ]]; then
+                if ((r % 2)); then builds+=("baseline-$label:$baseline")
+                else builds=("baseline-$label:$baseline" "${builds[@]}"); fi
+            fi
+            for lb in "${builds[@]}"; do
+                l=${lb%%:*}
+                v=$(run_bench "$disk" "$format" "$qd" "$how" "${lb#*:}")
+                iops["bench $l $how qd$qd"]+="$v "
+                echo "round $r bench $l $how qd$qd $v" | tee -a "$log"
+            done
         done
+        ((inproc)) && continue
         for rw in randwrite read randread; do
             for d in "${order[@]}"; do
                 IFS=: read -r label disk server <<<"$d"
@@ -164,6 +185,8 @@ for ((r = 1; r <= rounds; r++)); do
     done
 done
 
+recovery=
+if ((!inproc)); then
 # Recovery after a crash: the seqlog disk served, written at random for the run's time at
 # depth 32, the server killed (SIGKILL, no close and no checkpoint at close), then the time an
 # open takes (vdisk info opens the image, reading the newest checkpoint and the batches after
@@ -181,6 +204,7 @@ recovery=$("$vdisk" info "$work/disk.seqlog" | awk -F': ' '
     END {gib = m * bs / 2^30; printf "%.1f ms to open after SIGKILL (the checkpoint of batch %s, then %s batches; the first block of each of %s segments read), %.2f GiB mapped, map memory %.2f MiB per GiB mapped",
         us / 1000, cp, b, n, gib, mem / 2^20 / gib}')
 echo "recovery: $recovery" | tee -a "$log"
+fi
 
 median() { tr ' ' '\n' <<<"$1" | grep . | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
@@ -190,8 +214,9 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
     echo "\`bench/seqlog.sh $args\` at $(git rev-parse --short HEAD) on $(date -u +%Y-%m-%d):" \
         "${size_mib} MiB disks, ${runtime} s per run, $rounds round(s), medians (IOPS, 4 KiB)."
     echo "Every server with O_DIRECT; fio's nbd engine over a unix socket; \`fs\` is fio with"
-    echo "libaio and O_DIRECT on the written raw file itself, no NBD."
+    echo "libaio and O_DIRECT on the written raw file itself, no NBD. vdisk: $vdisk."
     echo
+    if ((!inproc)); then
     echo "Random writes over NBD, and the sequential writes they are measured against:"
     echo
     echo "| qd | fs seqwrite | fs randwrite | raw seqwrite | raw | seqlog | qcow2 (vdisk) | qcow2 (qemu-nbd) | seqlog / raw | seqlog / raw seqwrite | seqlog / fs seqwrite |"
@@ -205,18 +230,34 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
             "$(ratio "$s" "$rawseq") | $(ratio "$s" "$fsseq") |"
     done
     echo
+    fi
     echo "The same writes in process (\`vdisk bench -w -s 4k -t none -i native\`, one pass over the"
     echo "disk, no NBD):"
     echo
-    echo "| qd | raw seqwrite | raw randwrite | seqlog seqwrite | seqlog randwrite | qcow2 randwrite | seqlog / raw seqwrite | seqlog / raw randwrite |"
-    echo "|---|---|---|---|---|---|---|---|"
+    echo "| qd | raw seqwrite | raw randwrite | seqlog seqwrite | seqlog randwrite | qcow2 randwrite | seqlog / raw seqwrite | seqlog / raw randwrite | seqlog seqwrite / raw seqwrite |"
+    echo "|---|---|---|---|---|---|---|---|---|"
     for qd in 16 32; do
         m() { median "${iops[bench $1 qd$qd]}"; }
         s=$(m "seqlog random") seq=$(m "raw seq") rnd=$(m "raw random")
         echo "| $qd | $seq | $rnd | $(m "seqlog seq") | $s | $(m "qcow2 random") | $(ratio "$s" "$seq") |" \
-            "$(ratio "$s" "$rnd") |"
+            "$(ratio "$s" "$rnd") | $(ratio "$(m "seqlog seq")" "$seq") |"
     done
     echo
+    if [[ -n $baseline ]]; then
+        echo "This build ($vdisk) beside the baseline ($baseline), the same rows:"
+        echo
+        echo "| qd | raw seqwrite | seqlog seqwrite | baseline | seqlog randwrite | baseline | seqwrite / raw seqwrite | baseline | randwrite / raw seqwrite | baseline |"
+        echo "|---|---|---|---|---|---|---|---|---|---|"
+        for qd in 16 32; do
+            m() { median "${iops[bench $1 qd$qd]}"; }
+            seq=$(m "raw seq") a=$(m "seqlog seq") b=$(m "baseline-seqlog seq")
+            c=$(m "seqlog random") d=$(m "baseline-seqlog random")
+            echo "| $qd | $seq | $a | $b | $c | $d | $(ratio "$a" "$seq") | $(ratio "$b" "$seq") |" \
+                "$(ratio "$c" "$seq") | $(ratio "$d" "$seq") |"
+        done
+        echo
+    fi
+    if ((!inproc)); then
     echo "Reads after the random writes (seqlog's blocks are where the writes' order put them):"
     echo
     echo "| qd | rw | raw | seqlog | qcow2 (vdisk) | qcow2 (qemu-nbd) | seqlog / raw |"
@@ -232,6 +273,7 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
     echo "Recovery (the last round's seqlog disk, written at random at depth 32 for ${runtime} s,"
     echo "its server killed with SIGKILL, then opened): $recovery."
     echo
+    fi
     echo "Every run:"
     echo
     sed 's/^/    /' "$log"
