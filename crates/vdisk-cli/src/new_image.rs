@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use vdisk::formats::qcow2::create::{create as create_qcow2, CreateOptions};
+use vdisk::formats::qcow2::create::{create as create_qcow2, CreateOptions, Encryption};
 use vdisk::formats::qcow2::header::Compression;
 use vdisk::formats::{luks, raw, seqlog};
 use vdisk::spec::Protocol;
@@ -228,7 +228,9 @@ pub fn create(args: &NewImage) -> vdisk::Result<()> {
     }
     let made = match (format.name(), &o.encryption) {
         ("raw", _) => raw::create(&*file.storage, o.size, o.preallocation),
-        ("luks", Some(e)) => luks::create(&*file.storage, o.size, &e.params, &e.secret),
+        ("luks", Some(Encryption::Luks { params, secret })) => {
+            luks::create(&*file.storage, o.size, params, secret)
+        }
         _ if layout.is_some() => {
             create_qcow2_on_seqlog(&file.storage, &o, layout.as_ref().expect("a layout"))
         }

@@ -218,7 +218,7 @@ fn create_refuses_what_qemu_img_refuses() {
 }
 
 /// `-o help` lists what qemu-img lists, encryption's options included (vdisk takes them all,
-/// legacy AES only to refuse it).
+/// legacy AES too).
 #[test]
 fn create_option_help_is_qemu_img_s_for_the_options_vdisk_takes() {
     let Some(tools) = tools() else { return };

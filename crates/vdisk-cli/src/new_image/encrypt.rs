@@ -110,40 +110,48 @@ impl EncryptOptions {
 
     /// The encryption asked for, its secret found, or QEMU's refusal.
     pub fn build(&self) -> vdisk::Result<Option<Encryption>> {
+        // As QEMU's qcow2 driver: `encryption=on` is `encrypt.format=aes`, `off` is not given,
+        // and any other value is taken for a format name (refused below).
         let legacy = match self.get("encryption") {
-            Some(v) => crate::options::parse_bool("encryption", v).map_err(Error::invalid)?,
-            None => false,
+            None | Some("off") => None,
+            Some("on") => Some("aes"),
+            Some(v) => Some(v),
         };
         let format = match (self.get("format"), legacy) {
             _ if self.prefix.is_empty() => "luks",
-            (Some(f), _) => f,
-            (None, true) => "aes",
-            (None, false) if self.given.is_empty() => return Ok(None),
-            (None, false) => return Err(Error::invalid("Parameter 'encrypt.format' is missing")),
-        };
-        if legacy && format != "aes" {
-            return Err(Error::invalid(
-                "encrypt.format and encryption are mutually exclusive",
-            ));
-        }
-        match format {
-            "luks" => {}
-            "aes" => {
-                return Err(Error::unsupported(
-                    "vdisk does not create legacy AES-encrypted qcow2 images",
+            (Some(_), Some(_)) => {
+                return Err(Error::invalid(
+                    "'encrypt.format' and its alias 'encryption' can't be used at the same time",
                 ))
             }
+            (Some(f), None) | (None, Some(f)) => f,
+            (None, None) if self.given.iter().all(|(k, _)| *k == "encryption") => return Ok(None),
+            (None, None) => return Err(Error::invalid("Parameter 'encrypt.format' is missing")),
+        };
+        let aes = match format {
+            "luks" => false,
+            "aes" => true,
             f => return Err(refuse("format", f)),
-        }
-        let params = self.params()?;
+        };
+        // QEMU's qcow crypto driver takes only the key secret: the LUKS options are ignored.
+        let params = if aes {
+            Params::default()
+        } else {
+            self.params()?
+        };
         let id = self.get("key-secret").ok_or_else(|| {
             Error::invalid(format!(
                 "Parameter '{}key-secret' is required for cipher",
                 self.prefix
             ))
         })?;
+        // Looked up for AES too, as QEMU does: a missing secret is refused before the image
+        // is made, though its bytes (the key) are never written.
         let secret = secret::secret(id)?;
-        Ok(Some(Encryption { params, secret }))
+        Ok(Some(match aes {
+            true => Encryption::Aes,
+            false => Encryption::Luks { params, secret },
+        }))
     }
 
     /// The LUKS parameters the options give, QEMU's defaults for the others.

@@ -6,7 +6,7 @@
 //! blocks written here, so a new image passes `qemu-img check` without leaks.
 
 use super::header::{
-    Compression, Header, AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS, CRYPT_LUKS,
+    Compression, Header, AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS, CRYPT_AES, CRYPT_LUKS,
     INCOMPAT_COMPRESSION, INCOMPAT_DATA_FILE, INCOMPAT_EXTL2, MAX_L1_BYTES,
 };
 use super::l2::OFLAG_COPIED;
@@ -33,22 +33,39 @@ pub struct CreateOptions {
     pub data_file_raw: bool,
     pub backing_file: Option<String>,
     pub backing_format: Option<String>,
-    /// LUKS encryption of the data clusters (`encrypt.format=luks`).
+    /// Encryption of the data clusters (`encrypt.format=luks|aes`, `encryption=on`).
     pub encryption: Option<Encryption>,
 }
 
-/// How a new image is encrypted: the LUKS parameters and the password (the secret's bytes).
+/// How a new image is encrypted.
 #[derive(Clone)]
-pub struct Encryption {
-    pub params: Params,
-    pub secret: Vec<u8>,
+pub enum Encryption {
+    /// LUKS (`crypt_method` 2): its parameters and the password (the secret's bytes).
+    Luks { params: Params, secret: Vec<u8> },
+    /// QEMU's legacy AES (`crypt_method` 1), which qemu-img still creates: there is no header
+    /// to write (the key is the password itself), so only the header's method says it.
+    Aes,
+}
+
+impl Encryption {
+    /// The bytes of the LUKS header's clusters (0 for AES, which has none).
+    fn header_len(&self) -> u64 {
+        match self {
+            Encryption::Luks { params, .. } => params.region_len(),
+            Encryption::Aes => 0,
+        }
+    }
 }
 
 impl std::fmt::Debug for Encryption {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Encryption")
-            .field("params", &self.params)
-            .finish_non_exhaustive()
+        match self {
+            Encryption::Luks { params, .. } => f
+                .debug_struct("Luks")
+                .field("params", params)
+                .finish_non_exhaustive(),
+            Encryption::Aes => f.write_str("Aes"),
+        }
     }
 }
 
@@ -214,7 +231,7 @@ fn layout(o: &CreateOptions, per_block: u64) -> Result<Layout> {
         0
     };
     // As QEMU: the LUKS header's clusters follow the L1 table.
-    let crypt_len = o.encryption.as_ref().map_or(0, |e| e.params.region_len());
+    let crypt_len = o.encryption.as_ref().map_or(0, Encryption::header_len);
     let crypt_clusters = crypt_len.div_ceil(cs);
     let fixed = 1 + l1_clusters + crypt_clusters + l2_tables + data_clusters;
     // The refcount structures count themselves: grow them until they cover everything.
@@ -285,7 +302,11 @@ fn new_header(o: &CreateOptions, l: &Layout) -> Header {
         header_length: if o.version >= 3 { 112 } else { 72 },
         compression: o.compression,
         data_file: o.data_file.clone(),
-        crypt_method: if l.crypt_len > 0 { CRYPT_LUKS } else { 0 },
+        crypt_method: match o.encryption {
+            Some(Encryption::Luks { .. }) => CRYPT_LUKS,
+            Some(Encryption::Aes) => CRYPT_AES,
+            None => 0,
+        },
         crypt_header: (l.crypt_len > 0).then_some((l.crypt * cs, l.crypt_len)),
         feature_names: Vec::new(),
         unknown_extensions: Vec::new(),
@@ -363,8 +384,8 @@ pub fn create(file: &dyn Storage, data: Option<&dyn Storage>, o: &CreateOptions)
     }
     file.write_at_hinted(l.l1 * cs, &l1, WriteHint::Metadata)
         .context(io("L1 table"))?;
-    if let Some(e) = &o.encryption {
-        let (mut luks, _) = Luks::create(&e.params, &e.secret)?;
+    if let Some(Encryption::Luks { params, secret }) = &o.encryption {
+        let (mut luks, _) = Luks::create(params, secret)?;
         luks.resize(luks.len().next_multiple_of(cs as usize), 0);
         file.write_at_hinted(l.crypt * cs, &luks, WriteHint::Metadata)
             .context(io("LUKS header"))?;

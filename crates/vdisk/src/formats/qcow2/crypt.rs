@@ -3,7 +3,8 @@
 //! extension names, and every data cluster is encrypted sector by sector, each sector's IV
 //! its host offset / 512 (QEMU's `crypt_physical_offset`). Guest data therefore goes through
 //! an [`EncryptedStorage`] over the data file; metadata does not. Legacy AES images
-//! (`crypt_method` 1) are described but not opened for I/O.
+//! (`crypt_method` 1, which `create` makes as qemu-img does) are described but not opened for
+//! I/O.
 
 use std::sync::Arc;
 
