@@ -120,11 +120,11 @@ fn commit(args: &Args) -> vdisk::Result<()> {
         };
         if above {
             if st.zero && !st.data {
-                target.write_zeroes(pos, st.len)?;
+                target.write_zeroes(pos, st.len).map_err(job_failed)?;
             } else {
                 let data = &mut buf[..st.len as usize];
-                top.read(pos, data)?;
-                target.write(pos, data)?;
+                top.read(pos, data).map_err(job_failed)?;
+                target.write(pos, data).map_err(job_failed)?;
             }
         }
         pos += st.len;
@@ -145,6 +145,17 @@ fn commit(args: &Args) -> vdisk::Result<()> {
         close_writable(top)?;
     }
     Ok(())
+}
+
+/// An I/O error of the copy, as QEMU's commit job reports it: by its errno alone.
+fn job_failed(e: vdisk::Error) -> vdisk::Error {
+    match e {
+        vdisk::Error::Io { source, .. } if source.raw_os_error().is_some() => vdisk::Error::Io {
+            context: "Block job failed".into(),
+            source: std::io::Error::from_raw_os_error(source.raw_os_error().unwrap_or(libc::EIO)),
+        },
+        e => e,
+    }
 }
 
 /// `top` opened again for writing, without its backing chain, as QEMU has it open.

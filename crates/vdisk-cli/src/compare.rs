@@ -1,6 +1,7 @@
 //! `vdisk compare`: whether two images have the same guest contents, reported as
 //! `qemu-img compare` does (first differing sector, exit 0 same, 1 different, 2 error).
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use vdisk::{open_image, BlockDev, Image};
@@ -54,16 +55,27 @@ pub fn run(args: &Args) -> ExitCode {
         Ok(pair) => pair,
         Err(code) => return code,
     };
-    let say = |msg: String| {
-        if !args.progress.messages.quiet {
-            println!("{msg}");
-        }
+    // As qemu-img's stdio: written to a pipe or file, what it says on stdout is buffered until
+    // it exits, so an error on stderr comes first (iotest 074: the size warning, said before
+    // reading fails, shows after the error). Not with the progress line, which shares stdout.
+    let held = std::cell::RefCell::new(String::new());
+    let hold = !args.progress.shown() && !std::io::stdout().is_terminal();
+    let say = |msg: String| match (args.progress.messages.quiet, hold) {
+        (true, _) => {}
+        (false, true) => held.borrow_mut().push_str(&format!("{msg}\n")),
+        (false, false) => println!("{msg}"),
     };
+    let code = verdict(&a, &b, args, &say);
+    print!("{}", held.borrow());
+    code
+}
+
+fn verdict(a: &Image, b: &Image, args: &Args, say: &dyn Fn(String)) -> ExitCode {
     if args.strict && a.size() != b.size() {
         say("Strict mode: Image size mismatch!".into());
         return ExitCode::from(1);
     }
-    match compare(&a, &b, args.strict, args.progress.shown(), &say) {
+    match compare(a, b, args.strict, args.progress.shown(), say) {
         Ok(Verdict::Identical) => {
             say("Images are identical.".into());
             ExitCode::SUCCESS
@@ -195,7 +207,18 @@ struct Failure {
 fn read(image: &Image, pos: u64, buf: &mut [u8]) -> Result<(), Failure> {
     let name = &image.filename;
     image.read(pos, buf).map_err(|e| Failure {
-        error: e.prefixed(&format!("Error while reading offset {pos} of {name}: ")),
+        error: match e {
+            // qemu-img names the errno alone.
+            vdisk::Error::Io { source, .. } if source.raw_os_error().is_some() => {
+                vdisk::Error::Io {
+                    context: format!("Error while reading offset {pos} of {name}"),
+                    source: std::io::Error::from_raw_os_error(
+                        source.raw_os_error().unwrap_or(libc::EIO),
+                    ),
+                }
+            }
+            e => e.prefixed(&format!("Error while reading offset {pos} of {name}: ")),
+        },
         status: 4,
     })
 }

@@ -16,6 +16,7 @@ mod order;
 mod plan;
 mod progress;
 mod salvage;
+mod sequential;
 mod sources;
 
 use std::process::ExitCode;
@@ -338,6 +339,9 @@ fn copy(
         false => Vec::new(),
     };
     let progress = line.map(|line| CopyProgress::new(line, &chunks));
+    if plan.salvage && !matches!(target, Target::Image(_, true)) {
+        return sequential::copy(source, target, plan, progress.as_ref());
+    }
     let order = Order::new(plan.in_order && matches!(target, Target::Image(..)));
     std::thread::scope(|s| {
         for _ in 0..plan.workers {

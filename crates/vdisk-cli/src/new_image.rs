@@ -359,7 +359,7 @@ impl NewFile {
             })?,
             Protocol::Rbd(target) => return NewFile::open_rbd(name, &target, len),
             Protocol::Rados(target) => return NewFile::open_rados(name, &target),
-            Protocol::Null { .. } => return Err(null_creates_nothing()),
+            other => return Err(creates_nothing(other.driver())),
         };
         if len > target.len().map_err(|e| create_error(name, e))? {
             return Err(Error::invalid("Cannot grow NBD nodes"));
@@ -448,13 +448,15 @@ impl NewFile {
 /// (`file:` prefix or none) or an NBD export; other protocols make no images.
 fn new_target(name: &str) -> vdisk::Result<Protocol> {
     match vdisk::spec::create_target(name)? {
-        Protocol::Null { .. } => Err(null_creates_nothing()),
+        p @ (Protocol::Null { .. } | Protocol::Blkdebug { .. }) => Err(creates_nothing(p.driver())),
         target => Ok(target),
     }
 }
 
-fn null_creates_nothing() -> Error {
-    Error::unsupported("Protocol driver 'null-co' does not support image creation")
+fn creates_nothing(driver: &str) -> Error {
+    Error::unsupported(format!(
+        "Protocol driver '{driver}' does not support image creation"
+    ))
 }
 
 /// Locks a file for a new image and checks that it can be `len` bytes long.

@@ -17,7 +17,7 @@ const MAX_REQUEST: u64 = (i32::MAX as u64 >> 9) << 9;
 
 /// What qemu-img makes of a run of the source.
 #[derive(Clone, Copy, PartialEq)]
-enum Kind {
+pub(super) enum Kind {
     Data,
     Zero,
     /// Left to the target's backing file.
@@ -83,9 +83,24 @@ pub(super) fn first_pass(
     plan: &Plan,
     target: &Target,
 ) -> vdisk::Result<Vec<(u64, u64)>> {
-    // qemu-img's buffer: 2 MiB, or a larger target cluster (up to 16 MiB); a compressed
-    // target's cluster, one at a time.
-    let (buffer, compress_cluster) = match target {
+    let (buffer, compress_cluster) = buffer(target);
+    let mut out = Vec::new();
+    let mut counted = 0u64;
+    walk(source, plan, buffer, compress_cluster, |pos, n, kind| {
+        let zero_written = plan.sparse == 0 && kind == Kind::Zero;
+        if kind == Kind::Data || zero_written {
+            counted += n.div_ceil(512);
+            out.push((pos + n, counted));
+        }
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// qemu-img's copy buffer for `target`: 2 MiB, or a larger target cluster (up to 16 MiB); a
+/// compressed target's cluster, one at a time (the second value).
+pub(super) fn buffer(target: &Target) -> (u64, Option<u64>) {
+    match target {
         Target::Image(image, compress) => {
             let cluster = image.driver().cluster_size().unwrap_or(512);
             match compress {
@@ -94,8 +109,7 @@ pub(super) fn first_pass(
             }
         }
         Target::File(..) => (2 << 20, None),
-    };
-    chunks(source, plan, buffer, compress_cluster)
+    }
 }
 
 /// The status at `pos` and how far it holds before `limit`, as one of QEMU's extents: vdisk's
@@ -108,6 +122,11 @@ fn extent(
     limit: u64,
 ) -> vdisk::Result<(vdisk::BlockStatus, u64)> {
     let first = status(source, plan, pos, limit)?;
+    // A salvaging copy queries as qemu-img does, one extent at a time: a query to join the
+    // next would warn of a status it cannot read before the walk reaches it.
+    if plan.salvage {
+        return Ok((first, first.len.max(1)));
+    }
     let kind = |s: &vdisk::BlockStatus| (s.depth, s.present, s.zero, s.data, s.offset.is_some());
     let mut len = first.len.max(1);
     while pos + len < limit && !first.compressed {
@@ -121,17 +140,18 @@ fn extent(
     Ok((first, len))
 }
 
-/// The chunks qemu-img convert counts, in order: where each ends, and the sectors counted up
-/// to its end. A port of convert_iteration_sectors as the copy loop calls it.
-fn chunks(
+/// The runs qemu-img convert walks the source in, in order, each given to `step` with where it
+/// starts, its length and what qemu-img makes of it. A port of convert_iteration_sectors as
+/// the copy loop calls it.
+pub(super) fn walk(
     source: &Sources,
     plan: &Plan,
     buffer: u64,
     compress_cluster: Option<u64>,
-) -> vdisk::Result<Vec<(u64, u64)>> {
+    mut step: impl FnMut(u64, u64, Kind) -> vdisk::Result<()>,
+) -> vdisk::Result<()> {
     let size = source.size();
-    let mut out = Vec::new();
-    let (mut pos, mut counted) = (0u64, 0u64);
+    let mut pos = 0u64;
     // The status found last and where it stops holding, as qemu-img keeps them.
     let (mut kind, mut status_end) = (Kind::Data, 0u64);
     while pos < size {
@@ -172,11 +192,8 @@ fn chunks(
         if zero_written {
             n = n.min(buffer);
         }
-        if kind == Kind::Data || zero_written {
-            counted += n.div_ceil(512);
-            out.push((pos + n, counted));
-        }
+        step(pos, n, kind)?;
         pos += n;
     }
-    Ok(out)
+    Ok(())
 }

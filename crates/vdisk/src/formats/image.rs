@@ -6,8 +6,8 @@ use super::driver::Driver;
 use super::registry::Format;
 use super::stack::Layout;
 use crate::blockdev::{BlockDev, BlockStatus, StartedRead, StartedWrite};
-use crate::error::Result;
-use crate::storage::WriteHint;
+use crate::error::{Error, Result};
+use crate::storage::{BlkdebugRules, IoType, WriteHint};
 
 /// An open image: the driver of its format, its name (QEMU's: the path of its file, the URL
 /// of its NBD export, or `json:` and its options; derived from the image above it in a backing
@@ -23,6 +23,9 @@ pub struct Image {
     /// The data layout the image sits in (qcow2 on seqlog), whose disk is its storage.
     /// Declared after `driver`, so that the image is dropped (and flushes) first.
     layout: Option<Layout>,
+    /// QEMU's blkdebug over the whole image (`driver=blkdebug,image.driver=qcow2`): requests
+    /// fail by its rules before they reach the format.
+    filter: Option<BlkdebugRules>,
 }
 
 /// The protocol node under an image's format, as `qemu-img info` lists it.
@@ -60,6 +63,23 @@ impl Image {
             file_node,
             probed,
             layout,
+            filter: None,
+        }
+    }
+
+    /// Puts a blkdebug node's rules over the image.
+    pub(crate) fn set_filter(&mut self, rules: BlkdebugRules) {
+        self.filter = Some(rules);
+    }
+
+    /// Fails a request of `kind` if the image's blkdebug rules say so.
+    fn check(&self, kind: IoType, offset: u64, len: u64) -> Result<()> {
+        match &self.filter {
+            None => Ok(()),
+            Some(rules) => rules.check(kind, offset, len).map_err(|source| Error::Io {
+                context: String::new(),
+                source,
+            }),
         }
     }
 
@@ -146,39 +166,55 @@ impl BlockDev for Image {
         self.driver.size()
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.check(IoType::Read, offset, buf.len() as u64)?;
         self.driver.read(offset, buf)
     }
     fn write(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        self.check(IoType::Write, offset, buf.len() as u64)?;
         self.driver.write(offset, buf)
     }
     fn write_hinted(&self, offset: u64, buf: &[u8], hint: WriteHint) -> Result<()> {
+        self.check(IoType::Write, offset, buf.len() as u64)?;
         self.driver.write_hinted(offset, buf, hint)
     }
     fn flush(&self) -> Result<()> {
+        self.check(IoType::Flush, 0, 0)?;
         self.driver.flush()
     }
     fn write_fua(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        self.check(IoType::Write, offset, buf.len() as u64)?;
         self.driver.write_fua(offset, buf)
     }
     fn start_write(&self, offset: u64, data: &[u8]) -> Result<Option<StartedWrite<'_>>> {
+        // Filtered requests take the synchronous path, where the rules are checked.
+        if self.filter.is_some() {
+            return Ok(None);
+        }
         self.driver.start_write(offset, data)
     }
     fn finish_write(&self, started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {
         self.driver.finish_write(started, outcome)
     }
     fn start_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<StartedRead<'_>>> {
+        if self.filter.is_some() {
+            return Ok(None);
+        }
         self.driver.start_read(offset, buf)
     }
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.check(IoType::Discard, offset, len)?;
         self.driver.discard(offset, len)
     }
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.check(IoType::WriteZeroes, offset, len)?;
         self.driver.write_zeroes(offset, len)
     }
     fn write_zeroes_fast(&self, offset: u64, len: u64) -> Result<()> {
+        self.check(IoType::WriteZeroes, offset, len)?;
         self.driver.write_zeroes_fast(offset, len)
     }
     fn block_status(&self, offset: u64, len: u64) -> Result<BlockStatus> {
+        self.check(IoType::BlockStatus, offset, len)?;
         self.driver.block_status(offset, len)
     }
     fn set_size(&self, size: u64) -> Result<()> {

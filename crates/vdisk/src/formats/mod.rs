@@ -32,7 +32,7 @@ use std::sync::Arc;
 use crate::blockdev::{BlockDev, BlockStatus, StartedRead, Transfer};
 use crate::error::{IoContext, Result};
 use crate::gate::Pass;
-use crate::storage::Storage;
+use crate::storage::{DebugEvent, Storage};
 
 pub use dirty_bitmap::DirtyBitmap;
 pub use driver::{BitmapAction, Capability, Driver};
@@ -117,7 +117,11 @@ pub(crate) fn read_mapped_with(
         let (mapping, n) = layer.map(pos, (buf.len() - done) as u64)?;
         let range = done..done + n as usize;
         match mapping {
-            Mapping::Data { offset: host } => data(host, range, buf)?,
+            Mapping::Data { offset: host } => {
+                // Where QEMU's formats report it to a blkdebug node below them.
+                layer.data_storage().debug_event(DebugEvent::ReadAio);
+                data(host, range, buf)?
+            }
             Mapping::Zero { .. } => buf[range].fill(0),
             Mapping::Compressed => layer.read_compressed(pos, &mut buf[range])?,
             Mapping::Unallocated { .. } => read_backing(layer.backing(), pos, &mut buf[range])?,

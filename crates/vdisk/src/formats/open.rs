@@ -18,8 +18,9 @@ use crate::blockdev::BlockDev;
 use crate::error::{Error, IoContext, Result};
 use crate::spec::{check_format_options, Backing, ImageSpec, Leaf, Node, Protocol};
 use crate::storage::{
-    Fault, FaultStorage, FileStorage, LockRole, LockUse, MemStorage, NbdStorage, NullStorage,
-    OpKind, OpenOptions, RadosStorage, RbdStorage, Storage, When,
+    BlkdebugRules, BlkdebugStorage, Fault, FaultStorage, FileStorage, LockRole, LockUse,
+    MemStorage, NbdStorage, NullStorage, OpKind, OpenOptions, RadosStorage, RbdStorage, Storage,
+    When,
 };
 
 /// Why a write open with `-U` is refused (QEMU's words).
@@ -343,15 +344,21 @@ fn locked(
     role: LockRole,
     opts: &ImageOptions,
 ) -> Result<Arc<dyn Storage>> {
-    if !opts.force_share {
-        let usage = LockUse {
-            write: opts.write,
-            resize: opts.resize,
-            fixed: opts.fixed_size,
-        };
-        file.lock(path, role, usage)?;
-    }
+    lock(&file, path, role, opts)?;
     Ok(Arc::new(file))
+}
+
+/// Takes QEMU's locks on `file` for `role`, as `opts` use it (none with force-share).
+fn lock(file: &FileStorage, path: &Path, role: LockRole, opts: &ImageOptions) -> Result<()> {
+    if opts.force_share {
+        return Ok(());
+    }
+    let usage = LockUse {
+        write: opts.write,
+        resize: opts.resize,
+        fixed: opts.fixed_size,
+    };
+    file.lock(path, role, usage)
 }
 
 /// Storage in place of a data file that could not be opened: every transfer fails with EIO.
@@ -388,6 +395,11 @@ fn with_spec(spec: &ImageSpec, opts: &ImageOptions) -> Result<ImageOptions> {
 /// Opens a node and, through its format, its backing chain. Backing chains recurse through
 /// here, so what does not recurse is done in [`prepare`], keeping each level's stack small.
 fn open_node(node: &Node, opts: &ImageOptions, chain: &mut Chain) -> Result<Image> {
+    if let Node::Filter { debug, image } = node {
+        let mut image = open_node(image, opts, chain)?;
+        image.set_filter(BlkdebugRules::new(debug.rules.clone()));
+        return Ok(image);
+    }
     let p = prepare(node, opts, chain)?;
     let mut cx = OpenContext {
         filename: &p.name,
@@ -438,6 +450,7 @@ fn prepare<'a>(node: &'a Node, opts: &ImageOptions, chain: &mut Chain) -> Result
         } => (file, *format, backing, data_file.as_ref()),
         // A protocol node alone is its own disk, with no child node and no backing file.
         Node::Protocol(p) => (p, Some(Format::protocol(p.driver())), &Backing::None, None),
+        Node::Filter { .. } => return Err(Error::unsupported("a filter node has no file")),
     };
     let opened = open_protocol(protocol, opts, chain)?;
     let format = match format {
@@ -460,7 +473,7 @@ fn prepare<'a>(node: &'a Node, opts: &ImageOptions, chain: &mut Chain) -> Result
                     Some(Leaf::Str(id)) => Some((k, id.as_str())),
                     _ => None,
                 }),
-            Node::Protocol(_) => None,
+            Node::Protocol(_) | Node::Filter { .. } => None,
         };
     let (name, file_node) = match node {
         Node::Format { extra, .. } => {
@@ -471,7 +484,7 @@ fn prepare<'a>(node: &'a Node, opts: &ImageOptions, chain: &mut Chain) -> Result
                 Some(file_node),
             )
         }
-        Node::Protocol(p) => (p.name(), None),
+        Node::Protocol(_) | Node::Filter { .. } => (protocol.name(), None),
     };
     Ok(Prepared {
         format,
@@ -492,6 +505,9 @@ fn prepare<'a>(node: &'a Node, opts: &ImageOptions, chain: &mut Chain) -> Result
 enum Opened {
     File(FileStorage, PathBuf),
     Other(Arc<dyn Storage>),
+    /// blkdebug over a node (probed through it, as QEMU probes), and the files below it,
+    /// locked once the format is known.
+    Debug(Arc<dyn Storage>, Vec<(Arc<FileStorage>, PathBuf)>),
 }
 
 impl Opened {
@@ -499,6 +515,7 @@ impl Opened {
         match self {
             Opened::File(f, _) => f,
             Opened::Other(s) => &**s,
+            Opened::Debug(s, _) => &**s,
         }
     }
 
@@ -507,6 +524,12 @@ impl Opened {
             Opened::File(f, path) => locked(f, &path, role, opts),
             // Not files: QEMU takes no locks on them either.
             Opened::Other(s) => Ok(s),
+            Opened::Debug(s, files) => {
+                for (file, path) in files {
+                    lock(&file, &path, role, opts)?;
+                }
+                Ok(s)
+            }
         }
     }
 }
@@ -531,6 +554,18 @@ fn open_protocol(node: &Protocol, opts: &ImageOptions, chain: &mut Chain) -> Res
         )?)),
         Protocol::Rados(target) => Opened::Other(Arc::new(RadosStorage::open(target, opts.write)?)),
         Protocol::Null { size, .. } => Opened::Other(Arc::new(NullStorage::new(*size))),
+        Protocol::Blkdebug { debug, image } => {
+            let (inner, files): (Arc<dyn Storage>, _) = match open_protocol(image, opts, chain)? {
+                Opened::File(f, path) => {
+                    let f = Arc::new(f);
+                    (f.clone(), vec![(f, path)])
+                }
+                Opened::Other(s) => (s, Vec::new()),
+                Opened::Debug(s, files) => (s, files),
+            };
+            let rules = debug.rules.clone();
+            Opened::Debug(Arc::new(BlkdebugStorage::new(inner, rules)), files)
+        }
     })
 }
 

@@ -142,7 +142,7 @@ fn head(storage: &dyn Storage) -> Result<Vec<u8>> {
     let mut head = vec![0u8; len.min(PROBE_BYTES as u64) as usize];
     storage
         .read_at(0, &mut head)
-        .context(|| "reading the image magic".into())?;
+        .context(|| "Could not read image for determining its format".into())?;
     Ok(head)
 }
 

@@ -8,16 +8,19 @@
 //!   "rbd:pool/image[@snap][:conf=…][:id=…]"           an RBD image of a Ceph cluster
 //!   "rados:pool/prefix[:conf=…][:id=…]"               RADOS objects of a Ceph cluster (vdisk's)
 //!   "null-co://"                                      reads zeroes, 1 GiB
+//!   "blkdebug:CONF:NAME"                              NAME's node, failing requests by rules
 //!   "json:{...}"                                      QEMU's block options as JSON
 //!   --image-opts "driver=qcow2,file.filename=x"       the same options as a QemuOpts string
-//!        │ options.rs (flat dict), json.rs, nbd.rs, rbd.rs, rados.rs
+//!        │ options.rs (flat dict), json.rs, nbd.rs, rbd.rs, rados.rs, blkdebug.rs
 //!        ▼
-//!   ImageSpec: a format over a protocol node (file, nbd, rbd, rados, null-co), or a protocol node alone,
+//!   ImageSpec: a format over a protocol node (file, nbd, rbd, rados, null-co, blkdebug over
+//!   one of them), or a protocol node alone, or blkdebug over a format node,
 //!   with what the options say of the backing file and of read-only, locking and caching
 //! ```
 //!
 //! Formats and protocols vdisk does not have are refused as QEMU refuses unknown ones.
 
+pub mod blkdebug;
 pub mod json;
 mod nbd;
 mod options;
@@ -64,6 +67,11 @@ pub enum Node {
     },
     /// A protocol node alone (`"driver": "file"`): its bytes are the disk.
     Protocol(Protocol),
+    /// blkdebug over a format node: the image's requests fail by its rules.
+    Filter {
+        debug: Box<blkdebug::Blkdebug>,
+        image: Box<Node>,
+    },
 }
 
 /// Where the bytes of an image are.
@@ -84,6 +92,11 @@ pub enum Protocol {
         size: u64,
         read_zeroes: bool,
         given: Vec<(String, Json)>,
+    },
+    /// QEMU's blkdebug over another protocol node.
+    Blkdebug {
+        debug: Box<blkdebug::Blkdebug>,
+        image: Box<Protocol>,
     },
 }
 
@@ -196,6 +209,9 @@ fn node(
     driver: Option<&str>,
 ) -> Result<Node> {
     common(flags, &mut o)?;
+    if driver == Some("blkdebug") {
+        return blkdebug_node(flags, o, filename);
+    }
     if let Some(d) = driver.filter(|d| PROTOCOLS.contains(d)) {
         return protocol(d, o, filename).map(Node::Protocol);
     }
@@ -273,6 +289,16 @@ fn file_child(flags: &mut Flags, mut o: Options) -> Result<Protocol> {
             common(flags, &mut o)?;
             protocol(&d, o, None)
         }
+        Some(d) if d == "blkdebug" => {
+            common(flags, &mut o)?;
+            match blkdebug_node(flags, o, None)? {
+                Node::Protocol(p) => Ok(p),
+                _ => Err(Error::unsupported(
+                    "a format node below blkdebug as the file of another format is not \
+                     supported",
+                )),
+            }
+        }
         Some(d) => {
             Format::parse(&d)?;
             Err(Error::unsupported(format!(
@@ -296,9 +322,60 @@ fn from_filename(name: &str) -> Result<Protocol> {
         None => "file",
         Some(p @ ("file" | "nbd" | "rbd" | "rados" | "null-co" | "null-aio")) => p,
         Some("nbd+tcp" | "nbd+unix") => "nbd",
+        Some("blkdebug") => {
+            let (config, image) = blkdebug::split_filename(name)?;
+            let debug = blkdebug::take(&mut Options::default(), config)?;
+            return Ok(Protocol::Blkdebug {
+                debug: Box::new(debug),
+                image: Box::new(from_filename(image)?),
+            });
+        }
         Some(p) => return Err(Error::unsupported(format!("Unknown protocol '{p}'"))),
     };
     protocol(driver, Options::default(), Some(name))
+}
+
+/// A blkdebug node (`filename`: a `blkdebug:CONF:IMAGE` name) over its image: a protocol
+/// node over a protocol node, a filter over a format node.
+fn blkdebug_node(flags: &mut Flags, mut o: Options, filename: Option<&str>) -> Result<Node> {
+    let (config, named) = match filename {
+        Some(f) => {
+            let (config, image) = blkdebug::split_filename(f)?;
+            (config, Some(image.to_string()))
+        }
+        None => (None, o.take_str("x-image")),
+    };
+    let debug = Box::new(blkdebug::take(&mut o, config)?);
+    let mut image = o.take_child("image");
+    if let Some(Leaf::Str(name)) = o.take("image") {
+        return Err(no_node(&name));
+    }
+    o.refuse_rest("blkdebug", true)?;
+    let image = match (image.is_empty(), named) {
+        (true, Some(name)) => Node::Protocol(from_filename(&name)?),
+        (true, None) => {
+            return Err(Error::invalid(
+                "A block device must be specified for \"image\"",
+            ))
+        }
+        (false, _) => match image.get("driver") {
+            Some(Leaf::Str(d)) if d != "blkdebug" && !PROTOCOLS.contains(&d.as_str()) => {
+                let driver = image.take_str("driver");
+                node(flags, image, None, driver.as_deref())?
+            }
+            _ => Node::Protocol(file_child(flags, image)?),
+        },
+    };
+    Ok(match image {
+        Node::Protocol(p) => Node::Protocol(Protocol::Blkdebug {
+            debug,
+            image: Box::new(p),
+        }),
+        image => Node::Filter {
+            debug,
+            image: Box::new(image),
+        },
+    })
 }
 
 /// The protocol a name starts with: text before a colon that comes before any slash.
@@ -414,6 +491,7 @@ impl Protocol {
             Protocol::Rbd(_) => "rbd",
             Protocol::Rados(_) => "rados",
             Protocol::Null { .. } => "null-co",
+            Protocol::Blkdebug { .. } => "blkdebug",
         }
     }
 
@@ -424,7 +502,17 @@ impl Protocol {
             Protocol::File { filename, .. } => filename.clone(),
             Protocol::Nbd(t) => t.uri(),
             Protocol::Null { given, .. } if given.is_empty() => "null-co://".into(),
-            Protocol::Null { .. } | Protocol::Rbd(_) | Protocol::Rados(_) => {
+            // As QEMU's `blkdebug_refresh_filename`: a plain name unless options beyond the
+            // config file were given.
+            Protocol::Blkdebug { debug, image } if self.exact() => format!(
+                "blkdebug:{}:{}",
+                debug.config.as_deref().unwrap_or(""),
+                image.name()
+            ),
+            Protocol::Null { .. }
+            | Protocol::Rbd(_)
+            | Protocol::Rados(_)
+            | Protocol::Blkdebug { .. } => {
                 format!("json:{}", self.options().compact())
             }
         }
@@ -436,6 +524,7 @@ impl Protocol {
         match self {
             Protocol::Null { given, .. } => given.is_empty(),
             Protocol::Rbd(_) | Protocol::Rados(_) => false,
+            Protocol::Blkdebug { debug, image } => debug.given.is_empty() && image.exact(),
             Protocol::File { .. } | Protocol::Nbd(_) => true,
         }
     }
@@ -451,6 +540,13 @@ impl Protocol {
             Protocol::Rbd(t) => members.extend(rbd::options(t)),
             Protocol::Rados(t) => members.extend(rados::options(t)),
             Protocol::Null { given, .. } => members.extend(given.iter().cloned()),
+            Protocol::Blkdebug { debug, image } => {
+                if let Some(c) = &debug.config {
+                    members.push(("config".into(), Json::Str(c.clone())));
+                }
+                members.push(("image".into(), image.options()));
+                members.extend(debug.given.iter().cloned());
+            }
         }
         Json::Dict(members)
     }

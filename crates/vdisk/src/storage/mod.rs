@@ -15,7 +15,8 @@
 //!           ├─ NbdStorage   (an export of an NBD server, as QEMU's nbd driver reads it)
 //!           ├─ RbdStorage   (an RBD image of a Ceph cluster, through librbd)
 //!           ├─ RadosStorage (RADOS objects of one size, through librados: seqlog's segments)
-//!           └─ NullStorage  (QEMU's null-co: reads zeroes, drops writes)
+//!           ├─ NullStorage  (QEMU's null-co: reads zeroes, drops writes)
+//!           └─ BlkdebugStorage (QEMU's blkdebug: wraps any Storage; fails requests by rules)
 //! ```
 //!
 //! A caller with many transfers in flight from few threads runs them through the engine's I/O
@@ -23,6 +24,7 @@
 //! ([`Storage::async_write_fd`], [`Storage::async_read_fd`]) or completes them itself by
 //! callback ([`Storage::start_async`], RBD and RADOS).
 
+mod blkdebug;
 mod crash;
 mod fault;
 mod fiemap;
@@ -38,6 +40,10 @@ mod stats;
 mod transfer;
 
 pub use crate::bytes::DIRECT_ALIGN;
+pub use blkdebug::{
+    Action as BlkdebugAction, BlkdebugStorage, DebugEvent, Inject, IoType, Rule as BlkdebugRule,
+    Rules as BlkdebugRules, EVENT_NAMES, IOTYPE_NAMES,
+};
 pub use crash::{
     CrashImage, CrashImages, CrashOptions, CrashStorage, Epoch, Epochs, Op, Persisted, SECTOR,
 };
@@ -236,6 +242,10 @@ pub trait Storage: Send + Sync {
     }
 
     /// The operation and byte counters of this storage.
+    /// An event of the format above, for QEMU's blkdebug rules ([`BlkdebugStorage`]); other
+    /// storage ignores it.
+    fn debug_event(&self, _event: DebugEvent) {}
+
     fn stats(&self) -> &IoStats;
 }
 

@@ -22,7 +22,7 @@ use super::Qcow2;
 use crate::blockdev::{StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
 use crate::gate::Pass;
-use crate::storage::Storage;
+use crate::storage::{DebugEvent, Storage};
 
 /// All subclusters allocated / all reading as zero, in an extended L2 bitmap.
 const ALL_ALLOC: u64 = 0xffff_ffff;
@@ -113,6 +113,8 @@ impl Qcow2 {
             forget(&mut meta, &pending);
             return Err(e);
         }
+        // Where QEMU's qcow2 reports it to a blkdebug node below it.
+        self.data.debug_event(DebugEvent::WriteAio);
         Ok(StartedWrite {
             storage: &*self.data,
             transfers,
