@@ -145,3 +145,35 @@ fn a_full_snapshot_table_takes_no_snapshot() {
     );
     assert!(wd.read_file("q.qcow2") == wd.read_file("v.qcow2"));
 }
+
+/// Iotest 080: an L2 entry naming a cluster far past the file's end takes no snapshot. QEMU
+/// fails to count it with EFBIG where its refcount structures could not grow that far, and
+/// else with EAGAIN once they grew; vdisk refuses both before it changes anything, in those
+/// words.
+#[test]
+fn a_mapping_past_the_file_takes_no_snapshot() {
+    let Some(tools) = tools() else { return };
+    let wd = Workdir::new(&tools, "snapshot-beyond");
+    for (i, entry) in [0xbfff_ffff_ffff_0000u64, 0x8000_00ff_ffff_0000]
+        .iter()
+        .enumerate()
+    {
+        let (q_img, v_img) = (format!("q{i}.qcow2"), format!("v{i}.qcow2"));
+        wd.setup_img(&["create", "-q", "-f", "qcow2", &q_img, "64M"]);
+        wd.setup_io(&q_img, Some("qcow2"), &["write 0 512"]);
+        let e = common::Qcow2Edit::open(&wd.abs(&q_img));
+        let at = e.l2_entry_offset(0);
+        e.set_u64(at, *entry);
+        wd.copy_dense(&q_img, &v_img);
+        let q = wd.qemu_img(&["snapshot", "-c", "test", &q_img]);
+        let v = wd.vdisk(&["snapshot", "-c", "test", &v_img]);
+        assert_eq!((q.code, v.code), (Some(1), Some(1)), "{q:?}\n{v:?}");
+        assert_eq!(
+            q.stderr_lines_as_vdisk(),
+            v.stderr_lines_as_vdisk(),
+            "{q:?}\n{v:?}"
+        );
+        let check = wd.vdisk(&["snapshot", "-l", &v_img]);
+        assert!(check.stdout.is_empty(), "{check:?}");
+    }
+}

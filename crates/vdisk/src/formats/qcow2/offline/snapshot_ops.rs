@@ -200,7 +200,9 @@ impl Qcow2 {
             // A table naming a cluster past the end of the file is corrupt; counting it would
             // put the refcount block for its range out there, growing the file to wherever
             // the entry points.
-            refs.vet_mapped(c)?;
+            if let Err(e) = refs.vet_mapped(c) {
+                return Err(self.beyond_end(c, e));
+            }
             let r = refs.get(&*self.file, c)?;
             match r.checked_add_signed(delta).filter(|&v| v <= max) {
                 Some(v) => new.push((c, v)),
@@ -215,6 +217,22 @@ impl Qcow2 {
             }
         }
         Ok(())
+    }
+
+    /// The refusal of a snapshot whose tables name cluster `c` past the end of the file
+    /// (`e`, vdisk's words), in qemu-img's: QEMU grows its refcount structures to count the
+    /// cluster, which fails with EFBIG where they would pass its limit of 8 Mi refcount
+    /// blocks, and else ends its grown table's first use with EAGAIN (iotest 080).
+    fn beyond_end(&self, c: u64, e: Error) -> Error {
+        let per_block = (8u64 << self.header.cluster_bits) >> self.header.refcount_order;
+        let blocks = (c / per_block.max(1)).saturating_add(1);
+        match blocks > 8 << 20 {
+            true => Error::invalid("File too large"),
+            false if matches!(e, Error::Corrupt(_)) => {
+                Error::invalid("Resource temporarily unavailable")
+            }
+            false => e,
+        }
     }
 
     /// Adds `addend` to the refcounts of `n` clusters from `first`.
