@@ -40,8 +40,11 @@
 # RADOS object each), made by `vdisk convert -S 0` of the written raw image (its zeroes too:
 # qemu-img bench writes zeroes, which a sparse convert would skip), so it is full and its
 # cleaner works; then 4 KiB random reads at depth 32 of each; and `rbd bench` (4 KiB random
-# writes, 16 threads, librbd alone) once per round. Ratios: seqlog / qemu-nbd and
-# seqlog / vdisk-on-RBD.
+# writes, 16 threads, librbd alone) once per round; and `vdisk serve` on the same seqlog image
+# behind a local write buffer (`rados:rbd/seqlog:cache=FILE`, 256 MiB, the file under the
+# work directory: writes and flushes go to it, whole objects are uploaded in the background;
+# each server's close uploads what it holds, so every side finds the image whole in RADOS).
+# Ratios: seqlog / qemu-nbd, seqlog / vdisk-on-RBD and buffered seqlog / qemu-nbd.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 args="$*"
@@ -152,9 +155,10 @@ run() {
     "fio "*) serve_fio "$(binary qemu-nbd "$side")" "${row##*qd}" ;;
     esac
 }
-# The seqlog rows: side qemu-nbd (on RBD), vdisk-rbd, seqlog (vdisk on seqlog on RADOS).
+# The seqlog rows: side qemu-nbd (on RBD), vdisk-rbd, seqlog (vdisk on seqlog on RADOS),
+# wbuf (the same behind a write buffer).
 seqlog_rows=("fio randwrite qd16" "fio randwrite qd32" "fio randread qd32")
-seqlog_sides=(qemu-nbd vdisk-rbd seqlog)
+seqlog_sides=(qemu-nbd vdisk-rbd seqlog wbuf)
 run_seqlog() {
     local row=$1 side=$2 rw qd
     read -r _ rw qd <<<"$row"
@@ -162,6 +166,7 @@ run_seqlog() {
     qemu-nbd) serve_fio qemu-nbd "${qd#qd}" rbd:rbd/raw "$rw" ;;
     vdisk-rbd) serve_fio "$vdisk" "${qd#qd}" rbd:rbd/raw "$rw" ;;
     seqlog) serve_fio "$vdisk" "${qd#qd}" rados:rbd/seqlog "$rw" ;;
+    wbuf) serve_fio "$vdisk" "${qd#qd}" "rados:rbd/seqlog:cache=$work/wbuf" "$rw" ;;
     esac
 }
 # `rbd bench`: 4 KiB random writes from 16 threads, librbd alone: IOPS.
@@ -174,7 +179,7 @@ rbd_bench() {
 for ((r = 1; r <= rounds_seqlog; r++)); do
     for row in "${seqlog_rows[@]}"; do
         sides=("${seqlog_sides[@]}")
-        ((r % 2)) || sides=(seqlog vdisk-rbd qemu-nbd)
+        ((r % 2)) || sides=(wbuf seqlog vdisk-rbd qemu-nbd)
         for side in "${sides[@]}"; do
             v=$(run_seqlog "$row" "$side")
             iops["$row $side"]+="$v "
@@ -210,15 +215,15 @@ seqlog_table() {
     echo "per run, 4 KiB requests; $rounds_seqlog round(s), medians (IOPS). The machine is shared"
     echo "with other jobs and noisy: compare rows of one run, not runs."
     echo
-    echo "| row | qemu-nbd on rbd: | vdisk on rbd: | vdisk seqlog on rados: | seqlog / qemu-nbd | seqlog / vdisk-rbd |"
-    echo "|---|---|---|---|---|---|"
-    local row q v l
+    echo "| row | qemu-nbd on rbd: | vdisk on rbd: | vdisk seqlog on rados: | seqlog / qemu-nbd | seqlog / vdisk-rbd | seqlog, write buffer | buffered / qemu-nbd |"
+    echo "|---|---|---|---|---|---|---|---|"
+    local row q v l w
     for row in "${seqlog_rows[@]}"; do
         q=$(median "${iops[$row qemu-nbd]}") v=$(median "${iops[$row vdisk-rbd]}")
-        l=$(median "${iops[$row seqlog]}")
-        echo "| $row | $q | $v | $l | $(ratio "$l" "$q") | $(ratio "$l" "$v") |"
+        l=$(median "${iops[$row seqlog]}") w=$(median "${iops[$row wbuf]}")
+        echo "| $row | $q | $v | $l | $(ratio "$l" "$q") | $(ratio "$l" "$v") | $w | $(ratio "$w" "$q") |"
     done
-    echo "| rbd bench randwrite, 16 threads | $(median "${iops[rbd bench]}") (librbd alone) | | | | |"
+    echo "| rbd bench randwrite, 16 threads | $(median "${iops[rbd bench]}") (librbd alone) | | | | | | |"
     echo
 }
 {

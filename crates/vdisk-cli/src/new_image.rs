@@ -396,7 +396,7 @@ impl NewFile {
         RadosStorage::create(target)?;
         Ok(NewFile {
             name: name.to_string(),
-            storage: Arc::new(RadosStorage::open(target, true)?),
+            storage: vdisk::storage::open_rados(target, true)?,
             file: None,
             made: false,
         })

@@ -1,7 +1,8 @@
 //! vdisk and QEMU's tools on RBD images of a real one-node Ceph cluster (started for this binary
 //! by `scripts/ceph-cluster.sh`): images each tool made read and check the same in the other,
 //! `convert` to and from RBD is byte-exact, and `vdisk serve` of an RBD image, or of seqlog on
-//! RADOS objects (`rados:`), keeps flushed writes across a SIGKILL. Without Ceph or QEMU the tests pass at once with a note, except
+//! RADOS objects (`rados:`), also behind a local write buffer (`:cache=PATH`), keeps flushed
+//! writes across a SIGKILL. Without Ceph or QEMU the tests pass at once with a note, except
 //! under `CI=true`, where they fail.
 
 #[path = "../../vdisk/tests/ceph/mod.rs"]
@@ -243,6 +244,13 @@ impl Server {
         Server(child)
     }
 
+    /// Stops the server as a user would (SIGTERM: a clean close) and waits for it.
+    fn stop(mut self) {
+        // SAFETY: a signal to the server's own pid, a child not yet waited for.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let _ = self.0.wait();
+    }
+
     fn kill(mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
@@ -380,4 +388,78 @@ fn seqlog_on_rados_keeps_flushed_writes_across_sigkill() {
     ]);
     let compare = env.vdisk(&["compare", &copy, &raw]);
     assert!(compare.contains("identical"), "{compare}");
+}
+
+/// seqlog on RADOS behind a write buffer (`rados:...:cache=PATH`): served, killed with SIGKILL
+/// right after a flush (what it wrote still in the buffer's file, or some of it uploaded),
+/// read by `info` through the buffer, served again (the open uploads what the buffer held)
+/// with the flushed writes intact, stopped cleanly (uploading the rest), and then read whole
+/// from RADOS without the buffer.
+#[test]
+fn seqlog_on_buffered_rados_keeps_flushed_writes_across_sigkill() {
+    let Some(env) = Env::new() else { return };
+    let prefix = ceph::image_name("seqlog-wbuf");
+    let plain = format!("rados:rbd/{prefix}");
+    let image = format!("{plain}:cache={}", env.path("wbuf"));
+    env.vdisk(&[
+        "create",
+        "-q",
+        "-f",
+        "seqlog",
+        &image,
+        "64M",
+        "-o",
+        "segment_size=1M",
+    ]);
+    let sock = env.path("wbuf.sock");
+    let server = Server::start(&env, &[&image], &sock);
+    let out = env.qemu_io(&[
+        "-f",
+        "raw",
+        "-c",
+        "write -P 0x5a 0 3M",
+        "-c",
+        "write -P 0xa5 40M 68k",
+        "-c",
+        "flush",
+        "-c",
+        "write -P 0x5a 1M 4k",
+        "-c",
+        "flush",
+        &format!("nbd+unix://?socket={sock}"),
+    ]);
+    assert!(!out.contains("failed"), "{out}");
+    server.kill();
+    assert!(std::fs::metadata(env.path("wbuf")).unwrap().len() > 0);
+    let info = env.vdisk(&["info", &image]);
+    assert!(info.contains("file format: seqlog"), "{info}");
+    let sock2 = env.path("wbuf2.sock");
+    let server = Server::start(&env, &[&image], &sock2);
+    let reads = [
+        "-f",
+        "raw",
+        "-c",
+        "read -P 0x5a 0 3M",
+        "-c",
+        "read -P 0xa5 40M 68k",
+        "-c",
+        "read -P 0 3M 37M",
+    ];
+    let uri = format!("nbd+unix://?socket={sock2}");
+    let out = env.qemu_io(&[&reads[..], &[uri.as_str()]].concat());
+    assert!(!out.contains("Pattern verification failed"), "{out}");
+    server.stop();
+    // A second writer of the same buffer is refused while one has it.
+    let sock3 = env.path("wbuf3.sock");
+    let server = Server::start(&env, &[&image], &sock3);
+    let again = env.output(&env.tools.vdisk, &["check", &image]);
+    assert!(
+        String::from_utf8_lossy(&again.stderr).contains("in use"),
+        "{again:?}"
+    );
+    server.stop();
+    let raw = env.path("wbuf.raw");
+    env.vdisk(&["convert", "-O", "raw", &plain, &raw]);
+    let out = env.qemu_io(&[&reads[..], &[raw.as_str()]].concat());
+    assert!(!out.contains("Pattern verification failed"), "{out}");
 }

@@ -1,10 +1,13 @@
 //! The `BlockDev` conformance suite (`conformance.rs`) on RBD images of a real one-node Ceph
 //! cluster, started for this binary by `scripts/ceph-cluster.sh`: raw on RBD, and qcow2 on RBD;
-//! raw and seqlog on RADOS objects (`rados:`), seqlog with one segment per object. Each disk is
+//! raw and seqlog on RADOS objects (`rados:`), seqlog with one segment per object, also behind a
+//! local write buffer (`:cache=PATH`; `ceph/buffer.rs` crashes the buffer itself). Each disk is
 //! a new image. `ceph/queue.rs` drives RBD through the engine's I/O queue (librbd's aio
 //! completions); `ceph/rados.rs` checks what seqlog leaves in RADOS. Without Ceph the tests pass at once with a note, except under
 //! `CI=true`, where they fail.
 
+#[path = "ceph/buffer.rs"]
+mod buffer;
 #[path = "ceph/mod.rs"]
 mod ceph;
 #[path = "conformance/crash.rs"]
@@ -81,6 +84,26 @@ fn new_rados_disk() -> Arc<dyn Storage> {
     Arc::new(RadosStorage::open(&target, true).expect("open the RADOS disk"))
 }
 
+/// A new RADOS disk as [`new_rados_disk`]'s, behind a write buffer of eight objects in a new
+/// local file (fewer slots than the log's segments: slots are let go and taken again, and
+/// writers wait for them).
+fn new_buffered_rados_disk() -> Arc<dyn Storage> {
+    let cluster = ceph::cluster().expect("the cluster (checked by available())");
+    let prefix = ceph::image_name("conformance-wbuf");
+    let path = format!("{}/{prefix}.wbuf", env!("CARGO_TARGET_TMPDIR"));
+    let target = RadosTarget {
+        pool: "rbd".into(),
+        prefix,
+        conf: Some(cluster.conf.clone()),
+        object_size: Some(SEGMENT),
+        buffer: Some(path),
+        buffer_size: Some(8 * SEGMENT),
+        ..RadosTarget::default()
+    };
+    RadosStorage::create(&target).expect("create a RADOS disk");
+    vdisk::storage::open_rados(&target, true).expect("open the buffered RADOS disk")
+}
+
 /// seqlog's `CreateOptions` with the given fields.
 macro_rules! seqlog_opts {
     ($($field:ident: $value:expr),* $(,)?) => {
@@ -110,6 +133,18 @@ subjects! {
         "seqlog on RADOS filled, greedy cleaner, 10% spare",
         seqlog_opts!(segment_size: super::SEGMENT, spare: 10, policy: Policy::Greedy),
         Backend::Made(super::new_rados_disk),
+        true,
+    ), if super::ceph_ready();
+    seqlog_rados_buffered => seqlog(
+        "seqlog on RADOS behind a write buffer",
+        seqlog_opts!(segment_size: super::SEGMENT),
+        Backend::Made(super::new_buffered_rados_disk),
+        false,
+    ), if super::ceph_ready();
+    seqlog_rados_buffered_filled => seqlog(
+        "seqlog on RADOS behind a write buffer, filled, greedy cleaner, 10% spare",
+        seqlog_opts!(segment_size: super::SEGMENT, spare: 10, policy: Policy::Greedy),
+        Backend::Made(super::new_buffered_rados_disk),
         true,
     ), if super::ceph_ready();
 }

@@ -18,9 +18,8 @@ use crate::blockdev::BlockDev;
 use crate::error::{Error, IoContext, Result};
 use crate::spec::{check_format_options, Backing, ImageSpec, Leaf, Node, Protocol};
 use crate::storage::{
-    BlkdebugRules, BlkdebugStorage, Fault, FaultStorage, FileStorage, LockRole, LockUse,
-    MemStorage, NbdStorage, NullStorage, OpKind, OpenOptions, RadosStorage, RbdStorage, Storage,
-    When,
+    open_rados, BlkdebugRules, BlkdebugStorage, Fault, FaultStorage, FileStorage, LockRole,
+    LockUse, MemStorage, NbdStorage, NullStorage, OpKind, OpenOptions, RbdStorage, Storage, When,
 };
 
 /// Why a write open with `-U` is refused (QEMU's words).
@@ -552,7 +551,7 @@ fn open_protocol(node: &Protocol, opts: &ImageOptions, chain: &mut Chain) -> Res
             opts.write,
             !opts.direct,
         )?)),
-        Protocol::Rados(target) => Opened::Other(Arc::new(RadosStorage::open(target, opts.write)?)),
+        Protocol::Rados(target) => Opened::Other(open_rados(target, opts.write)?),
         Protocol::Null { size, .. } => Opened::Other(Arc::new(NullStorage::new(*size))),
         Protocol::Blkdebug { debug, image } => {
             let (inner, files): (Arc<dyn Storage>, _) = match open_protocol(image, opts, chain)? {

@@ -28,6 +28,8 @@ pub fn target(mut o: Options, filename: Option<&str>) -> Result<RadosTarget> {
         user: o.take_text("user"),
         keyvalues,
         object_size: None,
+        buffer: o.take_text("cache").filter(|p| !p.is_empty()),
+        buffer_size: o.take_size("cache-size")?,
     };
     o.refuse_rest("rados", true)?;
     Ok(target)
@@ -39,7 +41,7 @@ pub fn options(t: &RadosTarget) -> Vec<(String, Json)> {
         ("pool".to_string(), Json::Str(t.pool.clone())),
         ("prefix".to_string(), Json::Str(t.prefix.clone())),
     ];
-    for (key, value) in [("conf", &t.conf), ("user", &t.user)] {
+    for (key, value) in [("conf", &t.conf), ("user", &t.user), ("cache", &t.buffer)] {
         if let Some(v) = value {
             out.push((key.to_string(), Json::Str(v.clone())));
         }
@@ -58,7 +60,18 @@ fn parse_filename(name: &str, o: &mut Options) -> Result<Vec<(String, String)>> 
     o.put("pool", Leaf::Str(unescape(pool)));
     let (prefix, rest) = next_token(rest, b':');
     o.put("prefix", Leaf::Str(unescape(prefix)));
-    conf_pairs(rest, o)
+    let mut pairs = conf_pairs(rest, o)?;
+    // The write buffer's options are vdisk's, not Ceph's.
+    pairs.retain(|(key, value)| {
+        let option = match key.as_str() {
+            "cache" => "cache",
+            "cache_size" => "cache-size",
+            _ => return true,
+        };
+        o.put(option, Leaf::Str(value.clone()));
+        false
+    });
+    Ok(pairs)
 }
 
 #[cfg(test)]
@@ -77,6 +90,11 @@ mod tests {
         assert_eq!(t.prefix, "a:b");
         assert_eq!(t.conf.as_deref(), Some("/c:x"));
         assert_eq!(t.user.as_deref(), Some("u"));
+        assert_eq!(t.keyvalues, vec![("ms_type".into(), "async".into())]);
+        assert_eq!(t.buffer, None);
+        let t = named("rados:rbd/vm1:cache=/var/wb\\:1:cache_size=64M:ms_type=async").unwrap();
+        assert_eq!(t.buffer.as_deref(), Some("/var/wb:1"));
+        assert_eq!(t.buffer_size, Some(64 << 20));
         assert_eq!(t.keyvalues, vec![("ms_type".into(), "async".into())]);
         for (name, want) in [
             ("rados:rbd", "Pool name is required"),

@@ -15,6 +15,7 @@
 //!           ├─ NbdStorage   (an export of an NBD server, as QEMU's nbd driver reads it)
 //!           ├─ RbdStorage   (an RBD image of a Ceph cluster, through librbd)
 //!           ├─ RadosStorage (RADOS objects of one size, through librados: seqlog's segments)
+//!           ├─ BufferedStorage (a RadosStorage behind a local write buffer of whole objects)
 //!           ├─ NullStorage  (QEMU's null-co: reads zeroes, drops writes)
 //!           └─ BlkdebugStorage (QEMU's blkdebug: wraps any Storage; fails requests by rules)
 //! ```
@@ -54,7 +55,10 @@ pub use memory::MemStorage;
 pub use nbd::{NbdServer, NbdStorage, NbdTarget};
 pub use null::NullStorage;
 pub use on_disk::DiskStorage;
-pub use rados::{RadosStorage, RadosTarget, DEFAULT_OBJECT_SIZE};
+pub use rados::{
+    open_disk as open_rados, BufferedStorage, RadosStorage, RadosTarget, DEFAULT_BUFFER_SIZE,
+    DEFAULT_OBJECT_SIZE,
+};
 pub use rbd::{RbdStorage, RbdTarget};
 pub use stats::{IoStats, IoStatsSnapshot};
 

@@ -20,8 +20,11 @@
 //! Like RBD, no lock keeps a second writer out: one writer per disk is the user's to keep.
 
 mod aio;
+mod buffer;
 mod header;
 mod objects;
+
+pub use buffer::{open_disk, BufferedStorage, DEFAULT_BUFFER_SIZE};
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -55,6 +58,11 @@ pub struct RadosTarget {
     /// The object size of a disk created by this name (`None`: [`DEFAULT_OBJECT_SIZE`]); an
     /// existing disk's header says its own.
     pub object_size: Option<u64>,
+    /// A local file to buffer writes in (`:cache=PATH`; see `buffer/`), `None` for none.
+    pub buffer: Option<String>,
+    /// The buffer's size in bytes when it is made (`:cache_size=`; `None`:
+    /// [`DEFAULT_BUFFER_SIZE`]); an existing buffer keeps its own.
+    pub buffer_size: Option<u64>,
 }
 
 impl RadosTarget {
@@ -118,6 +126,15 @@ impl RadosStorage {
     /// Opens the disk `t` names. Opened for writing, it first removes what a crash left past
     /// its length (see `header.rs`).
     pub fn open(t: &RadosTarget, write: bool) -> Result<RadosStorage> {
+        let storage = RadosStorage::open_as_found(t)?;
+        if write {
+            storage.cut_unsynced(t)?;
+        }
+        Ok(storage)
+    }
+
+    /// Opens the disk `t` names as a crash left it, with what lies past its length.
+    fn open_as_found(t: &RadosTarget) -> Result<RadosStorage> {
         let cluster = Cluster::connect(&t.connection(), false)?;
         let objects = objects_of(&cluster, t)?;
         let mut buf = [0u8; header::LEN];
@@ -141,13 +158,17 @@ impl RadosStorage {
         }
         let h = Header::decode(&buf)
             .map_err(|why| Error::corrupt(format!("{}.header: {why}", t.prefix)))?;
-        let storage = RadosStorage::with(cluster, objects, h);
-        if write && h.extent > h.length {
-            storage
-                .cut_to(h.length)
+        Ok(RadosStorage::with(cluster, objects, h))
+    }
+
+    /// Removes what a crash left past the length (see `header.rs`).
+    fn cut_unsynced(&self, t: &RadosTarget) -> Result<()> {
+        let h = *lock(&self.header);
+        if h.extent > h.length {
+            self.cut_to(h.length)
                 .map_err(|e| io_error(format!("removing {}'s unsynced tail", t.describe()), e))?;
         }
-        Ok(storage)
+        Ok(())
     }
 
     fn with(cluster: Cluster, objects: Objects, h: Header) -> RadosStorage {
@@ -194,7 +215,10 @@ impl RadosStorage {
             Err(e) => return Err(e),
         };
         let oid = disk.objects.header_name();
-        disk.objects.write_full(&oid, &fresh.encode()).map_err(made)
+        disk.objects
+            .write_full(&oid, &fresh.encode())
+            .map_err(made)?;
+        remove_buffer(t)
     }
 
     /// Removes the disk `t` names: its objects, then its header.
@@ -202,7 +226,8 @@ impl RadosStorage {
         let disk = RadosStorage::open(t, true)?;
         disk.cut_to(0)
             .and_then(|()| disk.objects.remove(&disk.objects.header_name()))
-            .map_err(|e| io_error(format!("removing {}", t.describe()), e))
+            .map_err(|e| io_error(format!("removing {}", t.describe()), e))?;
+        remove_buffer(t)
     }
 
     /// Replaces the header with `h` (the lock held), durably.
@@ -258,9 +283,55 @@ impl RadosStorage {
             .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))
     }
 
+    /// Moves the extent and the length past `end` before bytes meant for `[.., end)` are kept
+    /// anywhere (the write buffer's slots): as a write there would.
+    fn grow_to(&self, end: u64) -> io::Result<()> {
+        self.reach(end)?;
+        self.length.fetch_max(end, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Reads object `index` into `buf` (an object long), the rest zeroed; returns the
+    /// object's size (0 for none).
+    fn get_object(&self, index: u64, buf: &mut [u8]) -> io::Result<usize> {
+        let oid = self.objects.name(index);
+        let Some(size) = self.objects.size(&oid)? else {
+            buf.fill(0);
+            return Ok(0);
+        };
+        let n = (size as usize).min(buf.len());
+        self.objects.read(&oid, 0, &mut buf[..n])?;
+        buf[n..].fill(0);
+        self.stats.record_read(n);
+        Ok(n)
+    }
+
+    /// Replaces object `index` with `buf`, in one request (an empty `buf` removes it).
+    fn put_object(&self, index: u64, buf: &[u8]) -> io::Result<()> {
+        let oid = self.objects.name(index);
+        if buf.is_empty() {
+            return self.objects.remove(&oid);
+        }
+        self.objects.write_full(&oid, buf)?;
+        self.stats.record_write(buf.len());
+        Ok(())
+    }
+
     /// The name of object `index` (for tests that look at the objects).
     pub fn object_name(&self, index: u64) -> String {
         self.objects.name(index).to_string_lossy().into_owned()
+    }
+}
+
+/// Removes the write buffer `t` names (what it held belongs to a disk that is gone), so that
+/// the next open makes it afresh.
+fn remove_buffer(t: &RadosTarget) -> Result<()> {
+    match t.buffer.as_deref().map(std::fs::remove_file) {
+        Some(Err(e)) if e.kind() != io::ErrorKind::NotFound => Err(io_error(
+            format!("removing write buffer of {}", t.describe()),
+            e,
+        )),
+        _ => Ok(()),
     }
 }
 

@@ -1,0 +1,289 @@
+//! The slots of a write buffer: taking one for an object (and reading the object in), I/O to
+//! it, letting it go, and the syncs and table writes that order these (the rules are in the
+//! module docs of `mod.rs`).
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard};
+use std::time::Instant;
+
+use super::super::RadosStorage;
+use super::table::Layout;
+use super::{Phase, Shared, Slot, State};
+use crate::storage::Storage;
+
+impl Shared {
+    pub(super) fn new(
+        inner: RadosStorage,
+        local: Arc<dyn Storage>,
+        layout: Layout,
+        generation: u64,
+    ) -> Self {
+        let n = layout.slots as usize;
+        let slot = Slot {
+            phase: Phase::Free,
+            object: 0,
+            used: 0,
+            gen: 0,
+            epoch: 0,
+            uploading: false,
+            written: Instant::now(),
+        };
+        Shared {
+            inner,
+            local,
+            layout,
+            state: Mutex::new(State {
+                map: HashMap::new(),
+                slots: vec![slot; n],
+                free: (0..n).rev().collect(),
+                waiting: 0,
+                stop: false,
+                failed: None,
+            }),
+            changed: Condvar::new(),
+            owners: (0..n).map(|_| RwLock::new(None)).collect(),
+            tables: Mutex::new(generation),
+        }
+    }
+
+    pub(super) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn wait<'a>(&self, st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.changed.wait(st).unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn owner(&self, s: usize) -> RwLockReadGuard<'_, Option<u64>> {
+        self.owners[s].read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Serves the listed slots of a read-only open from the buffer.
+    pub(super) fn list(&self, held: &[(usize, u64)]) {
+        let mut st = self.lock();
+        for &(s, object) in held {
+            *self.owners[s].write().unwrap_or_else(|e| e.into_inner()) = Some(object);
+            st.slots[s].phase = Phase::Listed;
+            st.slots[s].object = object;
+            st.slots[s].used = self.layout.object_size;
+            st.map.insert(object, s);
+        }
+        let st = &mut *st;
+        st.free.retain(|&s| st.slots[s].phase == Phase::Free);
+    }
+
+    /// Writes the table of the slots listed now, then syncs it.
+    pub(super) fn write_table(&self) -> io::Result<()> {
+        let mut generation = self.tables.lock().unwrap_or_else(|e| e.into_inner());
+        let held: Vec<(usize, u64)> = {
+            let st = self.lock();
+            let listed = st.slots.iter().enumerate();
+            listed
+                .filter(|(_, slot)| slot.phase == Phase::Listed)
+                .map(|(s, slot)| (s, slot.object))
+                .collect()
+        };
+        let b = self.layout.encode_table(*generation, &held);
+        self.local.write_at(self.layout.table_at(*generation), &b)?;
+        self.local.sync()?;
+        *generation += 1;
+        Ok(())
+    }
+
+    /// The slot holding object `index`, taken (and filled) if none does, its lock held shared.
+    pub(super) fn slot_for_write(
+        &self,
+        index: u64,
+    ) -> io::Result<(usize, RwLockReadGuard<'_, Option<u64>>)> {
+        loop {
+            let mut st = self.lock();
+            let s = match st.map.get(&index) {
+                Some(&s) => s,
+                None => {
+                    while st.free.is_empty() {
+                        if let Some(why) = &st.failed {
+                            return Err(io::Error::other(format!("uploading to RADOS: {why}")));
+                        }
+                        st.waiting += 1;
+                        self.changed.notify_all();
+                        st = self.wait(st);
+                        st.waiting -= 1;
+                    }
+                    drop(st);
+                    self.take(index)?;
+                    continue;
+                }
+            };
+            drop(st);
+            let guard = self.owner(s);
+            if *guard == Some(index) {
+                return Ok((s, guard));
+            }
+        }
+    }
+
+    /// Gives a free slot to object `index` and reads its bytes in from RADOS (none, for an
+    /// object RADOS does not have). Another writer may have taken one meanwhile: then nothing.
+    pub(super) fn take(&self, index: u64) -> io::Result<()> {
+        let mut st = self.lock();
+        if st.map.contains_key(&index) {
+            return Ok(());
+        }
+        let Some(s) = st.free.pop() else {
+            return Ok(());
+        };
+        // A free slot's lock is held by no one who then waits for the state (see the module
+        // docs), so taking it with the state locked cannot deadlock.
+        let mut owner = self.owners[s].write().unwrap_or_else(|e| e.into_inner());
+        let slot = &mut st.slots[s];
+        *slot = Slot {
+            phase: Phase::Filling,
+            object: index,
+            used: 0,
+            gen: 0,
+            epoch: slot.epoch + 1,
+            uploading: false,
+            written: Instant::now(),
+        };
+        st.map.insert(index, s);
+        drop(st);
+        *owner = Some(index);
+        let filled = self.fill(s, index);
+        let mut st = self.lock();
+        match filled {
+            Ok(used) => {
+                st.slots[s].phase = Phase::Unsettled;
+                st.slots[s].used = used;
+            }
+            Err(e) => {
+                *owner = None;
+                st.map.remove(&index);
+                st.slots[s].phase = Phase::Free;
+                st.free.push(s);
+                self.changed.notify_all();
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Slot `s` emptied and given object `index`'s bytes; returns their length.
+    pub(super) fn fill(&self, s: usize, index: u64) -> io::Result<u64> {
+        let os = self.layout.object_size;
+        self.local.punch_hole(self.layout.slot_at(s), os)?;
+        let mut buf = vec![0u8; os as usize];
+        let n = self.inner.get_object(index, &mut buf)?;
+        if n > 0 {
+            self.local.write_at(self.layout.slot_at(s), &buf[..n])?;
+        }
+        Ok(n as u64)
+    }
+
+    pub(super) fn write_piece(&self, index: u64, at: u64, data: &[u8]) -> io::Result<()> {
+        let (s, _guard) = self.slot_for_write(index)?;
+        self.local.write_at(self.layout.slot_at(s) + at, data)?;
+        // Counted with the slot's lock still held, so that no upload lets the slot go between
+        // the bytes landing and the count saying so.
+        let mut st = self.lock();
+        let slot = &mut st.slots[s];
+        slot.gen += 1;
+        slot.used = slot.used.max(at + data.len() as u64);
+        slot.written = Instant::now();
+        Ok(())
+    }
+
+    pub(super) fn read_piece(&self, index: u64, at: u64, buf: &mut [u8]) -> io::Result<()> {
+        loop {
+            let s = self.lock().map.get(&index).copied();
+            let Some(s) = s else {
+                let os = self.layout.object_size;
+                return self.inner.read_at(index * os + at, buf);
+            };
+            let guard = self.owner(s);
+            if *guard == Some(index) {
+                return self.local.read_at(self.layout.slot_at(s) + at, buf);
+            }
+        }
+    }
+
+    /// Lets go of object `index`'s slot, if it has one, without uploading it (its object is
+    /// removed or cut next): unlisted durably before that happens.
+    pub(super) fn drop_object(&self, index: u64) -> io::Result<()> {
+        loop {
+            let st = self.lock();
+            let Some(&s) = st.map.get(&index) else {
+                return Ok(());
+            };
+            if st.slots[s].uploading {
+                // An upload landing after the removal would bring the object back.
+                drop(self.wait(st));
+                continue;
+            }
+            let epoch = st.slots[s].epoch;
+            drop(st);
+            let mut owner = self.owners[s].write().unwrap_or_else(|e| e.into_inner());
+            let st = self.lock();
+            let slot = st.slots[s];
+            if st.map.get(&index) != Some(&s) || slot.epoch != epoch || slot.uploading {
+                continue;
+            }
+            self.leave(st, s, &mut owner)?;
+            return Ok(());
+        }
+    }
+
+    /// Takes slot `s` (its lock held exclusive as `owner`) from its object and frees it once
+    /// the table no longer lists it.
+    pub(super) fn leave(
+        &self,
+        mut st: MutexGuard<'_, State>,
+        s: usize,
+        owner: &mut Option<u64>,
+    ) -> io::Result<()> {
+        let listed = st.slots[s].phase == Phase::Listed;
+        let object = st.slots[s].object;
+        st.map.remove(&object);
+        st.slots[s].phase = Phase::Leaving;
+        *owner = None;
+        drop(st);
+        if listed {
+            // On failure the slot stays leaving (unused) until the next open: the table may
+            // still list it.
+            self.write_table()?;
+        }
+        let mut st = self.lock();
+        st.slots[s].phase = Phase::Free;
+        st.free.push(s);
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// Makes what the slots hold durable: a local sync, then the slots it settled listed.
+    pub(super) fn sync(&self) -> io::Result<()> {
+        let unsettled: Vec<(usize, u64)> = {
+            let st = self.lock();
+            let slots = st.slots.iter().enumerate();
+            slots
+                .filter(|(_, slot)| slot.phase == Phase::Unsettled)
+                .map(|(s, slot)| (s, slot.epoch))
+                .collect()
+        };
+        self.local.sync()?;
+        let mut listed = false;
+        {
+            let mut st = self.lock();
+            for (s, epoch) in unsettled {
+                let slot = &mut st.slots[s];
+                if slot.phase == Phase::Unsettled && slot.epoch == epoch {
+                    slot.phase = Phase::Listed;
+                    listed = true;
+                }
+            }
+        }
+        if listed {
+            self.write_table()?;
+        }
+        self.inner.sync()
+    }
+}

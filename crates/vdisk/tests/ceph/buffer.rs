@@ -1,0 +1,224 @@
+//! The write buffer of a RADOS disk (`rados:...:cache=PATH`) on the real cluster: every disk a
+//! crash of its local file can leave (the crash-recording storage as that file) holds every
+//! flushed write and nothing never written; a writable open uploads what the buffer held;
+//! uploads let slots go and a second writer is refused.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use vdisk::storage::{
+    BufferedStorage, CrashOptions, CrashStorage, RadosStorage, RadosTarget, Storage,
+};
+
+use super::ceph;
+
+const OBJECT: u64 = 64 << 10;
+const BLOCK: u64 = 4096;
+/// Blocks of the disk: 16 objects.
+const BLOCKS: u64 = 16 * OBJECT / BLOCK;
+
+fn target(what: &str) -> Option<RadosTarget> {
+    let cluster = ceph::cluster()?;
+    Some(RadosTarget {
+        pool: "rbd".into(),
+        prefix: ceph::image_name(what),
+        conf: Some(cluster.conf.clone()),
+        object_size: Some(OBJECT),
+        // Eight slots: fewer than the objects written, so that slots are taken again.
+        buffer_size: Some(8 * OBJECT),
+        ..RadosTarget::default()
+    })
+}
+
+/// Per block, what it may hold after a crash: its contents at the last flush that returned
+/// (the first entry), or anything written to it since.
+struct Model(Vec<Vec<u8>>);
+
+impl Model {
+    fn write(&mut self, disk: &dyn Storage, block: u64, tag: u8) {
+        disk.write_at(block * BLOCK, &vec![tag; BLOCK as usize])
+            .unwrap();
+        self.0[block as usize].push(tag);
+    }
+
+    fn flushed(&mut self, disk: &dyn Storage) {
+        disk.sync().unwrap();
+        for allowed in &mut self.0 {
+            let last = *allowed.last().unwrap();
+            *allowed = vec![last];
+        }
+    }
+
+    fn check(&self, disk: &dyn Storage, what: &str, strict: bool) {
+        // One read: a request per object, not per block.
+        let mut all = vec![0u8; (BLOCKS * BLOCK) as usize];
+        disk.read_at(0, &mut all).unwrap();
+        for (i, allowed) in self.0.iter().enumerate() {
+            let b = &all[i * BLOCK as usize..][..BLOCK as usize];
+            // A write not flushed may land in part, in whole sectors (a torn write).
+            for (n, sector) in b.chunks(512).enumerate() {
+                let tag = sector[0];
+                let whole = sector.iter().all(|&x| x == tag);
+                let ok = whole
+                    && if strict {
+                        tag == allowed[0]
+                    } else {
+                        allowed.contains(&tag)
+                    };
+                assert!(
+                    ok,
+                    "{what}: block {i} sector {n} holds {tag:#x} (whole: {whole}), allowed {allowed:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_crash_of_the_buffer_keeps_flushed_writes() {
+    let Some(t) = target("buffer-crash") else {
+        return;
+    };
+    RadosStorage::create(&t).unwrap();
+    let mut model = Model(vec![vec![0]; BLOCKS as usize]);
+    {
+        // Objects 0 to 3 in RADOS before the buffer: a slot taken for them reads them in.
+        let direct = RadosStorage::open(&t, true).unwrap();
+        for block in 0..4 * OBJECT / BLOCK {
+            model.write(&direct, block, 0x10 + block as u8 % 16);
+        }
+        model.flushed(&direct);
+    }
+    let options = CrashOptions {
+        exhaustive_limit: 4,
+        random_subsets: 8,
+        torn_writes: true,
+        torn_exhaustive_sectors: 2,
+        torn_samples: 2,
+        ..CrashOptions::default()
+    };
+    let local = Arc::new(CrashStorage::new().with_options(options));
+    let inner = RadosStorage::open(&t, true).unwrap();
+    let disk = BufferedStorage::over(&t, inner, local.clone(), true, 0).unwrap();
+    // Phase one: ten objects through eight slots, uploaded (the slots let go) every few.
+    for (n, block) in (0..BLOCKS).step_by(3).enumerate().take(50) {
+        model.write(&disk, block, 0x40 + n as u8);
+        if n % 17 == 16 {
+            model.flushed(&disk);
+            disk.upload_all().unwrap();
+        }
+    }
+    model.flushed(&disk);
+    disk.upload_all().unwrap();
+    assert_eq!(disk.buffered(), 0);
+    local.forget_history();
+    // Phase two, whose every crash is checked: slots taken again by other objects (the old
+    // ones' bytes must never show), objects read in again, flushes between.
+    let mut flushes = BTreeSet::new();
+    let mut tag = 0x80u8;
+    for round in 0..3u64 {
+        for block in (round..BLOCKS).step_by(7).take(12) {
+            model.write(&disk, block, tag);
+            tag += 1;
+        }
+        model.flushed(&disk);
+        flushes.insert(local.open_epoch().index);
+    }
+    for block in [1, 20, 200] {
+        model.write(&disk, block, tag);
+        tag += 1;
+    }
+    model.check(&disk, "before the crash", false);
+    let mut images = 0;
+    for image in local.all_crash_images() {
+        // The model after the last flush that returned before this crash.
+        let done = flushes.range(..=image.epoch).count();
+        let after = Model(replay(&t, done));
+        let crashed = Arc::new(CrashStorage::from_bytes(image.bytes.clone()));
+        let inner = RadosStorage::open(&t, false).unwrap();
+        let back = BufferedStorage::over(&t, inner, crashed, false, 0)
+            .unwrap_or_else(|e| panic!("{image}: open: {e}"));
+        after.check(&back, &format!("{image}"), false);
+        images += 1;
+    }
+    eprintln!("{images} crash images checked");
+    assert!(images > 50, "{images} crash images");
+    // The last flush's state, opened writable: uploaded to RADOS, the buffer empty.
+    let end = Arc::new(CrashStorage::from_bytes(local.durable()));
+    drop(disk);
+    let inner = RadosStorage::open(&t, true).unwrap();
+    let back = BufferedStorage::over(&t, inner, end, true, 0).unwrap();
+    assert_eq!(back.buffered(), 0);
+    drop(back);
+    model.check(
+        &RadosStorage::open(&t, false).unwrap(),
+        "uploaded at open",
+        true,
+    );
+}
+
+/// The model of `every_crash_of_the_buffer_keeps_flushed_writes` after its phase two's
+/// `flushes`-th flush (0: at its start), as the test writes it.
+fn replay(t: &RadosTarget, flushes: usize) -> Vec<Vec<u8>> {
+    let _ = t;
+    let mut m: Vec<Vec<u8>> = vec![vec![0]; BLOCKS as usize];
+    for block in 0..4 * OBJECT / BLOCK {
+        m[block as usize] = vec![0x10 + block as u8 % 16];
+    }
+    for (n, block) in (0..BLOCKS).step_by(3).enumerate().take(50) {
+        m[block as usize] = vec![0x40 + n as u8];
+    }
+    let mut tag = 0x80u8;
+    for round in 0..3u64 {
+        for block in (round..BLOCKS).step_by(7).take(12) {
+            if (round as usize) < flushes {
+                m[block as usize] = vec![tag];
+            } else {
+                m[block as usize].push(tag);
+            }
+            tag += 1;
+        }
+    }
+    for block in [1, 20, 200] {
+        m[block as usize].push(tag);
+        tag += 1;
+    }
+    m
+}
+
+#[test]
+fn uploads_let_slots_go_and_a_second_writer_is_refused() {
+    let Some(mut t) = target("buffer-upload") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = dir.path().join("wbuf");
+    t.buffer = Some(path.to_string_lossy().into_owned());
+    RadosStorage::create(&t).unwrap();
+    let disk = vdisk::storage::open_rados(&t, true).unwrap();
+    let data: Vec<u8> = (0..12 * OBJECT).map(|i| (i % 253) as u8).collect();
+    disk.write_at(100, &data).unwrap();
+    disk.sync().unwrap();
+    let again = vdisk::storage::open_rados(&t, true)
+        .map(|_| ())
+        .unwrap_err();
+    assert!(again.to_string().contains("in use"), "{again}");
+    // The uploaders go on their own (twelve objects through eight slots took some already).
+    drop(disk);
+    let direct = RadosStorage::open(&t, false).unwrap();
+    let mut back = vec![0u8; data.len()];
+    direct.read_at(100, &mut back).unwrap();
+    assert!(back == data, "uploaded at close");
+    drop(direct);
+    // A punched whole object is gone from RADOS and from the buffer, and stays gone.
+    let disk = vdisk::storage::open_rados(&t, true).unwrap();
+    disk.write_at(2 * OBJECT, &vec![7u8; OBJECT as usize])
+        .unwrap();
+    disk.punch_hole(2 * OBJECT, OBJECT).unwrap();
+    disk.sync().unwrap();
+    drop(disk);
+    let direct = RadosStorage::open(&t, false).unwrap();
+    let mut b = vec![1u8; OBJECT as usize];
+    direct.read_at(2 * OBJECT, &mut b).unwrap();
+    assert!(b.iter().all(|&x| x == 0));
+}
