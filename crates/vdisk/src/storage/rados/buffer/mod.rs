@@ -48,7 +48,7 @@ use std::time::Instant;
 use super::objects::pieces;
 use super::{io_error, RadosStorage, RadosTarget};
 use crate::error::{Error, Result};
-use crate::storage::{FileStorage, IoStats, OpenOptions, Storage};
+use crate::storage::{AsyncTransfer, Dir, FileStorage, IoStats, OpenOptions, Storage};
 use table::Layout;
 
 /// The buffer's size when none is named: 64 objects of 4 MiB.
@@ -372,6 +372,27 @@ impl Storage for BufferedStorage {
             return Ok((true, rest));
         }
         self.shared.inner.extent_at(offset, len)
+    }
+
+    /// Reads of objects in no slot, as RADOS's aio requests (`RadosStorage::start_async`).
+    fn completes_by_callback(&self) -> bool {
+        true
+    }
+
+    /// Takes reads within one object that no slot holds, for RADOS's aio (a write taking a
+    /// slot meanwhile is a write concurrent with the read: either data may come back); gives
+    /// back everything else, which runs with the blocking calls (writes go to the local file).
+    fn start_async(&self, t: AsyncTransfer) -> std::result::Result<(), AsyncTransfer> {
+        let os = self.shared.layout.object_size;
+        let within = t.offset() % os + t.len() as u64 <= os;
+        if t.dir() != Dir::Read || t.is_empty() || !within {
+            return Err(t);
+        }
+        if self.shared.lock().map.contains_key(&(t.offset() / os)) {
+            return Err(t);
+        }
+        self.stats.record_read(t.len());
+        self.shared.inner.start_async(t)
     }
 
     fn stats(&self) -> &IoStats {
