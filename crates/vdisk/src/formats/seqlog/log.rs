@@ -7,8 +7,8 @@ use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use super::journal::Journal;
 use super::header_thread::{Header, HeaderWriter};
+use super::journal::Journal;
 use super::layout::{BatchHeader, Kind, Record, Superblock};
 use super::map::Map;
 use crate::bytes::AlignedBuf;

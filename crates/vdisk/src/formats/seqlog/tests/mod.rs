@@ -7,8 +7,8 @@ use std::sync::Arc;
 use super::*;
 use crate::storage::MemStorage;
 
-mod opens;
 mod headers;
+mod opens;
 mod streams;
 
 fn new_image(o: CreateOptions) -> Arc<dyn Storage> {
