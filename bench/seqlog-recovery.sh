@@ -126,8 +126,8 @@ md = ["# seqlog recovery time and map memory\n",
       "*none*: a copy whose two checkpoint slots are damaged, so the open reads every "
       "segment's chain. *warm*: the image in the page cache; *cold*: the image's pages "
       "dropped first (posix_fadvise, this file only).\n",
-      f"Times are not counts: this 2-core machine was loaded by other builds and tests "
-      f"meanwhile (load average {load} at the end) and these ran at idle priority, so they are "
+      f"Times are not counts: on this 2-core machine they grow with whatever else runs "
+      f"(load average {load} at the end, the benchmark's own writes included), so they are "
       f"upper bounds; each row is the shortest recovery of {repeat} opens.\n",
       "| disk | checkpoint | cache | open (ms, process) | recovery (ms) | batches replayed "
       "| mapped (GiB) | recovery s/TiB | map memory (MiB/GiB mapped) | RSS - tiny image (MiB/GiB) |",
