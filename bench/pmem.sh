@@ -42,8 +42,8 @@ done)
     echo
     echo "\`bench/pmem.sh --rounds $rounds\` at $(git rev-parse --short HEAD) on $(date -u +%F):" \
         "1000 faults a row (stores, or a store then its persist), medians over the rounds of each" \
-        "row's p50 and p99 (µs). DRAM-emulated: an ext4 file, no persistent memory; the machine" \
-        "was loaded by other work (\`uptime\` before the run: $load)."
+        "row's p50 and p99 (µs). DRAM-emulated: an ext4 file, no persistent memory; the load average" \
+        "before the run was $load (\`uptime\`)."
     echo
     echo "Issue 25's targets: first touch and copy-on-write p50 under 20 µs, p99 under 100 µs (the" \
         "paper's copy-on-write is ~200 µs). \"kernel floor\" rows are the kernel's own faults on the" \
