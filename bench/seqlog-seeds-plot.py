@@ -4,7 +4,7 @@ seeds 001 and 003 published (bench/seqlog-seeds.md), read from the committed res
 
     bench/seqlog-seeds-plot.py [--results DIR]
 
-Reads DIR/seqlog-quick.md (bench/seqlog.sh) and DIR/seqlog-recovery.md
+Reads DIR/seqlog-quick.md (bench/seqlog.sh) and DIR/seqlog-recovery-8g.md
 (bench/seqlog-recovery.sh); writes DIR/seqlog-gain.png and DIR/seqlog-recovery.png.
 """
 import argparse
@@ -69,7 +69,7 @@ def main():
     fig.tight_layout()
     fig.savefig(f"{a.results}/seqlog-gain.png", dpi=100)
 
-    rec = table(f"{a.results}/seqlog-recovery.md", "| disk | checkpoint")
+    rec = table(f"{a.results}/seqlog-recovery-8g.md", "| disk | checkpoint")
     fig, ax = plt.subplots(figsize=(7, 4))
     labels, secs = ["seed 001\n(up to 256 GB)"], [SEED_001_S_PER_TIB]
     for r in rec:
