@@ -56,11 +56,12 @@ impl Superblock {
         self.journal_blocks().saturating_sub(1)
     }
 
-    /// Segments one reservation names at most: a few more than a quarter of the checkpoint
-    /// interval (what an open reads beyond the segments opened), within a block.
+    /// Segments one reservation names at most: a checkpoint interval's worth, within a block.
+    /// Each reservation is a sync taken under the log's lock, which every append then waits
+    /// for; naming more costs an open only the reads of segments named and not opened.
     pub fn reservation_len(&self) -> usize {
         let fit = (self.block_size as usize - HEAD) / 4;
-        (self.checkpoint_interval() as usize / 4).clamp(8, fit)
+        (self.checkpoint_interval() as usize).clamp(8, fit)
     }
 }
 
