@@ -58,14 +58,25 @@ pub(crate) fn preallocate(
         }
         Preallocation::Falloc => {}
         Preallocation::Full => {
-            let zeros = vec![0u8; 1 << 20];
-            let mut at = start;
-            while at < end {
-                let n = (end - at).min(zeros.len() as u64);
-                storage.write_at(at, &zeros[..n as usize]).context(what)?;
-                at += n;
-            }
+            write_zeroes(storage, &vec![0u8; 1 << 20], start, end).context(what)?
         }
+    }
+    Ok(())
+}
+
+/// Writes `[from, to)` of `storage` with zeroes, `zeroes.len()` bytes a request (data, not
+/// holes or unwritten extents: the file system allocates it now, not at a later write).
+pub(crate) fn write_zeroes(
+    storage: &dyn Storage,
+    zeroes: &[u8],
+    from: u64,
+    to: u64,
+) -> std::io::Result<()> {
+    let mut at = from;
+    while at < to {
+        let n = zeroes.len().min((to - at) as usize);
+        storage.write_at(at, &zeroes[..n])?;
+        at += n as u64;
     }
     Ok(())
 }

@@ -5,6 +5,7 @@ use super::log::random_u64;
 use super::log::{OPEN, RESERVE};
 use crate::bytes::AlignedBuf;
 use crate::error::{Error, IoContext, Result};
+use crate::formats::prealloc::write_zeroes;
 use crate::storage::Storage;
 
 /// What `vdisk create -f seqlog -o ...` chooses.
@@ -154,12 +155,7 @@ pub fn create(storage: &dyn Storage, o: &CreateOptions) -> Result<()> {
         Preallocation::Full => {
             // Aligned, for storage opened for direct I/O; segments are whole blocks.
             let zeroes = AlignedBuf::zeroed(CHUNK.min(end - start) as usize);
-            let mut at = start;
-            while at < end {
-                let n = CHUNK.min(end - at) as usize;
-                storage.write_at(at, &zeroes[..n]).context(what)?;
-                at += n as u64;
-            }
+            write_zeroes(storage, &zeroes, start, end).context(what)?;
         }
     }
     storage.sync().context(what)

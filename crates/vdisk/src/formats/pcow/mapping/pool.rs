@@ -15,6 +15,7 @@ use std::io;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
+use crate::formats::prealloc::write_zeroes;
 use crate::storage::Storage;
 
 #[derive(Default)]
@@ -147,11 +148,6 @@ fn run(storage: &dyn Storage, cluster: u64, shared: &Shared) {
 
 /// Writes zeroes over `[from, to)` and syncs them, with the file's new size.
 fn fill(storage: &dyn Storage, zeroes: &[u8], from: u64, to: u64) -> io::Result<()> {
-    let mut at = from;
-    while at < to {
-        let n = zeroes.len().min((to - at) as usize);
-        storage.write_at(at, &zeroes[..n])?;
-        at += n as u64;
-    }
+    write_zeroes(storage, zeroes, from, to)?;
     storage.sync()
 }
