@@ -52,8 +52,9 @@ impl Env {
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         assert!(
             out.status.success(),
-            "{} {args:?} failed: {}{text}",
+            "{} {args:?} failed ({}): {}{text}",
             program.display(),
+            out.status,
             String::from_utf8_lossy(&out.stderr)
         );
         text
