@@ -99,8 +99,12 @@ enum Ahead {
     No,
     /// `fallocate`: unwritten extents, which the first store converts (ext4's journal).
     Fallocate,
-    /// Zeroes written and synced: written extents, and the pages left in the page cache.
+    /// Zeroes written and synced: written extents, and the pages left in the page cache, in
+    /// folios as large as the writes (2 MiB).
     Zeroes,
+    /// The same, a page a write: single-page folios, as pcow's pool leaves them
+    /// (`formats/pcow/mapping/pool.rs`).
+    ZeroPages,
 }
 
 impl Ahead {
@@ -113,8 +117,13 @@ impl Ahead {
                 let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as i64) };
                 assert_eq!(r, 0);
             }
-            Ahead::Zeroes => {
-                let zeroes = vec![0u8; 2 * MIB];
+            Ahead::Zeroes | Ahead::ZeroPages => {
+                let chunk = if matches!(self, Ahead::Zeroes) {
+                    2 * MIB
+                } else {
+                    4096
+                };
+                let zeroes = vec![0u8; chunk];
                 for at in (0..len).step_by(zeroes.len()) {
                     let n = zeroes.len().min(len - at);
                     file.write_all_at(&zeroes[..n], at as u64).unwrap();
@@ -129,9 +138,12 @@ impl Ahead {
             Ahead::No => none,
             Ahead::Fallocate => "allocated ahead",
             Ahead::Zeroes => "zeroes written ahead",
+            Ahead::ZeroPages => "zeroes written ahead a page a write",
         }
     }
 }
+
+const AHEAD: [Ahead; 4] = [Ahead::No, Ahead::Fallocate, Ahead::Zeroes, Ahead::ZeroPages];
 
 #[test]
 #[ignore = "a measurement: prints latencies"]
@@ -142,7 +154,7 @@ fn latency() {
         ("msync", Arc::new(MediaPersist::msync()) as Arc<dyn Persist>),
         ("no persist", Arc::new(NoPersist)),
     ] {
-        for ahead in [Ahead::No, Ahead::Fallocate, Ahead::Zeroes] {
+        for ahead in AHEAD {
             let file = disk_file(&dir, "touch");
             ahead.prepare(&file, FAULTS * cs);
             let (provider, _) = FileProvider::new(file, cs);
@@ -156,7 +168,7 @@ fn latency() {
             );
         }
         if name == "msync" {
-            for ahead in [Ahead::No, Ahead::Fallocate, Ahead::Zeroes] {
+            for ahead in AHEAD {
                 let file = disk_file(&dir, "floor");
                 file.set_len((FAULTS * cs) as u64).unwrap();
                 ahead.prepare(&file, FAULTS * cs);

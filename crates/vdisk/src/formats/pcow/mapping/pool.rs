@@ -7,6 +7,14 @@
 //! still holds, so its first store is a plain page-cache fault. `bench/pmem.sh` measures both
 //! (the kernel-floor rows "allocated ahead" and "zeroes written ahead").
 //!
+//! They are written a page a write, not 2 MiB: the page cache makes folios as large as the
+//! writes, and ext4's `page_mkwrite` walks and dirties a store's whole folio at every
+//! page-table entry's first write, so one 4 KiB store (a first touch, or a copy-on-write's
+//! copy into its target) would cost a walk of 512 buffers and dirty 2 MiB that the next
+//! `msync` writes back. Single-page folios cost the pool's thread 512 system calls a cluster,
+//! off the faulting path (`bench/pmem.sh`, kernel-floor rows "zeroes written ahead" and "a page
+//! a write").
+//!
 //! The thread starts with the first request, so a mapping that never allocates never writes
 //! or syncs the file. A fault waits for it only when the pool is empty (a first allocation, or
 //! a burst of faults faster than the thread writes).
@@ -120,7 +128,8 @@ impl Drop for Pool {
 }
 
 fn run(storage: &dyn Storage, cluster: u64, shared: &Shared) {
-    let zeroes = vec![0u8; cluster.min(2 << 20) as usize];
+    // A page a write: see the module docs.
+    let zeroes = vec![0u8; 4096];
     let mut s = shared.0.lock().unwrap_or_else(|e| e.into_inner());
     loop {
         if s.stop {
