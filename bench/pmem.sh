@@ -5,17 +5,21 @@
 # provider (tests/pmem/latency.rs) and through pcow's mapping, with the persists after them
 # (tests/pmem/pcow_latency.rs).
 #
-#   bench/pmem.sh [--rounds N] [--no-build]
+#   bench/pmem.sh [--rounds N] [--no-build] [--out FILE]
 #
-# Results: printed as markdown and written to bench/results/pmem.md.
+# Results: printed as markdown and written to FILE, relative to the repository
+# (bench/results/pmem.md unless given; a run on a machine busy with other work goes to
+# bench/results/pmem-loaded.md).
 set -euo pipefail
 rounds=3
 build=1
+out_file=bench/results/pmem.md
 while (($#)); do
     case $1 in
         --rounds) rounds=${2:?}; shift ;;
         --no-build) build=0 ;;
-        -h|--help) sed -n 2,8p "$0" | cut -c3-; exit 0 ;;
+        --out) out_file=${2:?}; shift ;;
+        -h|--help) sed -n 2,9p "$0" | cut -c3-; exit 0 ;;
         *) echo "pmem.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
@@ -50,8 +54,8 @@ done)
         "same kind of file, the fair comparison on a loaded machine. A pcow mapping's fault records" \
         "in memory; the persist after it makes the records durable (docs/pcow-format.md," \
         "\"Durability at the persist\"), so its cost shows in the persist rows, beside the kernel's" \
-        "msync of one page: a persist is the caller's range, then the copied pages, the entries and" \
-        "the counters (and cur_segment_num for a new segment), an msync each. Its first touches come" \
+        "msync of one page: a persist is the caller's range, then the copied pages outside it, the" \
+        "entries and the counters (and cur_segment_num for a new segment), an msync each. Its first touches come" \
         "1000 in a burst, faster than the pool's thread writes 2 MiB clusters of zeroes: the p99."
     echo
     echo "| row | p50 (µs) | p99 (µs) |"
@@ -61,4 +65,4 @@ done)
     echo "Every run:"
     echo
     sed 's/^/    /' <<<"$out"
-} | tee bench/results/pmem.md
+} | tee "$out_file"

@@ -118,8 +118,14 @@ pub trait Provider: Send {
 
     /// Makes durable, in the format's order, everything `cluster` and `pages_copied` recorded
     /// so far: the copied pages first, then the records naming them. [`Region::persist`] calls
-    /// it after persisting the caller's range, before returning.
-    fn commit(&mut self) -> io::Result<()> {
+    /// it after persisting the caller's range, before returning, with that range of the region
+    /// as `persisted` (empty from [`Region::commit`] and [`Region::persist_file`]): a copied
+    /// page the region maps inside it (whole pages of it) is durable already, so with
+    /// [`PersistKind::Msync`] the provider need not sync it a second time. The region maps
+    /// every page reported to `pages_copied` at its place; one it could not map (a failed
+    /// `mremap`) it persists itself before giving up on it.
+    fn commit(&mut self, persisted: std::ops::Range<usize>) -> io::Result<()> {
+        let _ = persisted;
         Ok(())
     }
 }

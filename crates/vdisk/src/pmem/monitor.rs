@@ -243,7 +243,15 @@ impl Monitor {
         let done = done.and_then(|()| {
             // SAFETY: the target is the slot's memory (or one page of it), read-only until now
             // and referenced by no Rust reference; `scratch` is ours alone.
-            unsafe { map::move_over(scratch, slot_at + from, len) }
+            let moved = unsafe { map::move_over(scratch, slot_at + from, len) };
+            if moved.is_err() {
+                // Recorded as copied, but not where the region maps it, so a persist of the
+                // region's range there would not reach it (the provider counts on that):
+                // persisted here, before the scratch mapping goes.
+                // SAFETY: the scratch mapping is still ours and mapped (mremap failed).
+                let _ = unsafe { self.persist.persist(scratch as *const u8, len) };
+            }
+            moved
         });
         if let Err(e) = done {
             // SAFETY: the scratch mapping is ours and unused (a failed mremap leaves it).

@@ -263,13 +263,19 @@ impl Region {
             ));
         }
         self.persist_range(offset, len)?;
-        self.commit()
+        // Before the records, as the copies they name: the caller's range may hold copied
+        // pages, which the provider then need not sync again.
+        self.commit_after(offset..offset + len)
     }
 
     /// [`Provider::commit`], on this thread; a panic in it is an error.
     pub fn commit(&self) -> std::io::Result<()> {
+        self.commit_after(0..0)
+    }
+
+    fn commit_after(&self, persisted: std::ops::Range<usize>) -> std::io::Result<()> {
         let mut p = lock(&self.provider);
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.commit()))
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.commit(persisted)))
             .unwrap_or_else(|_| Err(std::io::Error::other("the provider panicked")))
     }
 

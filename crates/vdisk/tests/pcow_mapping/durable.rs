@@ -167,3 +167,53 @@ fn a_crash_keeping_only_persisted_pages_never_finds_a_record_before_its_data() {
     }
     same(&read_all(&open(&img, false)), &after, "the image");
 }
+
+/// `msync` persistence that counts its syncs.
+struct Counting(std::sync::atomic::AtomicUsize);
+
+impl Persist for Counting {
+    fn kind(&self) -> PersistKind {
+        PersistKind::Msync
+    }
+
+    unsafe fn persist(&self, addr: *const u8, len: usize) -> io::Result<()> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { MediaPersist::msync().persist(addr, len) }
+    }
+
+    fn persist_file(&self, file: &std::fs::File) -> io::Result<()> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        MediaPersist::msync().persist_file(file)
+    }
+}
+
+/// A persist of the store that copied a page syncs that page once, with the caller's range:
+/// then the entry that gained it (its cluster counted already), two syncs; a page copied
+/// outside the range gets one of its own.
+#[test]
+fn a_copy_inside_the_persisted_range_is_synced_with_it() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let dir = tempdir();
+    let raw = path(&dir, "base.raw");
+    std::fs::write(&raw, vec![7u8; 2 * CS as usize]).unwrap();
+    let img = path(&dir, "a.pcow");
+    new_pcow(&img, 1 << 20, Some(("base.raw", "raw")));
+    let syncs = Arc::new(Counting(0.into()));
+    let m = Mapping::open_with(&img, Some(syncs.clone())).unwrap();
+    store_u64(&m, 8, 1);
+    m.persist(8, 8).unwrap();
+    let before = syncs.0.load(Relaxed);
+    store_u64(&m, PAGE + 8, 2);
+    m.persist(PAGE + 8, 8).unwrap();
+    assert_eq!(syncs.0.load(Relaxed) - before, 2, "range, entry");
+    let before = syncs.0.load(Relaxed);
+    store_u64(&m, 2 * PAGE + 8, 3);
+    m.persist(3 * PAGE, 8).unwrap();
+    assert_eq!(syncs.0.load(Relaxed) - before, 3, "range, copy, entry");
+    drop(m);
+    let got = read_all(&open(&img, false));
+    for (at, v) in [(8, 1u64), (PAGE + 8, 2), (2 * PAGE + 8, 3)] {
+        assert_eq!(got[at..at + 8], v.to_ne_bytes());
+    }
+}

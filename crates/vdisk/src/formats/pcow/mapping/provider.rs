@@ -7,8 +7,9 @@
 //! gsync does, all at once in this order, each step persisted before the next starts:
 //!
 //! ```text
-//!  data: the pages the engine copied (msync persistence: an msync of each run; cache lines
-//!        were written back at the copy); zeroed clusters were allocated and synced ahead
+//!  data: the pages the engine copied (msync persistence: an msync of each run, but for the
+//!        pages inside the caller's range, synced with it just before; cache lines were
+//!        written back at the copy); zeroed clusters were allocated and synced ahead
 //!  new segments' meta clusters (counter 0), then entries: cow_bitmap words of wide bitmaps,
 //!        then one aligned 8-byte store of cow_bitmap + data_cluster_num each
 //!  cluster_counter of every segment that gained entries: one aligned 4-byte store each
@@ -92,9 +93,9 @@ pub struct PcowProvider {
     /// changed, segments started, and each changed segment's counter by its meta cluster.
     dirty: BTreeSet<u32>,
     started: Vec<(u64, u32)>,
-    /// Pages copied since the last commit, as (data cluster, page): with `msync` their data
-    /// is not durable yet.
-    copied: Vec<(u64, u32)>,
+    /// Pages copied since the last commit, as (logical cluster, data cluster, page): with
+    /// `msync` their data is not durable yet.
+    copied: Vec<(u32, u64, u32)>,
     counters: BTreeMap<u64, u32>,
     /// cur_segment_num and the committed end as the file holds them durably.
     durable_segments: u32,
@@ -214,10 +215,19 @@ impl PcowProvider {
     /// Persists the pages copied since the last commit (`msync` persistence), each run of
     /// neighbours through a mapping of its own: an `msync` writes back those pages only, where
     /// an `fdatasync` of the image would also write back every other dirty page of it (the
-    /// pool's zeroes being written, stores not persisted).
-    fn persist_copies(&mut self) -> io::Result<()> {
+    /// pool's zeroes being written, stores not persisted). Pages inside `persisted`, the
+    /// region's range the caller's persist synced just before, are skipped: the region maps
+    /// each copied page at its logical place, so that sync wrote them back already (most
+    /// often a persist follows the store that copied its page: one sync, not two).
+    fn persist_copies(&mut self, persisted: std::ops::Range<usize>) -> io::Result<()> {
+        let (cs, page) = (self.geo.cluster, PAGE as usize);
+        let synced = persisted.start / page * page..persisted.end.next_multiple_of(page);
         let mut at: Vec<u64> = (self.copied.iter())
-            .map(|&(host, p)| host * self.geo.cluster + u64::from(p) * PAGE)
+            .filter(|&&(n, _, p)| {
+                let logical = (u64::from(n) * cs + u64::from(p) * PAGE) as usize;
+                persisted.is_empty() || !synced.contains(&logical)
+            })
+            .map(|&(_, host, p)| host * cs + u64::from(p) * PAGE)
             .collect();
         at.sort_unstable();
         at.dedup();
@@ -337,7 +347,7 @@ impl Provider for PcowProvider {
             return Err(io::Error::other(format!("page {p} past the cluster")));
         }
         if let Some(e) = self.entries.get(&n) {
-            self.copied.extend(pages.iter().map(|&p| (e.host, p)));
+            self.copied.extend(pages.iter().map(|&p| (n, e.host, p)));
             let mut now = e.pages.clone();
             for &p in pages {
                 now.add(u64::from(p), u64::from(p) + 1);
@@ -355,7 +365,7 @@ impl Provider for PcowProvider {
                     set.add(u64::from(p), u64::from(p) + 1);
                 }
                 self.enter(n, host, set)?;
-                self.copied.extend(pages.iter().map(|&p| (host, p)));
+                self.copied.extend(pages.iter().map(|&p| (n, host, p)));
                 self.target = None;
                 Ok(())
             }
@@ -365,14 +375,14 @@ impl Provider for PcowProvider {
         }
     }
 
-    fn commit(&mut self) -> io::Result<()> {
+    fn commit(&mut self, persisted: std::ops::Range<usize>) -> io::Result<()> {
         if self.dirty.is_empty() && self.started.is_empty() && self.counters.is_empty() {
             return Ok(());
         }
         // The copied pages: see `pmem::Provider::pages_copied`. Clusters of first stores are
         // pool space, durable zeroes already.
         if self.persist.kind() == PersistKind::Msync {
-            self.persist_copies()?;
+            self.persist_copies(persisted)?;
         }
         self.copied.clear();
         let mut stored = Vec::new();
@@ -445,7 +455,7 @@ impl Drop for PcowProvider {
     fn drop(&mut self) {
         // `Mapping`'s drop committed already; a commit that failed there fails here too, and
         // what it would have recorded is cut off with the pool.
-        let _ = self.commit();
+        let _ = self.commit(0..0);
         self.metas.clear();
         self.pool.stop();
         let end = self.durable_end * self.geo.cluster;
