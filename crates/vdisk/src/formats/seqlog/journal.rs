@@ -57,8 +57,10 @@ impl Superblock {
     }
 
     /// Segments one reservation names at most: a checkpoint interval's worth, within a block.
-    /// Each reservation is a sync taken under the log's lock, which every append then waits
-    /// for; naming more costs an open only the reads of segments named and not opened.
+    /// Each reservation is a sync, written ahead of need off the log's lock (ahead.rs) or,
+    /// where that one is late or does not name the segment, under it, which every append
+    /// then waits for; naming more costs an open only the reads of segments named and not
+    /// opened.
     pub fn reservation_len(&self) -> usize {
         let fit = (self.block_size as usize - HEAD) / 4;
         (self.checkpoint_interval() as usize).clamp(8, fit)

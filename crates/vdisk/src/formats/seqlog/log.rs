@@ -7,6 +7,7 @@ use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
+use super::ahead::Ahead;
 use super::header_thread::{Header, HeaderWriter};
 use super::journal::Journal;
 use super::layout::{BatchHeader, Kind, Record, Superblock};
@@ -96,6 +97,8 @@ pub(super) struct Log {
     pub(super) headers: Arc<HeaderWriter>,
     /// Callers waiting on `changed` for the header thread (it signals only when there are).
     pub(super) header_waiters: std::sync::atomic::AtomicUsize,
+    /// Writes the journal's reservations ahead of need, off the log's lock (ahead.rs).
+    pub(super) ahead: Arc<Ahead>,
 }
 
 #[derive(Default)]
@@ -253,6 +256,7 @@ impl Log {
             shift_block: CrcShift::new(u64::from(sb.block_size)),
             headers: Arc::default(),
             header_waiters: Default::default(),
+            ahead: Arc::default(),
         })
     }
 
@@ -274,6 +278,7 @@ impl Log {
             nonce: random_u64(),
         });
         t.opened_since += 1;
+        self.reserve_ahead(t);
         Ok(())
     }
 
@@ -367,7 +372,7 @@ impl Log {
 
     /// Makes every written batch durable; concurrent callers share one sync.
     pub fn sync(&self) -> Result<()> {
-        if self.sync_failed.swap(false, Ordering::AcqRel) {
+        if self.sync_failed.swap(false, Ordering::AcqRel) || self.ahead_sync_failed() {
             return Err(Error::Io {
                 context: "an earlier sync of the seqlog log (for a checkpoint) failed".into(),
                 source: io::Error::from_raw_os_error(libc::EIO),
@@ -384,8 +389,20 @@ impl Log {
             source,
         })?;
         self.stats.syncs.fetch_add(1, Ordering::Relaxed);
+        if self.ahead_sync_failed() {
+            // The journal's thread synced meanwhile, and failed: this sync may not have seen
+            // the error that write-back of the log's writes left.
+            return Err(Error::Io {
+                context: "a sync of the seqlog journal of opens failed".into(),
+                source: io::Error::from_raw_os_error(libc::EIO),
+            });
+        }
         *synced = now;
         Ok(())
+    }
+
+    fn ahead_sync_failed(&self) -> bool {
+        self.ahead.sync_failed.swap(false, Ordering::AcqRel)
     }
 
     /// The sequence number of the newest batch placed (0: none yet): batches appended

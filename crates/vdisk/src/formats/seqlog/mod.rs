@@ -32,6 +32,7 @@
 //! With a cap (`-o map_memory=`), the map keeps only some of its pages in memory and reads the
 //! others back from the newest checkpoint (pages.rs).
 
+mod ahead;
 mod append;
 mod check;
 mod checkpoint;
@@ -135,6 +136,7 @@ impl Seqlog {
             // Not before: the replay must not write, nor a read-only open.
             disk.map.pages.start_writing();
             Log::start_headers(&disk.log)?;
+            disk.log.ahead.enable();
         }
         disk.classify_now();
         Ok(disk)
@@ -445,6 +447,9 @@ impl Driver for Seqlog {
             return Ok(());
         }
         self.flush()?;
+        // No reservation ahead after the last checkpoint: the next open would read the
+        // segments it names for nothing.
+        self.log.ahead.stop();
         let written = self.log.checkpoint_now(&self.map);
         if written.is_err() {
             // The caller hears of a failed sync here.
@@ -526,6 +531,7 @@ impl Drop for Seqlog {
             let _ = self.log.settle(&self.map);
             let _ = self.write_size();
             self.log.headers.stop();
+            self.log.ahead.stop();
         }
     }
 }

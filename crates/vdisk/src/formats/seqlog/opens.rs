@@ -10,15 +10,27 @@ use crate::error::{Error, Result};
 
 impl Log {
     /// Makes sure `segment`, about to be opened, is named by a durable journal block: if the
-    /// ring named it since the newest checkpoint it is, else the next ring block names it and
-    /// the next few free segments (or, with the ring full or a checkpoint failed, the marker
-    /// says to read every segment), and is synced before the open goes on.
+    /// ring named it since the newest checkpoint it is (a block written ahead of need counts
+    /// once synced: the open waits for one being written), else the next ring block names it
+    /// and the next few free segments (or, with the ring full or a checkpoint failed, the
+    /// marker says to read every segment), and is synced before the open goes on.
     pub(super) fn reserve_open(&self, t: &mut Tail, segment: u32) -> Result<()> {
         let sb = self.sb;
-        let j = &t.head.journal;
-        if !sb.opens || j.free || (!j.must_mark && j.reserved[segment as usize]) {
+        let ready = |t: &Tail| {
+            let j = &t.head.journal;
+            !sb.opens || j.free || (!j.must_mark && j.reserved[segment as usize])
+        };
+        // A block written ahead of need (ahead.rs) that has landed names it, usually; one
+        // still being written may, and is synced before another block is written anyway.
+        self.ahead_landed(t, false);
+        if ready(t) {
             return Ok(());
         }
+        self.ahead_landed(t, true);
+        if ready(t) {
+            return Ok(());
+        }
+        let j = &t.head.journal;
         let ring = sb.journal_ring();
         let mark = j.must_mark || j.pos >= ring;
         let (at, block, named) = if mark {
@@ -66,6 +78,8 @@ impl Log {
         if !self.sb.opens {
             return;
         }
+        // A block of the old ring being written lands before the new ring's first.
+        self.ahead_landed(t, true);
         let j = &mut t.head.journal;
         j.reserved.fill(false);
         (j.tag, j.free) = (seq, false);
@@ -80,6 +94,7 @@ impl Log {
             let at = self.sb.journal_offset(self.sb.journal_ring());
             j.marked = self.storage.write_at(at, &zero).is_err();
         }
+        self.reserve_ahead(t);
     }
 
     /// Whether half of the ring is used: a checkpoint is due, so that the marker (and an

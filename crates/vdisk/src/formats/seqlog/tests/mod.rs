@@ -7,6 +7,7 @@ use std::sync::Arc;
 use super::*;
 use crate::storage::MemStorage;
 
+mod ahead;
 mod headers;
 mod opens;
 mod streams;

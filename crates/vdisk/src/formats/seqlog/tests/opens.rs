@@ -5,7 +5,7 @@ use super::*;
 
 /// A disk of 64 segments written over twice, a checkpoint, then `after` more blocks written
 /// and flushed, and the process killed: the bytes left, and the blocks' values.
-fn crashed(
+pub(super) fn crashed(
     storage: Arc<dyn Storage>,
     after: u64,
     between: impl Fn(&Seqlog),
@@ -51,7 +51,7 @@ const FEW: u64 = 10;
 
 /// Every block reads as `want` says, after an open from a checkpoint that agrees with the
 /// whole log.
-fn reads_back(storage: &Arc<dyn Storage>, want: &[u8]) {
+pub(super) fn reads_back(storage: &Arc<dyn Storage>, want: &[u8]) {
     let disk = Seqlog::open(storage.clone(), true).unwrap();
     assert!(disk.recovered_from.is_some(), "opened from a checkpoint");
     let sb = disk.log.sb;
