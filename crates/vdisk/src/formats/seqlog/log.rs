@@ -7,9 +7,9 @@ use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use super::ahead::Ahead;
 use super::header_thread::{Header, HeaderWriter};
 use super::journal::Journal;
+use super::journal_thread::Ahead;
 use super::layout::{BatchHeader, Kind, Record, Superblock};
 use super::map::Map;
 use crate::bytes::AlignedBuf;

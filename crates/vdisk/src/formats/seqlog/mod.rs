@@ -42,6 +42,7 @@ mod create;
 mod header_thread;
 mod headers;
 mod journal;
+mod journal_thread;
 mod layout;
 mod log;
 mod map;
