@@ -39,9 +39,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub use crate::storage::Dir;
 pub(crate) use eventfd::EventFd;
 pub use kernel::Backend;
+pub(crate) use kernel::{IoEvent, Iocb, Kernel};
 
 use self::callback::Inbox;
-use self::kernel::{IoEvent, Kernel};
 use self::table::{Request, Started, Table};
 use crate::blockdev::BlockDev;
 use crate::error::Result;

@@ -1,14 +1,19 @@
 //! The write buffer of a RADOS disk (`rados:...:cache=PATH`) on the real cluster: every disk a
 //! crash of its local file can leave (the crash-recording storage as that file) holds every
 //! flushed write and nothing never written; a writable open uploads what the buffer held;
-//! uploads let slots go and a second writer is refused.
+//! uploads let slots go and a second writer is refused; a write through the I/O queue is
+//! reported only once its bytes are in the local file.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
+use std::io;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
+use vdisk::io::{Backend, Dir, IoCounters, IoQueue};
 use vdisk::storage::{
-    BufferedStorage, CrashOptions, CrashStorage, RadosStorage, RadosTarget, Storage,
+    BufferedStorage, CrashOptions, CrashStorage, IoStats, RadosStorage, RadosTarget, Storage,
 };
+use vdisk::{open_storage_with, Format};
 
 use super::ceph;
 
@@ -221,4 +226,122 @@ fn uploads_let_slots_go_and_a_second_writer_is_refused() {
     let mut b = vec![1u8; OBJECT as usize];
     direct.read_at(2 * OBJECT, &mut b).unwrap();
     assert!(b.iter().all(|&x| x == 0));
+}
+
+/// Local storage whose writes wait while its gate is shut (for at most a few seconds, so that
+/// a write on the wrong thread fails the test instead of hanging it).
+struct Gated {
+    inner: Arc<CrashStorage>,
+    shut: Mutex<bool>,
+    opened: Condvar,
+    stats: IoStats,
+}
+
+impl Gated {
+    fn set(&self, shut: bool) {
+        *self.shut.lock().unwrap() = shut;
+        self.opened.notify_all();
+    }
+}
+
+impl Storage for Gated {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.inner.read_at(offset, buf)
+    }
+    fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
+        let shut = self.shut.lock().unwrap();
+        let wait = Duration::from_secs(3);
+        drop(self.opened.wait_timeout_while(shut, wait, |s| *s).unwrap());
+        self.inner.write_at(offset, buf)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.inner.sync()
+    }
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.inner.allocate(offset, len)
+    }
+    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.inner.punch_hole(offset, len)
+    }
+    fn len(&self) -> io::Result<u64> {
+        self.inner.len()
+    }
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.inner.set_len(len)
+    }
+    fn allocated_bytes(&self) -> io::Result<u64> {
+        self.inner.allocated_bytes()
+    }
+    fn stats(&self) -> &IoStats {
+        &self.stats
+    }
+}
+
+/// A write of the I/O queue to an object the buffer holds goes to the local file without
+/// blocking its submitter, and is reported only once its bytes are there: held at the local
+/// file, it is not reported; a flush after its completion leaves the local file holding it
+/// and its slot listed.
+#[test]
+fn a_queued_write_is_reported_only_once_in_the_local_file() {
+    let Some(t) = target("buffer-queued") else {
+        return;
+    };
+    RadosStorage::create(&t).unwrap();
+    let crash = Arc::new(CrashStorage::new());
+    let gate = Arc::new(Gated {
+        inner: crash.clone(),
+        shut: Mutex::new(false),
+        opened: Condvar::new(),
+        stats: IoStats::default(),
+    });
+    let inner = RadosStorage::open(&t, true).unwrap();
+    let disk = Arc::new(BufferedStorage::over(&t, inner, gate.clone(), true, 0).unwrap());
+    // A blocking write gives object 0 its slot; the queue's writes then go to the slot.
+    disk.write_at(0, &vec![1u8; OBJECT as usize]).unwrap();
+    disk.sync().unwrap();
+    let image = open_storage_with(disk.clone(), Some(Format::RAW), "rados", true).unwrap();
+    let counters = Arc::new(IoCounters::default());
+    let q = IoQueue::new(Backend::IoUring, 8, counters.clone()).unwrap();
+    gate.set(true);
+    assert!(q
+        .start(
+            &image,
+            Dir::Write,
+            2 * BLOCK,
+            vec![7u8; BLOCK as usize],
+            0u64
+        )
+        .is_ok());
+    q.submit();
+    let s = counters.snapshot();
+    assert_eq!(
+        (s.callback_transfers, s.blocking_transfers),
+        (1, 0),
+        "the write went to the slot as the buffer's own transfer"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let mut done = Vec::new();
+    q.complete(&mut done).unwrap();
+    assert!(
+        done.is_empty(),
+        "a write was reported before its bytes reached the local file"
+    );
+    gate.set(false);
+    while q.in_flight() > 0 {
+        q.wait(&mut done).unwrap();
+    }
+    assert_eq!(done.len(), 1);
+    assert!(done[0].result.is_ok(), "{:?}", done[0].result);
+    disk.sync().unwrap();
+    // The local file as that flush left it, read through a buffer opened on it.
+    let durable = Arc::new(CrashStorage::from_bytes(crash.durable()));
+    let inner = RadosStorage::open(&t, false).unwrap();
+    let back = BufferedStorage::over(&t, inner, durable, false, 0).unwrap();
+    let mut b = vec![0u8; 3 * BLOCK as usize];
+    back.read_at(0, &mut b).unwrap();
+    assert!(b[..2 * BLOCK as usize].iter().all(|&x| x == 1));
+    assert!(
+        b[2 * BLOCK as usize..].iter().all(|&x| x == 7),
+        "the flushed write is in the local file"
+    );
 }

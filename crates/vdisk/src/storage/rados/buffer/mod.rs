@@ -9,6 +9,7 @@
 //!                     │                    fill it with the object's bytes from RADOS
 //!                     ▼
 //!               pwrite into the slot ─► sync: local sync, list new slots in the table, sync
+//!   I/O queue's transfer to a slot ─► pin it, io_uring on the file ─► unpin, complete (local.rs)
 //!   uploader: an idle slot (or the oldest, when free ones run low) ─► rados_write_full
 //!             ─► unchanged since? unlisted (table written and synced) ─► free
 //!   open (writable): every listed slot uploaded, the table emptied
@@ -28,18 +29,25 @@
 //!   they go into a slot, so that a writable open's cut of unsynced growth (after the
 //!   uploads) applies to them as to direct writes.
 //!
+//! - A transfer of the I/O queue to a slot is reported only once its bytes are in the file, and
+//!   its slot stays pinned until then: not let go, and a write counted at both ends, so that
+//!   an upload that read the slot meanwhile keeps it (`local.rs`).
+//!
 //! One process has a buffer open for writing (an exclusive `flock` on the file; readers take
 //! a shared one). A slot's `RwLock` guards its bytes and says which object it holds: I/O to a
 //! slot holds it shared, taking and freeing a slot hold it exclusive; the state's mutex is
-//! taken after it, never before, except on a free slot, which no one else holds.
+//! taken after it, never before, except on a free slot, which no one else holds. The I/O
+//! queue's transfers hold neither across their I/O: a pin (`Slot::busy`, under the state's
+//! mutex) keeps the slot theirs.
 
+mod local;
 mod slots;
 mod table;
 mod upload;
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
@@ -49,6 +57,7 @@ use super::objects::pieces;
 use super::{io_error, RadosStorage, RadosTarget};
 use crate::error::{Error, Result};
 use crate::storage::{AsyncTransfer, Dir, FileStorage, IoStats, OpenOptions, Storage};
+use local::LocalIo;
 use table::Layout;
 
 /// The buffer's size when none is named: 64 objects of 4 MiB.
@@ -68,6 +77,16 @@ pub fn open_disk(t: &RadosTarget, write: bool) -> Result<Arc<dyn Storage>> {
         }
         Some(path) => Ok(Arc::new(BufferedStorage::open(t, Path::new(path), write)?)),
     }
+}
+
+/// What [`Shared::pin`] found for an object.
+enum Pin {
+    /// Its slot, pinned.
+    Slot(usize),
+    /// No slot holds it.
+    None,
+    /// Its slot is being filled or let go.
+    Unsettled,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,6 +113,9 @@ struct Slot {
     /// Counts the slot's takings, so that a step that let go of the lock finds it changed.
     epoch: u64,
     uploading: bool,
+    /// Transfers of the I/O queue in flight to or from it (`local.rs`): it is not let go
+    /// while any is.
+    busy: u32,
     written: Instant,
 }
 
@@ -119,6 +141,8 @@ struct Shared {
     owners: Vec<RwLock<Option<u64>>>,
     /// The next table's generation; held while a table is written, so they land in order.
     tables: Mutex<u64>,
+    /// Transfers of the I/O queue to and from slots.
+    io: LocalIo,
 }
 
 /// A RADOS disk with a local write buffer, open.
@@ -156,16 +180,31 @@ impl BufferedStorage {
             ));
         }
         let inner = RadosStorage::open_as_found(t)?;
-        BufferedStorage::over(t, inner, Arc::new(file), write, UPLOADERS)
+        let fd = file.file().as_raw_fd();
+        BufferedStorage::with_io(t, inner, Arc::new(file), Some(fd), write, UPLOADERS)
     }
 
     /// The buffer in `local` (made when empty) over `inner`, the disk `t` names, with
     /// `uploaders` upload threads (none: slots fill up and stay, for tests of what the
     /// buffer keeps). Writable, what a crash left listed is uploaded first.
+    /// The I/O queue's transfers to slots go to `local` on a thread of the buffer.
     pub fn over(
         t: &RadosTarget,
         inner: RadosStorage,
         local: Arc<dyn Storage>,
+        write: bool,
+        uploaders: usize,
+    ) -> Result<BufferedStorage> {
+        BufferedStorage::with_io(t, inner, local, None, write, uploaders)
+    }
+
+    /// [`BufferedStorage::over`], the I/O queue's transfers to slots going to io_uring on
+    /// `fd` (`local`'s descriptor) where there is one.
+    fn with_io(
+        t: &RadosTarget,
+        inner: RadosStorage,
+        local: Arc<dyn Storage>,
+        fd: Option<RawFd>,
         write: bool,
         uploaders: usize,
     ) -> Result<BufferedStorage> {
@@ -202,7 +241,8 @@ impl BufferedStorage {
             )));
         }
         let (generation, held) = read_table(&*local, layout).map_err(ctx)?;
-        let shared = Arc::new(Shared::new(inner, local, layout, generation + 1));
+        let io = LocalIo::new(fd);
+        let shared = Arc::new(Shared::new(inner, local, layout, generation + 1, io));
         if write {
             shared.recover(&held).map_err(ctx)?;
             shared.inner.cut_unsynced(t)?;
@@ -213,6 +253,7 @@ impl BufferedStorage {
             true => (0..uploaders).map(|_| upload::spawn(&shared)).collect(),
             false => Vec::new(),
         };
+        LocalIo::spawn(&shared);
         Ok(BufferedStorage {
             shared,
             uploaders,
@@ -262,6 +303,7 @@ impl Drop for BufferedStorage {
         for u in self.uploaders.drain(..) {
             let _ = u.join();
         }
+        self.shared.io.stop();
         let _ = self.shared.sync();
     }
 }
@@ -374,25 +416,49 @@ impl Storage for BufferedStorage {
         self.shared.inner.extent_at(offset, len)
     }
 
-    /// Reads of objects in no slot, as RADOS's aio requests (`RadosStorage::start_async`).
+    /// Transfers to and from slots as the local file's io_uring requests (`local.rs`), reads
+    /// of objects in no slot as RADOS's aio requests (`RadosStorage::start_async`).
     fn completes_by_callback(&self) -> bool {
         true
     }
 
-    /// Takes reads within one object that no slot holds, for RADOS's aio (a write taking a
-    /// slot meanwhile is a write concurrent with the read: either data may come back); gives
-    /// back everything else, which runs with the blocking calls (writes go to the local file).
+    /// Takes transfers within one object: those of an object a slot holds (settled: not being
+    /// filled or let go) go to the slot, reads of others to RADOS (a write taking a slot
+    /// meanwhile is a write concurrent with the read: either data may come back). Gives back
+    /// the rest, which run with the blocking calls: writes to objects in no slot take one.
     fn start_async(&self, t: AsyncTransfer) -> std::result::Result<(), AsyncTransfer> {
         let os = self.shared.layout.object_size;
-        let within = t.offset() % os + t.len() as u64 <= os;
-        if t.dir() != Dir::Read || t.is_empty() || !within {
+        let (index, at) = (t.offset() / os, t.offset() % os);
+        if t.is_empty() || at + t.len() as u64 > os {
             return Err(t);
         }
-        if self.shared.lock().map.contains_key(&(t.offset() / os)) {
-            return Err(t);
+        if t.dir() == Dir::Write {
+            match RadosStorage::end_of(t.offset(), t.len() as u64)
+                .and_then(|end| self.shared.inner.grow_to(end))
+            {
+                Ok(()) => {}
+                Err(e) => {
+                    t.complete(Err(e));
+                    return Ok(());
+                }
+            }
         }
-        self.stats.record_read(t.len());
-        self.shared.inner.start_async(t)
+        match self.shared.pin(index, at, t.len() as u64, t.dir()) {
+            Pin::Slot(s) => {
+                match t.dir() {
+                    Dir::Read => self.stats.record_read(t.len()),
+                    Dir::Write => self.stats.record_write(t.len()),
+                }
+                let local_at = self.shared.layout.slot_at(s) + at;
+                self.shared.submit_local(s, local_at, t);
+                Ok(())
+            }
+            Pin::None if t.dir() == Dir::Read => {
+                self.stats.record_read(t.len());
+                self.shared.inner.start_async(t)
+            }
+            Pin::None | Pin::Unsettled => Err(t),
+        }
     }
 
     fn stats(&self) -> &IoStats {

@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use super::super::RadosStorage;
 use super::table::Layout;
-use super::{Phase, Shared, Slot, State};
-use crate::storage::Storage;
+use super::{LocalIo, Phase, Pin, Shared, Slot, State};
+use crate::storage::{Dir, Storage};
 
 impl Shared {
     pub(super) fn new(
@@ -18,6 +18,7 @@ impl Shared {
         local: Arc<dyn Storage>,
         layout: Layout,
         generation: u64,
+        io: LocalIo,
     ) -> Self {
         let n = layout.slots as usize;
         let slot = Slot {
@@ -27,6 +28,7 @@ impl Shared {
             gen: 0,
             epoch: 0,
             uploading: false,
+            busy: 0,
             written: Instant::now(),
         };
         Shared {
@@ -44,6 +46,7 @@ impl Shared {
             changed: Condvar::new(),
             owners: (0..n).map(|_| RwLock::new(None)).collect(),
             tables: Mutex::new(generation),
+            io,
         }
     }
 
@@ -144,6 +147,7 @@ impl Shared {
             gen: 0,
             epoch: slot.epoch + 1,
             uploading: false,
+            busy: 0,
             written: Instant::now(),
         };
         st.map.insert(index, s);
@@ -193,6 +197,45 @@ impl Shared {
         Ok(())
     }
 
+    /// Pins the slot of object `index` for a transfer of `len` bytes at `at` of it (the I/O
+    /// queue's, `local.rs`), if one holds it settled; a write is counted now and again at
+    /// [`Shared::unpin`].
+    pub(super) fn pin(&self, index: u64, at: u64, len: u64, dir: Dir) -> Pin {
+        let mut st = self.lock();
+        let Some(&s) = st.map.get(&index) else {
+            return Pin::None;
+        };
+        let slot = &mut st.slots[s];
+        // In the map and settled, the slot's owner is `index` (`take` names it before it
+        // settles, `leave` takes it from the map first), and stays so while pinned.
+        if !matches!(slot.phase, Phase::Unsettled | Phase::Listed) {
+            return Pin::Unsettled;
+        }
+        slot.busy += 1;
+        if dir == Dir::Write {
+            slot.gen += 1;
+            slot.used = slot.used.max(at + len);
+            slot.written = Instant::now();
+        }
+        Pin::Slot(s)
+    }
+
+    /// Ends a transfer [`Shared::pin`] pinned slot `s` for, once its bytes moved.
+    pub(super) fn unpin(&self, s: usize, dir: Dir) {
+        let mut st = self.lock();
+        let slot = &mut st.slots[s];
+        slot.busy -= 1;
+        if dir == Dir::Write {
+            // Again at the end: an upload that read the slot while this write was in flight
+            // sees the count moved and keeps the slot.
+            slot.gen += 1;
+            slot.written = Instant::now();
+        }
+        if slot.busy == 0 {
+            self.changed.notify_all();
+        }
+    }
+
     pub(super) fn read_piece(&self, index: u64, at: u64, buf: &mut [u8]) -> io::Result<()> {
         loop {
             let s = self.lock().map.get(&index).copied();
@@ -215,8 +258,9 @@ impl Shared {
             let Some(&s) = st.map.get(&index) else {
                 return Ok(());
             };
-            if st.slots[s].uploading {
-                // An upload landing after the removal would bring the object back.
+            if st.slots[s].uploading || st.slots[s].busy > 0 {
+                // An upload landing after the removal would bring the object back; a pinned
+                // slot has transfers of the I/O queue in flight.
                 drop(self.wait(st));
                 continue;
             }
@@ -225,7 +269,11 @@ impl Shared {
             let mut owner = self.owners[s].write().unwrap_or_else(|e| e.into_inner());
             let st = self.lock();
             let slot = st.slots[s];
-            if st.map.get(&index) != Some(&s) || slot.epoch != epoch || slot.uploading {
+            if st.map.get(&index) != Some(&s)
+                || slot.epoch != epoch
+                || slot.uploading
+                || slot.busy > 0
+            {
                 continue;
             }
             self.leave(st, s, &mut owner)?;

@@ -145,7 +145,9 @@ impl Shared {
         let st = self.lock();
         let slot = st.slots[u.s];
         let same = slot.epoch == u.epoch && slot.gen == u.gen && slot.object == u.object;
-        if !same || slot.uploading || !matches!(slot.phase, Phase::Unsettled | Phase::Listed) {
+        let settled = matches!(slot.phase, Phase::Unsettled | Phase::Listed);
+        // A pinned slot has a transfer of the I/O queue in flight: kept for the next round.
+        if !same || slot.uploading || slot.busy > 0 || !settled {
             return;
         }
         if let Err(e) = self.leave(st, u.s, &mut owner) {
