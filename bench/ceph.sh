@@ -43,8 +43,12 @@
 # writes, 16 threads, librbd alone) once per round; and `vdisk serve` on the same seqlog image
 # behind a local write buffer (`rados:rbd/seqlog:cache=FILE`, 256 MiB, the file under the
 # work directory: writes and flushes go to it, whole objects are uploaded in the background;
-# each server's close uploads what it holds, so every side finds the image whole in RADOS).
-# Ratios: seqlog / qemu-nbd, seqlog / vdisk-on-RBD and buffered seqlog / qemu-nbd.
+# each server's close uploads what it holds, so every side finds the image whole in RADOS);
+# and, for what seqlog and NBD take without Ceph, `vdisk serve --cache writeback` on a seqlog
+# image in a local file under the work directory, converted from the same raw image (its
+# writes go to the page cache and its flushes to the disk, as the buffer's do).
+# Ratios: seqlog / qemu-nbd, seqlog / vdisk-on-RBD, buffered seqlog / qemu-nbd and buffered
+# seqlog / seqlog on the local file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 args="$*"
@@ -101,6 +105,8 @@ for img in raw qcow2; do
 done
 [ "$rows_kind" = rbd ] ||
     "$vdisk" convert -S 0 -O seqlog -o segment_size=4M rbd:rbd/raw rados:rbd/seqlog
+[ "$rows_kind" = rbd ] ||
+    "$vdisk" convert -S 0 -O seqlog -o segment_size=4M rbd:rbd/raw "$work/seqlog.file"
 
 timed=(/usr/bin/time -f "%U %S" -o "$work/time.txt")
 cpu() { awk '{printf "%.2f", $1 + $2}' "$work/time.txt"; }
@@ -123,14 +129,16 @@ bench() {
 }
 
 # One fio run (4 KiB random writes at depth $2, or $4: randread) against server $1 (qemu-nbd
-# or a vdisk) on image $3 (default the raw RBD image; rados:... is served as seqlog): IOPS.
+# or a vdisk) on image $3 (default the raw RBD image; rados:... and *.file are served as
+# seqlog) with vdisk's cache mode $5 (default none): IOPS.
 serve_fio() {
-    local server=$1 qd=$2 image=${3:-rbd:rbd/raw} rw=${4:-randwrite} pid v fmt=raw
-    [[ $image == rados:* ]] && fmt=seqlog
+    local server=$1 qd=$2 image=${3:-rbd:rbd/raw} rw=${4:-randwrite} cache=${5:-none} pid v
+    local fmt=raw
+    [[ $image == rados:* || $image == *.file ]] && fmt=seqlog
     rm -f "$sock"
     case $server in
     qemu-nbd) "${timed[@]}" qemu-nbd -f raw --cache=none -t -k "$sock" "$image" & pid=$! ;;
-    *) "${timed[@]}" "$server" serve -f $fmt "$image" --nbd "unix:$sock" --cache none & pid=$! ;;
+    *) "${timed[@]}" "$server" serve -f $fmt "$image" --nbd "unix:$sock" --cache "$cache" & pid=$! ;;
     esac
     for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.05; done
     v=$(fio --name=ceph --ioengine=nbd --uri="nbd+unix:///?socket=$sock" --rw="$rw" \
@@ -156,9 +164,9 @@ run() {
     esac
 }
 # The seqlog rows: side qemu-nbd (on RBD), vdisk-rbd, seqlog (vdisk on seqlog on RADOS),
-# wbuf (the same behind a write buffer).
+# wbuf (the same behind a write buffer), file (vdisk on seqlog in a local file).
 seqlog_rows=("fio randwrite qd16" "fio randwrite qd32" "fio randread qd32")
-seqlog_sides=(qemu-nbd vdisk-rbd seqlog wbuf)
+seqlog_sides=(qemu-nbd vdisk-rbd seqlog wbuf file)
 run_seqlog() {
     local row=$1 side=$2 rw qd
     read -r _ rw qd <<<"$row"
@@ -167,6 +175,7 @@ run_seqlog() {
     vdisk-rbd) serve_fio "$vdisk" "${qd#qd}" rbd:rbd/raw "$rw" ;;
     seqlog) serve_fio "$vdisk" "${qd#qd}" rados:rbd/seqlog "$rw" ;;
     wbuf) serve_fio "$vdisk" "${qd#qd}" "rados:rbd/seqlog:cache=$work/wbuf" "$rw" ;;
+    file) serve_fio "$vdisk" "${qd#qd}" "$work/seqlog.file" "$rw" writeback ;;
     esac
 }
 # `rbd bench`: 4 KiB random writes from 16 threads, librbd alone: IOPS.
@@ -179,7 +188,7 @@ rbd_bench() {
 for ((r = 1; r <= rounds_seqlog; r++)); do
     for row in "${seqlog_rows[@]}"; do
         sides=("${seqlog_sides[@]}")
-        ((r % 2)) || sides=(wbuf seqlog vdisk-rbd qemu-nbd)
+        ((r % 2)) || sides=(file wbuf seqlog vdisk-rbd qemu-nbd)
         for side in "${sides[@]}"; do
             v=$(run_seqlog "$row" "$side")
             iops["$row $side"]+="$v "
@@ -215,15 +224,16 @@ seqlog_table() {
     echo "per run, 4 KiB requests; $rounds_seqlog round(s), medians (IOPS). The machine is shared"
     echo "with other jobs and noisy: compare rows of one run, not runs."
     echo
-    echo "| row | qemu-nbd on rbd: | vdisk on rbd: | vdisk seqlog on rados: | seqlog / qemu-nbd | seqlog / vdisk-rbd | seqlog, write buffer | buffered / qemu-nbd |"
-    echo "|---|---|---|---|---|---|---|---|"
-    local row q v l w
+    echo "| row | qemu-nbd on rbd: | vdisk on rbd: | vdisk seqlog on rados: | seqlog / qemu-nbd | seqlog / vdisk-rbd | seqlog, write buffer | buffered / qemu-nbd | seqlog, local file | buffered / file |"
+    echo "|---|---|---|---|---|---|---|---|---|---|"
+    local row q v l w f
     for row in "${seqlog_rows[@]}"; do
         q=$(median "${iops[$row qemu-nbd]}") v=$(median "${iops[$row vdisk-rbd]}")
         l=$(median "${iops[$row seqlog]}") w=$(median "${iops[$row wbuf]}")
-        echo "| $row | $q | $v | $l | $(ratio "$l" "$q") | $(ratio "$l" "$v") | $w | $(ratio "$w" "$q") |"
+        f=$(median "${iops[$row file]}")
+        echo "| $row | $q | $v | $l | $(ratio "$l" "$q") | $(ratio "$l" "$v") | $w | $(ratio "$w" "$q") | $f | $(ratio "$w" "$f") |"
     done
-    echo "| rbd bench randwrite, 16 threads | $(median "${iops[rbd bench]}") (librbd alone) | | | | | | |"
+    echo "| rbd bench randwrite, 16 threads | $(median "${iops[rbd bench]}") (librbd alone) | | | | | | | | |"
     echo
 }
 {
