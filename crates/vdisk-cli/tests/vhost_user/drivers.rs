@@ -439,3 +439,99 @@ fn stats_count_what_the_driver_did() {
     drop(dev);
     assert!(served.stop().success());
 }
+
+/// A large read (over the size the device moves through buffers of its own) whose data
+/// segments lie scattered and out of order in guest memory: the device may cut it into pieces
+/// read side by side, and every byte still lands where the chain puts it. The same read with
+/// its last segment crossing the end of guest memory gets IOERR, and the device goes on.
+#[test]
+fn large_reads_in_scattered_segments() {
+    let Some(tools) = tools() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let image = new_image(&tools, dir.path(), "l.qcow2", "8M");
+    let served = Served::start(&tools, &image, &[]);
+    let (dev, mut queues) = served.connect(1);
+    let ram = dev.ram.clone();
+    let q = &mut queues[0];
+    let slots = Slots::new(q, 2, MIB as u32);
+    // Each 4 KiB block differs (`pattern` repeats every 256 bytes): a piece read from the
+    // wrong offset shows.
+    let mut data = pattern(5, MIB as usize);
+    for (i, b) in data.iter_mut().enumerate() {
+        *b ^= (i >> 12) as u8;
+    }
+    assert_eq!(write(&ram, q, &slots, MIB, &data), S_OK);
+    let header = slots.data(0);
+    let status = header + 512;
+    let region = slots.data(1);
+    let kib = |n: u64| n << 10;
+    // (guest address, length): 300 KiB, 200 KiB, 524 KiB, placed in reverse so that no two
+    // are neighbours; cuts at 64 KiB multiples of the request fall inside segments.
+    let segments = [
+        (region + kib(724), kib(300)),
+        (region + kib(524), kib(200)),
+        (region, kib(524)),
+    ];
+    let chain = |segments: &[(u64, u64)]| {
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&T_IN.to_le_bytes());
+        h[8..16].copy_from_slice(&(MIB / 512).to_le_bytes());
+        ram.write(header, &h);
+        ram.write(status, &[0xff]);
+        let mut chain = vec![Buffer {
+            addr: header,
+            len: 16,
+            device_writes: false,
+        }];
+        for &(addr, len) in segments {
+            chain.push(Buffer {
+                addr,
+                len: len as u32,
+                device_writes: true,
+            });
+        }
+        chain.push(Buffer {
+            addr: status,
+            len: 1,
+            device_writes: true,
+        });
+        chain
+    };
+    let status_byte = || {
+        let mut b = [0u8; 1];
+        ram.read(status, &mut b);
+        b[0]
+    };
+    for round in 0..4 {
+        ram.fill(region, MIB as usize, 0);
+        q.ring.add(&chain(&segments)).unwrap();
+        assert_eq!(
+            finish(&ram, q),
+            MIB as u32 + 1,
+            "bytes written, round {round}"
+        );
+        assert_eq!(status_byte(), S_OK);
+        let mut at = 0;
+        for &(addr, len) in &segments {
+            let mut got = vec![0u8; len as usize];
+            ram.read(addr, &mut got);
+            assert!(
+                got == data[at..at + len as usize],
+                "segment at {addr:#x}, round {round}"
+            );
+            at += len as usize;
+        }
+    }
+    let crossing = [(region, kib(512)), (ram.len() as u64 - kib(4), kib(512))];
+    q.ring.add(&chain(&crossing)).unwrap();
+    finish(&ram, q);
+    assert_eq!(
+        status_byte(),
+        S_IOERR,
+        "a segment crossing the end of guest memory"
+    );
+    assert!(read(&ram, q, &slots, MIB, MIB as usize) == data);
+    drop(queues);
+    drop(dev);
+    assert!(served.stop().success());
+}

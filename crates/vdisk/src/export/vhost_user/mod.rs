@@ -18,6 +18,7 @@
 mod backend;
 mod config;
 mod data;
+mod large;
 mod offload;
 mod request;
 mod stats;
