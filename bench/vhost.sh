@@ -5,7 +5,7 @@
 # side by side in one run.
 #
 #   bench/vhost.sh [--quick] [--seconds S] [--size-mib N] [--rounds N] [--only REGEX] [--no-build]
-#                  [--out FILE]
+#                  [--baseline BINARY] [--out FILE]
 #
 #   --quick       256 MiB images, 1 s per run (about 3 minutes); default 1 GiB, 3 s
 #   --seconds S   seconds per run
@@ -14,6 +14,9 @@
 #                 server's median IOPS; this machine's runs vary by up to 2x from one to the next
 #   --only REGEX  run only the rows whose label matches
 #   --no-build    use target/release/{vdisk,vhost-load} as they are
+#   --baseline BINARY  also run a vdisk built from another commit, with the same options, in
+#                 every round beside the other two; the report adds its IOPS and this build's
+#                 over it
 #   --out FILE    default bench/results/vhost-<quick|full>.md
 #
 # Pairs of servers, each started fresh for every run and stopped (SIGTERM) after it:
@@ -33,7 +36,7 @@ set -euo pipefail
 command_line="bench/vhost.sh $*"
 usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit "${1:-0}"; }
 
-quick=0 seconds= size_mib= only= build=1 out= rounds=1
+quick=0 seconds= size_mib= only= build=1 out= rounds=1 baseline=
 while [ $# -gt 0 ]; do
     case "$1" in
         --quick) quick=1 ;;
@@ -42,6 +45,7 @@ while [ $# -gt 0 ]; do
         --rounds) rounds=$2; shift ;;
         --only) only=$2; shift ;;
         --no-build) build=0 ;;
+        --baseline) baseline=$(realpath "${2:?--baseline needs a vdisk binary}"); shift ;;
         --out) out=$2; shift ;;
         -h|--help) usage 0 ;;
         *) echo "unknown argument $1" >&2; usage 2 ;;
@@ -82,14 +86,15 @@ stop_server() {
 }
 trap stop_server EXIT
 
-# start_server SERVER MODE IMAGE QUEUES
+# start_server SERVER MODE IMAGE QUEUES (SERVER base: vdisk with the --baseline binary)
 start_server() {
     local server=$1 cache=$2 image=$3 queues=$4
     rm -f "$sock"
-    if [ "$server" = vdisk ]; then
-        local flags=()
+    if [ "$server" = vdisk ] || [ "$server" = base ]; then
+        local flags=() bin=$vdisk
+        [ "$server" = base ] && bin=$baseline
         [ "$cache" = none ] && flags=(--cache none --aio native)
-        "$vdisk" serve -f qcow2 "$image" --vhost-user-blk "$sock" --num-queues "$queues" \
+        "$bin" serve -f qcow2 "$image" --vhost-user-blk "$sock" --num-queues "$queues" \
             "${flags[@]}" 2>>"$work/server.log" &
     else
         local file="driver=file,node-name=file,filename=$image"
@@ -141,9 +146,17 @@ report=$(mktemp)
     echo "Images of $size_mib MiB, $seconds s per run, IOPS from vhost-load (crates/vhost-load);"
     echo "$rounds round(s) per row, each server's median reported."
     echo "Ratio: vdisk over qemu-storage-daemon in the same cache mode."
-    echo
-    echo "| row | queues | depth | vdisk | qsd | ratio | vdisk none | qsd none | ratio none |"
-    echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    if [ -n "$baseline" ]; then
+        echo "Base: the vdisk binary $baseline, run in the same rounds, right after this build;"
+        echo "vs base: this build over it."
+        echo
+        echo "| row | queues | depth | vdisk | qsd | ratio | base | vs base | vdisk none | qsd none | ratio none | base none | vs base none |"
+        echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    else
+        echo
+        echo "| row | queues | depth | vdisk | qsd | ratio | vdisk none | qsd none | ratio none |"
+        echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    fi
 } > "$report"
 first=vdisk
 for row in "${rows[@]}"; do
@@ -152,7 +165,10 @@ for row in "${rows[@]}"; do
     declare -A iops=()
     for cache in writeback none; do
         for _ in $(seq "$rounds"); do
-            for server in $first $([ $first = vdisk ] && echo qsd || echo vdisk); do
+            order="$first $([ $first = vdisk ] && echo qsd || echo vdisk)"
+            # The baseline runs right after this build, whichever goes first.
+            [ -n "$baseline" ] && order=${order/vdisk/vdisk base}
+            for server in $order; do
                 image=$allocated
                 if [ "$kind" = fresh ]; then
                     image=$work/fresh.qcow2
@@ -163,12 +179,17 @@ for row in "${rows[@]}"; do
             done
             first=$([ $first = vdisk ] && echo qsd || echo vdisk)
         done
-        for server in vdisk qsd; do
+        for server in vdisk qsd $([ -n "$baseline" ] && echo base); do
             iops[$server-$cache]=$(median ${iops[$server-$cache]})
         done
     done
     ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }'; }
-    line="| $label | $queues | $depth | ${iops[vdisk-writeback]} | ${iops[qsd-writeback]} | $(ratio "${iops[vdisk-writeback]}" "${iops[qsd-writeback]}") | ${iops[vdisk-none]} | ${iops[qsd-none]} | $(ratio "${iops[vdisk-none]}" "${iops[qsd-none]}") |"
+    line="| $label | $queues | $depth"
+    for cache in writeback none; do
+        line+=" | ${iops[vdisk-$cache]} | ${iops[qsd-$cache]} | $(ratio "${iops[vdisk-$cache]}" "${iops[qsd-$cache]}")"
+        [ -n "$baseline" ] && line+=" | ${iops[base-$cache]} | $(ratio "${iops[vdisk-$cache]}" "${iops[base-$cache]}")"
+    done
+    line+=" |"
     echo "$line" | tee -a "$report"
     unset iops
 done
