@@ -10,26 +10,32 @@
 # published numbers. Map memory is seqlog's counter, cross-checked with the opening process's
 # peak RSS (GNU time) less that of opening a tiny image.
 #
-#   bench/seqlog-recovery.sh [--quick] [--sizes "256 1024"] [--repeat N] [--no-build] [--out FILE]
+#   bench/seqlog-recovery.sh [--quick] [--sizes "256 1024"] [--repeat N] [--no-build]
+#                            [--base BIN] [--keep] [--out FILE]
 #
 #   --quick       disks of 256 MiB and 1 GiB (default 1, 4 and 8 GiB)
 #   --sizes LIST  disk sizes in MiB
 #   --repeat N    open each image N times per row (the cache warmed or dropped before each)
 #                 and keep the open with the shortest recovery (default 5): on a loaded
 #                 machine one open may wait for a CPU for longer than it recovers
-#   --no-build    use target/release/vdisk as it is
+#   --no-build    use target/release/vdisk as it is ($CARGO_TARGET_DIR/release/vdisk where set)
+#   --base BIN    also open each image with the vdisk binary BIN (another build), its opens
+#                 alternating with this build's: rows "checkpoint/base", "none/base"
+#   --keep        keep the images (bench/work/seqlog-recovery/disk-MIB.seqlog, nocp-MIB.seqlog)
 #   --out FILE    default bench/results/seqlog-recovery.md
 set -euo pipefail
 cd "$(dirname "$0")/.."
 args="$*"
 
-quick=0 sizes= build=1 out=bench/results/seqlog-recovery.md repeat=5
+quick=0 sizes= build=1 keep=0 base= out=bench/results/seqlog-recovery.md repeat=5
 while (($#)); do
     case $1 in
     --quick) quick=1 ;;
     --sizes) sizes=$2; shift ;;
     --repeat) repeat=$2; shift ;;
     --no-build) build=0 ;;
+    --keep) keep=1 ;;
+    --base) base=$2; shift ;;
     --out) out=$2; shift ;;
     -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
     *) echo "seqlog-recovery.sh: unknown option $1" >&2; exit 2 ;;
@@ -39,11 +45,12 @@ done
 ((quick)) && sizes=${sizes:-256 1024}
 sizes=${sizes:-1024 4096 8192}
 ((build)) && cargo build --release -q -p vdisk-cli
-vdisk=$PWD/target/release/vdisk
+vdisk=${CARGO_TARGET_DIR:-$PWD/target}/release/vdisk
 work=$PWD/bench/work/seqlog-recovery
 mkdir -p "$work"
 rows=$work/rows.tsv
 : >"$rows"
+rm -f "$work/fio.txt"
 
 # Drops the page cache of file $1 alone (written back first).
 uncache() {
@@ -52,12 +59,12 @@ fd = os.open(sys.argv[1], os.O_RDONLY); os.fsync(fd)
 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)' "$1"
 }
 
-# One open of $1: "wall_ms recovery_us replayed_batches from_checkpoint mapped_blocks
+# One open of $1 by the binary $2 (default this build's): "wall_ms recovery_us replayed_batches from_checkpoint mapped_blocks
 # map_memory peak_rss_kib".
 open_once() {
     local t0 t1 info
     t0=$(date +%s%N)
-    info=$(/usr/bin/time -f 'rss %M' "$vdisk" info "$1" 2>&1)
+    info=$(/usr/bin/time -f 'rss %M' "${2:-$vdisk}" info "$1" 2>&1)
     t1=$(date +%s%N)
     awk -v ms=$(((t1 - t0) / 1000000)) '
         /recovery microseconds:/ {us = $3} /recovered batches:/ {b = $3}
@@ -93,27 +100,53 @@ for mib in $sizes; do
         head -c 512 /dev/zero | tr '\0' '\245' |
             dd of="$work/nocp.seqlog" bs=1 seek=$at conv=notrunc status=none
     done
+    # How fast this disk reads what an open reads, cold (O_DIRECT): the log, 1 MiB at a time
+    # at depth 1, 4 and 16 (recover.rs reads the checkpoint slot 8 chunks ahead, segments 16 at
+    # a time), and 4 KiB blocks at random (a segment's first block).
+    if command -v fio >/dev/null && [[ ! -s $work/fio.txt ]]; then
+        for job in "read 1M 1" "read 1M 4" "read 1M 16" "randread 4k 1" "randread 4k 16"; do
+            read -r rw bs depth <<<"$job"
+            fio --name=cold --filename="$img" --readonly --direct=1 --ioengine=libaio \
+                --rw="$rw" --bs="$bs" --iodepth="$depth" --size=$((mib / 2))M --runtime=3 \
+                --time_based --output-format=terse --terse-version=3 |
+                awk -F';' -v job="$rw $bs depth $depth" \
+                    '{printf "%s: %.0f MiB/s, %.0f IOPS\n", job, $7 / 1024, $8}' >>"$work/fio.txt"
+        done
+    fi
+    bins=("$vdisk")
+    [[ -n $base ]] && bins+=("$base")
     for which in checkpoint none; do
         f=$img
         [[ $which == none ]] && f=$work/nocp.seqlog
         for cache in warm cold; do
-            best=
+            declare -A best=()
             for ((r = 0; r < repeat; r++)); do
-                [[ $cache == cold ]] && uncache "$f"
-                [[ $cache == warm ]] && cat "$f" >/dev/null
-                best+="$(open_once "$f")"$'\n'
+                for b in "${!bins[@]}"; do
+                    [[ $cache == cold ]] && uncache "$f"
+                    [[ $cache == warm ]] && cat "$f" >/dev/null
+                    best[$b]+="$(open_once "$f" "${bins[$b]}")"$'\n'
+                done
             done
-            best=$(sort -n -k2,2 <<<"${best%$'\n'}" | head -1)
-            echo "$mib $which $cache $best" >>"$rows"
+            for b in "${!bins[@]}"; do
+                row=$(sort -n -k2,2 <<<"${best[$b]%$'\n'}" | head -1)
+                label=$which
+                ((b)) && label+=/base
+                echo "$mib $label $cache $row" >>"$rows"
+            done
+            unset best
         done
     done
-    tail -4 "$rows"
+    tail -$((4 * ${#bins[@]})) "$rows"
+    if ((keep)); then
+        mv "$img" "$work/disk-$mib.seqlog"
+        mv "$work/nocp.seqlog" "$work/nocp-$mib.seqlog"
+    fi
 done
 rm -f "$work/disk.seqlog" "$work/nocp.seqlog"
 
-python3 - "$rows" "$out" "$base_rss" "$args" "$repeat" <<'EOF'
-import sys, subprocess
-rows_file, out, base_rss, args, repeat = sys.argv[1:6]
+python3 - "$rows" "$out" "$base_rss" "$args" "$repeat" "$work/fio.txt" <<'EOF'
+import os, sys, subprocess
+rows_file, out, base_rss, args, repeat, fio = sys.argv[1:7]
 base_rss = int(base_rss)
 rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                      text=True).stdout.strip()
@@ -144,6 +177,9 @@ md += ["",
        "opens names since it (docs/seqlog-format.md: grows with the log written since the "
        "checkpoint, not with the log's size); *none* reads every segment's chain. Targets "
        "(issue 24): <= 5 s/TiB, <= 1 MiB of map memory per GiB.\n",
+       *([f"This disk read cold (fio, O_DIRECT, libaio, on the first image's first half, "
+          f"before its opens): " + "; ".join(open(fio).read().split("\n")[:-1]) + ".\n"]
+         if os.path.exists(fio) and os.path.getsize(fio) else []),
        "Seed 001 (Sung et al. 2022, Fig. 15; bench/seqlog-seeds.md): table reconstruction up to "
        "5.49 s at up to 256 GB, about 22 s/TiB; its map takes about 12 bytes per 4 KiB, 3 MB "
        "per GB. Seed 003 does not measure recovery.\n"]

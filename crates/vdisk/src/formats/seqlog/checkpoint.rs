@@ -15,6 +15,7 @@ use std::sync::MutexGuard;
 use super::layout::Superblock;
 use super::log::{Log, Tail, CLEANER, COLD, DATA, META, OPEN};
 use super::map::Map;
+use super::readahead::read_range;
 use crate::bytes::AlignedBuf;
 use crate::checksum::crc32c;
 use crate::error::{Error, Result};
@@ -134,7 +135,7 @@ pub(super) struct Loaded {
 /// The checkpoint in slot `slot`, read a chunk at a time (its entries kept where `keep`),
 /// `None` if there is none whole (never written, torn, another image's). One whose checksum
 /// holds but whose entries point outside the log is damage no crash makes.
-fn read_slot(
+pub(super) fn read_slot(
     storage: &dyn Storage,
     sb: &Superblock,
     slot: u64,
@@ -159,13 +160,11 @@ fn read_slot(
     let mut live = vec![0u32; segments];
     let mut entries = keep.then(|| Vec::with_capacity(blocks));
     let (mut tail, mut bad_entry) = (Vec::with_capacity(tail_len), false);
-    let mut buf = AlignedBuf::zeroed((CHUNK_BLOCKS * bs).min(body_len));
-    let mut at = 0;
-    while at < body_len {
-        let chunk = &mut buf[..(CHUNK_BLOCKS * bs).min(body_len - at)];
+    // Read at depth: the body of a large map is the most an open reads.
+    let chunk = CHUNK_BLOCKS * bs;
+    let body = base + bs as u64;
+    read_range(storage, body, body_len, chunk, |at, chunk: &[u8]| {
         let end = at + chunk.len();
-        (storage.read_at(base + (bs + at) as u64, chunk))
-            .map_err(|source| io_error(source, what))?;
         crc = crc32c(crc, chunk);
         let words = chunk[..entries_len.clamp(at, end) - at]
             .chunks_exact(4)
@@ -182,16 +181,14 @@ fn read_slot(
         if from < to {
             tail.extend_from_slice(&chunk[from - at..to - at]);
         }
-        at = end;
-    }
+        Ok::<(), std::io::Error>(())
+    })
+    .map_err(|source| io_error(source, what))?;
     if crc != stored {
         return Ok(None);
     }
     let seq = u64::from_le_bytes(head[16..24].try_into().unwrap_or_default());
-    let mut open = [None; OPEN];
-    for i in streams(sb) {
-        open[i] = Some(u32_at(&head, OPEN_AT[i])).filter(|&s| s != NONE);
-    }
+    let open = open_of(sb, &head);
     let (seqs, bits) = tail.split_at(8 * segments);
     let seg_seq: Vec<u64> = seqs
         .chunks_exact(8)
@@ -248,12 +245,18 @@ fn count_live(sb: &Superblock, entries: impl Iterator<Item = u32>, live: &mut [u
     }
 }
 
-/// The newest whole checkpoint of the image, with its entries where `keep`. Only the slot
-/// whose header says the larger sequence number is read whole, unless it is not whole: the
-/// other is then read (an open reads one slot, not two).
-pub(super) fn load(storage: &dyn Storage, sb: &Superblock, keep: bool) -> Result<Option<Loaded>> {
+/// What the header of a slot holding one of this image's checkpoints says; whether the slot
+/// is whole, only reading it all tells (`read_slot`).
+pub(super) struct Candidate {
+    pub seq: u64,
+    pub slot: u64,
+    pub open: [Option<u32>; OPEN],
+}
+
+/// The slots whose headers are this image's checkpoints, newest first.
+pub(super) fn candidates(storage: &dyn Storage, sb: &Superblock) -> Result<Vec<Candidate>> {
     if !sb.checkpoints {
-        return Ok(None);
+        return Ok(Vec::new());
     }
     let what = "reading a seqlog checkpoint";
     let slot_len = sb.checkpoint_blocks() * u64::from(sb.block_size);
@@ -277,12 +280,33 @@ pub(super) fn load(storage: &dyn Storage, sb: &Superblock, keep: bool) -> Result
         (storage.read_at(offset, &mut head)).map_err(|source| io_error(source, what))?;
         if head[0..4] == MAGIC && head[8..16] == sb.image_id.to_le_bytes() {
             let seq = u64::from_le_bytes(head[16..24].try_into().unwrap_or_default());
-            candidates.push((seq, slot));
+            let open = open_of(sb, &head);
+            candidates.push(Candidate { seq, slot, open });
         }
     }
-    candidates.sort_unstable_by(|a, b| b.cmp(a));
-    for (_, slot) in candidates {
-        if let Some(l) = read_slot(storage, sb, slot, keep)? {
+    candidates.sort_unstable_by_key(|c| std::cmp::Reverse((c.seq, c.slot)));
+    Ok(candidates)
+}
+
+/// The open segments a checkpoint's header records.
+fn open_of(sb: &Superblock, head: &[u8]) -> [Option<u32>; OPEN] {
+    let mut open = [None; OPEN];
+    for i in streams(sb) {
+        let at = OPEN_AT[i];
+        let s = u32::from_le_bytes(head[at..at + 4].try_into().unwrap_or_default());
+        open[i] = Some(s).filter(|&s| s != NONE);
+    }
+    open
+}
+
+/// The newest whole checkpoint of the image, with its entries where `keep`. Only the slot
+/// whose header says the larger sequence number is read whole, unless it is not whole: the
+/// other is then read (an open reads one slot, not two). (An open reads the slot beside
+/// other reads: `recover::recover`.)
+#[cfg(test)]
+pub(super) fn load(storage: &dyn Storage, sb: &Superblock, keep: bool) -> Result<Option<Loaded>> {
+    for c in candidates(storage, sb)? {
+        if let Some(l) = read_slot(storage, sb, c.slot, keep)? {
             return Ok(Some(l));
         }
     }

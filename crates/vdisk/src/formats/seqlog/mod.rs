@@ -48,6 +48,7 @@ mod log;
 mod map;
 mod opens;
 mod pages;
+mod readahead;
 mod recover;
 mod release;
 mod resize;

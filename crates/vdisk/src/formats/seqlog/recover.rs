@@ -11,8 +11,9 @@ use std::sync::Arc;
 use super::checkpoint::{self, Loaded};
 use super::journal::{self, Journal};
 use super::layout::{BadBatch, BatchHeader, Kind, Record, Superblock};
-use super::log::{apply_batch, Head};
+use super::log::{apply_batch, Head, OPEN};
 use super::map::Map;
+use super::readahead::{per_segment, Buffers};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::Storage;
 
@@ -23,6 +24,9 @@ pub(super) struct Found {
     pub at: u32,
     pub records: Vec<Record>,
 }
+
+/// A segment's chain of whole batches, and whether it ended at a damaged batch.
+type Chain = (Vec<Found>, bool);
 
 /// What the log holds: the map, where appending goes on, and what was found.
 pub(super) struct Recovered {
@@ -55,8 +59,29 @@ impl Segments {
 /// The map keeps `storage`, to read back pages it does not keep in memory.
 pub(super) fn recover(storage: &Arc<dyn Storage>, sb: &Superblock) -> Result<Recovered> {
     // A map without a cap holds every entry; one with a cap holds none of them at first.
-    if let Some(loaded) = checkpoint::load(&**storage, sb, sb.map_memory == 0)? {
-        return from_checkpoint(storage, sb, loaded);
+    let keep = sb.map_memory == 0;
+    for c in checkpoint::candidates(&**storage, sb)? {
+        // The slot's header says what else the open reads (the journal, the segments it
+        // names): that is read while the slot is, and used if the slot is whole, so that a
+        // cold open waits for the device for both at once rather than one after the other.
+        let (loaded, newer) = std::thread::scope(|s| {
+            let newer = s.spawn(|| newer_chains(storage, sb, c.seq, &c.open));
+            let loaded = checkpoint::read_slot(&**storage, sb, c.slot, keep);
+            let newer = newer
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p));
+            (loaded, newer)
+        });
+        if let Some(loaded) = loaded? {
+            // The slot's checksum covers its header: it said what the candidate's did, unless
+            // the file changed meanwhile (a reader sharing it with a writer).
+            let same = (loaded.cp.seq, loaded.cp.open) == (c.seq, c.open);
+            let newer = match same {
+                true => newer?,
+                false => newer_chains(storage, sb, loaded.cp.seq, &loaded.cp.open)?,
+            };
+            return from_checkpoint(storage, sb, loaded, newer);
+        }
     }
     scan(storage, sb)
 }
@@ -70,7 +95,7 @@ pub(super) fn scan(storage: &Arc<dyn Storage>, sb: &Superblock) -> Result<Recove
     let mut found = Vec::new();
     let mut torn = 0;
     let every: Vec<u32> = (0..sb.segments).collect();
-    let chains = per_segment(&every, |segment, buf| {
+    let chains = per_segment(&every, ALONE as usize, READERS, |segment, buf| {
         buf.resize(sb.segment_size() as usize, 0);
         read_chain(&**storage, sb, segment, buf)
     })?;
@@ -84,16 +109,69 @@ pub(super) fn scan(storage: &Arc<dyn Storage>, sb: &Superblock) -> Result<Recove
     finish(sb, map, found, segs, torn, (0, 0), Journal::free(sb, false))
 }
 
-/// From the checkpoint `cp` (in slot `slot`): its map, then the batches newer than it, which
-/// only segments opened since (whose first batch is newer) and those open then can hold. A
-/// segment whose first block holds no batch any more was cleaned since: empty. With the
-/// journal of opens, the segments opened since are among those it names: only they (and
-/// the open ones) are read; without it, or where its marker says so, every segment's first
-/// block is.
+/// What an open from the checkpoint of sequence number `seq` whose streams appended to
+/// `open` reads beyond it: batches newer than it only segments opened since (whose first batch
+/// is newer) and those open then can hold. A segment whose first block holds no batch any
+/// more was cleaned since: empty. With the journal of opens, the segments opened since are
+/// among those it names: only they (and the open ones) are read; without it, or where its
+/// marker says so, every segment's first block is.
+struct Newer {
+    /// Per segment read: `None` where the checkpoint says all it holds, else its chain (empty
+    /// where its first block holds no batch) and whether it ended at a damaged batch.
+    chains: Vec<(u32, Option<Chain>)>,
+    journal: Journal,
+}
+
+/// Reads what [`Newer`] holds for the checkpoint of `seq` and `open` (whole or not).
+fn newer_chains(
+    storage: &Arc<dyn Storage>,
+    sb: &Superblock,
+    seq: u64,
+    open: &[Option<u32>; OPEN],
+) -> Result<Newer> {
+    let bs = sb.block_size as usize;
+    let (named, journal) = match sb.opens {
+        true => journal::read(&**storage, sb, seq)?,
+        false => (None, Journal::free(sb, false)),
+    };
+    let read: Vec<u32> = match named {
+        Some(mut named) => {
+            named.extend(open.iter().flatten());
+            named.sort_unstable();
+            named.dedup();
+            named
+        }
+        None => (0..sb.segments).collect(),
+    };
+    // A segment's buffer only for the few chains read whole, and only a few of them at once:
+    // reading more side by side gains less than their memory costs a small disk's open.
+    let whole = Buffers::new(WHOLE, sb.segment_size() as usize);
+    let chains = per_segment(&read, ALONE as usize, READERS, |segment, buf| {
+        let offset = sb.log_offset(segment * sb.segment_blocks);
+        buf.resize(bs, 0);
+        (storage.read_at(offset, &mut buf[..bs]))
+            .context(|| format!("reading seqlog segment {segment}"))?;
+        match BatchHeader::decode(&buf[..bs], sb.image_id, sb.max_records()) {
+            Ok((h, _)) if h.seq > seq || open.contains(&Some(segment)) => whole
+                .with(|buf| read_chain(&**storage, sb, segment, buf))
+                .map(Some),
+            Ok(_) => Ok(None),
+            Err(_) => Ok(Some((Vec::new(), false))),
+        }
+    })?;
+    Ok(Newer {
+        chains: read.into_iter().zip(chains).collect(),
+        journal,
+    })
+}
+
+/// From the checkpoint `loaded`, and the chains `newer` read beyond it: its map, then the
+/// batches newer than it.
 fn from_checkpoint(
     storage: &Arc<dyn Storage>,
     sb: &Superblock,
     loaded: Loaded,
+    newer: Newer,
 ) -> Result<Recovered> {
     let Loaded {
         cp,
@@ -105,39 +183,8 @@ fn from_checkpoint(
         seq: cp.seg_seq,
         trims: cp.trims,
     };
-    let bs = sb.block_size as usize;
-    let (named, journal) = match sb.opens {
-        true => journal::read(&**storage, sb, cp.seq)?,
-        false => (None, Journal::free(sb, false)),
-    };
-    let read: Vec<u32> = match named {
-        Some(mut named) => {
-            named.extend(cp.open.iter().flatten());
-            named.sort_unstable();
-            named.dedup();
-            named
-        }
-        None => (0..sb.segments).collect(),
-    };
-    // Per segment read: `None` where the checkpoint says all it holds, else its chain (empty
-    // where its first block holds no batch).
-    let chains = per_segment(&read, |segment, buf| {
-        let offset = sb.log_offset(segment * sb.segment_blocks);
-        // A segment's buffer only for the few chains read whole.
-        buf.resize(bs.max(buf.len()), 0);
-        (storage.read_at(offset, &mut buf[..bs]))
-            .context(|| format!("reading seqlog segment {segment}"))?;
-        match BatchHeader::decode(&buf[..bs], sb.image_id, sb.max_records()) {
-            Ok((h, _)) if h.seq > cp.seq || cp.open.contains(&Some(segment)) => {
-                buf.resize(sb.segment_size() as usize, 0);
-                read_chain(&**storage, sb, segment, buf).map(Some)
-            }
-            Ok(_) => Ok(None),
-            Err(_) => Ok(Some((Vec::new(), false))),
-        }
-    })?;
     let (mut found, mut torn) = (Vec::new(), 0);
-    let chains = read.into_iter().zip(chains);
+    let chains = newer.chains.into_iter();
     for (segment, (chain, damaged)) in chains.filter_map(|(s, c)| Some((s, c?))) {
         torn += u64::from(damaged);
         segs.take_chain(segment, &chain);
@@ -145,7 +192,15 @@ fn from_checkpoint(
     }
     let map = Map::from_checkpoint(sb, storage.clone(), Some(slot), live, entries.as_deref());
     drop(entries);
-    let mut r = finish(sb, map, found, segs, torn, (cp.seq, 1 - slot), journal)?;
+    let mut r = finish(
+        sb,
+        map,
+        found,
+        segs,
+        torn,
+        (cp.seq, 1 - slot),
+        newer.journal,
+    )?;
     r.checkpoint = Some(cp.seq);
     Ok(r)
 }
@@ -153,42 +208,12 @@ fn from_checkpoint(
 /// Segments an open reads with one thread; more are read by [`READERS`] threads side by
 /// side, so that the reads of an image not in the page cache wait for the device together
 /// rather than one after another.
-pub(super) const ALONE: u32 = 64;
-const READERS: u32 = 16;
-
-/// `read(segment, buf)` of each of `segments` (`buf` a buffer the reader sizes), the results
-/// in that order.
-fn per_segment<T: Send>(
-    segments: &[u32],
-    read: impl Fn(u32, &mut Vec<u8>) -> Result<T> + Sync,
-) -> Result<Vec<T>> {
-    let run = |segments: &[u32]| -> Result<Vec<T>> {
-        let mut buf = Vec::new();
-        segments
-            .iter()
-            .map(|&segment| read(segment, &mut buf))
-            .collect()
-    };
-    if segments.len() <= ALONE as usize {
-        return run(segments);
-    }
-    let per = segments.len().div_ceil(READERS as usize);
-    let run = &run;
-    let parts: Vec<Result<Vec<T>>> = std::thread::scope(|s| {
-        let threads: Vec<_> = (segments.chunks(per))
-            .map(|part| s.spawn(move || run(part)))
-            .collect();
-        threads
-            .into_iter()
-            .map(|t| t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect()
-    });
-    let mut out = Vec::with_capacity(segments.len());
-    for part in parts {
-        out.extend(part?);
-    }
-    Ok(out)
-}
+pub(super) const ALONE: u32 = 8;
+const READERS: usize = 16;
+/// Chains an open from a checkpoint reads whole at once (this disk, cold: 1 MiB reads 4 at a
+/// time ran at 1.9 GiB/s, as 16 at a time did, one at a time at 0.3;
+/// bench/results/seqlog-recovery-cold-loaded.md).
+const WHOLE: usize = 4;
 
 /// Applies the batches `found` to `map` in sequence order and works out the free segments.
 /// `checkpoint`: the sequence number the map stands at, and the slot the next checkpoint
