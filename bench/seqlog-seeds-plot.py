@@ -73,6 +73,8 @@ def main():
     fig, ax = plt.subplots(figsize=(7, 4))
     labels, secs = ["seed 001\n(up to 256 GB)"], [SEED_001_S_PER_TIB]
     for r in rec:
+        if r[1].endswith("/base"):  # --base rows: another build, beside this one
+            continue
         labels.append(f"ours {r[0]}\n{r[1]}, {r[2]}")
         secs.append(float(r[7]))
     ax.bar(range(len(secs)), secs, color=["#999999"] + ["#1f77b4"] * (len(secs) - 1))
