@@ -63,6 +63,9 @@ cd "$root"
 [ $build = 1 ] && cargo build --release -q -p vdisk-cli -p vhost-load
 vdisk=$root/target/release/vdisk
 load=$root/target/release/vhost-load
+for bin in "$vdisk" "$load"; do
+    [ -x "$bin" ] || { echo "$bin is missing (build it, or drop --no-build)" >&2; exit 1; }
+done
 for tool in qemu-storage-daemon qemu-img; do
     command -v $tool >/dev/null || { echo "$tool is missing" >&2; exit 1; }
 done
