@@ -18,7 +18,6 @@
 mod backend;
 mod config;
 mod data;
-mod large;
 mod offload;
 mod request;
 mod stats;

@@ -18,8 +18,6 @@ pub(super) struct Offload {
     /// Signalled when a thread ends.
     ended: Condvar,
     max_threads: usize,
-    /// CPUs this process may run on.
-    cores: usize,
 }
 
 #[derive(Default)]
@@ -37,7 +35,6 @@ impl Offload {
             work: Condvar::new(),
             ended: Condvar::new(),
             max_threads: max_threads.max(1),
-            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         })
     }
 
@@ -74,11 +71,6 @@ impl Offload {
             }
         }
         // Otherwise a busy thread takes it when it is done.
-    }
-
-    /// CPUs this process may run on.
-    pub fn cores(&self) -> usize {
-        self.cores
     }
 
     fn serve(&self) {

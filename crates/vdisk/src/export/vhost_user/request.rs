@@ -53,25 +53,6 @@ pub(super) struct Request {
     pub status: GuestAddress,
 }
 
-/// A request answered: its status, and the bytes the device wrote into its chain.
-pub(super) struct Answer {
-    pub head: u16,
-    pub status: Option<GuestAddress>,
-    pub code: u8,
-    pub len: u32,
-}
-
-impl Answer {
-    pub fn new(head: u16, status: Option<GuestAddress>, code: u8) -> Answer {
-        Answer {
-            head,
-            status,
-            code,
-            len: u32::from(status.is_some()),
-        }
-    }
-}
-
 /// Why a chain is not a request.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Malformed {
@@ -163,21 +144,6 @@ fn split_front(segs: &mut Vec<Segment>, n: usize) -> Option<Vec<Segment>> {
     }
     segs.drain(..i);
     Some(front)
-}
-
-/// `segs` cut into consecutive pieces of `piece` bytes (the last one shorter), each with its
-/// offset in the request; `None` when a cut would wrap the address space (such a segment is
-/// not in guest memory anyway). Only cuts: the pieces' memory is checked when it moves.
-pub(super) fn split_segments(segs: &[Segment], piece: u64) -> Option<Vec<(u64, Vec<Segment>)>> {
-    let mut rest = segs.to_vec();
-    let mut pieces = Vec::new();
-    let mut at = 0;
-    while !rest.is_empty() {
-        let take = piece.max(1).min(total(&rest));
-        pieces.push((at, split_front(&mut rest, take as usize)?));
-        at += take;
-    }
-    Some(pieces)
 }
 
 /// Copies guest memory `segs` into `buf`, as far as either goes.
@@ -369,26 +335,5 @@ mod tests {
         drop(slices);
         assert!(guest_slices(&m, &[seg(0x2000, 512), seg(0x10f00, 512)]).is_none());
         assert!(guest_slices(&m, &[seg(u64::MAX - 10, 100)]).is_none());
-    }
-
-    #[test]
-    fn segments_split_into_pieces_wherever_the_cuts_fall() {
-        let segs = [seg(0x8000, 3000), seg(0x2000, 1000), seg(0x5000, 4192)];
-        let pieces = split_segments(&segs, 4096).unwrap();
-        assert_eq!(
-            pieces,
-            vec![
-                (
-                    0,
-                    vec![seg(0x8000, 3000), seg(0x2000, 1000), seg(0x5000, 96)]
-                ),
-                (4096, vec![seg(0x5060, 4096)]),
-            ]
-        );
-        let whole = split_segments(&segs, 1 << 20).unwrap();
-        assert_eq!(whole, vec![(0, segs.to_vec())]);
-        assert_eq!(split_segments(&[], 4096).unwrap(), vec![]);
-        // A segment that wraps the address space is cut no further than where it wraps.
-        assert!(split_segments(&[seg(u64::MAX - 10, 8192)], 4096).is_none());
     }
 }

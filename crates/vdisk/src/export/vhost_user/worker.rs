@@ -10,8 +10,7 @@
 //!
 //! Small transfers move through buffers of our own, which the I/O queue's kernel requests
 //! fill or drain; larger ones run on the pool straight between the disk and the guest's
-//! memory (held mapped for the call), where a second copy would cost more than the hand-off
-//! ([`super::large`]).
+//! memory (held mapped for the call), where a second copy would cost more than the hand-off.
 
 use std::sync::Arc;
 
@@ -21,7 +20,6 @@ use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
 use super::config::SECTOR;
 use super::data::Data;
-use super::large::{self, Large};
 use super::offload::{Inbox, Offload};
 use super::request::*;
 use super::stats::Path;
@@ -57,6 +55,25 @@ pub(super) struct Pending {
 }
 
 type Done = Completion<Data, Pending>;
+
+/// A request answered: its status, and the bytes the device wrote into its chain.
+pub(super) struct Answer {
+    head: u16,
+    status: Option<GuestAddress>,
+    code: u8,
+    len: u32,
+}
+
+impl Answer {
+    fn new(head: u16, status: Option<GuestAddress>, code: u8) -> Answer {
+        Answer {
+            head,
+            status,
+            code,
+            len: u32::from(status.is_some()),
+        }
+    }
+}
 
 /// What the pool delivers to a worker's inbox.
 pub(super) enum Finished {
@@ -220,21 +237,14 @@ impl Worker {
                     }
                     None if len > POOL_OVER => {
                         stats.transfer(write, len, Path::Pool);
-                        let large = Large {
-                            mem: mem_atomic.clone(),
+                        let segs = segs.clone();
+                        return self.transfer_on_pool(
+                            mem_atomic.clone(),
                             head,
                             status,
                             offset,
                             write,
-                            segs: segs.clone(),
-                            write_through: !self.writeback,
-                        };
-                        return large::run(
-                            &self.offload,
-                            &self.device,
-                            &self.inbox,
-                            large,
-                            Finished::Answer,
+                            segs,
                         );
                     }
                     None => {
@@ -324,6 +334,39 @@ impl Worker {
             T_DISCARD | T_WRITE_ZEROES => answers.push(refuse(S_IOERR)),
             _ => answers.push(refuse(S_UNSUPP)),
         }
+    }
+
+    /// A whole read or write on the pool, straight between the disk and the guest's buffers,
+    /// then (write cache off) the flush.
+    fn transfer_on_pool(
+        &self,
+        mem: Mem,
+        head: u16,
+        status: GuestAddress,
+        offset: u64,
+        write: bool,
+        segs: Vec<Segment>,
+    ) {
+        let write_through = !self.writeback;
+        self.blocking(move |dev| {
+            let memory = mem.memory();
+            let ok = guest_slices(&*memory, &segs).is_some_and(|slices| {
+                slices.into_iter().all(|(at, data)| {
+                    let done = if write {
+                        dev.write(offset + at, data)
+                    } else {
+                        dev.read(offset + at, data)
+                    };
+                    done.is_ok()
+                }) && (!write || !write_through || dev.flush().is_ok())
+            });
+            let code = if ok { S_OK } else { S_IOERR };
+            let moved = if ok && !write { total(&segs) as u32 } else { 0 };
+            Finished::Answer(Answer {
+                len: moved + 1,
+                ..Answer::new(head, Some(status), code)
+            })
+        });
     }
 
     /// Runs `call` on the export's pool; its result comes back through the inbox.
