@@ -9,7 +9,7 @@ use std::io;
 use std::sync::{Arc, Mutex};
 
 use super::{SectorCipher, SECTOR};
-use crate::storage::{IoStats, Storage};
+use crate::storage::Storage;
 
 /// `inner` with every sector encrypted by `cipher`. Without a cipher (an image opened only to
 /// be described, QEMU's BDRV_O_NO_IO) every transfer fails: ciphertext never reaches a guest.
@@ -110,10 +110,6 @@ impl Storage for EncryptedStorage {
         self.write_sectors(start, plain)
     }
 
-    fn sync(&self) -> io::Result<()> {
-        self.inner.sync()
-    }
-
     fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
         self.inner.allocate(self.at(offset)?, len)
     }
@@ -132,14 +128,6 @@ impl Storage for EncryptedStorage {
         self.inner.set_len(self.at(len)?)
     }
 
-    fn allocated_bytes(&self) -> io::Result<u64> {
-        self.inner.allocated_bytes()
-    }
-
-    fn fixed_size(&self) -> bool {
-        self.inner.fixed_size()
-    }
-
     /// A hole holds no ciphertext of zeroes: everything reads as data (QEMU does not look
     /// into the file of an encrypted image either).
     fn extent_at(&self, _offset: u64, len: u64) -> io::Result<(bool, u64)> {
@@ -150,9 +138,7 @@ impl Storage for EncryptedStorage {
         self.inner.is_allocated(self.at(offset)?, len)
     }
 
-    fn stats(&self) -> &IoStats {
-        self.inner.stats()
-    }
+    crate::forward_storage!(inner: sync, allocated_bytes, fixed_size, stats);
 }
 
 #[cfg(test)]

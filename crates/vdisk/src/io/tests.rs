@@ -194,30 +194,6 @@ struct Threaded(Arc<MemStorage>);
 const LOST: u64 = 1 << 20;
 
 impl Storage for Threaded {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        self.0.read_at(offset, buf)
-    }
-    fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
-        self.0.write_at(offset, buf)
-    }
-    fn sync(&self) -> io::Result<()> {
-        self.0.sync()
-    }
-    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.0.allocate(offset, len)
-    }
-    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.0.punch_hole(offset, len)
-    }
-    fn len(&self) -> io::Result<u64> {
-        self.0.len()
-    }
-    fn set_len(&self, len: u64) -> io::Result<()> {
-        self.0.set_len(len)
-    }
-    fn allocated_bytes(&self) -> io::Result<u64> {
-        self.0.allocated_bytes()
-    }
     fn completes_by_callback(&self) -> bool {
         true
     }
@@ -236,9 +212,8 @@ impl Storage for Threaded {
         });
         Ok(())
     }
-    fn stats(&self) -> &crate::storage::IoStats {
-        self.0.stats()
-    }
+    crate::forward_storage!(0: read_at, write_at, sync, allocate, punch_hole, len, set_len,
+        allocated_bytes, stats);
 }
 
 /// Transfers completed by callback settle like the kernel's: their data lands and reads back,

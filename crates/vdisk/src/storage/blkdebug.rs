@@ -13,7 +13,7 @@
 use std::io;
 use std::sync::{Arc, Mutex};
 
-use super::{HostStatus, IoStats, Storage, WriteHint};
+use super::{HostStatus, Storage, WriteHint};
 
 /// QEMU's `BlkdebugEvent` names, in its order: rules may name any of them, though vdisk's
 /// formats report only [`DebugEvent`]'s.
@@ -290,22 +290,6 @@ impl Storage for BlkdebugStorage {
         self.inner.punch_hole(offset, len)
     }
 
-    fn len(&self) -> io::Result<u64> {
-        self.inner.len()
-    }
-
-    fn set_len(&self, len: u64) -> io::Result<()> {
-        self.inner.set_len(len)
-    }
-
-    fn allocated_bytes(&self) -> io::Result<u64> {
-        self.inner.allocated_bytes()
-    }
-
-    fn fixed_size(&self) -> bool {
-        self.inner.fixed_size()
-    }
-
     fn extent_at(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
         self.rules.check(IoType::BlockStatus, offset, len)?;
         self.inner.extent_at(offset, len)
@@ -320,9 +304,7 @@ impl Storage for BlkdebugStorage {
         self.rules.event(event);
     }
 
-    fn stats(&self) -> &IoStats {
-        self.inner.stats()
-    }
+    crate::forward_storage!(inner: len, set_len, allocated_bytes, fixed_size, stats);
 }
 
 #[cfg(test)]

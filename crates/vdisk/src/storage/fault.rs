@@ -237,33 +237,15 @@ impl Storage for FaultStorage {
         self.guard(OpKind::Punch, || self.inner.punch_hole(offset, len))
     }
 
-    fn len(&self) -> io::Result<u64> {
-        self.inner.len()
-    }
-
     fn set_len(&self, len: u64) -> io::Result<()> {
         self.guard(OpKind::SetLen, || self.inner.set_len(len))
-    }
-
-    fn allocated_bytes(&self) -> io::Result<u64> {
-        self.inner.allocated_bytes()
-    }
-
-    fn fixed_size(&self) -> bool {
-        self.inner.fixed_size()
-    }
-
-    fn extent_at(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
-        self.inner.extent_at(offset, len)
-    }
-
-    fn is_allocated(&self, offset: u64, len: u64) -> io::Result<bool> {
-        self.inner.is_allocated(offset, len)
     }
 
     fn stats(&self) -> &IoStats {
         &self.stats
     }
+
+    crate::forward_storage!(inner: len, allocated_bytes, fixed_size, extent_at, is_allocated);
 }
 
 #[cfg(test)]

@@ -30,6 +30,7 @@ mod crash;
 mod fault;
 mod fiemap;
 mod file;
+mod forward;
 mod lock;
 mod memory;
 mod nbd;

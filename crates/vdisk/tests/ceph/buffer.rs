@@ -245,36 +245,17 @@ impl Gated {
 }
 
 impl Storage for Gated {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        self.inner.read_at(offset, buf)
-    }
     fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
         let shut = self.shut.lock().unwrap();
         let wait = Duration::from_secs(3);
         drop(self.opened.wait_timeout_while(shut, wait, |s| *s).unwrap());
         self.inner.write_at(offset, buf)
     }
-    fn sync(&self) -> io::Result<()> {
-        self.inner.sync()
-    }
-    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.inner.allocate(offset, len)
-    }
-    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.inner.punch_hole(offset, len)
-    }
-    fn len(&self) -> io::Result<u64> {
-        self.inner.len()
-    }
-    fn set_len(&self, len: u64) -> io::Result<()> {
-        self.inner.set_len(len)
-    }
-    fn allocated_bytes(&self) -> io::Result<u64> {
-        self.inner.allocated_bytes()
-    }
     fn stats(&self) -> &IoStats {
         &self.stats
     }
+    vdisk::forward_storage!(inner: read_at, sync, allocate, punch_hole, len, set_len,
+        allocated_bytes);
 }
 
 /// A write of the I/O queue to an object the buffer holds goes to the local file without

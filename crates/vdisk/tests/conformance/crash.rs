@@ -10,7 +10,7 @@
 use std::io;
 use std::sync::{Arc, Mutex};
 
-use vdisk::storage::{CrashOptions, CrashStorage, Epoch, IoStats, Storage};
+use vdisk::storage::{CrashOptions, CrashStorage, Epoch, Storage};
 
 use super::history::{History, Progress};
 use super::model::{cases, read_all, Model};
@@ -110,12 +110,6 @@ struct Hooked {
 }
 
 impl Storage for Hooked {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        self.file.read_at(offset, buf)
-    }
-    fn write_at(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
-        self.file.write_at(offset, buf)
-    }
     fn read_vectored_at(&self, offset: u64, bufs: &mut [&mut [u8]]) -> io::Result<()> {
         self.file.read_vectored_at(offset, bufs)
     }
@@ -126,24 +120,8 @@ impl Storage for Hooked {
         self.recorder.cut();
         self.file.sync()
     }
-    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.file.allocate(offset, len)
-    }
-    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.file.punch_hole(offset, len)
-    }
-    fn len(&self) -> io::Result<u64> {
-        self.file.len()
-    }
-    fn set_len(&self, len: u64) -> io::Result<()> {
-        self.file.set_len(len)
-    }
-    fn allocated_bytes(&self) -> io::Result<u64> {
-        self.file.allocated_bytes()
-    }
-    fn stats(&self) -> &IoStats {
-        self.file.stats()
-    }
+    vdisk::forward_storage!(file: read_at, write_at, allocate, punch_hole, len, set_len,
+        allocated_bytes, stats);
 }
 
 /// An epoch's crash images to check: every in-order crash point (every prefix of its

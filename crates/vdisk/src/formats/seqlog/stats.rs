@@ -348,34 +348,12 @@ mod tests {
     struct SlowSync(MemStorage);
 
     impl Storage for SlowSync {
-        fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-            self.0.read_at(offset, buf)
-        }
-        fn write_at(&self, offset: u64, buf: &[u8]) -> std::io::Result<()> {
-            self.0.write_at(offset, buf)
-        }
         fn sync(&self) -> std::io::Result<()> {
             std::thread::sleep(std::time::Duration::from_millis(1));
             self.0.sync()
         }
-        fn allocate(&self, offset: u64, len: u64) -> std::io::Result<()> {
-            self.0.allocate(offset, len)
-        }
-        fn punch_hole(&self, offset: u64, len: u64) -> std::io::Result<()> {
-            self.0.punch_hole(offset, len)
-        }
-        fn len(&self) -> std::io::Result<u64> {
-            self.0.len()
-        }
-        fn set_len(&self, len: u64) -> std::io::Result<()> {
-            self.0.set_len(len)
-        }
-        fn allocated_bytes(&self) -> std::io::Result<u64> {
-            self.0.allocated_bytes()
-        }
-        fn stats(&self) -> &crate::storage::IoStats {
-            self.0.stats()
-        }
+        crate::forward_storage!(0: read_at, write_at, allocate, punch_hole, len, set_len,
+            allocated_bytes, stats);
     }
 
     /// Sixteen writers overwriting a full disk at random keep the cleaner busy side by side,

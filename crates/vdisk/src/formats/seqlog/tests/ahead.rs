@@ -42,9 +42,6 @@ impl Watched {
 }
 
 impl Storage for Watched {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-        self.mem.read_at(offset, buf)
-    }
     fn write_at(&self, offset: u64, buf: &[u8]) -> std::io::Result<()> {
         if offset > 0 {
             let sb = self.sb();
@@ -74,24 +71,8 @@ impl Storage for Watched {
         self.watch.lock().unwrap().durable.extend(named);
         Ok(())
     }
-    fn allocate(&self, offset: u64, len: u64) -> std::io::Result<()> {
-        self.mem.allocate(offset, len)
-    }
-    fn punch_hole(&self, offset: u64, len: u64) -> std::io::Result<()> {
-        self.mem.punch_hole(offset, len)
-    }
-    fn len(&self) -> std::io::Result<u64> {
-        self.mem.len()
-    }
-    fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.mem.set_len(len)
-    }
-    fn allocated_bytes(&self) -> std::io::Result<u64> {
-        self.mem.allocated_bytes()
-    }
-    fn stats(&self) -> &crate::storage::IoStats {
-        self.mem.stats()
-    }
+    crate::forward_storage!(mem: read_at, allocate, punch_hole, len, set_len, allocated_bytes,
+        stats);
 }
 
 /// After a checkpoint, the journal's thread writes the next ring block while the writes go on;

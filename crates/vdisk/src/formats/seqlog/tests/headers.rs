@@ -24,9 +24,6 @@ impl HeldHeaders {
 }
 
 impl Storage for HeldHeaders {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-        self.mem.read_at(offset, buf)
-    }
     fn write_at(&self, offset: u64, buf: &[u8]) -> std::io::Result<()> {
         if buf.starts_with(b"SLBH") {
             let mut held = self.held.lock().unwrap();
@@ -36,27 +33,8 @@ impl Storage for HeldHeaders {
         }
         self.mem.write_at(offset, buf)
     }
-    fn sync(&self) -> std::io::Result<()> {
-        self.mem.sync()
-    }
-    fn allocate(&self, offset: u64, len: u64) -> std::io::Result<()> {
-        self.mem.allocate(offset, len)
-    }
-    fn punch_hole(&self, offset: u64, len: u64) -> std::io::Result<()> {
-        self.mem.punch_hole(offset, len)
-    }
-    fn len(&self) -> std::io::Result<u64> {
-        self.mem.len()
-    }
-    fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.mem.set_len(len)
-    }
-    fn allocated_bytes(&self) -> std::io::Result<u64> {
-        self.mem.allocated_bytes()
-    }
-    fn stats(&self) -> &crate::storage::IoStats {
-        self.mem.stats()
-    }
+    crate::forward_storage!(mem: read_at, sync, allocate, punch_hole, len, set_len,
+        allocated_bytes, stats);
 }
 
 /// Writes on the I/O queue's path fill a segment's batch; the write that starts the next
