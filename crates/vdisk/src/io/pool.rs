@@ -2,10 +2,11 @@
 //! vhost-user-blk queue), so steady traffic does not allocate (and fault in) fresh memory for
 //! every request.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 
 use super::IoBuf;
 use crate::bytes::AlignedBuf;
+use crate::sync::lock;
 
 /// A buffer from the pool: `len` bytes of `v` are in use; all of `v` is initialised. Buffers
 /// are aligned for O_DIRECT, so that payloads reach an image opened with `--cache none`
@@ -84,8 +85,4 @@ impl Pool {
             max_bytes,
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }

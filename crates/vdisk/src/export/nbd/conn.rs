@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex};
 
 use super::handshake::Session;
 use super::proto::{ExtendedRequest, MAX_PAYLOAD};
@@ -16,6 +16,7 @@ use crate::export::log::{log, Level, Logger};
 pub(crate) use crate::io::pool::Buf;
 use crate::io::pool::Pool;
 use crate::io::Backend;
+use crate::sync::lock;
 
 /// Bounds on one connection.
 #[derive(Debug, Clone, Copy)]
@@ -91,12 +92,6 @@ pub(crate) struct Conn {
     limits: Limits,
     pub peer: String,
     pub log: Logger,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A worker that panicked has already ended the connection's usefulness; the data under the
-    // lock (counters, buffers) stays consistent, so keep going.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Conn {

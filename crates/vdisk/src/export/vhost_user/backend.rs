@@ -3,7 +3,7 @@
 //! [`Worker`]: a kick, its I/O queue's completions, its inbox of blocking calls done.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost_user_backend::VhostUserBackend;
@@ -20,6 +20,7 @@ use super::vring::Vring;
 use super::worker::{Worker, MAX_QUEUE_SIZE};
 use super::Device;
 use crate::export::log::{log, Level};
+use crate::sync::lock;
 
 /// The crate's handle on one connection's device.
 pub(super) struct BlkBackend {
@@ -100,10 +101,6 @@ impl BlkBackend {
     fn writeback(&self) -> bool {
         self.acked.load(Relaxed) & config::BLK_F_FLUSH != 0 && self.device.write_cache.enabled()
     }
-}
-
-fn lock(w: &Mutex<Worker>) -> MutexGuard<'_, Worker> {
-    w.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl VhostUserBackend for BlkBackend {

@@ -4,13 +4,10 @@
 use std::collections::VecDeque;
 use std::io;
 use std::sync::atomic::AtomicU8;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 
 use super::layout::BatchHeader;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+use crate::sync::lock;
 
 /// Where a batch's header stands.
 pub(super) enum Header {

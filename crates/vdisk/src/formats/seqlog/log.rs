@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 
 use super::header_thread::{Header, HeaderWriter};
 use super::journal::Journal;
@@ -17,6 +17,7 @@ use crate::checksum::CrcShift;
 use crate::error::{Error, Result};
 use crate::gate::Gate;
 use crate::storage::Storage;
+pub(super) use crate::sync::lock;
 
 /// Where appending stands after an open: the next sequence number and the free segments.
 pub(super) struct Head {
@@ -202,10 +203,6 @@ pub(super) struct Tail {
     /// The slot the next checkpoint goes to, and the newest checkpoint's sequence number.
     pub checkpoint_slot: u64,
     pub checkpoint_seq: u64,
-}
-
-pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A random number, for segment nonces and image ids.

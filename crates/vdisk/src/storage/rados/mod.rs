@@ -33,6 +33,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use super::rbd::cluster::{c_string, Cluster};
 use super::{AsyncTransfer, IoStats, RbdTarget, Storage};
 use crate::error::{Error, Result};
+use crate::sync::lock;
 use header::Header;
 use objects::{pieces, Objects};
 
@@ -333,10 +334,6 @@ fn remove_buffer(t: &RadosTarget) -> Result<()> {
         )),
         _ => Ok(()),
     }
-}
-
-fn lock(m: &Mutex<Header>) -> MutexGuard<'_, Header> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn objects_of(cluster: &Cluster, t: &RadosTarget) -> Result<Objects> {

@@ -21,7 +21,7 @@ use std::io::{self, BufReader, Read, Write};
 use std::net::Shutdown;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -35,6 +35,7 @@ use super::transmission::{self, Ended};
 use super::ConnError;
 use crate::export::log::{log, Level, Logger};
 use crate::export::metrics::MetricsSource;
+use crate::sync::lock;
 use poller::{Command, Poller, Role};
 
 mod epoll;
@@ -107,10 +108,6 @@ struct State {
     socket_files: Vec<PathBuf>,
     poller: Option<JoinHandle<()>>,
     stopping: bool,
-}
-
-fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Server {

@@ -30,6 +30,7 @@ use std::thread::JoinHandle;
 use super::Shared;
 use crate::io::{Backend, IoEvent, Iocb, Kernel};
 use crate::storage::{AsyncTransfer, Dir};
+use crate::sync::lock;
 
 /// io_uring requests in flight at most; a transfer the ring refuses runs blocking instead.
 const RING_DEPTH: u32 = 256;
@@ -121,10 +122,6 @@ impl LocalIo {
             let _ = h.join();
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Shared {
