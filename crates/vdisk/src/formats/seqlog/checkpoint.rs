@@ -12,7 +12,7 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::MutexGuard;
 
-use super::layout::Superblock;
+use super::layout::{u32_at, u64_at, Superblock};
 use super::log::{Log, Tail, CLEANER, COLD, DATA, META, OPEN};
 use super::map::Map;
 use super::readahead::read_range;
@@ -149,7 +149,6 @@ pub(super) fn read_slot(
     if head[0..4] != MAGIC || head[8..16] != sb.image_id.to_le_bytes() {
         return Ok(None);
     }
-    let u32_at = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
     let stored = u32_at(&head, CRC_AT);
     head[CRC_AT..CRC_AT + 4].fill(0);
     let mut crc = crc32c(0, &head);
@@ -187,13 +186,10 @@ pub(super) fn read_slot(
     if crc != stored {
         return Ok(None);
     }
-    let seq = u64::from_le_bytes(head[16..24].try_into().unwrap_or_default());
+    let seq = u64_at(&head, 16);
     let open = open_of(sb, &head);
     let (seqs, bits) = tail.split_at(8 * segments);
-    let seg_seq: Vec<u64> = seqs
-        .chunks_exact(8)
-        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
-        .collect();
+    let seg_seq: Vec<u64> = seqs.chunks_exact(8).map(|c| u64_at(c, 0)).collect();
     let trims = (0..segments).map(|i| bits[i / 8] & (1 << (i % 8)) != 0);
     let bad_open = open.iter().flatten().any(|&s| s >= sb.segments);
     let newer = seg_seq.iter().any(|&s| s > seq);
@@ -279,7 +275,7 @@ pub(super) fn candidates(storage: &dyn Storage, sb: &Superblock) -> Result<Vec<C
         let mut head = AlignedBuf::zeroed(sb.block_size as usize);
         (storage.read_at(offset, &mut head)).map_err(|source| io_error(source, what))?;
         if head[0..4] == MAGIC && head[8..16] == sb.image_id.to_le_bytes() {
-            let seq = u64::from_le_bytes(head[16..24].try_into().unwrap_or_default());
+            let seq = u64_at(&head, 16);
             let open = open_of(sb, &head);
             candidates.push(Candidate { seq, slot, open });
         }
@@ -292,9 +288,7 @@ pub(super) fn candidates(storage: &dyn Storage, sb: &Superblock) -> Result<Vec<C
 fn open_of(sb: &Superblock, head: &[u8]) -> [Option<u32>; OPEN] {
     let mut open = [None; OPEN];
     for i in streams(sb) {
-        let at = OPEN_AT[i];
-        let s = u32::from_le_bytes(head[at..at + 4].try_into().unwrap_or_default());
-        open[i] = Some(s).filter(|&s| s != NONE);
+        open[i] = Some(u32_at(head, OPEN_AT[i])).filter(|&s| s != NONE);
     }
     open
 }

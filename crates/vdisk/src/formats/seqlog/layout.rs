@@ -56,11 +56,11 @@ const MAX_SEGMENT: u64 = 1 << 30;
 /// The map is in memory, 4 bytes a block (4 GiB for a 4 TiB disk of 4 KiB blocks).
 const MAX_DISK_BLOCKS: u64 = 1 << 30;
 
-fn u32_at(b: &[u8], at: usize) -> u32 {
+pub(super) fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
 }
 
-fn u64_at(b: &[u8], at: usize) -> u64 {
+pub(super) fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
 
