@@ -41,6 +41,7 @@ use crate::report::{fail, warn_probed_raw};
 use plan::{plan, Plan};
 use report::print_counters;
 use vdisk::rng::SplitMix64;
+use vdisk::sync::{lock, wait};
 use workload::{Sampler, Workload};
 
 /// qemu-img bench's options; like qemu-img, a repeated option takes its last value.
@@ -297,7 +298,7 @@ impl<'p> Run<'p> {
     }
 
     fn sampler(&self) -> MutexGuard<'_, Sampler<'p>> {
-        self.sampler.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.sampler)
     }
 
     /// Runs the schedule and returns how long it took. Like qemu-img bench, the clock starts
@@ -342,7 +343,7 @@ impl<'p> Run<'p> {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.state)
     }
 
     fn worker(&self, disk: &dyn BlockDev, mut buf: AlignedBuf) {
@@ -353,7 +354,7 @@ impl<'p> Run<'p> {
                 break;
             }
             if st.flushing {
-                st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+                st = wait(&self.changed, st);
                 continue;
             }
             let offset = self.send(&mut st);
@@ -535,7 +536,7 @@ impl<'p> Run<'p> {
             if st.failed.is_some() || (st.sent == self.plan.count && st.in_flight == 0) {
                 break;
             }
-            st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+            st = wait(&self.changed, st);
         }
     }
 

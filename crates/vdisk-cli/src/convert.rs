@@ -36,6 +36,7 @@ use order::{Order, Turn};
 use plan::{check_target, Plan};
 use progress::{first_pass, CopyProgress};
 use sources::{reads_from, Sources};
+use vdisk::sync::lock;
 
 /// Bytes one worker copies at a time.
 const CHUNK: u64 = 2 << 20;
@@ -362,10 +363,7 @@ fn copy(
                     if let Err(e) = copied {
                         // The error goes in before the others stop: theirs ("the copy
                         // stopped") must not take its place.
-                        first_error
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .get_or_insert(e);
+                        lock(first_error).get_or_insert(e);
                         stop.store(true, Ordering::Relaxed);
                         order.stop();
                         break;
@@ -499,7 +497,7 @@ fn all_left_to_backing(source: &Sources, plan: &Plan, at: u64, len: u64) -> vdis
 fn write(target: &Target, at: u64, bytes: &[u8]) -> vdisk::Result<()> {
     match target {
         Target::File(f, one_at_a_time) => {
-            let _turn = one_at_a_time.lock().unwrap_or_else(|p| p.into_inner());
+            let _turn = lock(one_at_a_time);
             f.write_at(at, bytes).map_err(|source| Error::Io {
                 context: format!("writing the target at {at:#x}"),
                 source,
@@ -513,7 +511,7 @@ fn write(target: &Target, at: u64, bytes: &[u8]) -> vdisk::Result<()> {
 fn zero(target: &Target, at: u64, len: u64) -> vdisk::Result<()> {
     match target {
         Target::File(f, one_at_a_time) => {
-            let turn = one_at_a_time.lock().unwrap_or_else(|p| p.into_inner());
+            let turn = lock(one_at_a_time);
             if f.punch_hole(at, len).is_ok() {
                 return Ok(());
             }

@@ -1,6 +1,7 @@
 //! Text formats shared by the subcommands, spelled as qemu-img spells them.
 
 use vdisk::formats::SnapshotInfo;
+use vdisk::sync::lock;
 
 /// C's `printf("%0.3g", v)` for the non-negative values sizes produce.
 fn g3(v: f64) -> String {
@@ -99,7 +100,7 @@ impl Progress {
     /// `delta` percent of `max`.
     pub fn print(&self, delta: f32, max: f32) {
         use std::io::Write;
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = lock(&self.state);
         let (current, last) = &mut *state;
         let next = if max == 0.0 {
             delta

@@ -6,6 +6,7 @@
 //! keeps its pass until its asynchronous transfers complete, and [`Gate::try_enter`] lets that
 //! loop see a closing gate without blocking while it holds passes of its own.
 
+use crate::sync::{lock, wait};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 #[derive(Debug, Default)]
@@ -30,11 +31,11 @@ pub(crate) struct Closed<'g>(&'g Gate);
 
 impl Gate {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     fn wait<'a>(&self, st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
-        self.changed.wait(st).unwrap_or_else(|e| e.into_inner())
+        wait(&self.changed, st)
     }
 
     /// Enters, waiting while a commit holds the gate closed.

@@ -20,7 +20,7 @@ pub mod pmem;
 pub mod rng;
 pub mod spec;
 pub mod storage;
-mod sync;
+pub mod sync;
 
 pub use blockdev::{BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
 pub use cache::{CacheMode, WithCache};

@@ -6,6 +6,7 @@
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 
+use vdisk::sync::{lock, wait};
 use vdisk::Error;
 
 /// The chunks done, in order, shared by the workers.
@@ -51,7 +52,7 @@ impl Order {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.state)
     }
 }
 
@@ -70,7 +71,7 @@ impl Turn<'_> {
         }
         let mut s = self.order.lock();
         while s.next != self.start && !s.stopped {
-            s = self.order.turn.wait(s).unwrap_or_else(|p| p.into_inner());
+            s = wait(&self.order.turn, s);
         }
         if s.stopped {
             // Another worker failed; its error is the one reported.

@@ -11,6 +11,7 @@ use std::sync::Mutex;
 use super::salvage::status;
 use super::{left_to_backing, Plan, Sources, Target};
 use crate::text::Progress;
+use vdisk::sync::lock;
 
 /// QEMU's largest request (BDRV_REQUEST_MAX_SECTORS), which bounds one block status query.
 const MAX_REQUEST: u64 = (i32::MAX as u64 >> 9) << 9;
@@ -60,7 +61,7 @@ impl<'a> CopyProgress<'a> {
 
     /// Counts `[start, end)` as copied and draws the chunks that are now copied whole.
     pub(super) fn copied(&self, start: u64, end: u64) {
-        let mut guard = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = lock(&self.done);
         let done = &mut *guard;
         done.pieces.insert(start, end);
         while let Some(end) = done.pieces.remove(&done.upto) {

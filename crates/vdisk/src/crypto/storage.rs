@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use super::{SectorCipher, SECTOR};
 use crate::storage::Storage;
+use crate::sync::lock;
 
 /// `inner` with every sector encrypted by `cipher`. Without a cipher (an image opened only to
 /// be described, QEMU's BDRV_O_NO_IO) every transfer fails: ciphertext never reaches a guest.
@@ -103,7 +104,7 @@ impl Storage for EncryptedStorage {
         if start == offset && end == offset + buf.len() as u64 {
             return self.write_sectors(start, buf.to_vec());
         }
-        let _one = self.partial.lock().unwrap_or_else(|e| e.into_inner());
+        let _one = lock(&self.partial);
         let mut plain = self.read_sectors(start, end)?;
         let at = (offset - start) as usize;
         plain[at..at + buf.len()].copy_from_slice(buf);

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use super::EventFd;
 use crate::storage::Outcomes;
+use crate::sync::lock;
 
 /// An outcome: `(request slot, transfer index)` and the result.
 pub(super) type Posted = ((usize, usize), io::Result<()>);
@@ -37,7 +38,7 @@ impl Inbox {
 
     /// Everything posted so far.
     pub fn take(&self) -> Vec<Posted> {
-        std::mem::take(&mut *self.posted.lock().unwrap_or_else(|e| e.into_inner()))
+        std::mem::take(&mut *lock(&self.posted))
     }
 }
 
@@ -45,7 +46,7 @@ impl Outcomes for Inbox {
     /// Records an outcome, then signals: a queue that clears the eventfd before it takes the
     /// inbox misses nothing. Allocates nothing but a slot, takes one short lock, never panics.
     fn post(&self, tag: (usize, usize), result: io::Result<()>) {
-        let mut posted = self.posted.lock().unwrap_or_else(|e| e.into_inner());
+        let mut posted = lock(&self.posted);
         posted.push((tag, result));
         drop(posted);
         self.events.signal();

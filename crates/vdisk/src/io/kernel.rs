@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use io_uring::{opcode, types, IoUring};
 
 use super::eventfd::EventFd;
+use crate::sync::lock;
 
 /// Which kernel interface carries the transfers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -292,7 +293,7 @@ impl UringContext {
     /// # Safety
     /// As [`Kernel::submit`].
     unsafe fn submit(&self, iocbs: &mut [Iocb]) -> usize {
-        let _sq = self.sq.lock().unwrap_or_else(|e| e.into_inner());
+        let _sq = lock(&self.sq);
         if self.broken.load(Relaxed) {
             return 0;
         }
@@ -334,10 +335,10 @@ impl UringContext {
     }
 
     fn reap(&self, events: &mut [IoEvent]) -> io::Result<usize> {
-        let _cq = self.cq.lock().unwrap_or_else(|e| e.into_inner());
+        let _cq = lock(&self.cq);
         // Completions that overflowed the queue wait in the kernel until it is entered.
         let overflow = {
-            let _sq = self.sq.lock().unwrap_or_else(|e| e.into_inner());
+            let _sq = lock(&self.sq);
             // SAFETY: only the flags are read, under `self.sq` like every other use.
             let sq = unsafe { self.ring.submission_shared() };
             let overflow = sq.cq_overflow();

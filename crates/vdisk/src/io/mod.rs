@@ -46,6 +46,7 @@ use self::table::{Request, Started, Table};
 use crate::blockdev::BlockDev;
 use crate::error::Result;
 use crate::storage::{AsyncTransfer, Outcomes, Storage};
+use crate::sync::lock;
 
 /// Kernel requests at most gathered before they are submitted without being asked.
 const MAX_GATHERED: usize = 256;
@@ -164,7 +165,7 @@ impl<'d, B: IoBuf, T: Send> IoQueue<'d, B, T> {
     }
 
     fn lock(&self) -> MutexGuard<'_, Table<'d, B, T>> {
-        self.table.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.table)
     }
 
     /// The eventfd that becomes readable when something may be ready to complete.

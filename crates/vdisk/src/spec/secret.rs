@@ -6,6 +6,7 @@
 use std::sync::Mutex;
 
 use crate::error::{Error, Result};
+use crate::sync::lock;
 
 /// The secrets added so far, by id.
 static SECRETS: Mutex<Vec<(String, Vec<u8>)>> = Mutex::new(Vec::new());
@@ -84,7 +85,7 @@ pub fn add_object(text: &str) -> Result<()> {
         true => decode_base64(&raw)?,
         false => raw,
     };
-    let mut secrets = SECRETS.lock().unwrap_or_else(|e| e.into_inner());
+    let mut secrets = lock(&SECRETS);
     if secrets.iter().any(|(k, _)| *k == id) {
         return Err(Error::invalid(format!(
             "attempt to add duplicate property '{id}' to object (type 'container')"
@@ -96,7 +97,7 @@ pub fn add_object(text: &str) -> Result<()> {
 
 /// The secret `id` names, or QEMU's error for one there is not.
 pub fn secret(id: &str) -> Result<Vec<u8>> {
-    let secrets = SECRETS.lock().unwrap_or_else(|e| e.into_inner());
+    let secrets = lock(&SECRETS);
     secrets
         .iter()
         .find(|(k, _)| k == id)

@@ -14,6 +14,7 @@ use std::io;
 use std::sync::{Arc, Mutex};
 
 use super::{HostStatus, Storage, WriteHint};
+use crate::sync::lock;
 
 /// QEMU's `BlkdebugEvent` names, in its order: rules may name any of them, though vdisk's
 /// formats report only [`DebugEvent`]'s.
@@ -173,7 +174,7 @@ impl Rules {
         let Some(index) = EVENT_NAMES.iter().position(|n| *n == event.name()) else {
             return;
         };
-        let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = lock(&self.inner);
         let mut new_state = s.state;
         // QEMU walks the event's rules latest first (QLIST_INSERT_HEAD), each one put at the
         // head of the armed list.
@@ -202,7 +203,7 @@ impl Rules {
 
     /// Fails a request of `kind` over `[offset, offset + len)` if an armed rule says so.
     pub fn check(&self, kind: IoType, offset: u64, len: u64) -> io::Result<()> {
-        let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = lock(&self.inner);
         let hit = s.active.iter().position(|&i| match &s.rules[i].action {
             Action::Inject(inj) => {
                 let at = inj

@@ -61,6 +61,7 @@ mod plan;
 mod tests;
 
 use super::{IoStats, Storage};
+use crate::sync::{read, write};
 
 pub use epoch::{CrashImage, CrashImages, Epoch, Epochs};
 pub use op::{Op, SECTOR};
@@ -241,11 +242,11 @@ impl CrashStorage {
     }
 
     fn state(&self) -> std::sync::RwLockReadGuard<'_, State> {
-        self.state.read().unwrap_or_else(|e| e.into_inner())
+        read(&self.state)
     }
 
     fn state_mut(&self) -> std::sync::RwLockWriteGuard<'_, State> {
-        self.state.write().unwrap_or_else(|e| e.into_inner())
+        write(&self.state)
     }
 
     /// Applies `op` to the volatile view and logs it as unsynced, under one lock so the log order

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
 use super::{IoStats, Storage};
+use crate::sync::lock;
 
 /// The kinds of call a fault can target. Plain and vectored reads are both `Read`, plain and
 /// vectored writes both `Write`.
@@ -161,7 +162,7 @@ impl FaultStorage {
     }
 
     fn faults(&self) -> std::sync::MutexGuard<'_, Vec<Fault>> {
-        self.faults.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.faults)
     }
 
     /// Counts a call of `op` and returns the fault it hits, if any.

@@ -9,6 +9,7 @@ use std::sync::{Condvar, Mutex};
 use super::lock::{LockRole, LockUse};
 use super::{IoStats, Storage};
 use crate::bytes::{AlignedBuf, DIRECT_ALIGN};
+use crate::sync::{lock, wait};
 
 /// How to open a [`FileStorage`].
 #[derive(Debug, Clone, Copy, Default)]
@@ -259,13 +260,12 @@ struct Busy {
 
 impl Busy {
     fn take(&self, range: Range<u64>) -> BusyRange<'_> {
-        let lock = || self.ranges.lock().unwrap_or_else(|e| e.into_inner());
-        let mut ranges = lock();
+        let mut ranges = lock(&self.ranges);
         while ranges
             .iter()
             .any(|r| r.start < range.end && range.start < r.end)
         {
-            ranges = self.freed.wait(ranges).unwrap_or_else(|e| e.into_inner());
+            ranges = wait(&self.freed, ranges);
         }
         ranges.push(range.clone());
         BusyRange { busy: self, range }
@@ -280,7 +280,7 @@ struct BusyRange<'b> {
 
 impl Drop for BusyRange<'_> {
     fn drop(&mut self) {
-        let mut ranges = self.busy.ranges.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ranges = lock(&self.busy.ranges);
         if let Some(i) = ranges.iter().position(|r| *r == self.range) {
             ranges.swap_remove(i);
         }

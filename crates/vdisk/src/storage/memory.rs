@@ -2,6 +2,7 @@ use std::io;
 use std::sync::RwLock;
 
 use super::{IoStats, Storage};
+use crate::sync::{read, write};
 
 /// Storage held in memory. Used by tests and as the model of a perfect disk.
 #[derive(Debug, Default)]
@@ -23,7 +24,7 @@ impl MemStorage {
     }
 
     fn copy_out(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        let data = self.data.read().unwrap_or_else(|e| e.into_inner());
+        let data = read(&self.data);
         let end = end_of(offset, buf.len())?;
         let start = offset as usize;
         buf.fill(0);
@@ -35,7 +36,7 @@ impl MemStorage {
     }
 
     fn copy_in(&self, offset: u64, buf: &[u8]) -> io::Result<()> {
-        let mut data = self.data.write().unwrap_or_else(|e| e.into_inner());
+        let mut data = write(&self.data);
         let end = end_of(offset, buf.len())?;
         if data.len() < end {
             data.resize(end, 0);
@@ -46,7 +47,7 @@ impl MemStorage {
 
     /// A copy of the whole contents.
     pub fn to_bytes(&self) -> Vec<u8> {
-        self.data.read().unwrap_or_else(|e| e.into_inner()).clone()
+        read(&self.data).clone()
     }
 }
 
@@ -96,7 +97,7 @@ impl Storage for MemStorage {
     fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
         self.stats.record_allocation();
         let end = end_of(offset, len as usize)?;
-        let mut data = self.data.write().unwrap_or_else(|e| e.into_inner());
+        let mut data = write(&self.data);
         if data.len() < end {
             data.resize(end, 0);
         }
@@ -105,7 +106,7 @@ impl Storage for MemStorage {
 
     fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
         self.stats.record_punch();
-        let mut data = self.data.write().unwrap_or_else(|e| e.into_inner());
+        let mut data = write(&self.data);
         let end = end_of(offset, len as usize)?.min(data.len());
         let start = (offset as usize).min(end);
         data[start..end].fill(0);
@@ -113,15 +114,12 @@ impl Storage for MemStorage {
     }
 
     fn len(&self) -> io::Result<u64> {
-        Ok(self.data.read().unwrap_or_else(|e| e.into_inner()).len() as u64)
+        Ok(read(&self.data).len() as u64)
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
         let len = end_of(len, 0)?;
-        self.data
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .resize(len, 0);
+        write(&self.data).resize(len, 0);
         Ok(())
     }
 

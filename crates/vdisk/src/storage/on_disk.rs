@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use super::{IoStats, Storage, WriteHint};
 use crate::blockdev::BlockDev;
+use crate::sync::lock;
 
 /// Storage whose bytes are the guest bytes of a disk.
 pub struct DiskStorage {
@@ -36,7 +37,7 @@ impl DiskStorage {
         if end <= self.disk.size() {
             return Ok(());
         }
-        let _one = self.growing.lock().unwrap_or_else(|e| e.into_inner());
+        let _one = lock(&self.growing);
         if end > self.disk.size() {
             self.disk.set_size(end).map_err(to_io)?;
         }
@@ -108,7 +109,7 @@ impl Storage for DiskStorage {
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
-        let _one = self.growing.lock().unwrap_or_else(|e| e.into_inner());
+        let _one = lock(&self.growing);
         self.disk.set_size(len).map_err(to_io)
     }
 

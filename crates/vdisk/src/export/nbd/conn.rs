@@ -16,7 +16,7 @@ use crate::export::log::{log, Level, Logger};
 pub(crate) use crate::io::pool::Buf;
 use crate::io::pool::Pool;
 use crate::io::Backend;
-use crate::sync::lock;
+use crate::sync::{lock, wait};
 
 /// Bounds on one connection.
 #[derive(Debug, Clone, Copy)]
@@ -168,7 +168,7 @@ impl Conn {
         }
         while full(&q) {
             q.reader_waiting = true;
-            q = self.done.wait(q).unwrap_or_else(|e| e.into_inner());
+            q = wait(&self.done, q);
         }
         q.reader_waiting = false;
         q.in_flight += 1;
@@ -221,7 +221,7 @@ impl Conn {
                 return None;
             }
             q.idle += 1;
-            q = self.work.wait(q).unwrap_or_else(|e| e.into_inner());
+            q = wait(&self.work, q);
             q.idle -= 1;
         }
     }

@@ -41,6 +41,7 @@ use super::tables::TableWrite;
 use super::Qcow2;
 use crate::error::{Error, IoContext, Result};
 use crate::storage::WriteHint;
+use crate::sync::{lock, wait};
 
 /// The commit in progress: what it must do, and how far commits went.
 #[derive(Debug, Default)]
@@ -202,7 +203,7 @@ impl Qcow2 {
     /// so the caller needs the one after it, which one waiting caller runs for all of them.
     pub(super) fn commit_group(&self) -> Result<()> {
         let group = &self.group;
-        let mut g = group.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = lock(&group.state);
         let target = g.completed + if g.running { 2 } else { 1 };
         loop {
             if g.completed >= target {
@@ -215,13 +216,13 @@ impl Qcow2 {
                 };
             }
             if g.running {
-                g = group.done.wait(g).unwrap_or_else(|e| e.into_inner());
+                g = wait(&group.done, g);
                 continue;
             }
             g.running = true;
             drop(g);
             let result = self.flush_impl();
-            g = group.state.lock().unwrap_or_else(|e| e.into_inner());
+            g = lock(&group.state);
             g.running = false;
             g.completed += 1;
             match &result {

@@ -45,6 +45,7 @@ use crate::counters::Counters;
 use crate::error::{Error, IoContext, Result};
 use crate::gate::Gate;
 use crate::storage::{LockRole, Storage};
+use crate::sync::lock;
 
 pub(crate) static FORMAT: FormatEntry = FormatEntry {
     name: "qcow2",
@@ -363,7 +364,7 @@ impl Qcow2 {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Meta> {
-        self.meta.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.meta)
     }
 
     pub fn counters(&self) -> &Counters {
@@ -379,7 +380,7 @@ impl Qcow2 {
     /// write, zeroing and discard; an image without such bitmaps pays one atomic load.
     fn mark_dirty(&self, offset: u64, len: u64) {
         if self.tracking.load(Ordering::Relaxed) {
-            let mut set = self.bitmaps.lock().unwrap_or_else(|e| e.into_inner());
+            let mut set = lock(&self.bitmaps);
             set.mark(offset, len);
         }
     }

@@ -12,6 +12,7 @@ use crate::blockdev::BlockDev;
 use crate::error::{Error, IoContext, Result};
 use crate::formats::{Holes, Layer, Mapping};
 use crate::storage::Storage;
+use crate::sync::lock;
 
 impl Qcow2 {
     /// The L2 table at `offset`, from the cache or the file. `None` for a table that lies wholly
@@ -229,11 +230,7 @@ impl Layer for Qcow2 {
             return Err(Error::corrupt("compressed cluster vanished"));
         };
         let entry = table.get(index);
-        let cached = self
-            .last_compressed
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let cached = lock(&self.last_compressed).clone();
         let cluster = match cached {
             Some((e, c)) if e == entry.word => c,
             _ => {
@@ -241,10 +238,7 @@ impl Layer for Qcow2 {
                 let guest = Guest(offset).cluster_start(self.header.cluster_bits);
                 self.decompress_entry(entry, guest, &mut out)?;
                 let out = Arc::new(out);
-                *self
-                    .last_compressed
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner()) = Some((entry.word, out.clone()));
+                *lock(&self.last_compressed) = Some((entry.word, out.clone()));
                 out
             }
         };

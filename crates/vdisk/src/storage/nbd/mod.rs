@@ -16,6 +16,7 @@ use crate::export::nbd::proto::{
     CMD_BLOCK_STATUS, CMD_DISC, CMD_FLAG_REQ_ONE, CMD_FLUSH, CMD_READ, CMD_WRITE, CMD_WRITE_ZEROES,
     FLAG_READ_ONLY, FLAG_SEND_FLUSH, FLAG_SEND_WRITE_ZEROES, MAX_PAYLOAD, STATE_HOLE, STATE_ZERO,
 };
+use crate::sync::lock;
 use wire::{HandshakeError, Negotiated};
 
 /// Where an NBD server listens.
@@ -122,7 +123,7 @@ impl NbdStorage {
         payload: &[u8],
         buf: &mut [u8],
     ) -> io::Result<wire::Reply> {
-        let mut conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        let mut conn = lock(&self.conn);
         conn.cookie += 1;
         let cookie = conn.cookie;
         let header = wire::request(kind, flags, cookie, offset, len);

@@ -24,6 +24,7 @@ use std::sync::Mutex;
 
 use super::{AsyncTransfer, IoStats, Storage, StorageSnapshot};
 use crate::error::{Error, Result};
+use crate::sync::lock;
 use cluster::{c_string, failed, Cluster};
 use ffi::{check, check_len, Handle};
 
@@ -146,7 +147,7 @@ impl RbdStorage {
         if end <= self.size.load(Ordering::Acquire) {
             return Ok(());
         }
-        let _one = self.resizing.lock().unwrap_or_else(|e| e.into_inner());
+        let _one = lock(&self.resizing);
         match end > self.size.load(Ordering::Acquire) {
             true => self.resize(end),
             false => Ok(()),
@@ -256,7 +257,7 @@ impl Storage for RbdStorage {
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
-        let _one = self.resizing.lock().unwrap_or_else(|e| e.into_inner());
+        let _one = lock(&self.resizing);
         self.resize(len)
     }
 

@@ -35,7 +35,7 @@ use super::transmission::{self, Ended};
 use super::ConnError;
 use crate::export::log::{log, Level, Logger};
 use crate::export::metrics::MetricsSource;
-use crate::sync::lock;
+use crate::sync::{lock, wait};
 use poller::{Command, Poller, Role};
 
 mod epoll;
@@ -174,11 +174,7 @@ impl Server {
 
     /// Serves `source`'s families beside the server's own (another export's counters).
     pub fn add_metrics(&self, source: MetricsSource) {
-        self.inner
-            .more_metrics
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(source);
+        lock(&self.inner.more_metrics).push(source);
     }
 
     /// Connections open now, in every phase.
@@ -205,11 +201,7 @@ impl Server {
         }
         let mut st = lock(&self.inner.state);
         while st.open > 0 {
-            st = self
-                .inner
-                .changed
-                .wait(st)
-                .unwrap_or_else(|e| e.into_inner());
+            st = wait(&self.inner.changed, st);
         }
         for p in st.socket_files.drain(..) {
             let _ = std::fs::remove_file(p);
@@ -421,12 +413,7 @@ impl Inner {
 
     fn metrics(&self) -> String {
         let mut body = metrics::render(self.exports.list(), &self.conns);
-        for source in self
-            .more_metrics
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-        {
+        for source in lock(&self.more_metrics).iter() {
             source(&mut body);
         }
         body

@@ -30,6 +30,7 @@ use crate::export::nbd::stats::reply_form;
 use crate::export::nbd::stream::{Listener, Stream};
 use crate::export::nbd::ConnError;
 use crate::io::EventFd;
+use crate::sync::lock;
 
 /// Reads (and accepts) per readiness report of one socket before others get their turn.
 const BATCH: usize = 64;
@@ -78,7 +79,7 @@ impl Poller {
     }
 
     pub fn send(&self, c: Command) {
-        self.inbox.lock().unwrap_or_else(|e| e.into_inner()).push(c);
+        lock(&self.inbox).push(c);
         self.wake.signal();
     }
 
@@ -195,7 +196,7 @@ impl Loop<'_> {
     fn commands(&mut self) -> bool {
         let poller = &self.inner.poller;
         poller.wake.drain();
-        let commands = std::mem::take(&mut *poller.inbox.lock().unwrap_or_else(|e| e.into_inner()));
+        let commands = std::mem::take(&mut *lock(&poller.inbox));
         for c in commands {
             match c {
                 Command::Listen(listener, role) => {

@@ -7,6 +7,7 @@ use crate::error::{Error, Result};
 use crate::formats::dirty_bitmap::NODE;
 use crate::formats::qcow2::Qcow2;
 use crate::formats::{BitmapAction, DirtyBitmap};
+use crate::sync::lock;
 
 /// QEMU's limits on a new bitmap (`check_constraints_on_bitmap`).
 const MAX_BITMAP_BYTES: u64 = 0x2000_0000;
@@ -44,7 +45,7 @@ impl Qcow2 {
     }
 
     fn bitmaps(&self) -> std::sync::MutexGuard<'_, super::Set> {
-        self.bitmaps.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.bitmaps)
     }
 
     fn bitmap_add(&mut self, name: &str, granularity: Option<u32>, disabled: bool) -> Result<()> {

@@ -10,6 +10,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::formats::qcow2::header::{Header, UnknownExtension, AUTOCLEAR_KNOWN};
 use crate::formats::qcow2::Qcow2;
 use crate::formats::DirtyBitmap;
+use crate::sync::lock;
 
 /// Clusters `[offset, offset + bytes)` covers, as (first, count).
 fn clusters(offset: u64, bytes: u64, cluster_bits: u32) -> (u64, u64) {
@@ -21,7 +22,7 @@ impl Qcow2 {
     /// Stores the bitmaps whose bits are known, once: a close calls this, and an image
     /// dropped after its close is not stored twice. Returns the header that names them.
     pub(in crate::formats::qcow2) fn store_bitmaps(&self, h: &Header) -> Result<Option<Header>> {
-        let mut set = self.bitmaps.lock().unwrap_or_else(|e| e.into_inner());
+        let mut set = lock(&self.bitmaps);
         if set.stored || !set.list.iter().any(|t| !t.bits.inconsistent) {
             set.stored = true;
             return Ok(None);
