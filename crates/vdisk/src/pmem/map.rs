@@ -92,7 +92,26 @@ pub(super) fn map_scratch(
     if p == libc::MAP_FAILED {
         return Err(io::Error::last_os_error());
     }
+    // A copy's target page is new space: see `no_read_ahead`.
+    // SAFETY: the mapping made just now.
+    unsafe { no_read_ahead(p as usize, len) };
     Ok(p as usize)
+}
+
+/// Turns read-ahead off for a mapping of new file space (a cluster handed out for a first
+/// touch, a copy's target page): `MADV_RANDOM`, so that its first fault brings a single 4 KiB
+/// page into the page cache and not the read-around window in one large folio. There is
+/// nothing to read ahead there (fallocated space reads as zeroes without I/O), and ext4's
+/// `page_mkwrite` walks and dirties every buffer of a store's whole folio: with the window's
+/// large folios, a first store into fallocated space costs 150 to 350 µs, with single pages
+/// about 6 (`bench/pmem.sh`, kernel-floor rows "allocated ahead" and "allocated ahead,
+/// read-ahead off"). A failure only costs that time, so it is not reported.
+///
+/// # Safety
+/// `[addr, addr + len)` is a mapping of ours.
+pub(super) unsafe fn no_read_ahead(addr: usize, len: usize) {
+    // SAFETY: the caller's contract; MADV_RANDOM changes no content.
+    unsafe { libc::madvise(addr as *mut _, len, libc::MADV_RANDOM) };
 }
 
 /// Moves the mapping at `from` over `[to, to + len)`.

@@ -100,7 +100,8 @@ pub enum Need {
 pub trait Provider: Send {
     /// A writable cluster for `slot`. What makes the cluster the slot's after a restart (pcow:
     /// the data entry) is durable before the next [`Provider::commit`] returns; with
-    /// [`Need::Zeroed`] the cluster must already read as zeroes on the media.
+    /// [`Need::Zeroed`] the cluster must read as zeroes, and on the media too once that record
+    /// is durable (pcow: fallocated space, its allocation synced before the entry).
     fn cluster(&mut self, slot: u64, need: Need) -> io::Result<Cluster>;
 
     /// Pages of `slot`'s copy target now hold their copies; the pages are made writable right

@@ -145,8 +145,11 @@ impl Monitor {
                 c.offset,
                 prot,
                 self.shared,
-            )
+            )?;
+            // The cluster is new space: its first store should cost a page, not a folio.
+            map::no_read_ahead(at, self.cluster_size);
         }
+        Ok(())
     }
 
     fn write_requests(&mut self) {

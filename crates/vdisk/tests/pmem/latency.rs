@@ -60,8 +60,16 @@ fn timed_at(base: *mut u8, len: usize, offsets: impl Iterator<Item = usize>) -> 
 }
 
 /// The kernel alone: stores into a plain mapping of `file`, shared (a first write allocates
-/// the file's block) or private (a first write after a read copies the page in DRAM).
-fn kernel_floor(file: &std::fs::File, len: usize, shared: bool, offsets: &[usize]) -> Vec<u128> {
+/// the file's block) or private (a first write after a read copies the page in DRAM); with
+/// `random`, read-ahead off (`MADV_RANDOM`), as the engine maps a cluster handed out for a
+/// first touch.
+fn kernel_floor(
+    file: &std::fs::File,
+    len: usize,
+    shared: bool,
+    random: bool,
+    offsets: &[usize],
+) -> Vec<u128> {
     let flags = if shared {
         libc::MAP_SHARED
     } else {
@@ -79,6 +87,10 @@ fn kernel_floor(file: &std::fs::File, len: usize, shared: bool, offsets: &[usize
         )
     };
     assert_ne!(p, libc::MAP_FAILED);
+    if random {
+        // SAFETY: the mapping made above.
+        assert_eq!(unsafe { libc::madvise(p, len, libc::MADV_RANDOM) }, 0);
+    }
     let base = p.cast::<u8>();
     if !shared {
         // Read first, so that each timed store is the copy-on-write fault alone.
@@ -168,15 +180,17 @@ fn latency() {
             );
         }
         if name == "msync" {
-            for ahead in AHEAD {
+            let random = [Ahead::No, Ahead::Fallocate].map(|a| (a, true));
+            for (ahead, random) in AHEAD.map(|a| (a, false)).into_iter().chain(random) {
                 let file = disk_file(&dir, "floor");
                 file.set_len((FAULTS * cs) as u64).unwrap();
                 ahead.prepare(&file, FAULTS * cs);
                 let offsets: Vec<_> = (0..FAULTS).map(|s| s * cs).collect();
-                let ns = kernel_floor(&file, FAULTS * cs, true, &offsets);
+                let ns = kernel_floor(&file, FAULTS * cs, true, random, &offsets);
                 let how = ahead.name("sparse");
+                let off = if random { ", read-ahead off" } else { "" };
                 println!(
-                    "kernel floor: first store into a shared file mapping, {how}: {}",
+                    "kernel floor: first store into a shared file mapping, {how}{off}: {}",
                     percentiles(ns)
                 );
             }
@@ -194,7 +208,7 @@ fn latency() {
         }
         if name == "msync" {
             let offsets: Vec<_> = (0..FAULTS).map(|i| i * 4096 + 64).collect();
-            let ns = kernel_floor(&base, clusters * cs, false, &offsets);
+            let ns = kernel_floor(&base, clusters * cs, false, false, &offsets);
             println!(
                 "kernel floor: copy-on-write of a 4 KiB page of a private file mapping: {}",
                 percentiles(ns)

@@ -19,6 +19,8 @@
 mod pool;
 mod provider;
 mod stack;
+#[cfg(test)]
+mod tests;
 
 use std::path::Path;
 use std::sync::Arc;

@@ -9,7 +9,9 @@
 //! ```text
 //!  data: the pages the engine copied (msync persistence: an msync of each run, but for the
 //!        pages inside the caller's range, synced with it just before; cache lines were
-//!        written back at the copy); zeroed clusters were allocated and synced ahead
+//!        written back at the copy); a first touch's cluster is fallocated space, zeroes
+//!  the allocation of every cluster taken (the pool's fallocate, and the file's size): a
+//!        sync, unless the pool's sync thread has made it durable already
 //!  new segments' meta clusters (counter 0), then entries: cow_bitmap words of wide bitmaps,
 //!        then one aligned 8-byte store of cow_bitmap + data_cluster_num each
 //!  cluster_counter of every segment that gained entries: one aligned 4-byte store each
@@ -30,10 +32,10 @@
 //!
 //! Clusters are appended strictly in order (data cluster `k` of a segment is the `k`-th after
 //! its meta cluster), so the pool is simply space past the committed end: `refill` asks the
-//! pool's thread (`pool.rs`) to keep up to [`POOL_CLUSTERS`] clusters there, written with zeroes
-//! and synced, so that a fault neither grows the file nor waits for a sync of the file's size,
-//! and its first store is a page-cache fault. The pool is set up by the first allocation
-//! (which waits for it with its own cluster, one sync for both), not by the open:
+//! pool's threads (`pool.rs`) to keep up to [`POOL_CLUSTERS`] clusters there, fallocated, so
+//! that a fault neither grows the file nor waits for a sync, and the sync that makes the
+//! allocation durable runs beside the faults, or at the latest in the commit. The pool is set
+//! up by the first allocation (which allocates its own cluster with it), not by the open:
 //! a mapping that allocates nothing leaves the file as it found it, unsynced. A crash leaves
 //! the pool past the committed end, where the walk does not look; a writable open cuts it, and
 //! so does a clean drop.
@@ -54,8 +56,11 @@ use super::pool::Pool;
 use crate::pmem::{Cluster, Need, Persist, PersistKind, Provider};
 use crate::storage::Storage;
 
-/// Clusters kept allocated past the committed end (the paper's prototype keeps five).
-pub const POOL_CLUSTERS: u64 = 5;
+/// Clusters kept allocated past the committed end (the paper's prototype keeps five): space
+/// the file holds beyond what is written, 32 MiB with the default 2 MiB clusters, given back
+/// when the mapping is dropped (or cut by the next writable open after a crash). Refilled
+/// when half is taken, so one allocation serves 8 faults.
+pub const POOL_CLUSTERS: u64 = 16;
 
 /// The writable part's last segment.
 #[derive(Clone, Copy)]
@@ -320,12 +325,12 @@ impl Provider for PcowProvider {
         let last = self.open_segment()?;
         let host = last.meta + 1 + u64::from(last.entries);
         // Nothing allocated ahead (the first allocation, a refill that failed, or faults
-        // faster than the pool's thread): the pool comes with this cluster, for the price of
-        // the one sync this needs anyway.
+        // faster than the pool's thread): this cluster is allocated here, the pool with it.
         self.pool.wait(host + 1, host + POOL_CLUSTERS)?;
         match need {
-            // The cluster reads as zeroes (allocated past the committed end after the open cut
-            // it, and synced): whole, as the logical cluster's content is zeroes.
+            // The cluster reads as zeroes (fallocated past the committed end after the open cut
+            // it; durably so by the commit that records it): whole, as the logical cluster's
+            // content is zeroes.
             Need::Zeroed => self.enter(n, host, Pages::Whole)?,
             // Entered with its first copied page: a narrow entry cannot say "no pages yet"
             // (cow_bitmap 0 means whole), and the cluster holds nothing of the slot until then.
@@ -380,11 +385,14 @@ impl Provider for PcowProvider {
             return Ok(());
         }
         // The copied pages: see `pmem::Provider::pages_copied`. Clusters of first stores are
-        // pool space, durable zeroes already.
+        // pool space, zeroes once their allocation is durable (below).
         if self.persist.kind() == PersistKind::Msync {
             self.persist_copies(persisted)?;
         }
         self.copied.clear();
+        // Every cluster an entry, or a new segment, names is allocated durably before the
+        // first record naming it is stored: see `pool.rs`.
+        self.pool.synced_to(self.end)?;
         let mut stored = Vec::new();
         for (meta, segment) in self.started.clone() {
             let header = encode_meta(segment, self.image_id, 0);

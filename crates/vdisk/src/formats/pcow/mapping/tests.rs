@@ -1,0 +1,105 @@
+//! The provider's ordering rules that a crash test cannot see with a real file (a file copied
+//! at a persistence point holds what the page cache holds, durable or not).
+
+use std::io;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::super::{create, read_super, walk::walk, CreateOptions};
+use super::provider::PcowProvider;
+use crate::pmem::{Need, Persist, PersistKind, Provider};
+use crate::storage::{FileStorage, OpenOptions, Storage};
+
+const CS: u64 = 2 << 20;
+
+/// A file whose syncs record the length they made durable; the pool's sync thread's take
+/// 300 ms, so a commit that does not sync itself runs while that sync is still under way.
+struct Slow {
+    file: FileStorage,
+    durable: Arc<Mutex<u64>>,
+}
+
+impl Storage for Slow {
+    fn sync(&self) -> io::Result<()> {
+        let len = self.file.len()?;
+        if std::thread::current().name() == Some("vdisk-pcow-sync") {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        self.file.sync()?;
+        let mut d = self.durable.lock().unwrap();
+        *d = (*d).max(len);
+        Ok(())
+    }
+    crate::forward_storage!(file: read_at, write_at, allocate, punch_hole, len, set_len,
+        allocated_bytes, stats);
+}
+
+/// Records the file's durable length at each persist.
+struct Seen {
+    durable: Arc<Mutex<u64>>,
+    seen: Arc<Mutex<Vec<u64>>>,
+}
+
+impl Persist for Seen {
+    fn kind(&self) -> PersistKind {
+        PersistKind::Msync
+    }
+    unsafe fn persist(&self, _: *const u8, _: usize) -> io::Result<()> {
+        let d = *self.durable.lock().unwrap();
+        self.seen.lock().unwrap().push(d);
+        Ok(())
+    }
+    fn persist_file(&self, _: &std::fs::File) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A first touch takes a cluster of the pool, which is fallocated but whose allocation the
+/// sync thread has not made durable yet; the commit's records (the segment's meta cluster,
+/// the entry, the counter) are persisted only once the file's size and extents reach past
+/// that cluster. (Without the commit's own sync, `Pool::synced_to`, they are persisted while
+/// the file is durably one cluster long: a crash could keep an entry naming a cluster past
+/// the file's end. This test then fails.)
+#[test]
+fn no_record_is_persisted_before_the_allocation_it_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("a.pcow");
+    let opts = OpenOptions {
+        write: true,
+        create: true,
+        direct: false,
+    };
+    let file = FileStorage::open(&path, opts).unwrap();
+    let o = CreateOptions {
+        size: 8 * CS,
+        cluster_size: CS,
+        base: None,
+    };
+    create(&file, &o).unwrap();
+    file.sync().unwrap();
+    let durable = Arc::new(Mutex::new(file.len().unwrap()));
+    let sb = read_super(&file).unwrap();
+    let state = walk(&file, &sb).unwrap().state;
+    let fd = Arc::new(file.file().try_clone().unwrap());
+    let storage = Arc::new(Slow {
+        file,
+        durable: durable.clone(),
+    });
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let persist = Arc::new(Seen {
+        durable,
+        seen: seen.clone(),
+    });
+    let mut p = PcowProvider::new(storage, fd, persist, state).unwrap();
+    let c = p.cluster(3, Need::Zeroed).unwrap();
+    p.refill().unwrap();
+    p.commit(0..0).unwrap();
+    let seen = seen.lock().unwrap().clone();
+    assert!(seen.len() >= 3, "{seen:?}: meta cluster, entry, counter");
+    for d in seen {
+        assert!(
+            d >= c.offset + CS,
+            "a record persisted with the file durably {d} bytes long"
+        );
+    }
+}
