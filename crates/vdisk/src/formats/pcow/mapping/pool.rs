@@ -1,21 +1,23 @@
-//! The clusters kept allocated past the committed end, by two threads of their own: one
-//! allocates, one makes the allocations durable.
+//! The clusters kept allocated past the committed end, by a thread of its own.
 //!
 //! A cluster is `fallocate`d: unwritten extents, which read as zeroes without I/O. The region
 //! maps a cluster it hands out with read-ahead off (`pmem::map::no_read_ahead`), so its first
 //! store brings one 4 KiB page into the page cache; ext4 converts the page's extent when it is
 //! written back, at the persist, not on the faulting thread. An allocation costs about 1 µs a
-//! 2 MiB cluster and a sync a few milliseconds whatever it covers, so the two are apart: a
-//! fault needs its cluster allocated only, and the commit that first records a cluster
-//! (`provider.rs`) needs its allocation durable, the file's new size with it, before the
-//! entry: [`Pool::synced_to`] syncs there if the sync thread has not got that far yet.
+//! 2 MiB cluster, a sync a few milliseconds whatever it covers, so the thread only allocates:
+//! a fault needs its cluster allocated, and the commit that first records a cluster
+//! (`provider.rs`) needs the allocation durable, the file's new size with it, before the entry:
+//! [`Pool::synced_to`] syncs there, the whole pool at once, so one commit in several pays it.
+//! (A thread syncing beside the faults made each allocation wait for the journal's commits: a
+//! burst of 2000 first touches saw 40 of its syncs, and fallocates of up to 13 ms under them,
+//! `perf trace -s`.)
 //!
 //! (Until this, the pool wrote its clusters with zeroes, a page a write, and synced them
 //! before handing them out: a first store was then a plain page-cache fault, 4 µs, but
 //! writing 2 MiB took the pool's thread longer than a burst of faults takes clusters, so a
 //! burst of 1000 first touches waited for it: p99 14.7 ms in bench/results/pmem.md.)
 //!
-//! The threads start with the first request, so a mapping that never allocates never grows
+//! The thread starts with the first request, so a mapping that never allocates never grows
 //! or syncs the file. A fault allocates on its own thread only when the pool is empty (a
 //! first allocation, or faults faster than the allocating thread).
 
@@ -31,8 +33,6 @@ struct State {
     allocated: u64,
     /// Clusters below this are allocated durably, with the file's size.
     synced: u64,
-    /// The last `allocated` the sync thread tried to make durable.
-    sync_tried: u64,
     /// The allocating thread allocates up to here.
     want: u64,
     stop: bool,
@@ -44,7 +44,7 @@ pub struct Pool {
     storage: Arc<dyn Storage>,
     cluster: u64,
     shared: Shared,
-    threads: Vec<JoinHandle<()>>,
+    thread: Option<JoinHandle<()>>,
 }
 
 impl Pool {
@@ -53,7 +53,6 @@ impl Pool {
         let state = State {
             allocated,
             synced: allocated,
-            sync_tried: allocated,
             want: allocated,
             stop: false,
         };
@@ -61,7 +60,7 @@ impl Pool {
             storage,
             cluster,
             shared: Arc::new((Mutex::new(state), Condvar::new())),
-            threads: Vec::new(),
+            thread: None,
         }
     }
 
@@ -69,9 +68,9 @@ impl Pool {
         lock(&self.shared)
     }
 
-    /// Clusters below this are allocated.
-    pub fn allocated(&self) -> u64 {
-        self.state().allocated
+    /// Clusters below this are allocated or asked for.
+    pub fn wanted(&self) -> u64 {
+        self.state().want
     }
 
     /// Asks for clusters up to `until` without waiting.
@@ -91,12 +90,13 @@ impl Pool {
     /// them on the caller's thread if they are not yet (waiting for the allocating thread, in
     /// the middle of its own range, would be no sooner). Allocating a range twice is harmless.
     pub fn wait(&mut self, need: u64, until: u64) -> io::Result<()> {
-        let until = until.max(need);
-        self.ask(until)?;
+        // Nothing asked while the pool holds `need`: the refill asks for clusters in batches.
         let from = self.state().allocated;
         if from >= need {
             return Ok(());
         }
+        let until = until.max(need);
+        self.ask(until)?;
         let c = self.cluster;
         self.storage.allocate(from * c, (until - from) * c)?;
         let mut s = self.state();
@@ -106,47 +106,42 @@ impl Pool {
         Ok(())
     }
 
-    /// Makes the allocation of clusters below `end` durable (they are allocated), with a sync
-    /// of the caller's own unless the sync thread has done it: before an entry naming one of
-    /// them is persisted, or a crash could leave the entry naming a cluster past the file's
-    /// end, or not allocated.
+    /// Makes the allocation of clusters below `end` durable (they are allocated), before an
+    /// entry naming one of them is persisted: else a crash could leave the entry naming a
+    /// cluster past the file's end, or not allocated.
     pub fn synced_to(&mut self, end: u64) -> io::Result<()> {
-        if self.state().synced >= end {
-            return Ok(());
-        }
-        // Every allocation below `end` returned before this sync starts: it covers them.
+        let to = {
+            let s = self.state();
+            if s.synced >= end {
+                return Ok(());
+            }
+            s.allocated
+        };
+        // Every allocation below `to` (`end` is) returned before this sync starts: it covers
+        // them, so the next commits need none until the pool is refilled.
         self.storage.sync()?;
         let mut s = self.state();
-        s.synced = s.synced.max(end);
+        s.synced = s.synced.max(to);
         Ok(())
     }
 
     fn start(&mut self) -> io::Result<()> {
-        if !self.threads.is_empty() {
+        if self.thread.is_some() {
             return Ok(());
         }
-        for (name, job) in [
-            (
-                "vdisk-pcow-pool",
-                allocating as fn(&dyn Storage, u64, &Shared),
-            ),
-            ("vdisk-pcow-sync", syncing),
-        ] {
-            let (storage, cluster, shared) =
-                (self.storage.clone(), self.cluster, self.shared.clone());
-            let t = std::thread::Builder::new()
-                .name(name.into())
-                .spawn(move || job(&*storage, cluster, &shared))?;
-            self.threads.push(t);
-        }
+        let (storage, cluster, shared) = (self.storage.clone(), self.cluster, self.shared.clone());
+        let t = std::thread::Builder::new()
+            .name("vdisk-pcow-pool".into())
+            .spawn(move || allocating(&*storage, cluster, &shared))?;
+        self.thread = Some(t);
         Ok(())
     }
 
-    /// Stops the threads (after the allocation or sync each is doing) and waits for them.
+    /// Stops the thread (after the allocation it is doing) and waits for it.
     pub fn stop(&mut self) {
         self.state().stop = true;
         self.shared.1.notify_all();
-        for t in self.threads.drain(..) {
+        if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
@@ -187,28 +182,5 @@ fn allocating(storage: &dyn Storage, cluster: u64, shared: &Shared) {
             Err(_) => s.want = s.allocated,
         }
         shared.1.notify_all();
-    }
-}
-
-fn syncing(storage: &dyn Storage, _cluster: u64, shared: &Shared) {
-    let mut s = lock(shared);
-    loop {
-        if s.stop {
-            return;
-        }
-        // After a failure, tried again once more is allocated; the commit syncs itself (and
-        // sees the error) if this thread has not made its clusters durable.
-        if s.allocated <= s.synced || s.allocated <= s.sync_tried {
-            s = wait(shared, s);
-            continue;
-        }
-        let to = s.allocated;
-        s.sync_tried = to;
-        drop(s);
-        let done = storage.sync();
-        s = lock(shared);
-        if done.is_ok() {
-            s.synced = s.synced.max(to);
-        }
     }
 }

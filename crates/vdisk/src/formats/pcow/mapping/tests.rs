@@ -3,7 +3,6 @@
 
 use std::io;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use super::super::{create, read_super, walk::walk, CreateOptions};
 use super::provider::PcowProvider;
@@ -12,19 +11,15 @@ use crate::storage::{FileStorage, OpenOptions, Storage};
 
 const CS: u64 = 2 << 20;
 
-/// A file whose syncs record the length they made durable; the pool's sync thread's take
-/// 300 ms, so a commit that does not sync itself runs while that sync is still under way.
-struct Slow {
+/// A file whose syncs record the length they made durable.
+struct Syncs {
     file: FileStorage,
     durable: Arc<Mutex<u64>>,
 }
 
-impl Storage for Slow {
+impl Storage for Syncs {
     fn sync(&self) -> io::Result<()> {
         let len = self.file.len()?;
-        if std::thread::current().name() == Some("vdisk-pcow-sync") {
-            std::thread::sleep(Duration::from_millis(300));
-        }
         self.file.sync()?;
         let mut d = self.durable.lock().unwrap();
         *d = (*d).max(len);
@@ -54,8 +49,8 @@ impl Persist for Seen {
     }
 }
 
-/// A first touch takes a cluster of the pool, which is fallocated but whose allocation the
-/// sync thread has not made durable yet; the commit's records (the segment's meta cluster,
+/// A first touch takes a cluster of the pool, which is fallocated but whose allocation no sync
+/// has made durable yet; the commit's records (the segment's meta cluster,
 /// the entry, the counter) are persisted only once the file's size and extents reach past
 /// that cluster. (Without the commit's own sync, `Pool::synced_to`, they are persisted while
 /// the file is durably one cluster long: a crash could keep an entry naming a cluster past
@@ -81,7 +76,7 @@ fn no_record_is_persisted_before_the_allocation_it_names() {
     let sb = read_super(&file).unwrap();
     let state = walk(&file, &sb).unwrap().state;
     let fd = Arc::new(file.file().try_clone().unwrap());
-    let storage = Arc::new(Slow {
+    let storage = Arc::new(Syncs {
         file,
         durable: durable.clone(),
     });
