@@ -56,7 +56,8 @@ done)
         "\"Durability at the persist\"), so its cost shows in the persist rows, beside the kernel's" \
         "msync of one page: a persist is the caller's range, then the copied pages outside it, the" \
         "entries and the counters (and cur_segment_num for a new segment), an msync each. Its first touches come" \
-        "1000 in a burst, faster than the pool's thread writes 2 MiB clusters of zeroes: the p99."
+        "1000 in a burst from a pool of fallocated clusters, mapped with read-ahead off (MADV_RANDOM): the" \
+        "kernel-floor rows \"read-ahead off\" are their floor."
     echo
     echo "| row | p50 (µs) | p99 (µs) |"
     echo "| --- | --- | --- |"
