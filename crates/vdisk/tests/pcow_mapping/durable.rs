@@ -35,7 +35,9 @@ impl Media {
         let live = self.live();
         let mut g = self.durable.lock().unwrap();
         let mut media = g.0.clone();
-        media.resize(live.len(), 0); // allocated and synced ahead: zeroes
+        // Past what was persisted: the pool's fallocated space, zeroes. (That its length is
+        // durable before a record names it is the provider's unit test's to check.)
+        media.resize(live.len(), 0);
         let mut written_back = media.clone();
         for (c, cluster) in live.chunks(CS as usize).enumerate() {
             if c == 0 || cluster.get(4..8) == Some(b"PCMT") {

@@ -98,7 +98,7 @@ impl Pool {
         let until = until.max(need);
         self.ask(until)?;
         let c = self.cluster;
-        self.storage.allocate(from * c, (until - from) * c)?;
+        allocate(&*self.storage, &self.shared, from * c, until * c)?;
         let mut s = self.state();
         s.allocated = s.allocated.max(until);
         drop(s);
@@ -153,6 +153,23 @@ impl Drop for Pool {
     }
 }
 
+/// Allocates `[from, to)` of the file: `fallocate`, or where the file system has none, the
+/// file's length set to `to` (a hole reads as zeroes too; only the space is not reserved).
+fn allocate(storage: &dyn Storage, shared: &Shared, from: u64, to: u64) -> io::Result<()> {
+    match storage.allocate(from, to - from) {
+        Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+            // Under the pool's lock: the allocating thread and a fault may both grow the file,
+            // and a length set from a stale one would cut a cluster handed out.
+            let _s = lock(shared);
+            match storage.len()? < to {
+                true => storage.set_len(to),
+                false => Ok(()),
+            }
+        }
+        done => done,
+    }
+}
+
 fn lock(shared: &Shared) -> MutexGuard<'_, State> {
     shared.0.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -173,7 +190,7 @@ fn allocating(storage: &dyn Storage, cluster: u64, shared: &Shared) {
         }
         let (from, to) = (s.allocated, s.want);
         drop(s);
-        let done = storage.allocate(from * cluster, (to - from) * cluster);
+        let done = allocate(storage, shared, from * cluster, to * cluster);
         s = lock(shared);
         match done {
             Ok(()) => s.allocated = s.allocated.max(to),

@@ -11,7 +11,7 @@
 //!        pages inside the caller's range, synced with it just before; cache lines were
 //!        written back at the copy); a first touch's cluster is fallocated space, zeroes
 //!  the allocation of every cluster taken (the pool's fallocate, and the file's size): a
-//!        sync, unless the pool's sync thread has made it durable already
+//!        sync of the whole pool, unless a commit before made it durable already
 //!  new segments' meta clusters (counter 0), then entries: cow_bitmap words of wide bitmaps,
 //!        then one aligned 8-byte store of cow_bitmap + data_cluster_num each
 //!  cluster_counter of every segment that gained entries: one aligned 4-byte store each
@@ -32,9 +32,9 @@
 //!
 //! Clusters are appended strictly in order (data cluster `k` of a segment is the `k`-th after
 //! its meta cluster), so the pool is simply space past the committed end: `refill` asks the
-//! pool's threads (`pool.rs`) to keep up to [`POOL_CLUSTERS`] clusters there, fallocated, so
-//! that a fault neither grows the file nor waits for a sync, and the sync that makes the
-//! allocation durable runs beside the faults, or at the latest in the commit. The pool is set
+//! pool's thread (`pool.rs`) to keep up to [`POOL_CLUSTERS`] clusters there, fallocated, so
+//! that a fault neither grows the file nor waits for a sync; the sync that makes the
+//! allocation durable is the commit's (`Pool::synced_to`). The pool is set
 //! up by the first allocation (which allocates its own cluster with it), not by the open:
 //! a mapping that allocates nothing leaves the file as it found it, unsynced. A crash leaves
 //! the pool past the committed end, where the walk does not look; a writable open cuts it, and

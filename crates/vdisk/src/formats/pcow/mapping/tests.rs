@@ -11,10 +11,12 @@ use crate::storage::{FileStorage, OpenOptions, Storage};
 
 const CS: u64 = 2 << 20;
 
-/// A file whose syncs record the length they made durable.
+/// A file whose syncs record the length they made durable; with `no_fallocate`, on a file
+/// system without `fallocate`.
 struct Syncs {
     file: FileStorage,
     durable: Arc<Mutex<u64>>,
+    no_fallocate: bool,
 }
 
 impl Storage for Syncs {
@@ -25,8 +27,14 @@ impl Storage for Syncs {
         *d = (*d).max(len);
         Ok(())
     }
-    crate::forward_storage!(file: read_at, write_at, allocate, punch_hole, len, set_len,
-        allocated_bytes, stats);
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+        match self.no_fallocate {
+            true => Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP)),
+            false => self.file.allocate(offset, len),
+        }
+    }
+    crate::forward_storage!(file: read_at, write_at, punch_hole, len, set_len, allocated_bytes,
+        stats);
 }
 
 /// Records the file's durable length at each persist.
@@ -57,6 +65,17 @@ impl Persist for Seen {
 /// the file's end. This test then fails.)
 #[test]
 fn no_record_is_persisted_before_the_allocation_it_names() {
+    first_touch_and_commit(false);
+}
+
+/// Where the file system has no `fallocate`, the pool grows the file (holes read as zeroes),
+/// in the same order.
+#[test]
+fn without_fallocate_the_pool_grows_the_file() {
+    first_touch_and_commit(true);
+}
+
+fn first_touch_and_commit(no_fallocate: bool) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("a.pcow");
     let opts = OpenOptions {
@@ -79,6 +98,7 @@ fn no_record_is_persisted_before_the_allocation_it_names() {
     let storage = Arc::new(Syncs {
         file,
         durable: durable.clone(),
+        no_fallocate,
     });
     let seen = Arc::new(Mutex::new(Vec::new()));
     let persist = Arc::new(Seen {
