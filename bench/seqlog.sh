@@ -5,7 +5,7 @@
 # on a written file), which seqlog is meant to reach.
 #
 #   bench/seqlog.sh [--quick] [--size-mib N] [--runtime S] [--rounds N] [--no-build] [--out FILE]
-#                   [--in-process] [--vdisk PATH] [--baseline PATH]
+#                   [--in-process] [--reads] [--vdisk PATH] [--baseline PATH]
 #
 #   --quick       256 MiB disks, 3 s per run, 1 round (about 3 minutes); default 1 GiB, 10 s, 3
 #   --size-mib N  size of every disk
@@ -16,6 +16,11 @@
 #   --out FILE    default bench/results/seqlog-<quick|full>.md
 #   --in-process  only the in-process rows (`vdisk bench`, raw beside seqlog and qcow2): no
 #                 NBD, no fio rows, no recovery
+#   --reads       only the rows of reads after random writes, over NBD: raw, seqlog, seqlog
+#                 with its read-ahead off (VDISK_SEQLOG_READAHEAD=off, the same disk) and, with
+#                 --baseline, the baseline serving its own seqlog disk (which goes first
+#                 alternates by round, as for every row); the random writes before them are
+#                 reported too. Out: default bench/results/seqlog-reads.md
 #   --vdisk PATH  the vdisk binary to run (implies --no-build; default target/release/vdisk)
 #   --baseline PATH  another vdisk binary (an older build): the in-process seqlog rows run
 #                 with it too, right beside this one's (which goes first alternates by
@@ -46,7 +51,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 args=$*
-quick=0 size_mib= runtime= rounds= build=1 out= inproc=0 vdisk= baseline=
+quick=0 size_mib= runtime= rounds= build=1 out= inproc=0 reads=0 vdisk= baseline=
 while (($#)); do
     case $1 in
     --quick) quick=1 ;;
@@ -56,6 +61,7 @@ while (($#)); do
     --no-build) build=0 ;;
     --out) out=$2; shift ;;
     --in-process) inproc=1 ;;
+    --reads) reads=1 ;;
     --vdisk) vdisk=$(realpath "$2") build=0; shift ;;
     --baseline) baseline=$(realpath "$2"); shift ;;
     -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
@@ -68,7 +74,7 @@ if ((quick)); then
 else
     size_mib=${size_mib:-1024} runtime=${runtime:-10} rounds=${rounds:-3}
 fi
-out=${out:-bench/results/seqlog-$( ((quick)) && echo quick || echo full).md}
+out=${out:-bench/results/seqlog-$( ((reads)) && echo reads || { ((quick)) && echo quick || echo full; }).md}
 for tool in fio qemu-img qemu-nbd; do
     command -v $tool >/dev/null || { echo "seqlog.sh: needs $tool" >&2; exit 1; }
 done
@@ -104,6 +110,8 @@ serve_fio() {
     [[ $disk == *.seqlog ]] && before=$(batches "$disk")
     local timed=(/usr/bin/time -f "cpu %U+%S s, %w switches" -o "$work/time.txt")
     case $server in
+    vdisk-noahead) VDISK_SEQLOG_READAHEAD=off "${timed[@]}" "$vdisk" serve "$work/$disk" --nbd "unix:$sock" --cache none --aio native & pid=$! ;;
+    baseline) "${timed[@]}" "$baseline" serve "$work/$disk" --nbd "unix:$sock" --cache none --aio native & pid=$! ;;
     vdisk) "${timed[@]}" "$vdisk" serve "$work/$disk" --nbd "unix:$sock" --cache none --aio native & pid=$! ;;
     qemu-nbd) "${timed[@]}" qemu-nbd -f qcow2 --cache=none --aio=native -t -k "$sock" "$work/$disk" & pid=$! ;;
     esac
@@ -148,7 +156,31 @@ run_bench() {
 # label → (disk, server); `fs` rows run fio on the raw file directly.
 disks=("raw:raw.img:vdisk" "seqlog:disk.seqlog:vdisk" "qcow2-vdisk:disk.qcow2:vdisk"
     "qcow2-qemu-nbd:disk.qcow2:qemu-nbd")
+if ((reads)); then
+    disks=("raw:raw.img:vdisk" "seqlog:disk.seqlog:vdisk" "seqlog-noahead:disk.seqlog:vdisk-noahead")
+    [[ -n $baseline ]] && disks+=("baseline-seqlog:base.seqlog:baseline")
+fi
 for ((r = 1; r <= rounds; r++)); do
+    if ((reads)); then
+        make_disks
+        order=()
+        for d in "${disks[@]}"; do
+            if ((r % 2)); then order+=("$d"); else order=("$d" "${order[@]}"); fi
+        done
+        for qd in 16 32; do
+            for rw in randwrite read randread; do
+                for d in "${order[@]}"; do
+                    IFS=: read -r label disk server <<<"$d"
+                    # The read-ahead's disk is the same as seqlog's: written once.
+                    [[ $rw == randwrite && $label == seqlog-noahead ]] && continue
+                    v=$(serve_fio "$disk" "$server" "$rw" "$qd")
+                    iops["$label $rw qd$qd"]+="$v "
+                    echo "round $r $label $rw qd$qd $v ($(cat "$work/extra"))" | tee -a "$log"
+                done
+            done
+        done
+        continue
+    fi
     make_disks
     order=()
     for d in "${disks[@]}"; do
@@ -194,7 +226,7 @@ for ((r = 1; r <= rounds; r++)); do
 done
 
 recovery=
-if ((!inproc)); then
+if ((!inproc && !reads)); then
 # Recovery after a crash: the seqlog disk served, written at random for the run's time at
 # depth 32, the server killed (SIGKILL, no close and no checkpoint at close), then the time an
 # open takes (vdisk info opens the image, reading the newest checkpoint and the batches after
@@ -212,6 +244,47 @@ recovery=$("$vdisk" info "$work/disk.seqlog" | awk -F': ' '
     END {gib = m * bs / 2^30; printf "%.1f ms to open after SIGKILL (the checkpoint of batch %s, then %s batches; the first block of each of %s segments read), %.2f GiB mapped, map memory %.2f MiB per GiB mapped",
         us / 1000, cp, b, n, gib, mem / 2^20 / gib}')
 echo "recovery: $recovery" | tee -a "$log"
+fi
+
+if ((reads)); then
+    median() { tr ' ' '\n' <<<"$1" | grep . | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+    ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
+    {
+        echo "# seqlog: reads after random writes"
+        echo
+        echo "\`bench/seqlog.sh $args\` at $(git rev-parse --short HEAD) on $(date -u +%Y-%m-%d):" \
+            "${size_mib} MiB disks, ${runtime} s per run, $rounds round(s), medians (IOPS, 4 KiB)."
+        echo "Every server with O_DIRECT (--cache none --aio native); fio's nbd engine over a unix"
+        echo "socket. seqlog-noahead: the same seqlog disk served with VDISK_SEQLOG_READAHEAD=off."
+        echo "vdisk: $vdisk${baseline:+; baseline: $baseline (its own seqlog disk, written the same way)}."
+        echo
+        hdr="| qd | rw | raw | seqlog | seqlog-noahead |" sep="|---|---|---|---|---|"
+        [[ -n $baseline ]] && hdr+=" baseline |" sep+="---|"
+        hdr+=" seqlog / raw | seqlog-noahead / raw |" sep+="---|---|"
+        [[ -n $baseline ]] && hdr+=" baseline / raw |" sep+="---|"
+        echo "$hdr"; echo "$sep"
+        for qd in 16 32; do
+            for rw in randwrite read randread; do
+                m() { median "${iops[$1 $rw qd$qd]:-}"; }
+                row="| $qd | $rw | $(m raw) | $(m seqlog) | $(m seqlog-noahead) |"
+                [[ -n $baseline ]] && row+=" $(m baseline-seqlog) |"
+                if [[ $rw == randwrite ]]; then
+                    row+=" $(ratio "$(m seqlog)" "$(m raw)") | |"
+                    [[ -n $baseline ]] && row+=" $(ratio "$(m baseline-seqlog)" "$(m raw)") |"
+                else
+                    row+=" $(ratio "$(m seqlog)" "$(m raw)") | $(ratio "$(m seqlog-noahead)" "$(m raw)") |"
+                    [[ -n $baseline ]] && row+=" $(ratio "$(m baseline-seqlog)" "$(m raw)") |"
+                fi
+                echo "$row"
+            done
+        done
+        echo
+        echo "Every run:"
+        echo
+        sed 's/^/    /' "$log"
+    } >"$out"
+    cat "$out"
+    exit 0
 fi
 
 median() { tr ' ' '\n' <<<"$1" | grep . | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }

@@ -52,6 +52,7 @@ mod readahead;
 mod recover;
 mod release;
 mod resize;
+mod seqread;
 mod stats;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -102,6 +103,8 @@ pub struct Seqlog {
     recovery_time: std::time::Duration,
     /// Unhinted writes to the guest file system's metadata go to the metadata stream.
     classify: classify::Classifier,
+    /// Read-ahead for streams of sequential reads on the I/O queue.
+    seqread: seqread::SeqRead,
 }
 
 impl Seqlog {
@@ -122,8 +125,10 @@ impl Seqlog {
             Err(Error::Corrupt(_)) if checking => recover::scan(&storage, &sb)?,
             r => r?,
         };
+        let log = Log::new(sb, storage, r.head);
         let disk = Seqlog {
-            log: Log::new(sb, storage, r.head),
+            seqread: seqread::SeqRead::new(&log),
+            log,
             map: r.map,
             partial: Mutex::new(()),
             read_only,
@@ -299,13 +304,30 @@ impl BlockDev for Seqlog {
     }
 
     /// Maps a read: its transfers read the log where the map points, holding a pass that
-    /// keeps the cleaner from reusing those segments until they are done.
+    /// keeps the cleaner from reusing those segments until they are done. A stream of reads
+    /// that continue each other is read ahead (seqread.rs).
     fn start_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<StartedRead<'_>>> {
         check_range(self.size(), offset, buf.len() as u64)?;
         let Some(pass) = self.log.reuse.try_enter() else {
             return Ok(None);
         };
-        start_read_mapped(self, offset, buf, Some(pass)).map(Some)
+        let started = start_read_mapped(self, offset, buf, Some(pass))?;
+        let bs = self.bs();
+        if offset % bs != 0 {
+            return Ok(Some(started));
+        }
+        let lookup = |block: u64, max: u64| {
+            let (to, n) = self.map.run(block, max)?;
+            Ok((to.map(|l| self.log.sb.log_offset(l)), n))
+        };
+        let blocks = self.size() / bs;
+        Ok(Some(self.seqread.serve(
+            offset / bs,
+            blocks,
+            buf,
+            started,
+            &lookup,
+        )))
     }
 
     /// Places a write of whole blocks in the forming batch; its data goes to the head of

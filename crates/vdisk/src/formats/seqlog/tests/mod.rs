@@ -10,6 +10,7 @@ use crate::storage::MemStorage;
 mod ahead;
 mod headers;
 mod opens;
+mod seqread;
 mod streams;
 
 fn new_image(o: CreateOptions) -> Arc<dyn Storage> {
