@@ -247,7 +247,8 @@ echo "recovery: $recovery" | tee -a "$log"
 fi
 
 if ((reads)); then
-    median() { tr ' ' '\n' <<<"$1" | grep . | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+    # A row not run (seqlog-noahead's random writes) is empty.
+    median() { tr ' ' '\n' <<<"$1" | { grep . || true; } | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
     ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
     {
         echo "# seqlog: reads after random writes"

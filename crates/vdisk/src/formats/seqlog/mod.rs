@@ -6,6 +6,7 @@
 //!   write ─► append.rs: placed in the forming batch ─► data at the segment head (caller)
 //!            └─ every write of a batch finished ─► its header (records + checksum)
 //!   read  ─► map.rs: guest block → log block (4 B each) ─► storage
+//!            └─ a stream of sequential reads (I/O queue) ─► seqread.rs reads ahead
 //!   open  ─► recover.rs: the newest checkpoint, then newer batches in sequence order
 //!   full  ─► clean.rs: a victim's live blocks appended again, the victim reused
 //! ```
