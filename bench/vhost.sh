@@ -13,7 +13,7 @@
 #   --rounds N    run every pair N times (alternating which server goes first) and report each
 #                 server's median IOPS; this machine's runs vary by up to 2x from one to the next
 #   --only REGEX  run only the rows whose label matches
-#   --no-build    use target/release/{vdisk,vhost-load} as they are
+#   --no-build    use target/release/{vdisk,vhost-load} (under CARGO_TARGET_DIR if set) as they are
 #   --baseline BINARY  also run a vdisk built from another commit, with the same options, in
 #                 every round beside the other two; the report adds its IOPS and this build's
 #                 over it
@@ -61,8 +61,9 @@ work=$root/bench/work/vhost
 mkdir -p "$work"
 cd "$root"
 [ $build = 1 ] && cargo build --release -q -p vdisk-cli -p vhost-load
-vdisk=$root/target/release/vdisk
-load=$root/target/release/vhost-load
+target=${CARGO_TARGET_DIR:-$root/target}
+vdisk=$target/release/vdisk
+load=$target/release/vhost-load
 for bin in "$vdisk" "$load"; do
     [ -x "$bin" ] || { echo "$bin is missing (build it, or drop --no-build)" >&2; exit 1; }
 done
