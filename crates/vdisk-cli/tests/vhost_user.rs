@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::{tools, Tools};
 use vhost::vhost_user::message::VhostUserConfigFlags;
 use vhost::vhost_user::VhostUserFrontend;
-use vhost_load::blk::{S_OK, T_IN};
+use vhost_load::blk::{S_OK, T_IN, T_OUT};
 use vhost_load::{BlkDevice, Buffer, GuestRam, Op, Queue, Setup, Slots};
 
 const MIB: u64 = 1 << 20;

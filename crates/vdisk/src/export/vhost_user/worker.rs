@@ -8,9 +8,10 @@
 //!   IoQueue eventfd / inbox eventfd ─► answer: bounce reads out, status byte, used ring, call
 //! ```
 //!
-//! Small transfers move through buffers of our own, which the I/O queue's kernel requests
-//! fill or drain; larger ones run on the pool straight between the disk and the guest's
-//! memory (held mapped for the call), where a second copy would cost more than the hand-off.
+//! Small transfers move in place in guest memory or through buffers of our own, which the I/O
+//! queue's kernel requests fill or drain; larger ones run on the pool straight between the
+//! disk and the guest's memory (held mapped for the call), where a second copy would cost
+//! more than the hand-off, unless one is the queue's only request (see `POOL_OVER`).
 
 use std::sync::Arc;
 
@@ -39,7 +40,9 @@ const MAX_TRANSFER: u64 = 64 << 20;
 /// and through the page cache the pool's threads copy large transfers side by side where the
 /// worker (whose kernel requests copy on the thread that submits them) would copy them in turn.
 /// With O_DIRECT the kernel moves the data itself, so a large transfer in place in guest
-/// memory goes on the I/O queue instead.
+/// memory goes on the I/O queue instead; so does one through the page cache that is the
+/// queue's only request in flight (a driver at depth 1), which the kernel then copies on the
+/// worker's thread without the pool's two hand-offs.
 const POOL_OVER: u64 = 64 << 10;
 /// Bytes of request buffers a queue keeps for reuse: 32 requests of 1 MiB in flight need no
 /// fresh memory.
@@ -149,8 +152,10 @@ impl Worker {
             if event_idx {
                 let _ = vring.disable_notification();
             }
-            let mut taken = 0;
             let mut broken = false;
+            // The pass's requests are taken before any starts: how many there are decides
+            // where a large one goes (`start`).
+            let mut batch = Vec::new();
             loop {
                 // An available ring the driver broke (an index past what the ring can hold)
                 // stops the queue until the next kick, rather than looping on it.
@@ -163,15 +168,19 @@ impl Worker {
                     }
                 };
                 let Some(chain) = chain else { break };
-                taken += 1;
                 let head = chain.head_index();
                 let descs = chain.map(|d| (d.addr(), d.len(), d.is_write_only()));
                 let parsed = parse(&*mem, descs);
                 self.device
                     .stats
                     .request(parsed.as_ref().ok().map(|r| r.kind));
+                batch.push((head, parsed));
+            }
+            let taken = batch.len();
+            let alone = taken == 1 && self.idle();
+            for (head, parsed) in batch {
                 match parsed {
-                    Ok(req) => self.start(mem_atomic, &mem, head, req, &mut answers),
+                    Ok(req) => self.start(mem_atomic, &mem, head, req, alone, &mut answers),
                     Err(Malformed::NoStatus) => {
                         self.device
                             .warn(format_args!("request {head} has no status byte"));
@@ -201,13 +210,15 @@ impl Worker {
     }
 
     /// Starts one request: reads and writes on the I/O queue, blocking calls on the pool,
-    /// refusals answered at once into `answers`.
+    /// refusals answered at once into `answers`. `alone`: it is the only request of this queue
+    /// in flight.
     fn start(
         &mut self,
         mem_atomic: &Mem,
         mem: &Memory,
         head: u16,
         req: Request,
+        alone: bool,
         answers: &mut Vec<Answer>,
     ) {
         let status = req.status;
@@ -226,7 +237,12 @@ impl Worker {
                 if write && !writable {
                     return answers.push(refuse(S_IOERR));
                 }
-                let in_place = (len <= POOL_OVER || self.device.direct)
+                // A large transfer through the page cache goes on the I/O queue too when it is
+                // the queue's only one: the kernel copies it on this thread (the only copy
+                // there is to make), which spares the two thread hand-offs of the pool's path
+                // (a driver at depth 1 waits for both on every request). With others in
+                // flight, the pool's threads copy side by side instead.
+                let in_place = (len <= POOL_OVER || self.device.direct || alone)
                     .then(|| Data::in_place(mem_atomic, segs))
                     .flatten();
                 let stats = &self.device.stats;
@@ -334,6 +350,11 @@ impl Worker {
             T_DISCARD | T_WRITE_ZEROES => answers.push(refuse(S_IOERR)),
             _ => answers.push(refuse(S_UNSUPP)),
         }
+    }
+
+    /// Nothing of this queue's is in flight: on its I/O queue or on the pool.
+    fn idle(&self) -> bool {
+        self.queue.as_ref().is_some_and(|q| q.in_flight() == 0) && self.inbox.pending() == 0
     }
 
     /// A whole read or write on the pool, straight between the disk and the guest's buffers,
