@@ -5,7 +5,7 @@
 # side by side in one run.
 #
 #   bench/vhost.sh [--quick] [--seconds S] [--size-mib N] [--rounds N] [--only REGEX] [--no-build]
-#                  [--baseline BINARY] [--out FILE]
+#                  [--segments N] [--baseline BINARY] [--out FILE]
 #
 #   --quick       256 MiB images, 1 s per run (about 3 minutes); default 1 GiB, 3 s
 #   --seconds S   seconds per run
@@ -13,6 +13,8 @@
 #   --rounds N    run every pair N times (alternating which server goes first) and report each
 #                 server's median IOPS; this machine's runs vary by up to 2x from one to the next
 #   --only REGEX  run only the rows whose label matches
+#   --segments N  vhost-load cuts each request's data into N descriptors, none contiguous with
+#                 the next (a guest's scattered pages); default 1
 #   --no-build    use target/release/{vdisk,vhost-load} (under CARGO_TARGET_DIR if set) as they are
 #   --baseline BINARY  also run a vdisk built from another commit, with the same options, in
 #                 every round beside the other two; the report adds its IOPS and this build's
@@ -36,7 +38,7 @@ set -euo pipefail
 command_line="bench/vhost.sh $*"
 usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit "${1:-0}"; }
 
-quick=0 seconds= size_mib= only= build=1 out= rounds=1 baseline=
+quick=0 seconds= size_mib= only= build=1 out= rounds=1 baseline= segments=1
 while [ $# -gt 0 ]; do
     case "$1" in
         --quick) quick=1 ;;
@@ -44,6 +46,7 @@ while [ $# -gt 0 ]; do
         --size-mib) size_mib=$2; shift ;;
         --rounds) rounds=$2; shift ;;
         --only) only=$2; shift ;;
+        --segments) segments=$2; shift ;;
         --no-build) build=0 ;;
         --baseline) baseline=$(realpath "${2:?--baseline needs a vdisk binary}"); shift ;;
         --out) out=$2; shift ;;
@@ -121,7 +124,7 @@ run() {
     start_server "$server" "$cache" "$image" "$queues"
     local line
     line=$("$load" --socket "$sock" --rw "$rw" --bs "$bs" --depth "$depth" --queues "$queues" \
-        --seconds "$seconds")
+        --seconds "$seconds" --segments "$segments")
     stop_server
     echo "$line" | sed -n 's/.*iops=\([0-9]*\).*/\1/p'
 }
@@ -148,7 +151,7 @@ report=$(mktemp)
     echo "\`$command_line\` on $(date -u +%Y-%m-%d), $(nproc) CPUs,"
     echo "$(qemu-storage-daemon --version | head -1), vdisk $(git rev-parse --short HEAD)."
     echo "Images of $size_mib MiB, $seconds s per run, IOPS from vhost-load (crates/vhost-load);"
-    echo "$rounds round(s) per row, each server's median reported."
+    echo "$rounds round(s) per row, each server's median reported; data in $segments descriptor(s) a request."
     echo "Ratio: vdisk over qemu-storage-daemon in the same cache mode."
     if [ -n "$baseline" ]; then
         echo "Base: the vdisk binary $baseline, run in the same rounds, right after this build;"

@@ -33,6 +33,9 @@ pub struct Slots {
     slot_size: u64,
     pub count: u16,
     pub data_max: u32,
+    /// Descriptors a read's or write's data is cut into, laid out in reverse order in the
+    /// slot (no two neighbours in the order of the chain), as a guest's scattered pages are.
+    pub segments: u16,
 }
 
 impl Slots {
@@ -45,6 +48,15 @@ impl Slots {
             slot_size,
             count: fits,
             data_max,
+            segments: 1,
+        }
+    }
+
+    /// The same slots with data cut into `n` descriptors (at least 1).
+    pub fn with_segments(self, n: u16) -> Slots {
+        Slots {
+            segments: n.max(1),
+            ..self
         }
     }
 
@@ -100,7 +112,27 @@ impl Slots {
             len,
             device_writes,
         };
+        // Pieces of whole sectors; the last takes what is left.
+        let scattered = |device_writes| {
+            let n = u32::from(self.segments).min(len / 512).max(1);
+            let piece = len / n / 512 * 512;
+            let mut chain = vec![header];
+            for i in 0..n {
+                let size = if i + 1 == n { len - piece * i } else { piece };
+                // Piece i sits after the pieces that follow it in the chain.
+                let at = u64::from(len - piece * i - size);
+                chain.push(Buffer {
+                    addr: self.data(slot) + at,
+                    len: size,
+                    device_writes,
+                });
+            }
+            chain.push(status);
+            chain
+        };
         let chain = match op {
+            Op::Read if self.segments > 1 => scattered(true),
+            Op::Write if self.segments > 1 => scattered(false),
             Op::Read => vec![header, data(true), status],
             Op::Write => vec![header, data(false), status],
             Op::Flush => vec![header, status],

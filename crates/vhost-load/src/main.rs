@@ -2,8 +2,11 @@
 //!
 //! ```text
 //! vhost-load --socket PATH [--rw randread|randwrite|read|write] [--bs BYTES] [--depth N]
-//!            [--queues N] [--seconds S] [--range BYTES]
+//!            [--queues N] [--seconds S] [--range BYTES] [--segments N]
 //! ```
+//!
+//! `--segments N` cuts each request's data into N descriptors placed in reverse order, so that
+//! none is contiguous with the next (a guest's scattered pages); default 1.
 //!
 //! Each queue has its own thread keeping `--depth` requests in flight. Writes end with a flush,
 //! counted in the time. Prints one line: `requests=.. seconds=.. iops=.. mib_s=.. errors=..`.
@@ -25,6 +28,7 @@ struct Args {
     queues: u16,
     seconds: f64,
     range: Option<u64>,
+    segments: u16,
 }
 
 fn parse() -> Result<Args, String> {
@@ -37,6 +41,7 @@ fn parse() -> Result<Args, String> {
         queues: 1,
         seconds: 5.0,
         range: None,
+        segments: 1,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -62,6 +67,7 @@ fn parse() -> Result<Args, String> {
             "--queues" => a.queues = num(value()?)?.clamp(1, 64) as u16,
             "--seconds" => a.seconds = value()?.parse().map_err(|e| format!("--seconds: {e}"))?,
             "--range" => a.range = Some(num(value()?)?),
+            "--segments" => a.segments = num(value()?)?.clamp(1, 126) as u16,
             _ => return Err(format!("unknown argument {flag}")),
         }
     }
@@ -89,8 +95,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    // Three descriptors a request; a queue a little larger than the depth needs.
-    let queue_size = (u32::from(a.depth) * 3).next_power_of_two().clamp(64, 1024) as u16;
+    // A header, the data's descriptors and a status byte a request; a queue a little larger
+    // than the depth needs.
+    let descriptors = u32::from(a.depth) * (u32::from(a.segments) + 2);
+    if descriptors > 1024 {
+        eprintln!("vhost-load: --depth x (--segments + 2) is over 1024 descriptors");
+        return ExitCode::from(2);
+    }
+    let queue_size = descriptors.next_power_of_two().clamp(64, 1024) as u16;
     let per_request = 4096 + u64::from(a.bs).next_multiple_of(4096);
     let setup = Setup::new(a.queues, queue_size, u64::from(a.depth) * per_request);
     let (dev, queues) = match BlkDevice::connect(&a.socket, &setup) {
@@ -126,6 +138,7 @@ fn main() -> ExitCode {
                 bs: a.bs,
                 depth: a.depth,
                 range,
+                segments: a.segments,
             };
             std::thread::spawn(move || run_queue(&ram, q, &a, i as u64, &tally, &stop, &next_seq))
         })
@@ -165,6 +178,7 @@ struct Workload {
     bs: u32,
     depth: u16,
     range: u64,
+    segments: u16,
 }
 
 /// Keeps `depth` requests in flight on `q` until `stop`; writes end with a flush (its success
@@ -178,7 +192,7 @@ fn run_queue(
     stop: &AtomicBool,
     next_seq: &AtomicU64,
 ) -> Result<bool, String> {
-    let slots = Slots::new(&q, w.depth, w.bs);
+    let slots = Slots::new(&q, w.depth, w.bs).with_segments(w.segments);
     let mut slot_of = vec![0u16; q.ring.size() as usize];
     let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ (seed + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     let blocks = w.range / u64::from(w.bs);
