@@ -472,10 +472,21 @@ fn stats_count_what_the_driver_did() {
 /// one segment that does, gets IOERR, and the device goes on.
 #[test]
 fn large_transfers_in_scattered_segments() {
+    large_transfers_in_scattered_segments_with(&[]);
+}
+
+/// The same with O_DIRECT, where such a transfer is gathered into a buffer of the device's
+/// (one request to the disk) rather than moved stretch by stretch.
+#[test]
+fn large_transfers_in_scattered_segments_with_o_direct() {
+    large_transfers_in_scattered_segments_with(&["--cache", "none", "--aio", "native"]);
+}
+
+fn large_transfers_in_scattered_segments_with(extra: &[&str]) {
     let Some(tools) = tools() else { return };
     let dir = tempfile::tempdir().unwrap();
     let image = new_image(&tools, dir.path(), "l.qcow2", "8M");
-    let served = Served::start(&tools, &image, &[]);
+    let served = Served::start(&tools, &image, extra);
     let (dev, mut queues) = served.connect(1);
     let ram = dev.ram.clone();
     let q = &mut queues[0];

@@ -99,6 +99,8 @@ pub(super) struct Worker {
     /// The device has a volatile write cache for this driver (it negotiated FLUSH and left
     /// the cache on); otherwise every write is durable before it is answered.
     pub writeback: bool,
+    /// Bytes of buffers of ours out for transfers over `POOL_OVER`.
+    bounced: u64,
 }
 
 impl Worker {
@@ -124,6 +126,7 @@ impl Worker {
             pool: Arc::new(Pool::new(MAX_QUEUE_SIZE, POOL_BYTES)),
             vring: None,
             writeback: false,
+            bounced: 0,
         })
     }
 
@@ -251,7 +254,13 @@ impl Worker {
                         stats.transfer(write, len, Path::InPlace);
                         data
                     }
-                    None if len > POOL_OVER => {
+                    // With O_DIRECT a large transfer whose data is scattered in guest
+                    // memory is gathered into a buffer of ours (one copy), so that the disk
+                    // sees one request rather than one per stretch of guest memory, each
+                    // waited for in turn on the pool; buffers of up to `POOL_BYTES` in all.
+                    None if len > POOL_OVER
+                        && !(self.device.direct && self.bounced + len <= POOL_BYTES as u64) =>
+                    {
                         stats.transfer(write, len, Path::Pool);
                         let segs = segs.clone();
                         return self.transfer_on_pool(
@@ -265,8 +274,12 @@ impl Worker {
                     }
                     None => {
                         stats.transfer(write, len, Path::Buffer);
+                        if len > POOL_OVER {
+                            self.bounced += len;
+                        }
                         let mut buf = self.pool.take(len as usize);
                         if write && read_segments(mem, segs, &mut buf).is_err() {
+                            self.recycle(Data::Ours(buf));
                             return answers.push(refuse(S_IOERR));
                         }
                         Data::Ours(buf)
@@ -489,8 +502,11 @@ impl Worker {
     }
 
     /// Gives a buffer of ours back to the pool.
-    fn recycle(&self, data: Data) {
+    fn recycle(&mut self, data: Data) {
         if let Data::Ours(buf) = data {
+            if buf.len() as u64 > POOL_OVER {
+                self.bounced = self.bounced.saturating_sub(buf.len() as u64);
+            }
             self.pool.put(buf);
         }
     }
