@@ -8,6 +8,8 @@ mod common;
 mod drivers;
 #[path = "vhost_user/fuzz.rs"]
 mod fuzz;
+#[path = "vhost_user/large.rs"]
+mod large;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};

@@ -1,0 +1,142 @@
+//! Large transfers whose data is scattered in guest memory, as a guest's pages are.
+
+use super::*;
+
+/// Large transfers (over the size the device moves through buffers of its own) whose data
+/// segments lie scattered and out of order in guest memory, alone on the queue (where one
+/// stretch of memory would move in place on the I/O queue): every byte lands where the chain
+/// puts it, read and written. The same with a segment crossing the end of guest memory, or
+/// one segment that does, gets IOERR, and the device goes on.
+#[test]
+fn large_transfers_in_scattered_segments() {
+    large_transfers_in_scattered_segments_with(&[], "pool");
+}
+
+/// The same with O_DIRECT, where such a transfer is gathered into a buffer of the device's
+/// (one request to the disk) rather than moved stretch by stretch on the pool.
+#[test]
+fn large_transfers_in_scattered_segments_with_o_direct() {
+    large_transfers_in_scattered_segments_with(&["--cache", "none", "--aio", "native"], "buffer");
+}
+
+/// `path`: the transfer path (`--stats`) every scattered transfer must take.
+fn large_transfers_in_scattered_segments_with(extra: &[&str], path: &str) {
+    let Some(tools) = tools() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let image = new_image(&tools, dir.path(), "l.qcow2", "8M");
+    let stats = format!("unix:{}", dir.path().join("stats.sock").display());
+    let served = Served::start(&tools, &image, &[extra, &["--stats", &stats]].concat());
+    let (dev, mut queues) = served.connect(1);
+    let ram = dev.ram.clone();
+    let q = &mut queues[0];
+    let slots = Slots::new(q, 2, MIB as u32);
+    // Each 4 KiB block differs (`pattern` repeats every 256 bytes): a piece read from the
+    // wrong offset shows.
+    let mut data = pattern(5, MIB as usize);
+    for (i, b) in data.iter_mut().enumerate() {
+        *b ^= (i >> 12) as u8;
+    }
+    assert_eq!(write(&ram, q, &slots, MIB, &data), S_OK);
+    let header = slots.data(0);
+    let status = header + 512;
+    let region = slots.data(1);
+    let kib = |n: u64| n << 10;
+    // (guest address, length): 300 KiB, 200 KiB, 524 KiB, placed in reverse so that no two
+    // are neighbours; cuts at 64 KiB multiples of the request fall inside segments.
+    let segments = [
+        (region + kib(724), kib(300)),
+        (region + kib(524), kib(200)),
+        (region, kib(524)),
+    ];
+    let chain = |kind: u32, segments: &[(u64, u64)]| {
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&kind.to_le_bytes());
+        h[8..16].copy_from_slice(&(MIB / 512).to_le_bytes());
+        ram.write(header, &h);
+        ram.write(status, &[0xff]);
+        let mut chain = vec![Buffer {
+            addr: header,
+            len: 16,
+            device_writes: false,
+        }];
+        for &(addr, len) in segments {
+            chain.push(Buffer {
+                addr,
+                len: len as u32,
+                device_writes: kind == T_IN,
+            });
+        }
+        chain.push(Buffer {
+            addr: status,
+            len: 1,
+            device_writes: true,
+        });
+        chain
+    };
+    let status_byte = || {
+        let mut b = [0u8; 1];
+        ram.read(status, &mut b);
+        b[0]
+    };
+    for round in 0..4 {
+        ram.fill(region, MIB as usize, 0);
+        q.ring.add(&chain(T_IN, &segments)).unwrap();
+        assert_eq!(
+            finish(&ram, q),
+            MIB as u32 + 1,
+            "bytes written, round {round}"
+        );
+        assert_eq!(status_byte(), S_OK);
+        let mut at = 0;
+        for &(addr, len) in &segments {
+            let mut got = vec![0u8; len as usize];
+            ram.read(addr, &mut got);
+            assert!(
+                got == data[at..at + len as usize],
+                "segment at {addr:#x}, round {round}"
+            );
+            at += len as usize;
+        }
+    }
+    // The same bytes written back from scattered segments (after the disk's copy was
+    // overwritten), then read whole.
+    assert_eq!(write(&ram, q, &slots, MIB, &vec![0u8; MIB as usize]), S_OK);
+    let mut at = 0;
+    for &(addr, len) in &segments {
+        ram.write(addr, &data[at..at + len as usize]);
+        at += len as usize;
+    }
+    q.ring.add(&chain(T_OUT, &segments)).unwrap();
+    finish(&ram, q);
+    assert_eq!(status_byte(), S_OK, "scattered write");
+    assert!(read(&ram, q, &slots, MIB, MIB as usize) == data);
+    let end = ram.len() as u64;
+    let crossing = [(region, kib(512)), (end - kib(4), kib(512))];
+    let one_crossing = [(end - kib(4), MIB)];
+    for kind in [T_IN, T_OUT] {
+        for (what, segs) in [("a segment", &crossing[..]), ("one segment", &one_crossing)] {
+            q.ring.add(&chain(kind, segs)).unwrap();
+            finish(&ram, q);
+            assert_eq!(
+                status_byte(),
+                S_IOERR,
+                "{what} crossing the end of guest memory, type {kind}"
+            );
+        }
+    }
+    assert!(read(&ram, q, &slots, MIB, MIB as usize) == data);
+    // Four scattered reads, a scattered write, four crossing the end.
+    let out = Command::new(&tools.vdisk)
+        .args(["stats", &stats])
+        .output()
+        .unwrap();
+    let want = format!(
+        "vdisk_vhost_user_blk_transfers_total{{socket=\"{}\",path=\"{path}\"}} 9",
+        served.socket.display()
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.lines().any(|l| l == want), "no {want} in:\n{text}");
+    drop(queues);
+    drop(dev);
+    assert!(served.stop().success());
+}
