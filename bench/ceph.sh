@@ -15,7 +15,8 @@
 #   --runtime S   seconds per fio run (time_based)
 #   --size-mib N  size of every image (default 256)
 #   --no-build    use target/release/vdisk as it is
-#   --baseline B  also run vdisk binary B (another build) as a third side of every row
+#   --baseline B  also run vdisk binary B (another build) as a third side of every row (in
+#                 the seqlog rows: a side behind a write buffer of its own)
 #   --baseline-rev REV  the commit B was built from, for the report
 #   --rows R      rbd: the rows below; seqlog: the seqlog-on-RADOS rows (see below); all: both
 #   --out FILE    default bench/results/ceph-<quick|full>.md (ceph-seqlog-<...>.md for
@@ -48,7 +49,9 @@
 # image in a local file under the work directory, converted from the same raw image (its
 # writes go to the page cache and its flushes to the disk, as the buffer's do).
 # Ratios: seqlog / qemu-nbd, seqlog / vdisk-on-RBD, buffered seqlog / qemu-nbd and buffered
-# seqlog / seqlog on the local file.
+# seqlog / seqlog on the local file. Each seqlog-row run on Ceph also lists the OSD's read and
+# write operations during it, from the server's start to its exit (its close's uploads
+# included), and the MiB they moved (the OSD's counters, `ceph daemon osd.0 perf dump`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 args="$*"
@@ -128,14 +131,22 @@ bench() {
     awk -v c="$count" -v s="$secs" 'BEGIN {printf "%d", c / s}'
 }
 
+# The OSD's counters: read ops, MiB read, write ops, MiB written.
+osd_ops() {
+    ceph --admin-daemon "$cluster/run/osd.0.asok" perf dump osd 2>/dev/null |
+        python3 -c 'import json,sys; o=json.load(sys.stdin)["osd"]; print(o["op_r"], o["op_r_out_bytes"], o["op_w"], o["op_w_in_bytes"])' ||
+        echo "0 0 0 0"
+}
+
 # One fio run (4 KiB random writes at depth $2, or $4: randread) against server $1 (qemu-nbd
 # or a vdisk) on image $3 (default the raw RBD image; rados:... and *.file are served as
 # seqlog) with vdisk's cache mode $5 (default none): IOPS.
 serve_fio() {
     local server=$1 qd=$2 image=${3:-rbd:rbd/raw} rw=${4:-randwrite} cache=${5:-none} pid v
-    local fmt=raw
+    local fmt=raw before
     [[ $image == rados:* || $image == *.file ]] && fmt=seqlog
     rm -f "$sock"
+    before=$(osd_ops)
     case $server in
     qemu-nbd) "${timed[@]}" qemu-nbd -f raw --cache=none -t -k "$sock" "$image" & pid=$! ;;
     *) "${timed[@]}" "$server" serve -f $fmt "$image" --nbd "unix:$sock" --cache "$cache" & pid=$! ;;
@@ -147,6 +158,11 @@ serve_fio() {
         python3 -c 'import json,sys; t=sys.stdin.read(); j=json.loads(t[t.index("{"):])["jobs"][0]; print(round(j["write"]["iops"] + j["read"]["iops"]))')
     # The servers' children (GNU time runs them): ask them to stop, then wait for time.
     pkill -TERM -P "$pid"; wait "$pid" 2>/dev/null || true
+    # shellcheck disable=SC2086
+    set -- $before $(osd_ops)
+    awk -v r="$(($5 - $1))" -v rb="$(($6 - $2))" -v w="$(($7 - $3))" -v wb="$(($8 - $4))" \
+        'BEGIN {printf "osd reads %d (%.0f MiB), writes %d (%.0f MiB)", r, rb / 1048576, w, wb / 1048576}' \
+        >"$work/ops.txt"
     echo "$v"
 }
 
@@ -166,7 +182,7 @@ run() {
 # The seqlog rows: side qemu-nbd (on RBD), vdisk-rbd, seqlog (vdisk on seqlog on RADOS),
 # wbuf (the same behind a write buffer), file (vdisk on seqlog in a local file).
 seqlog_rows=("fio randwrite qd16" "fio randwrite qd32" "fio randread qd32")
-seqlog_sides=(qemu-nbd vdisk-rbd seqlog wbuf file)
+seqlog_sides=(qemu-nbd vdisk-rbd seqlog wbuf ${baseline:+wbuf-base} file)
 run_seqlog() {
     local row=$1 side=$2 rw qd
     read -r _ rw qd <<<"$row"
@@ -175,6 +191,7 @@ run_seqlog() {
     vdisk-rbd) serve_fio "$vdisk" "${qd#qd}" rbd:rbd/raw "$rw" ;;
     seqlog) serve_fio "$vdisk" "${qd#qd}" rados:rbd/seqlog "$rw" ;;
     wbuf) serve_fio "$vdisk" "${qd#qd}" "rados:rbd/seqlog:cache=$work/wbuf" "$rw" ;;
+    wbuf-base) serve_fio "$baseline" "${qd#qd}" "rados:rbd/seqlog:cache=$work/wbuf-base" "$rw" ;;
     file) serve_fio "$vdisk" "${qd#qd}" "$work/seqlog.file" "$rw" writeback ;;
     esac
 }
@@ -188,11 +205,12 @@ rbd_bench() {
 for ((r = 1; r <= rounds_seqlog; r++)); do
     for row in "${seqlog_rows[@]}"; do
         sides=("${seqlog_sides[@]}")
-        ((r % 2)) || sides=(file wbuf seqlog vdisk-rbd qemu-nbd)
+        ((r % 2)) || sides=(file ${baseline:+wbuf-base} wbuf seqlog vdisk-rbd qemu-nbd)
         for side in "${sides[@]}"; do
             v=$(run_seqlog "$row" "$side")
             iops["$row $side"]+="$v "
-            echo "round $r | $row | $side | $v IOPS | cpu $(cpu) s" | tee -a "$log"
+            echo "round $r | $row | $side | $v IOPS | cpu $(cpu) s | $(cat "$work/ops.txt")" |
+                tee -a "$log"
         done
     done
     v=$(rbd_bench)
@@ -234,6 +252,18 @@ seqlog_table() {
         echo "| $row | $q | $v | $l | $(ratio "$l" "$q") | $(ratio "$l" "$v") | $w | $(ratio "$w" "$q") | $f | $(ratio "$w" "$f") |"
     done
     echo "| rbd bench randwrite, 16 threads | $(median "${iops[rbd bench]}") (librbd alone) | | | | | | | | |"
+    echo
+    [ -n "$baseline" ] || return 0
+    echo "The write buffer's side with vdisk built from ${baseline_rev:-another commit} (\`$baseline\`),"
+    echo "its own buffer file, in the same rounds:"
+    echo
+    echo "| row | seqlog, write buffer | buffered / qemu-nbd | baseline, write buffer | baseline / qemu-nbd | buffered / baseline |"
+    echo "|---|---|---|---|---|---|"
+    for row in "${seqlog_rows[@]}"; do
+        q=$(median "${iops[$row qemu-nbd]}") w=$(median "${iops[$row wbuf]}")
+        b=$(median "${iops[$row wbuf-base]}")
+        echo "| $row | $w | $(ratio "$w" "$q") | $b | $(ratio "$b" "$q") | $(ratio "$w" "$b") |"
+    done
     echo
 }
 {
