@@ -2,7 +2,8 @@
 //! crash of its local file can leave (the crash-recording storage as that file) holds every
 //! flushed write and nothing never written; a writable open uploads what the buffer held;
 //! uploads let slots go and a second writer is refused; a write through the I/O queue is
-//! reported only once its bytes are in the local file.
+//! reported only once its bytes are in the local file; uploaded slots serve reads, and a slot
+//! is taken without a read from RADOS only where the object has no other bytes.
 
 use std::collections::BTreeSet;
 use std::io;
@@ -128,6 +129,11 @@ fn every_crash_of_the_buffer_keeps_flushed_writes() {
         }
         model.flushed(&disk);
         flushes.insert(local.open_epoch().index);
+        if round == 0 {
+            // Listed slots made clean (unlisted) here, then given to other objects in the
+            // rounds after: each crash between must find no table naming a slot's old object.
+            disk.upload_all().unwrap();
+        }
     }
     for block in [1, 20, 200] {
         model.write(&disk, block, tag);
@@ -325,4 +331,72 @@ fn a_queued_write_is_reported_only_once_in_the_local_file() {
         b[2 * BLOCK as usize..].iter().all(|&x| x == 7),
         "the flushed write is in the local file"
     );
+}
+
+/// Uploaded slots stay as a read cache, and a slot goes to another object only clean; a slot
+/// is taken without reading its object from RADOS for a whole-object write and for an object
+/// removed whole (and not uploaded since), and with a read otherwise: once a removed object
+/// was uploaded again, a write to part of it keeps the rest.
+#[test]
+fn clean_slots_serve_reads_and_fills_read_only_what_is_needed() {
+    let Some(t) = target("buffer-clean") else {
+        return;
+    };
+    RadosStorage::create(&t).unwrap();
+    let local = Arc::new(CrashStorage::new());
+    let inner = RadosStorage::open(&t, true).unwrap();
+    let disk = BufferedStorage::over(&t, inner, local, true, 0).unwrap();
+    let os = OBJECT as usize;
+    let reads = |d: &BufferedStorage| d.rados_stats().reads;
+    // Whole-object writes: no read of the object.
+    for i in 0..4 {
+        disk.write_at(i * OBJECT, &vec![0x10 + i as u8; os])
+            .unwrap();
+    }
+    assert_eq!(reads(&disk), 0, "a whole-object write read its object");
+    disk.sync().unwrap();
+    disk.upload_all().unwrap();
+    assert_eq!((disk.buffered(), disk.clean()), (0, 4));
+    // Reads of uploaded objects come from their clean slots.
+    let mut b = vec![0u8; os];
+    disk.read_at(OBJECT, &mut b).unwrap();
+    assert!(b.iter().all(|&x| x == 0x11));
+    assert_eq!(reads(&disk), 0, "a read of a clean slot went to RADOS");
+    // Object 1 removed whole, then written in part: no read, the rest zeroes.
+    disk.punch_hole(OBJECT, OBJECT).unwrap();
+    disk.write_at(OBJECT + BLOCK, &[0x21; BLOCK as usize])
+        .unwrap();
+    assert_eq!(reads(&disk), 0, "a slot for a removed object read it");
+    disk.read_at(OBJECT, &mut b).unwrap();
+    let want = |x: &[u8], at: usize, v: u8| x[at..at + BLOCK as usize].iter().all(|&y| y == v);
+    assert!(want(&b, 0, 0) && want(&b, BLOCK as usize, 0x21) && want(&b, 2 * BLOCK as usize, 0));
+    disk.sync().unwrap();
+    disk.upload_all().unwrap();
+    // Eight more objects through the eight slots: every clean one goes to another object.
+    for i in 4..12 {
+        disk.write_at(i * OBJECT + 512, &[0x30 + i as u8; 512])
+            .unwrap();
+    }
+    assert_eq!(disk.clean(), 0);
+    let before = reads(&disk);
+    // Object 1 is in RADOS again: a write to part of it reads it in and keeps the rest.
+    disk.sync().unwrap();
+    disk.upload_all().unwrap();
+    disk.write_at(OBJECT + 3 * BLOCK, &[0x22; BLOCK as usize])
+        .unwrap();
+    assert_eq!(reads(&disk), before + 1, "object 1 was not read in");
+    disk.read_at(OBJECT, &mut b).unwrap();
+    assert!(want(&b, 0, 0) && want(&b, BLOCK as usize, 0x21) && want(&b, 3 * BLOCK as usize, 0x22));
+    // Object 0, never removed: read in for a write to part of it.
+    disk.write_at(100 * 512, &[0x23; 512]).unwrap();
+    disk.read_at(0, &mut b).unwrap();
+    assert!(b[..100 * 512].iter().all(|&x| x == 0x10) && b[100 * 512] == 0x23);
+    disk.sync().unwrap();
+    disk.upload_all().unwrap();
+    drop(disk);
+    let direct = RadosStorage::open(&t, false).unwrap();
+    let mut all = vec![0u8; 2 * os];
+    direct.read_at(0, &mut all).unwrap();
+    assert!(all[..100 * 512].iter().all(|&x| x == 0x10) && all[os + 3 * BLOCK as usize] == 0x22);
+    assert!(all[os..os + BLOCK as usize].iter().all(|&x| x == 0));
 }

@@ -1,17 +1,21 @@
 //! A local write buffer under a RADOS disk (`rados:POOL/PREFIX:cache=PATH`), LSVD's answer to
 //! an OSD serving one object's requests one after another (issue 29): writes go to a slot of
 //! a local file that holds their object, and `sync` is a sync of that file; background
-//! threads upload whole objects, each with one `rados_write_full`, and then give their slots
-//! back. Reads of an object in a slot are served from it, others from RADOS.
+//! threads upload whole objects, each with one `rados_write_full`, after which their slots
+//! are clean: they keep their objects as a read cache (seqlog's cleaner reads back the
+//! segments it cleans) until a slot is needed for another object, which takes the clean slot
+//! used longest ago. Reads of an object in a slot are served from it, others from RADOS.
 //!
 //! ```text
-//!   write_at ─► object has a slot? ─ no ─► take a free one (wait while none: back-pressure),
-//!                     │                    fill it with the object's bytes from RADOS
+//!   write_at ─► object has a slot? ─ no ─► take a free one, else the least recently used
+//!                     │                    clean one (wait while none: back-pressure), and
+//!                     │                    fill it with the object's bytes from RADOS: no read
+//!                     │                    for a whole-object write or an object known absent
 //!                     ▼
 //!               pwrite into the slot ─► sync: local sync, list new slots in the table, sync
 //!   I/O queue's transfer to a slot ─► pin it, io_uring on the file ─► unpin, complete (local.rs)
-//!   uploader: an idle slot (or the oldest, when free ones run low) ─► rados_write_full
-//!             ─► unchanged since? unlisted (table written and synced) ─► free
+//!   uploader: an idle slot (or the oldest, when clean and free ones run low) ─► rados_write_full
+//!             ─► unchanged since? clean (unlisted: table written and synced)
 //!   open (writable): every listed slot uploaded, the table emptied
 //! ```
 //!
@@ -24,7 +28,14 @@
 //!   over an object it no longer holds, nor brings a removed object back.
 //! - A slot is unlisted only after its upload completed (a completed RADOS write is durable)
 //!   and no write reached it since (`gen`): what a flush made durable locally is in RADOS
-//!   before the buffer lets go of it.
+//!   before the buffer lets go of it. It is then clean, and given to another object only once
+//!   no table may list it (`Slot::unlisting`: the table written without it is synced) and no
+//!   transfer or upload holds it; a write to a clean slot makes it unsettled again.
+//! - A slot is taken without reading its object only for a write of the whole object, made
+//!   under the slot's exclusive lock (no read or sync sees the slot before it holds the
+//!   write), or for an object known absent from RADOS (`State::absent`: removed whole by
+//!   this open and not uploaded since), whose bytes are the zeroes of the emptied slot. A slot
+//!   is never partly valid: filled whole, or empty for an object that has no bytes.
 //! - Bytes are given a place in RADOS's extent and length (`RadosStorage::grow_to`) before
 //!   they go into a slot, so that a writable open's cut of unsynced growth (after the
 //!   uploads) applies to them as to direct writes.
@@ -36,7 +47,8 @@
 //! One process has a buffer open for writing (an exclusive `flock` on the file; readers take
 //! a shared one). A slot's `RwLock` guards its bytes and says which object it holds: I/O to a
 //! slot holds it shared, taking and freeing a slot hold it exclusive; the state's mutex is
-//! taken after it, never before, except on a free slot, which no one else holds. The I/O
+//! taken after it, never before, except on a free slot, which no one else holds, and with
+//! `try_write` on a clean slot given to another object, which never waits. The I/O
 //! queue's transfers hold neither across their I/O: a pin (`Slot::busy`, under the state's
 //! mutex) keeps the slot theirs.
 
@@ -45,7 +57,7 @@ mod slots;
 mod table;
 mod upload;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
@@ -56,7 +68,9 @@ use std::time::Instant;
 use super::objects::pieces;
 use super::{io_error, RadosStorage, RadosTarget};
 use crate::error::{Error, Result};
-use crate::storage::{AsyncTransfer, Dir, FileStorage, IoStats, OpenOptions, Storage};
+use crate::storage::{
+    AsyncTransfer, Dir, FileStorage, IoStats, IoStatsSnapshot, OpenOptions, Storage,
+};
 use local::LocalIo;
 use table::Layout;
 
@@ -100,6 +114,9 @@ enum Phase {
     Listed,
     /// Given up, not yet unlisted durably: not free yet.
     Leaving,
+    /// Its object's bytes as RADOS has them (uploaded, no write since), kept to serve reads;
+    /// not in the table once `unlisting` is false.
+    Clean,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -113,6 +130,12 @@ struct Slot {
     /// Counts the slot's takings, so that a step that let go of the lock finds it changed.
     epoch: u64,
     uploading: bool,
+    /// Cleaned while listed: a table written (or being written) may still list it, so it is
+    /// not given to another object until one without it is synced.
+    unlisting: bool,
+    /// When it was last read or written (`State::tick`): the least recently used clean slot
+    /// is the one given to another object.
+    touched: u64,
     /// Transfers of the I/O queue in flight to or from it (`local.rs`): it is not let go
     /// while any is.
     busy: u32,
@@ -128,6 +151,11 @@ struct State {
     stop: bool,
     /// The last upload's failure, until one succeeds: writers waiting for a slot get it.
     failed: Option<String>,
+    /// Counts reads and writes of slots, for `Slot::touched`.
+    tick: u64,
+    /// Objects this open removed whole from RADOS and has not uploaded since: a slot taken
+    /// for one needs no read from RADOS.
+    absent: HashSet<u64>,
 }
 
 /// What the uploaders share with the storage.
@@ -270,7 +298,22 @@ impl BufferedStorage {
     /// Slots holding objects not yet in RADOS, for tests.
     pub fn buffered(&self) -> usize {
         let st = self.shared.lock();
-        st.slots.iter().filter(|s| s.phase != Phase::Free).count()
+        let slots = st.slots.iter();
+        slots
+            .filter(|s| !matches!(s.phase, Phase::Free | Phase::Clean))
+            .count()
+    }
+
+    /// Slots holding objects as RADOS has them (the read cache), for tests.
+    pub fn clean(&self) -> usize {
+        let st = self.shared.lock();
+        st.slots.iter().filter(|s| s.phase == Phase::Clean).count()
+    }
+
+    /// What the buffer asked of RADOS (reads of objects, and of bytes the slots lack), for
+    /// tests.
+    pub fn rados_stats(&self) -> IoStatsSnapshot {
+        self.shared.inner.stats().snapshot()
     }
 }
 
@@ -355,6 +398,7 @@ impl Storage for BufferedStorage {
             if p.at == 0 && p.len as u64 == os {
                 self.shared.drop_object(p.index)?;
                 self.shared.inner.punch_hole(at, os)?;
+                self.shared.removed(p.index);
             } else if self.shared.lock().map.contains_key(&p.index) {
                 self.shared.write_piece(p.index, p.at, &vec![0u8; p.len])?;
             } else {

@@ -1,16 +1,19 @@
-//! The slots of a write buffer: taking one for an object (and reading the object in), I/O to
-//! it, letting it go, and the syncs and table writes that order these (the rules are in the
-//! module docs of `mod.rs`).
+//! The slots of a write buffer: taking one for an object (and reading the object in, where
+//! that is needed), I/O to it, letting it go, and the syncs and table writes that order these
+//! (the rules are in the module docs of `mod.rs`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard};
-use std::time::Instant;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, TryLockError};
+use std::time::{Duration, Instant};
 
 use super::super::RadosStorage;
 use super::table::Layout;
 use super::{LocalIo, Phase, Pin, Shared, Slot, State};
 use crate::storage::{Dir, Storage};
+
+/// How long a writer waiting for a slot waits before it looks at the clean ones again.
+const EVICT_RETRY: Duration = Duration::from_millis(2);
 
 impl Shared {
     pub(super) fn new(
@@ -28,6 +31,8 @@ impl Shared {
             gen: 0,
             epoch: 0,
             uploading: false,
+            unlisting: false,
+            touched: 0,
             busy: 0,
             written: Instant::now(),
         };
@@ -42,6 +47,8 @@ impl Shared {
                 waiting: 0,
                 stop: false,
                 failed: None,
+                tick: 0,
+                absent: HashSet::new(),
             }),
             changed: Condvar::new(),
             owners: (0..n).map(|_| RwLock::new(None)).collect(),
@@ -94,48 +101,104 @@ impl Shared {
         Ok(())
     }
 
-    /// The slot holding object `index`, taken (and filled) if none does, its lock held shared.
+    /// The slot holding object `index`, taken (and filled) if none does, its lock held shared;
+    /// or `None` when `whole` (the object's every byte) went into a slot taken for it.
     pub(super) fn slot_for_write(
         &self,
         index: u64,
-    ) -> io::Result<(usize, RwLockReadGuard<'_, Option<u64>>)> {
+        whole: Option<&[u8]>,
+    ) -> io::Result<Option<(usize, RwLockReadGuard<'_, Option<u64>>)>> {
         loop {
             let mut st = self.lock();
             let s = match st.map.get(&index) {
                 Some(&s) => s,
                 None => {
                     while st.free.is_empty() {
+                        if self.evict(&mut st) {
+                            continue;
+                        }
                         if let Some(why) = &st.failed {
                             return Err(io::Error::other(format!("uploading to RADOS: {why}")));
                         }
                         st.waiting += 1;
                         self.changed.notify_all();
-                        st = self.wait(st);
+                        // Not only a notice: a clean slot a read holds is free to go once the
+                        // read ends, which says nothing.
+                        st = self
+                            .changed
+                            .wait_timeout(st, EVICT_RETRY)
+                            .unwrap_or_else(|e| e.into_inner())
+                            .0;
                         st.waiting -= 1;
                     }
                     drop(st);
-                    self.take(index)?;
+                    if self.take(index, whole)? {
+                        return Ok(None);
+                    }
                     continue;
                 }
             };
             drop(st);
             let guard = self.owner(s);
             if *guard == Some(index) {
-                return Ok((s, guard));
+                return Ok(Some((s, guard)));
             }
         }
     }
 
-    /// Gives a free slot to object `index` and reads its bytes in from RADOS (none, for an
-    /// object RADOS does not have). Another writer may have taken one meanwhile: then nothing.
-    pub(super) fn take(&self, index: u64) -> io::Result<()> {
+    /// Frees the least recently used clean slot that no table lists and nothing holds (its
+    /// object is in RADOS, durably); false when there is none.
+    fn evict(&self, st: &mut State) -> bool {
+        let mut clean: Vec<(u64, usize)> = (st.slots.iter().enumerate())
+            .filter(|(_, x)| x.phase == Phase::Clean && !x.unlisting)
+            .filter(|(_, x)| x.busy == 0 && !x.uploading)
+            .map(|(s, x)| (x.touched, s))
+            .collect();
+        clean.sort_unstable();
+        for (_, s) in clean {
+            // Never waits with the state locked: I/O to the slot holds its lock shared and
+            // then takes the state (see the module docs).
+            let mut owner = match self.owners[s].try_write() {
+                Ok(owner) => owner,
+                Err(TryLockError::Poisoned(e)) => e.into_inner(),
+                Err(TryLockError::WouldBlock) => continue,
+            };
+            let object = st.slots[s].object;
+            st.map.remove(&object);
+            st.slots[s].phase = Phase::Free;
+            *owner = None;
+            st.free.push(s);
+            return true;
+        }
+        false
+    }
+
+    /// Object `index` was removed whole from RADOS: until a slot takes it, it has no bytes
+    /// to read in.
+    pub(super) fn removed(&self, index: u64) {
+        let mut st = self.lock();
+        // A write that took a slot for it meanwhile may have read it in before the removal:
+        // only an object in no slot is known.
+        if !st.map.contains_key(&index) {
+            st.absent.insert(index);
+        }
+    }
+
+    /// Gives a free slot to object `index` and reads its bytes in from RADOS: none for an
+    /// object known absent, and none for `whole`, the object's every byte, written into the
+    /// slot before anyone else can see it (then true). Another writer may have taken one
+    /// meanwhile: then nothing.
+    pub(super) fn take(&self, index: u64, whole: Option<&[u8]>) -> io::Result<bool> {
         let mut st = self.lock();
         if st.map.contains_key(&index) {
-            return Ok(());
+            return Ok(false);
         }
         let Some(s) = st.free.pop() else {
-            return Ok(());
+            return Ok(false);
         };
+        let absent = st.absent.remove(&index);
+        st.tick += 1;
+        let touched = st.tick;
         // A free slot's lock is held by no one who then waits for the state (see the module
         // docs), so taking it with the state locked cannot deadlock.
         let mut owner = self.owners[s].write().unwrap_or_else(|e| e.into_inner());
@@ -147,29 +210,44 @@ impl Shared {
             gen: 0,
             epoch: slot.epoch + 1,
             uploading: false,
+            unlisting: false,
+            touched,
             busy: 0,
             written: Instant::now(),
         };
         st.map.insert(index, s);
         drop(st);
         *owner = Some(index);
-        let filled = self.fill(s, index);
+        let at = self.layout.slot_at(s);
+        let filled = match whole {
+            Some(data) => self.local.write_at(at, data).map(|()| data.len() as u64),
+            None if absent => self
+                .local
+                .punch_hole(at, self.layout.object_size)
+                .map(|()| 0),
+            None => self.fill(s, index),
+        };
         let mut st = self.lock();
         match filled {
             Ok(used) => {
-                st.slots[s].phase = Phase::Unsettled;
-                st.slots[s].used = used;
+                let slot = &mut st.slots[s];
+                slot.phase = Phase::Unsettled;
+                slot.used = used;
+                slot.gen += u64::from(whole.is_some());
             }
             Err(e) => {
                 *owner = None;
                 st.map.remove(&index);
+                if absent {
+                    st.absent.insert(index);
+                }
                 st.slots[s].phase = Phase::Free;
                 st.free.push(s);
                 self.changed.notify_all();
                 return Err(e);
             }
         }
-        Ok(())
+        Ok(whole.is_some())
     }
 
     /// Slot `s` emptied and given object `index`'s bytes; returns their length.
@@ -185,15 +263,25 @@ impl Shared {
     }
 
     pub(super) fn write_piece(&self, index: u64, at: u64, data: &[u8]) -> io::Result<()> {
-        let (s, _guard) = self.slot_for_write(index)?;
+        let whole = (at == 0 && data.len() as u64 == self.layout.object_size).then_some(data);
+        let Some((s, _guard)) = self.slot_for_write(index, whole)? else {
+            return Ok(());
+        };
         self.local.write_at(self.layout.slot_at(s) + at, data)?;
         // Counted with the slot's lock still held, so that no upload lets the slot go between
         // the bytes landing and the count saying so.
         let mut st = self.lock();
+        st.tick += 1;
+        let tick = st.tick;
         let slot = &mut st.slots[s];
         slot.gen += 1;
         slot.used = slot.used.max(at + data.len() as u64);
         slot.written = Instant::now();
+        slot.touched = tick;
+        if slot.phase == Phase::Clean {
+            // Holds bytes RADOS lacks again: listed at the next sync.
+            slot.phase = Phase::Unsettled;
+        }
         Ok(())
     }
 
@@ -205,17 +293,23 @@ impl Shared {
         let Some(&s) = st.map.get(&index) else {
             return Pin::None;
         };
+        st.tick += 1;
+        let tick = st.tick;
         let slot = &mut st.slots[s];
         // In the map and settled, the slot's owner is `index` (`take` names it before it
-        // settles, `leave` takes it from the map first), and stays so while pinned.
-        if !matches!(slot.phase, Phase::Unsettled | Phase::Listed) {
+        // settles, `leave` and `evict` take it from the map first), and stays so while pinned.
+        if !matches!(slot.phase, Phase::Unsettled | Phase::Listed | Phase::Clean) {
             return Pin::Unsettled;
         }
         slot.busy += 1;
+        slot.touched = tick;
         if dir == Dir::Write {
             slot.gen += 1;
             slot.used = slot.used.max(at + len);
             slot.written = Instant::now();
+            if slot.phase == Phase::Clean {
+                slot.phase = Phase::Unsettled;
+            }
         }
         Pin::Slot(s)
     }
@@ -238,7 +332,16 @@ impl Shared {
 
     pub(super) fn read_piece(&self, index: u64, at: u64, buf: &mut [u8]) -> io::Result<()> {
         loop {
-            let s = self.lock().map.get(&index).copied();
+            let s = {
+                let mut st = self.lock();
+                let s = st.map.get(&index).copied();
+                st.tick += 1;
+                let tick = st.tick;
+                if let Some(s) = s {
+                    st.slots[s].touched = tick;
+                }
+                s
+            };
             let Some(s) = s else {
                 let os = self.layout.object_size;
                 return self.inner.read_at(index * os + at, buf);
@@ -289,7 +392,7 @@ impl Shared {
         s: usize,
         owner: &mut Option<u64>,
     ) -> io::Result<()> {
-        let listed = st.slots[s].phase == Phase::Listed;
+        let listed = st.slots[s].phase == Phase::Listed || st.slots[s].unlisting;
         let object = st.slots[s].object;
         st.map.remove(&object);
         st.slots[s].phase = Phase::Leaving;
@@ -302,6 +405,7 @@ impl Shared {
         }
         let mut st = self.lock();
         st.slots[s].phase = Phase::Free;
+        st.slots[s].unlisting = false;
         st.free.push(s);
         self.changed.notify_all();
         Ok(())

@@ -1,9 +1,10 @@
-//! The uploaders: threads that send whole objects from their slots to RADOS and give the
-//! slots back, and the upload at a writable open of what a crash left listed.
+//! The uploaders: threads that send whole objects from their slots to RADOS and make the
+//! slots clean (kept as a read cache, free to go to another object), and the upload at a
+//! writable open of what a crash left listed.
 //!
 //! Which slot goes next: the one written longest ago among those idle for [`IDLE`] (seqlog's
 //! finished segments; the segments it appends to are written every few microseconds and wait),
-//! or among all when free slots run low or a writer waits for one. At close ([`State::stop`])
+//! or among all when free and clean slots run low or a writer waits for one. At close ([`State::stop`])
 //! every slot goes, and the threads end once none is left (or an upload failed: what it
 //! held stays listed for the next open).
 
@@ -76,12 +77,18 @@ impl Shared {
     fn next_upload(&self) -> Option<Upload> {
         let mut st = self.lock();
         loop {
-            let low = st.free.len() < st.slots.len() / 4 || st.waiting > 0;
+            let clean = st
+                .slots
+                .iter()
+                .filter(|slot| slot.phase == Phase::Clean)
+                .count();
+            let low = st.free.len() + clean < st.slots.len() / 4 || st.waiting > 0;
             let everything = st.stop || low;
             if let Some(u) = pick(&mut st, everything) {
                 return Some(u);
             }
-            let busy = st.slots.iter().any(|slot| slot.phase != Phase::Free);
+            let busy =
+                (st.slots.iter()).any(|slot| !matches!(slot.phase, Phase::Free | Phase::Clean));
             if st.stop && (!busy || st.failed.is_some()) {
                 return None;
             }
@@ -93,7 +100,7 @@ impl Shared {
         }
     }
 
-    /// Uploads every slot not being uploaded, and lets each go that no write reached
+    /// Uploads every slot not being uploaded, and makes each clean that no write reached
     /// meanwhile, on the calling thread.
     pub(super) fn upload_all(&self) -> io::Result<()> {
         loop {
@@ -125,10 +132,10 @@ impl Shared {
         self.inner.put_object(u.object, &buf)
     }
 
-    /// Ends upload `u`: the slot is let go if nothing was written to it since its bytes were
-    /// read (their upload durable in RADOS), kept otherwise for the next round.
+    /// Ends upload `u`: the slot is clean if nothing was written to it since its bytes were
+    /// read (their upload durable in RADOS), and unlisted; kept otherwise for the next round.
     fn uploaded(&self, u: Upload, sent: io::Result<()>) {
-        {
+        let unlist = {
             let mut st = self.lock();
             st.slots[u.s].uploading = false;
             self.changed.notify_all();
@@ -137,21 +144,35 @@ impl Shared {
                 return;
             }
             st.failed = None;
-            if st.slots[u.s].gen != u.gen {
+            // In RADOS now: a slot taken for it again reads it in.
+            st.absent.remove(&u.object);
+            let slot = &mut st.slots[u.s];
+            let same = slot.epoch == u.epoch && slot.gen == u.gen && slot.object == u.object;
+            // A write in flight (pinned or not) counted at its start: `gen` moved.
+            if !same || !matches!(slot.phase, Phase::Unsettled | Phase::Listed) {
                 return;
             }
-        }
-        let mut owner = self.owners[u.s].write().unwrap_or_else(|e| e.into_inner());
-        let st = self.lock();
-        let slot = st.slots[u.s];
-        let same = slot.epoch == u.epoch && slot.gen == u.gen && slot.object == u.object;
-        let settled = matches!(slot.phase, Phase::Unsettled | Phase::Listed);
-        // A pinned slot has a transfer of the I/O queue in flight: kept for the next round.
-        if !same || slot.uploading || slot.busy > 0 || !settled {
+            let unlist = slot.phase == Phase::Listed || slot.unlisting;
+            slot.phase = Phase::Clean;
+            slot.unlisting = unlist;
+            unlist
+        };
+        if !unlist {
             return;
         }
-        if let Err(e) = self.leave(st, u.s, &mut owner) {
+        // A table without it, synced, before it may go to another object (`evict`); until
+        // then (or for good, if this fails) it serves reads only.
+        if let Err(e) = self.write_table() {
             self.lock().failed = Some(format!("writing the buffer's table: {e}"));
+            return;
+        }
+        let mut st = self.lock();
+        let slot = &mut st.slots[u.s];
+        // A write since, and a listing, would make another table list it: that one's upload
+        // unlists it again.
+        if slot.epoch == u.epoch && slot.gen == u.gen && slot.phase == Phase::Clean {
+            slot.unlisting = false;
+            self.changed.notify_all();
         }
     }
 
