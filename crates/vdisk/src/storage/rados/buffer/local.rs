@@ -11,10 +11,10 @@
 //!
 //! Why a transfer is reported only after its unpin, and the write counted at both ends: a
 //! write's completion says its bytes are in the local file (the page cache), so that a flush
-//! after it makes them durable (`Shared::sync`); an upload lets its slot go only when the
-//! slot's write count did not move since it read the bytes and nothing is pinned (`busy`), so
-//! a write in flight while the bytes were read keeps the slot; a pinned slot is never given
-//! to another object, so a read of it returns its own object's bytes, racing an upload or not.
+//! after it makes them durable (`Shared::sync`); an upload makes its slot clean (free to go
+//! to another object) only when the slot's write count did not move since it read the bytes
+//! and nothing is pinned (`busy`), so a write in flight while the bytes were read keeps the
+//! slot listed; a pinned slot is never given to another object, so a read of it returns its own object's bytes, racing an upload or not.
 //!
 //! Local storage without a descriptor (the crash-recording storage of the tests) gets the
 //! same bookkeeping with one thread doing its blocking calls instead of io_uring.

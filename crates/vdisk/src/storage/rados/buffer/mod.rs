@@ -41,8 +41,8 @@
 //!   uploads) applies to them as to direct writes.
 //!
 //! - A transfer of the I/O queue to a slot is reported only once its bytes are in the file, and
-//!   its slot stays pinned until then: not let go, and a write counted at both ends, so that
-//!   an upload that read the slot meanwhile keeps it (`local.rs`).
+//!   its slot stays pinned until then: not made clean nor let go, and a write counted at both
+//!   ends, so that an upload that read the slot meanwhile keeps it (`local.rs`).
 //!
 //! One process has a buffer open for writing (an exclusive `flock` on the file; readers take
 //! a shared one). A slot's `RwLock` guards its bytes and says which object it holds: I/O to a
@@ -136,8 +136,8 @@ struct Slot {
     /// When it was last read or written (`State::tick`): the least recently used clean slot
     /// is the one given to another object.
     touched: u64,
-    /// Transfers of the I/O queue in flight to or from it (`local.rs`): it is not let go
-    /// while any is.
+    /// Transfers of the I/O queue in flight to or from it (`local.rs`): it is not made clean
+    /// nor let go while any is.
     busy: u32,
     written: Instant,
 }
@@ -289,7 +289,7 @@ impl BufferedStorage {
         })
     }
 
-    /// Uploads every object the buffer holds now, on the calling thread, and lets go of the
+    /// Uploads every object the buffer holds now, on the calling thread, and makes clean the
     /// slots no write reached meanwhile.
     pub fn upload_all(&self) -> io::Result<()> {
         self.shared.upload_all()

@@ -324,6 +324,10 @@ impl Shared {
             // sees the count moved and keeps the slot.
             slot.gen += 1;
             slot.written = Instant::now();
+            if slot.phase == Phase::Clean {
+                // Not expected (a pinned slot is not made clean); listed at the next sync.
+                slot.phase = Phase::Unsettled;
+            }
         }
         if slot.busy == 0 {
             self.changed.notify_all();

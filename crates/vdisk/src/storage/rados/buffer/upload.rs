@@ -148,8 +148,10 @@ impl Shared {
             st.absent.remove(&u.object);
             let slot = &mut st.slots[u.s];
             let same = slot.epoch == u.epoch && slot.gen == u.gen && slot.object == u.object;
-            // A write in flight (pinned or not) counted at its start: `gen` moved.
-            if !same || !matches!(slot.phase, Phase::Unsettled | Phase::Listed) {
+            // A write counted at its start (`gen` moved), and a pinned one that was counted
+            // before this upload read the slot may land after it: kept for the next round.
+            let settled = matches!(slot.phase, Phase::Unsettled | Phase::Listed);
+            if !same || !settled || slot.busy > 0 {
                 return;
             }
             let unlist = slot.phase == Phase::Listed || slot.unlisting;
