@@ -5,7 +5,7 @@
 # on a written file), which seqlog is meant to reach.
 #
 #   bench/seqlog.sh [--quick] [--size-mib N] [--runtime S] [--rounds N] [--no-build] [--out FILE]
-#                   [--in-process] [--reads] [--vdisk PATH] [--baseline PATH]
+#                   [--in-process] [--reads] [--vdisk PATH] [--baseline PATH] [--spare PCT]
 #
 #   --quick       256 MiB disks, 3 s per run, 1 round (about 3 minutes); default 1 GiB, 10 s, 3
 #   --size-mib N  size of every disk
@@ -25,6 +25,9 @@
 #   --baseline PATH  another vdisk binary (an older build): the in-process seqlog rows run
 #                 with it too, right beside this one's (which goes first alternates by
 #                 round), and a table sets the two side by side against the same raw rows
+#   --spare PCT   the seqlog disks' spare segments, in percent of the disk (default 1500: a
+#                 log of 16 times the disk, 17 GiB each for 1 GiB, preallocated); 500 still
+#                 holds the in-process rows' writes of a round (5 times the disk) uncleaned
 #
 # Disks, made once per round in bench/work/seqlog/ and written whole first (so no run
 # measures allocation): raw (a file), seqlog (`-o spare=` large enough that the cleaner does not
@@ -51,7 +54,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 args=$*
-quick=0 size_mib= runtime= rounds= build=1 out= inproc=0 reads=0 vdisk= baseline=
+quick=0 size_mib= runtime= rounds= build=1 out= inproc=0 reads=0 vdisk= baseline= spare=1500
 while (($#)); do
     case $1 in
     --quick) quick=1 ;;
@@ -64,6 +67,7 @@ while (($#)); do
     --reads) reads=1 ;;
     --vdisk) vdisk=$(realpath "$2") build=0; shift ;;
     --baseline) baseline=$(realpath "$2"); shift ;;
+    --spare) spare=$2; shift ;;
     -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
     *) echo "seqlog.sh: unknown option $1" >&2; exit 2 ;;
     esac
@@ -130,11 +134,11 @@ make_disks() {
     # A log of 16 times the disk: the cleaner does not start within any run here. Written
     # whole (preallocation=full), as the raw file is: no run measures the file system
     # allocating.
-    "$vdisk" create -q -f seqlog -o spare=1500,preallocation=full "$work/disk.seqlog" "${size_mib}M"
+    "$vdisk" create -q -f seqlog -o "spare=$spare,preallocation=full" "$work/disk.seqlog" "${size_mib}M"
     "$vdisk" convert -n -O seqlog "$work/raw.img" "$work/disk.seqlog"
     # The baseline's own disk, made by it: a format feature newer than it would be refused.
     if [[ -n $baseline ]]; then
-        "$baseline" create -q -f seqlog -o spare=1500,preallocation=full "$work/base.seqlog" \
+        "$baseline" create -q -f seqlog -o "spare=$spare,preallocation=full" "$work/base.seqlog" \
             "${size_mib}M"
         "$baseline" convert -n -O seqlog "$work/raw.img" "$work/base.seqlog"
     fi

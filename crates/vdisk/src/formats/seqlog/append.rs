@@ -422,12 +422,15 @@ impl Log {
                 drop(t);
                 // One that fails leaves the log to recover from, and the next flush fails
                 // (once, whether the slot's write or a sync failed).
-                let failed = self.checkpoint_now(map).err();
+                let failed = self.checkpoint(map, true).err();
                 t = lock(&self.state);
                 if let Some(e) = failed {
                     self.sync_failed.store(false, Relaxed);
                     t.unreported.get_or_insert(e);
                 }
+            } else if !self.room_for(&t, stream, record) && t.in_flight.is_some() {
+                // Nothing is cleaned while a checkpoint is written (overlap.rs): it ends soon.
+                t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
             } else if !self.room_for(&t, stream, record) && !t.draining.is_empty() {
                 // Another writer's victim is about to be free: cleaning more meanwhile would
                 // take the reserve that victim's moves came from (ENOSPC with 16 writers).

@@ -72,7 +72,7 @@ impl Checkpoint {
     /// chunk at a time, its entries filled in by `entries(first page, chunk)` (the map's
     /// `copy_out`), then the header, whose checksum covers the whole slot (so that a slot torn
     /// anywhere is not whole).
-    fn encode(
+    pub(super) fn encode(
         &self,
         sb: &Superblock,
         mut entries: impl FnMut(usize, &mut [u8]) -> Result<()>,
@@ -307,7 +307,7 @@ pub(super) fn load(storage: &dyn Storage, sb: &Superblock, keep: bool) -> Result
     Ok(None)
 }
 
-fn io_error(source: std::io::Error, what: &str) -> Error {
+pub(super) fn io_error(source: std::io::Error, what: &str) -> Error {
     Error::Io {
         context: what.into(),
         source,
@@ -320,6 +320,7 @@ impl Log {
     pub(super) fn checkpoint_due(&self, t: &Tail, map: &Map) -> bool {
         let grew = t.checkpoint_seq != t.head.next_seq - 1;
         self.sb.checkpoints
+            && t.in_flight.is_none()
             && (t.opened_since >= interval(&self.sb)
                 || map.pages.wants_checkpoint()
                 || (grew && self.journal_half_full(t)))
@@ -384,6 +385,15 @@ impl Log {
     /// their headers first, so that the map it saves is that of whole batches. A failed sync
     /// also fails the next flush.
     pub(super) fn checkpoint_now(&self, map: &Map) -> Result<()> {
+        self.checkpoint(map, false)
+    }
+
+    /// [`Log::checkpoint_now`], or with `overlap` (a writer that found one due) and a map
+    /// without a cap: writers wait only until the map is taken, and a thread of its own
+    /// syncs the log and writes the slot while appends go on (overlap.rs); its failure fails
+    /// the next flush. (A capped map's pages are written out into the slot the checkpoint
+    /// goes to, and read back from either: it keeps writers waiting.)
+    pub(super) fn checkpoint(&self, map: &Map, overlap: bool) -> Result<()> {
         if !self.sb.checkpoints {
             return Ok(());
         }
@@ -393,8 +403,15 @@ impl Log {
             return Ok(());
         }
         let mut t = super::log::lock(&self.state);
-        while t.checkpointing {
+        // One at a time: a checkpoint still being written goes first.
+        while t.checkpointing || t.in_flight.is_some() {
             t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
+        }
+        if !overlap {
+            // Its failure is said here, to a caller that waits for its checkpoint (a close).
+            if let Some(e) = t.unreported.take() {
+                return Err(e);
+            }
         }
         t.checkpointing = true;
         self.seal(&mut t);
@@ -404,7 +421,10 @@ impl Log {
         let due = t.checkpoint_seq != t.head.next_seq - 1;
         // A write that failed meanwhile leaves blocks to append again first: later.
         let (mut t, written) = if due && !t.unsettled {
-            self.write_checkpoint(t, map)
+            match overlap && self.sb.map_memory == 0 {
+                true => self.begin_checkpoint(t, map),
+                false => self.write_checkpoint(t, map),
+            }
         } else {
             if !due {
                 t.opened_since = 0;

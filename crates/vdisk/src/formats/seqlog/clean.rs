@@ -65,7 +65,9 @@ impl Log {
         // The batch being formed takes no more writes, so that the writes that replaced the
         // victim's blocks are all in batches the caller can wait for.
         self.seal(t);
-        if t.unsettled {
+        // Nor while a checkpoint is written with appends going on: no segment its map (or
+        // the previous one's) points into is reused before it is durable (overlap.rs).
+        if t.unsettled || t.in_flight.is_some() {
             return Ok(None);
         }
         let sb = self.sb;
@@ -321,6 +323,8 @@ mod tests {
         let reclaim = || {
             // The headers written (by the header thread): their segments may be victims.
             disk.flush().unwrap();
+            // Nothing is cleaned while a checkpoint is written (overlap.rs).
+            disk.log.join_checkpoint();
             let t = log::lock(&disk.log.state);
             disk.log.reclaim(t, &disk.map).unwrap().1.expect("a victim")
         };

@@ -126,6 +126,9 @@ pub(super) struct Journal {
     pub tag: u64,
     /// The marker may be whole on disk: it is cleared after the next checkpoint.
     pub marked: bool,
+    /// While a checkpoint is written with appends going on (overlap.rs): the segments opened
+    /// since its map was taken, which the ring that follows it must name first.
+    pub window: Option<Vec<u32>>,
 }
 
 impl Journal {
@@ -139,6 +142,7 @@ impl Journal {
             must_mark: false,
             tag: 0,
             marked,
+            window: None,
         }
     }
 }
@@ -172,6 +176,7 @@ pub(super) fn read(
         must_mark: false,
         tag: seq,
         marked: mark.is_some(),
+        window: None,
     };
     let mut named = Vec::new();
     let mut buf = AlignedBuf::zeroed(CHUNK.min(ring.max(1)) as usize * bs);

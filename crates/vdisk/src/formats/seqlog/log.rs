@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 
 use super::header_thread::{Header, HeaderWriter};
 use super::journal::Journal;
@@ -100,7 +100,18 @@ pub(super) struct Log {
     pub(super) header_waiters: std::sync::atomic::AtomicUsize,
     /// Writes the journal's reservations ahead of need, off the log's lock (ahead.rs).
     pub(super) ahead: Arc<Ahead>,
+    /// The log itself, for the thread that writes a checkpoint while appends go on
+    /// (overlap.rs), and that thread.
+    pub(super) me: Weak<Log>,
+    pub(super) checkpointer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Called by that thread at the steps of a checkpoint ("synced": the log is synced and
+    /// the slot not yet written; "written": the slot is written and not yet synced).
+    #[cfg(test)]
+    pub(super) checkpoint_hook: Mutex<Option<CheckpointHook>>,
 }
+
+#[cfg(test)]
+pub(super) type CheckpointHook = Arc<dyn Fn(&str) + Send + Sync>;
 
 #[derive(Default)]
 pub(super) struct LogStats {
@@ -198,6 +209,10 @@ pub(super) struct Tail {
     pub draining: Vec<u32>,
     /// A checkpoint is being taken: writes wait (or are declined) until it ends.
     pub checkpointing: bool,
+    /// The sequence number of a checkpoint whose map is taken and whose slot is being
+    /// written while appends go on (overlap.rs): no other checkpoint starts, and nothing is
+    /// cleaned, until it ends.
+    pub in_flight: Option<u64>,
     /// Segments opened since the last checkpoint.
     pub opened_since: u32,
     /// The slot the next checkpoint goes to, and the newest checkpoint's sequence number.
@@ -223,7 +238,7 @@ pub(super) fn random_u64() -> u64 {
 impl Log {
     pub fn new(sb: Superblock, storage: Arc<dyn Storage>, head: Head) -> Arc<Log> {
         let (checkpoint_seq, checkpoint_slot) = head.checkpoint;
-        Arc::new(Log {
+        Arc::new_cyclic(|me| Log {
             sb,
             storage,
             reuse: Gate::default(),
@@ -241,6 +256,7 @@ impl Log {
                 unreported: None,
                 draining: Vec::new(),
                 checkpointing: false,
+                in_flight: None,
                 opened_since: 0,
                 checkpoint_slot,
                 checkpoint_seq,
@@ -254,6 +270,10 @@ impl Log {
             headers: Arc::default(),
             header_waiters: Default::default(),
             ahead: Arc::default(),
+            me: me.clone(),
+            checkpointer: Mutex::new(None),
+            #[cfg(test)]
+            checkpoint_hook: Mutex::new(None),
         })
     }
 
@@ -275,6 +295,10 @@ impl Log {
             nonce: random_u64(),
         });
         t.opened_since += 1;
+        if let Some(window) = &mut t.head.journal.window {
+            // Opened while a checkpoint is written: the ring that follows it names it first.
+            window.push(segment);
+        }
         self.reserve_ahead(t);
         Ok(())
     }
@@ -386,6 +410,13 @@ impl Log {
             source,
         })?;
         self.stats.syncs.fetch_add(1, Ordering::Relaxed);
+        if self.sync_failed.swap(false, Ordering::AcqRel) {
+            // A checkpoint's thread synced meanwhile, and failed: as below.
+            return Err(Error::Io {
+                context: "a sync of the seqlog log (for a checkpoint) failed".into(),
+                source: io::Error::from_raw_os_error(libc::EIO),
+            });
+        }
         if self.ahead_sync_failed() {
             // The journal's thread synced meanwhile, and failed: this sync may not have seen
             // the error that write-back of the log's writes left.

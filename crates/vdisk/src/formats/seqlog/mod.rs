@@ -23,7 +23,9 @@
 //! segment being reused.
 //!
 //! The map is checkpointed (checkpoint.rs) every few segments and at close: an open reads the
-//! newest checkpoint and the segments written since, not the whole log.
+//! newest checkpoint and the segments written since, not the whole log. A writer that finds
+//! one due waits only while the map is copied; its slot is written by a thread of its own
+//! while appends go on (overlap.rs).
 //!
 //! Writes hinted as metadata (`BlockDev::write_hinted`: qcow2's tables when qcow2 sits on
 //! seqlog) go to a metadata stream, a segment of their own (docs/seqlog-format.md, "Streams").
@@ -48,6 +50,7 @@ mod layout;
 mod log;
 mod map;
 mod opens;
+mod overlap;
 mod pages;
 mod readahead;
 mod recover;
@@ -471,6 +474,8 @@ impl Driver for Seqlog {
         if self.read_only {
             return Ok(());
         }
+        // A checkpoint being written ends before the flush, which tells of its failure.
+        self.log.join_checkpoint();
         self.flush()?;
         // No reservation ahead after the last checkpoint: the next open would read the
         // segments it names for nothing.
@@ -555,6 +560,8 @@ impl Drop for Seqlog {
         if !self.read_only {
             let _ = self.log.settle(&self.map);
             let _ = self.write_size();
+            // A checkpoint being written ends first: nothing of the log outlives the disk.
+            self.log.join_checkpoint();
             self.log.headers.stop();
             self.log.ahead.stop();
         }

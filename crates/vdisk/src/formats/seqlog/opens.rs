@@ -88,13 +88,30 @@ impl Log {
             return;
         }
         (j.pos, j.must_mark) = (0, false);
-        if std::mem::take(&mut j.marked) {
+        if j.marked {
             // An old marker would only make the next open read every segment.
-            let zero = AlignedBuf::zeroed(self.sb.block_size as usize);
-            let at = self.sb.journal_offset(self.sb.journal_ring());
-            j.marked = self.storage.write_at(at, &zero).is_err();
+            self.zero_marker(t);
         }
         self.reserve_ahead(t);
+    }
+
+    /// Zeroes the journal's marker. A write that fails leaves it (opens then read every
+    /// segment, which loses nothing); the next flush tells of the storage's failure.
+    pub(super) fn zero_marker(&self, t: &mut Tail) {
+        let zero = AlignedBuf::zeroed(self.sb.block_size as usize);
+        let at = self.sb.journal_offset(self.sb.journal_ring());
+        let written = self.storage.write_at(at, &zero);
+        t.head.journal.marked = written.is_err();
+        match written {
+            Ok(()) => {
+                let bytes = u64::from(self.sb.block_size);
+                self.stats.checkpoint_bytes.fetch_add(bytes, Relaxed);
+            }
+            Err(source) => {
+                let context = format!("zeroing the seqlog journal's marker at {at:#x}");
+                t.unreported.get_or_insert(Error::Io { context, source });
+            }
+        }
     }
 
     /// Whether half of the ring is used: a checkpoint is due, so that the marker (and an

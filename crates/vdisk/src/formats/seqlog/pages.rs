@@ -28,7 +28,9 @@
 //!   sees the other). Entries are set only under the log's lock, as dirty pages are written
 //!   out, and never while a checkpoint is written (it waits for every batch to have its
 //!   header, and writers wait for it), so the pages a checkpoint copies do not change under
-//!   it, and clearing the marks after it loses none.
+//!   it, and clearing the marks after it loses none. (A map without a cap is checkpointed
+//!   while appends go on, overlap.rs: its pages are copied under the log's lock, and it has
+//!   no marks to keep.)
 //! - A reader holding a page that is evicted meanwhile reads an entry as it was when the
 //!   reader looked the page up: a clean page's, the same as the slot's.
 

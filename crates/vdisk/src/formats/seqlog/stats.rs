@@ -264,6 +264,8 @@ mod tests {
             disk.flush().unwrap();
             let live: Vec<u32> = (0..9).map(|s| disk.map.live(s)).collect();
             assert_eq!(live, [5, 5, 6, 6, 6, 6, 6, 6, 6]);
+            // Nothing is cleaned while a checkpoint is written (overlap.rs).
+            disk.log.join_checkpoint();
             let mut t = log::lock(&disk.log.state);
             let mut victims = Vec::new();
             for _ in 0..2 {
@@ -372,6 +374,7 @@ mod tests {
         disk.write(0, &vec![1u8; (blocks * BS) as usize]).unwrap();
         // Counted when their headers land: the last batch's data is written before that.
         disk.flush().unwrap();
+        disk.log.join_checkpoint();
         let before = storage.stats().snapshot().bytes_written - disk.counts().written();
         std::thread::scope(|s| {
             for t in 0..16u64 {
@@ -391,6 +394,8 @@ mod tests {
         disk.flush().unwrap();
         // The journal's thread may still be writing a reservation ahead of need (ahead.rs).
         disk.log.ahead.stop();
+        // And a checkpoint's thread its slot (overlap.rs).
+        disk.log.join_checkpoint();
         let c = disk.counts();
         assert!(c.cleaned > 100, "{c:?}");
         let written = storage.stats().snapshot().bytes_written - before;

@@ -27,11 +27,16 @@ struct Watch {
     durable: HashSet<u32>,
     /// Segments first written into before a synced block named them.
     early: Vec<u32>,
-    /// Syncs of the journal's thread.
+    /// Syncs of the journal's thread, and of a checkpoint's (which writes the first block of
+    /// the ring after it where segments were opened while it was written: overlap.rs).
     ahead_syncs: usize,
+    /// The marker (every segment is read) is written, and durable: opens need no block then.
+    marker: bool,
+    marker_durable: bool,
 }
 
 const AHEAD: &str = "seqlog-journal";
+const CHECKPOINT: &str = "seqlog-checkpoint";
 
 impl Watched {
     fn sb(&self) -> Superblock {
@@ -48,13 +53,19 @@ impl Storage for Watched {
             let mut w = self.watch.lock().unwrap();
             let ring = sb.journal_offset(0)..sb.journal_offset(sb.journal_ring());
             let log = sb.log_offset(0)..sb.log_offset(sb.log_blocks());
-            if ring.contains(&offset) {
+            if offset == sb.journal_offset(sb.journal_ring()) {
+                let marker = matches!(journal::decode(&sb, buf), Ok(Some((journal::EVERY, ..))));
+                w.marker = marker;
+                // Zeroed: it may be gone at once.
+                w.marker_durable &= marker;
+            } else if ring.contains(&offset) {
                 if let Ok(Some((_, _, names))) = journal::decode(&sb, buf) {
                     w.named.extend(names);
                 }
             } else if log.contains(&offset) {
                 let segment = ((offset - log.start) / sb.segment_size()) as u32;
-                if w.written.insert(segment) && w.on && !w.durable.contains(&segment) {
+                let covered = w.durable.contains(&segment) || w.marker_durable;
+                if w.written.insert(segment) && w.on && !covered {
                     w.early.push(segment);
                 }
             }
@@ -63,12 +74,15 @@ impl Storage for Watched {
     }
     fn sync(&self) -> std::io::Result<()> {
         let named: Vec<u32> = self.watch.lock().unwrap().named.iter().copied().collect();
-        if std::thread::current().name() == Some(AHEAD) {
+        let marker = self.watch.lock().unwrap().marker;
+        if matches!(std::thread::current().name(), Some(AHEAD | CHECKPOINT)) {
             std::thread::sleep(Duration::from_millis(20));
             self.watch.lock().unwrap().ahead_syncs += 1;
         }
         self.mem.sync()?;
-        self.watch.lock().unwrap().durable.extend(named);
+        let mut w = self.watch.lock().unwrap();
+        w.durable.extend(named);
+        w.marker_durable |= marker;
         Ok(())
     }
     crate::forward_storage!(mem: read_at, allocate, punch_hole, len, set_len, allocated_bytes,
