@@ -2,7 +2,7 @@
 //! sequential read of blocks written at random is a random read of the log, and the device
 //! serves random reads faster the more it has in flight (bench/results/seqlog-reads-loaded.md):
 //! once a stream of reads that continue each other is seen, the map says where the next blocks
-//! live, and they are read ahead, at most [`DEPTH`] at a time, up to 1 MiB past the stream's
+//! live, and they are read ahead, at most [`DEPTH`] at a time, up to 2 MiB past the stream's
 //! last read. A later read of the stream takes a block already read from memory, or waits for
 //! the read in flight of it instead of reading it again.
 //!
@@ -46,9 +46,9 @@ use crate::sync::lock;
 /// Streams followed at once (the least recently read one makes way for a new one).
 const STREAMS: usize = 4;
 /// How far ahead of a stream's last read blocks are read, in bytes (its memory bound).
-const WINDOW_BYTES: u64 = 1 << 20;
+const WINDOW_BYTES: u64 = 2 << 20;
 /// Reads ahead in flight at most, all streams together.
-const DEPTH: usize = 64;
+const DEPTH: usize = 128;
 /// Reads in a row that continue each other before a stream reads ahead.
 const TRIGGER: u32 = 2;
 
