@@ -165,12 +165,12 @@ if ((reads)); then
     [[ -n $baseline ]] && disks+=("baseline-seqlog:base.seqlog:baseline")
 fi
 for ((r = 1; r <= rounds; r++)); do
+    make_disks
+    order=()
+    for d in "${disks[@]}"; do
+        if ((r % 2)); then order+=("$d"); else order=("$d" "${order[@]}"); fi
+    done
     if ((reads)); then
-        make_disks
-        order=()
-        for d in "${disks[@]}"; do
-            if ((r % 2)); then order+=("$d"); else order=("$d" "${order[@]}"); fi
-        done
         for qd in 16 32; do
             for rw in randwrite read randread; do
                 for d in "${order[@]}"; do
@@ -185,11 +185,6 @@ for ((r = 1; r <= rounds; r++)); do
         done
         continue
     fi
-    make_disks
-    order=()
-    for d in "${disks[@]}"; do
-        if ((r % 2)); then order+=("$d"); else order=("$d" "${order[@]}"); fi
-    done
     for qd in 16 32; do
         if ((!inproc)); then
             for rw in seqwrite randwrite; do

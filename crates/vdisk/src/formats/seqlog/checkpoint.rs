@@ -68,6 +68,16 @@ pub(super) fn interval(sb: &Superblock) -> u32 {
 }
 
 impl Checkpoint {
+    /// The checkpoint of every batch placed so far, as `t` has it (its entries are the map's).
+    pub(super) fn of(t: &Tail) -> Checkpoint {
+        Checkpoint {
+            seq: t.head.next_seq - 1,
+            open: t.open.map(|o| o.map(|o| o.segment)),
+            seg_seq: t.head.seg_seq.clone(),
+            trims: t.head.trims.clone(),
+        }
+    }
+
     /// Writes the checkpoint's slot through `write(offset in the slot, bytes)`: the body a
     /// chunk at a time, its entries filled in by `entries(first page, chunk)` (the map's
     /// `copy_out`), then the header, whose checksum covers the whole slot (so that a slot torn
@@ -336,12 +346,7 @@ impl Log {
     ) -> (MutexGuard<'a, Tail>, Result<()>) {
         // The map's entries are copied with the lock released: no write is placed or mapped
         // while a checkpoint is taken (`checkpointing`), and no cleaning runs.
-        let cp = Checkpoint {
-            seq: t.head.next_seq - 1,
-            open: t.open.map(|o| o.map(|o| o.segment)),
-            seg_seq: t.head.seg_seq.clone(),
-            trims: t.head.trims.clone(),
-        };
+        let cp = Checkpoint::of(&t);
         let slot = t.checkpoint_slot;
         t.opened_since = 0;
         drop(t);

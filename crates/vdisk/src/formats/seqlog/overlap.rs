@@ -57,12 +57,7 @@ impl Log {
         mut t: MutexGuard<'a, Tail>,
         map: &Map,
     ) -> (MutexGuard<'a, Tail>, Result<()>) {
-        let cp = Checkpoint {
-            seq: t.head.next_seq - 1,
-            open: t.open.map(|o| o.map(|o| o.segment)),
-            seg_seq: t.head.seg_seq.clone(),
-            trims: t.head.trims.clone(),
-        };
+        let cp = Checkpoint::of(&t);
         // Every page is resident (no cap): a copy of memory, about 1 MiB a GiB of disk.
         let bs = self.sb.block_size as usize;
         let mut entries = AlignedBuf::zeroed(map.pages.count() * bs);
