@@ -244,7 +244,7 @@ seqlog_table() {
     echo
     echo "| row | qemu-nbd on rbd: | vdisk on rbd: | vdisk seqlog on rados: | seqlog / qemu-nbd | seqlog / vdisk-rbd | seqlog, write buffer | buffered / qemu-nbd | seqlog, local file | buffered / file |"
     echo "|---|---|---|---|---|---|---|---|---|---|"
-    local row q v l w f
+    local row q v l w f b
     for row in "${seqlog_rows[@]}"; do
         q=$(median "${iops[$row qemu-nbd]}") v=$(median "${iops[$row vdisk-rbd]}")
         l=$(median "${iops[$row seqlog]}") w=$(median "${iops[$row wbuf]}")

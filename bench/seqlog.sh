@@ -170,23 +170,9 @@ for ((r = 1; r <= rounds; r++)); do
     for d in "${disks[@]}"; do
         if ((r % 2)); then order+=("$d"); else order=("$d" "${order[@]}"); fi
     done
-    if ((reads)); then
-        for qd in 16 32; do
-            for rw in randwrite read randread; do
-                for d in "${order[@]}"; do
-                    IFS=: read -r label disk server <<<"$d"
-                    # The read-ahead's disk is the same as seqlog's: written once.
-                    [[ $rw == randwrite && $label == seqlog-noahead ]] && continue
-                    v=$(serve_fio "$disk" "$server" "$rw" "$qd")
-                    iops["$label $rw qd$qd"]+="$v "
-                    echo "round $r $label $rw qd$qd $v ($(cat "$work/extra"))" | tee -a "$log"
-                done
-            done
-        done
-        continue
-    fi
     for qd in 16 32; do
-        if ((!inproc)); then
+        # --reads: only the NBD rows below.
+        if ((!inproc && !reads)); then
             for rw in seqwrite randwrite; do
                 fio_rw=${rw/seqwrite/write}
                 v=$(run_fio "$work/raw.img" "$fio_rw" "$qd")
@@ -198,6 +184,7 @@ for ((r = 1; r <= rounds; r++)); do
         fi
         for b in "raw:raw.img:raw:seq" "raw:raw.img:raw:random" "seqlog:disk.seqlog:seqlog:seq" \
             "seqlog:disk.seqlog:seqlog:random" "qcow2:disk.qcow2:qcow2:random"; do
+            ((reads)) && break
             IFS=: read -r label disk format how <<<"$b"
             builds=("$label:$vdisk")
             if [[ -n $baseline && $label == seqlog ]]; then
@@ -212,10 +199,12 @@ for ((r = 1; r <= rounds; r++)); do
                 echo "round $r bench $l $how qd$qd $v" | tee -a "$log"
             done
         done
-        ((inproc)) && continue
+        ((inproc && !reads)) && continue
         for rw in randwrite read randread; do
             for d in "${order[@]}"; do
                 IFS=: read -r label disk server <<<"$d"
+                # The read-ahead's disk is the same as seqlog's: written once.
+                [[ $rw == randwrite && $label == seqlog-noahead ]] && continue
                 v=$(serve_fio "$disk" "$server" "$rw" "$qd")
                 iops["$label $rw qd$qd"]+="$v "
                 echo "round $r $label $rw qd$qd $v ($(cat "$work/extra"))" | tee -a "$log"

@@ -317,6 +317,9 @@ pub(super) fn load(storage: &dyn Storage, sb: &Superblock, keep: bool) -> Result
     Ok(None)
 }
 
+/// What a failed checkpoint write or sync was doing.
+pub(super) const WRITING: &str = "writing a seqlog checkpoint";
+
 pub(super) fn io_error(source: std::io::Error, what: &str) -> Error {
     Error::Io {
         context: what.into(),
@@ -357,18 +360,10 @@ impl Log {
             e
         };
         let written = self.sync().map_err(sync_failed).and_then(|()| {
-            let what = "writing a seqlog checkpoint";
-            let base = self.sb.checkpoint_offset(slot);
-            let write = |at: u64, buf: &[u8]| {
-                (self.storage.write_at(base + at, buf)).map_err(|source| io_error(source, what))?;
-                let bytes = buf.len() as u64;
-                self.stats.checkpoint_bytes.fetch_add(bytes, Relaxed);
-                Ok(())
-            };
-            cp.encode(&self.sb, |p, buf| map.pages.copy_out(p, buf), write)?;
+            self.write_slot(&cp, slot, |p, buf| map.pages.copy_out(p, buf))?;
             self.storage
                 .sync()
-                .map_err(|source| sync_failed(io_error(source, what)))
+                .map_err(|source| sync_failed(io_error(source, WRITING)))
         });
         if written.is_ok() {
             // Pages not resident are read from the new slot from now on.
@@ -383,6 +378,23 @@ impl Log {
             self.stats.checkpoints.fetch_add(1, Relaxed);
         }
         (t, written)
+    }
+
+    /// Writes `cp` into `slot` (not synced), its entries filled in by `entries` (see
+    /// [`Checkpoint::encode`]), counting the bytes.
+    pub(super) fn write_slot(
+        &self,
+        cp: &Checkpoint,
+        slot: u64,
+        entries: impl FnMut(usize, &mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        let base = self.sb.checkpoint_offset(slot);
+        let write = |at: u64, buf: &[u8]| {
+            (self.storage.write_at(base + at, buf)).map_err(|source| io_error(source, WRITING))?;
+            (self.stats.checkpoint_bytes).fetch_add(buf.len() as u64, Relaxed);
+            Ok(())
+        };
+        cp.encode(&self.sb, entries, write)
     }
 
     /// Writes a checkpoint now, when the log grew since the last one: writers wait (the

@@ -35,12 +35,13 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::MutexGuard;
 
-use super::checkpoint::{io_error, Checkpoint};
+use super::checkpoint::{io_error, Checkpoint, WRITING};
 use super::journal::{self, EVERY, RESERVES};
 use super::log::{lock, Log, Tail};
 use super::map::Map;
 use crate::bytes::AlignedBuf;
 use crate::error::Result;
+use crate::sync::wait;
 
 /// What the thread writes: the checkpoint, the map's entries as it was taken, the slot.
 struct Job {
@@ -118,14 +119,13 @@ impl Log {
     fn write_in_flight(&self, job: Job) {
         let Job { cp, entries, slot } = job;
         let sb = self.sb;
-        let what = "writing a seqlog checkpoint";
         let mark = || {
             if !sb.opens {
                 return Ok(());
             }
             let block = journal::encode(&sb, EVERY, cp.seq, &[]);
             let at = sb.journal_offset(sb.journal_ring());
-            (self.storage.write_at(at, &block)).map_err(|source| io_error(source, what))?;
+            (self.storage.write_at(at, &block)).map_err(|source| io_error(source, WRITING))?;
             (self.stats.checkpoint_bytes).fetch_add(block.len() as u64, Relaxed);
             // So that the log's sync does sync, even with no batch since the last one.
             self.written.fetch_add(1, Relaxed);
@@ -140,24 +140,18 @@ impl Log {
                 self.sync_failed.store(true, Relaxed);
             })?;
             self.hook("synced");
-            let base = sb.checkpoint_offset(slot);
-            let write = |at: u64, buf: &[u8]| {
-                (self.storage.write_at(base + at, buf)).map_err(|source| io_error(source, what))?;
-                (self.stats.checkpoint_bytes).fetch_add(buf.len() as u64, Relaxed);
-                Ok(())
-            };
             let copy = |p: usize, buf: &mut [u8]| {
                 let from = (p * sb.block_size as usize).min(entries.len());
                 let n = buf.len().min(entries.len() - from);
                 buf[..n].copy_from_slice(&entries[from..from + n]);
                 Ok(())
             };
-            cp.encode(&sb, copy, write)?;
+            self.write_slot(&cp, slot, copy)?;
             self.hook("written");
             (self.storage.sync()).map_err(|source| {
                 sync_failed = true;
                 self.sync_failed.store(true, Relaxed);
-                io_error(source, what)
+                io_error(source, WRITING)
             })
         });
         let mut t = lock(&self.state);
@@ -250,7 +244,7 @@ impl Log {
     pub(super) fn join_checkpoint(&self) {
         let mut t = lock(&self.state);
         while t.in_flight.is_some() {
-            t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
+            t = wait(&self.changed, t);
         }
         drop(t);
         if let Some(handle) = lock(&self.checkpointer).take() {
