@@ -7,6 +7,7 @@
 //! | `common.rs`    | a provider handing out clusters of one file; loads, stores  |
 //! | `thin.rs`      | absent slots filled on first touch, once                    |
 //! | `cow.rs`       | fine-grained copy-on-write of read-only clusters            |
+//! | `handoff.rs`   | the hand-off to the monitor and back, without a fault (ignored) |
 //! | `latency.rs`   | first-touch and copy-on-write latency (ignored; prints)     |
 //! | `pcow_latency.rs` | the same through pcow's mapping, and its persists (ignored) |
 //!
@@ -18,6 +19,8 @@
 mod common;
 #[path = "pmem/cow.rs"]
 mod cow;
+#[path = "pmem/handoff.rs"]
+mod handoff;
 #[path = "pmem/latency.rs"]
 mod latency;
 #[path = "pmem/pcow_latency.rs"]

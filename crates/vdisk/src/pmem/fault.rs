@@ -5,7 +5,8 @@
 //! arrives as SIGSEGV (`SEGV_ACCERR`) on the writing thread. The handler is async-signal-safe: it
 //! allocates nothing and takes no lock. It finds the region in a fixed table of atomics, writes
 //! the address of a request that lives on its own stack into the region's pipe (8 bytes, one
-//! atomic pipe write), and sleeps on a futex in that request until the monitor marks it done.
+//! atomic pipe write), and polls that request for a while, then sleeps on a futex in it, until
+//! the monitor marks it done (`spin.rs`: so that the CPU does not go idle meanwhile).
 //! Then it returns and the store is retried, now on a writable page. A fault the region does not
 //! claim (outside every region, or not a protection fault, or the monitor says it is not one of
 //! its read-only pages) goes to the handler that was installed before ours, or, where that was
@@ -15,6 +16,8 @@
 use std::io;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicUsize, Ordering};
 use std::sync::OnceLock;
+
+use super::spin;
 
 /// `si_code` of a write to a page mapped without write permission (`<asm-generic/siginfo.h>`).
 const SEGV_ACCERR: libc::c_int = 2;
@@ -176,10 +179,16 @@ fn hand_off(pipe: i32, addr: usize) -> u32 {
         }
         return NOT_OURS;
     }
+    // Polled first, so that this CPU does not go idle while the monitor copies (`spin.rs`).
+    let since = spin::now_ns();
     loop {
         let state = req.state.load(Ordering::Acquire);
         if state != PENDING {
             return state;
+        }
+        if spin::polling(since) {
+            spin::yield_now();
+            continue;
         }
         // SAFETY: FUTEX_WAIT on a live word of ours; it returns at once if the word changed.
         unsafe {

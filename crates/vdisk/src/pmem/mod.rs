@@ -21,9 +21,12 @@
 //!   without write-protect faults for anonymous memory (before 5.7) fill the slot on a load.
 //! - **writable**: a file range mapped shared, read-write.
 //! - **read-only** (a snapshot's or a base image's cluster): mapped `PROT_READ`. The first write
-//!   to a 4 KiB page copies that page only into the slot's writable cluster (writing its cache
-//!   lines back when persistence flushes them; an `msync` is left to the next persist), tells
-//!   the provider, and maps the new page over the old one (`mremap` of a scratch mapping).
+//!   to a 4 KiB page copies that page only into the slot's writable cluster, tells the
+//!   provider, and maps the new page over the old one. Through the page cache (`msync`
+//!   persistence) the copy is a `pwrite` into the cluster and the mapping one `mmap` (an
+//!   `msync` is left to the next persist); with cache-line persistence it is a store through a
+//!   scratch mapping of the cluster, whose cache lines are written back, moved over the old
+//!   page with `mremap`.
 //!   Pages never written keep reading the old cluster. The provider makes the copy's record
 //!   durable at the next [`Region::persist`], after the copy.
 //!
@@ -34,7 +37,7 @@
 //! application's cache-line flushes would no longer persist anything, which defeats persistent
 //! memory. So clusters stay direct file mappings (DAX on a pmem file system) and write faults go
 //! through an async-signal-safe SIGSEGV handler (`fault.rs`) that hands the address to the
-//! monitor thread and sleeps on a futex until it is done.
+//! monitor thread and polls, then sleeps on a futex, until it is done (`spin.rs`).
 //!
 //! **Errors.** A cluster the provider cannot give, or a copy that fails, leaves the slot (or the
 //! page) mapped to a hole past the end of an empty memfd: that access and every later one there
@@ -56,6 +59,7 @@ mod map;
 mod monitor;
 mod persist;
 mod region;
+mod spin;
 mod uffd;
 
 use std::fs::File;

@@ -175,6 +175,11 @@ impl Monitor {
                 // SAFETY: read from the pipe just now and not answered yet.
                 unsafe { Request::answer(req, answer) };
             }
+            if (n as usize) < size_of_val(&buf) {
+                // Drained when read: a request written since wakes the next poll, and a read
+                // now would most often only say EAGAIN.
+                return;
+            }
         }
     }
 
@@ -240,9 +245,98 @@ impl Monitor {
         } else {
             (page * PAGE, PAGE, page)
         };
+        if self.persist.kind() == PersistKind::Msync {
+            self.copy_by_write(slot, slot_at, &new, from, len, &pages)?;
+        } else {
+            self.copy_by_mapping(slot, slot_at, &new, (from, len, first), &pages)?;
+        }
+        self.stats
+            .pages_copied
+            .fetch_add(pages.len() as u64, Ordering::Relaxed);
+        if let Slot::ReadOnly { copied, .. } = &mut self.slots[slot] {
+            for &p in &pages {
+                copied[p] = true;
+            }
+            if whole || copied.iter().all(|&c| c) {
+                self.slots[slot] = Slot::Writable;
+            }
+        }
+        Ok(())
+    }
+
+    /// A copy where stores persist by `msync` (page cache): the pages are written into the new
+    /// cluster with `pwrite` from the slot's read-only mapping, the provider is told, and the
+    /// new cluster's range is mapped over the slot's (one `mmap`). Through the page cache the
+    /// copy needs no mapping of its own: mapping a scratch page, taking its fault (a read of
+    /// fallocated space and ext4's `page_mkwrite`) and moving it over the slot (`mremap`, which
+    /// flushes the TLB of every CPU running the process) cost about twice as much
+    /// (`bench/pmem.sh`, copy-on-write rows). A full disk is an error of the write here, not a
+    /// SIGBUS in the monitor's copy.
+    fn copy_by_write(
+        &mut self,
+        slot: usize,
+        slot_at: usize,
+        new: &Cluster,
+        from: usize,
+        len: usize,
+        pages: &[usize],
+    ) -> io::Result<()> {
+        let mut i = 0;
+        while i < pages.len() {
+            let mut j = i + 1;
+            while j < pages.len() && pages[j] == pages[j - 1] + 1 {
+                j += 1;
+            }
+            let at = pages[i] * PAGE;
+            // SAFETY: the source is pages of the slot, mapped read-only and referenced by no
+            // Rust reference; the kernel only reads them.
+            unsafe {
+                write_at(
+                    &new.file,
+                    (slot_at + at) as *const u8,
+                    (j - i) * PAGE,
+                    new.offset + at as u64,
+                )?
+            };
+            i = j;
+        }
+        self.tell(slot, pages)?;
+        let prot = libc::PROT_READ | libc::PROT_WRITE;
+        // SAFETY: the target is the slot's memory (or one page of it), read-only until now and
+        // referenced by no Rust reference.
+        let mapped = unsafe {
+            map::map_over(
+                slot_at + from,
+                len,
+                new.file.as_fd(),
+                new.offset + from as u64,
+                prot,
+                self.shared,
+            )
+        };
+        if mapped.is_err() {
+            // Recorded as copied, but not where the region maps it, so a persist of the
+            // region's range there would not reach it (the provider counts on that).
+            let _ = self.persist.persist_file(&new.file);
+        }
+        mapped
+    }
+
+    /// A copy where stores persist by cache-line write-backs (`MAP_SYNC` on DAX): copied
+    /// through a scratch mapping of the new cluster (`range`: its offset in the slot, its
+    /// length and its first page), whose cache lines are written back, then moved over the
+    /// slot's memory.
+    fn copy_by_mapping(
+        &mut self,
+        slot: usize,
+        slot_at: usize,
+        new: &Cluster,
+        (from, len, first): (usize, usize, usize),
+        pages: &[usize],
+    ) -> io::Result<()> {
         let scratch =
             map::map_scratch(len, new.file.as_fd(), new.offset + from as u64, self.shared)?;
-        let done = self.copy_into(slot, slot_at, scratch, first, &pages);
+        let done = self.copy_into(slot, slot_at, scratch, first, pages);
         let done = done.and_then(|()| {
             // SAFETY: the target is the slot's memory (or one page of it), read-only until now
             // and referenced by no Rust reference; `scratch` is ours alone.
@@ -260,17 +354,6 @@ impl Monitor {
             // SAFETY: the scratch mapping is ours and unused (a failed mremap leaves it).
             unsafe { map::unmap(scratch, len) };
             return Err(e);
-        }
-        self.stats
-            .pages_copied
-            .fetch_add(pages.len() as u64, Ordering::Relaxed);
-        if let Slot::ReadOnly { copied, .. } = &mut self.slots[slot] {
-            for &p in &pages {
-                copied[p] = true;
-            }
-            if whole || copied.iter().all(|&c| c) {
-                self.slots[slot] = Slot::Writable;
-            }
         }
         Ok(())
     }
@@ -297,15 +380,16 @@ impl Monitor {
                 )
             };
         }
-        if self.persist.kind() != PersistKind::Msync {
-            // Cache-line write-backs cost about a microsecond a page: done here, so that the
-            // provider's commit need not know where the copies are. An msync (a write-back
-            // and a disk flush, hundreds of microseconds) is left to the commit, which makes
-            // every copy since the last one durable, a run of neighbours at once.
-            let span = (pages.iter().max().unwrap_or(&first) + 1 - first) * PAGE;
-            // SAFETY: `[scratch, scratch + span)` is inside the scratch mapping.
-            unsafe { self.persist.persist(scratch as *const u8, span)? };
-        }
+        // Cache-line write-backs cost about a microsecond a page: done here, so that the
+        // provider's commit need not know where the copies are.
+        let span = (pages.iter().max().unwrap_or(&first) + 1 - first) * PAGE;
+        // SAFETY: `[scratch, scratch + span)` is inside the scratch mapping.
+        unsafe { self.persist.persist(scratch as *const u8, span)? };
+        self.tell(slot, pages)
+    }
+
+    /// Tells the provider that `pages` of `slot` hold their copies.
+    fn tell(&mut self, slot: usize, pages: &[usize]) -> io::Result<()> {
         let list: Vec<u32> = pages.iter().map(|&p| p as u32).collect();
         let mut provider = lock(&self.provider);
         flatten(catch_unwind(AssertUnwindSafe(|| {
@@ -345,6 +429,42 @@ fn poll_fd(fd: libc::c_int) -> libc::pollfd {
         events: libc::POLLIN,
         revents: 0,
     }
+}
+
+/// Writes `len` bytes from `src` to `file` at `offset`, the whole of them.
+///
+/// # Safety
+/// `[src, src + len)` is readable memory (it may fault in: the kernel reads it as a user copy).
+unsafe fn write_at(
+    file: &std::fs::File,
+    src: *const u8,
+    len: usize,
+    offset: u64,
+) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut done = 0;
+    while done < len {
+        // SAFETY: the caller's contract; `done < len` keeps the range inside it.
+        let n = unsafe {
+            libc::pwrite(
+                file.as_raw_fd(),
+                src.add(done).cast(),
+                len - done,
+                (offset + done as u64) as libc::off_t,
+            )
+        };
+        match n {
+            n if n > 0 => done += n as usize,
+            0 => return Err(io::ErrorKind::WriteZero.into()),
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 fn flatten<T>(r: std::thread::Result<io::Result<T>>) -> io::Result<T> {
