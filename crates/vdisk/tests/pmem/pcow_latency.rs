@@ -1,7 +1,9 @@
 //! First-touch and copy-on-write latency through pcow's mapping (the engine with pcow's
 //! provider), DRAM-emulated: what an application of a pcow image waits at a fault, and what
 //! its persist costs after one, since a fault records its cluster or copied page in memory and
-//! the persist makes the record durable (`formats/pcow/mapping/provider.rs`). `bench/pmem.sh`
+//! the persist makes the record durable (`formats/pcow/mapping/provider.rs`); and the bursts
+//! again with the faulting thread and the mapping's threads pinned to one CPU, or to two.
+//! `bench/pmem.sh`
 //! runs it beside `latency.rs`:
 //! `cargo test --release -p vdisk --test pmem -- --ignored --nocapture pcow_latency`
 
@@ -92,6 +94,65 @@ fn msync_floor(dir: &tempfile::TempDir) -> Vec<u128> {
     ns
 }
 
+/// Pins this thread to CPU `mine` and every thread of the mapping (named `vdisk-...`: the
+/// monitor, the pool) to CPU `theirs`; `None` lets them all run anywhere again.
+fn pin(cpus: Option<(usize, usize)>) {
+    let set = |tid: libc::pid_t, cpu: Option<usize>| {
+        // SAFETY: a zeroed cpu_set_t is an empty set, filled here; sched_setaffinity of a
+        // thread of this process.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            for c in 0..libc::CPU_SETSIZE as usize {
+                if cpu.is_none_or(|cpu| cpu == c) {
+                    libc::CPU_SET(c, &mut set);
+                }
+            }
+            libc::sched_setaffinity(tid, size_of_val(&set), &set);
+        }
+    };
+    set(0, cpus.map(|c| c.0));
+    for task in std::fs::read_dir("/proc/self/task").unwrap() {
+        let task = task.unwrap().path();
+        let comm = std::fs::read_to_string(task.join("comm")).unwrap_or_default();
+        if comm.starts_with("vdisk-") {
+            let tid = task.file_name().unwrap().to_str().unwrap().parse().unwrap();
+            set(tid, cpus.map(|c| c.1));
+        }
+    }
+}
+
+/// A burst of first touches, then one of copy-on-writes, with this thread and the mapping's
+/// threads pinned to `cpus` (this machine's idle CPUs halt: a wake-up of a thread on another
+/// CPU may wait for that CPU to wake, which one CPU never does; see `pmem/spin.rs`).
+fn pinned(dir: &tempfile::TempDir, cpus: (usize, usize), name: &str) {
+    let cs = 2 * MIB;
+    let img = dir.path().join("pinned-touch.pcow");
+    new_pcow(&img, (FAULTS * cs) as u64, cs as u64, None);
+    let m = Mapping::open(img.to_str().unwrap()).unwrap();
+    // A first touch starts the pool's thread: pinned after it.
+    let (_, _) = run(&m, &[0], false);
+    pin(Some(cpus));
+    let offsets: Vec<_> = (1..FAULTS).map(|s| s * cs).collect();
+    let (stores, _) = run(&m, &offsets, false);
+    pin(None);
+    println!(
+        "pcow mapping: first touch, 2 MiB clusters, {name}: {}",
+        percentiles(stores)
+    );
+    drop(m);
+    let img = dir.path().join("pinned-cow.pcow");
+    new_pcow(&img, (4 * cs) as u64, cs as u64, Some("base.raw"));
+    let m = Mapping::open(img.to_str().unwrap()).unwrap();
+    pin(Some(cpus));
+    let offsets: Vec<_> = (0..FAULTS).map(|i| i * 4096 + 64).collect();
+    let (stores, _) = run(&m, &offsets, false);
+    pin(None);
+    println!(
+        "pcow mapping: copy-on-write of a 4 KiB page, {name}: {}",
+        percentiles(stores)
+    );
+}
+
 #[test]
 #[ignore = "a measurement: prints latencies"]
 fn pcow_latency() {
@@ -138,5 +199,9 @@ fn pcow_latency() {
                 percentiles(persists)
             );
         }
+    }
+    pinned(&dir, (0, 0), "the mapping's threads on the same CPU");
+    if std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2) {
+        pinned(&dir, (0, 1), "the mapping's threads on another CPU");
     }
 }
