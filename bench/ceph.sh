@@ -41,10 +41,14 @@
 # RADOS object each), made by `vdisk convert -S 0` of the written raw image (its zeroes too:
 # qemu-img bench writes zeroes, which a sparse convert would skip), so it is full and its
 # cleaner works; then 4 KiB random reads at depth 32 of each; and `rbd bench` (4 KiB random
-# writes, 16 threads, librbd alone) once per round; and `vdisk serve` on the same seqlog image
-# behind a local write buffer (`rados:rbd/seqlog:cache=FILE`, 256 MiB, the file under the
-# work directory: writes and flushes go to it, whole objects are uploaded in the background;
-# each server's close uploads what it holds, so every side finds the image whole in RADOS);
+# writes, 16 threads, librbd alone) once per round; and `vdisk serve` on a seqlog image made
+# the same way behind a local write buffer (`rados:rbd/seqlog-wbuf:cache=FILE`, 256 MiB, the
+# file under the work directory: writes and flushes go to it, whole objects are uploaded in
+# the background; each server's close uploads what it holds, and its buffer keeps the
+# uploaded objects for its next open as long as RADOS has them unchanged); each buffered side
+# (the baseline's too, `rados:rbd/seqlog-base`) has an image of its own, as a VM's disk is
+# reopened by the host that wrote it last: another side's writes in between would change its
+# objects, and its buffer would drop them;
 # and, for what seqlog and NBD take without Ceph, `vdisk serve --cache writeback` on a seqlog
 # image in a local file under the work directory, converted from the same raw image (its
 # writes go to the page cache and its flushes to the disk, as the buffer's do).
@@ -106,8 +110,11 @@ qemu-img create -q -f qcow2 rbd:rbd/qcow2 "${size_mib}M"
 for img in raw qcow2; do
     qemu-img bench -q -f $img -t none -w -d 8 -s 1M -c "$size_mib" rbd:rbd/$img
 done
-[ "$rows_kind" = rbd ] ||
-    "$vdisk" convert -S 0 -O seqlog -o segment_size=4M rbd:rbd/raw rados:rbd/seqlog
+# The seqlog image, and one of its own for each buffered side (see the note above).
+for disk in seqlog seqlog-wbuf ${baseline:+seqlog-base}; do
+    [ "$rows_kind" = rbd ] ||
+        "$vdisk" convert -S 0 -O seqlog -o segment_size=4M rbd:rbd/raw rados:rbd/$disk
+done
 [ "$rows_kind" = rbd ] ||
     "$vdisk" convert -S 0 -O seqlog -o segment_size=4M rbd:rbd/raw "$work/seqlog.file"
 
@@ -190,8 +197,8 @@ run_seqlog() {
     qemu-nbd) serve_fio qemu-nbd "${qd#qd}" rbd:rbd/raw "$rw" ;;
     vdisk-rbd) serve_fio "$vdisk" "${qd#qd}" rbd:rbd/raw "$rw" ;;
     seqlog) serve_fio "$vdisk" "${qd#qd}" rados:rbd/seqlog "$rw" ;;
-    wbuf) serve_fio "$vdisk" "${qd#qd}" "rados:rbd/seqlog:cache=$work/wbuf" "$rw" ;;
-    wbuf-base) serve_fio "$baseline" "${qd#qd}" "rados:rbd/seqlog:cache=$work/wbuf-base" "$rw" ;;
+    wbuf) serve_fio "$vdisk" "${qd#qd}" "rados:rbd/seqlog-wbuf:cache=$work/wbuf" "$rw" ;;
+    wbuf-base) serve_fio "$baseline" "${qd#qd}" "rados:rbd/seqlog-base:cache=$work/wbuf-base" "$rw" ;;
     file) serve_fio "$vdisk" "${qd#qd}" "$work/seqlog.file" "$rw" writeback ;;
     esac
 }
@@ -240,7 +247,9 @@ seqlog_table() {
     echo "seqlog on RADOS (\`rados:rbd/seqlog\`, 4 MiB segments, one object each, made full by"
     echo "\`vdisk convert\`) against the RBD image \`rbd:rbd/raw\`, each served over NBD; fio, ${runtime} s"
     echo "per run, 4 KiB requests; $rounds_seqlog round(s), medians (IOPS). The machine is shared"
-    echo "with other jobs and noisy: compare rows of one run, not runs."
+    echo "with other jobs and noisy: compare rows of one run, not runs. The write buffer's side"
+    echo "serves \`rados:rbd/seqlog-wbuf\`, an image of its own made the same way (its buffer keeps"
+    echo "the objects it uploaded for its next run, unless another side wrote them)."
     echo
     echo "| row | qemu-nbd on rbd: | vdisk on rbd: | vdisk seqlog on rados: | seqlog / qemu-nbd | seqlog / vdisk-rbd | seqlog, write buffer | buffered / qemu-nbd | seqlog, local file | buffered / file |"
     echo "|---|---|---|---|---|---|---|---|---|---|"
@@ -255,7 +264,7 @@ seqlog_table() {
     echo
     [ -n "$baseline" ] || return 0
     echo "The write buffer's side with vdisk built from ${baseline_rev:-another commit} (\`$baseline\`),"
-    echo "its own buffer file, in the same rounds:"
+    echo "its own buffer file and image (\`rados:rbd/seqlog-base\`), in the same rounds:"
     echo
     echo "| row | seqlog, write buffer | buffered / qemu-nbd | baseline, write buffer | baseline / qemu-nbd | buffered / baseline |"
     echo "|---|---|---|---|---|---|"

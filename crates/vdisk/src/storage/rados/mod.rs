@@ -309,15 +309,26 @@ impl RadosStorage {
         Ok(n)
     }
 
-    /// Replaces object `index` with `buf`, in one request (an empty `buf` removes it).
-    fn put_object(&self, index: u64, buf: &[u8]) -> io::Result<()> {
+    /// Replaces object `index` with `buf`, in one request (an empty `buf` removes it), and
+    /// returns the object's version after (`None` for a removal).
+    fn put_object(&self, index: u64, buf: &[u8]) -> io::Result<Option<u64>> {
         let oid = self.objects.name(index);
         if buf.is_empty() {
-            return self.objects.remove(&oid);
+            return self.objects.remove(&oid).map(|()| None);
         }
-        self.objects.write_full(&oid, buf)?;
+        let version = self.objects.write_full_versioned(&oid, buf)?;
         self.stats.record_write(buf.len());
-        Ok(())
+        Ok(Some(version))
+    }
+
+    /// Where the disk's objects are: its pool among all pools of all clusters.
+    fn place(&self) -> u64 {
+        self.objects.place()
+    }
+
+    /// The size and version of object `index` (`None` when it does not exist).
+    fn object_version(&self, index: u64) -> io::Result<Option<(u64, u64)>> {
+        self.objects.version(&self.objects.name(index))
     }
 
     /// The name of object `index` (for tests that look at the objects).

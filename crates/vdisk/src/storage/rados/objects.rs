@@ -2,10 +2,12 @@
 //! a byte range is cut into pieces of objects. Every call takes the object's name as a C
 //! string, which librados copies.
 
-use std::ffi::{c_int, CStr, CString};
+use std::ffi::{c_int, c_void, CStr, CString};
 use std::io;
+use std::ptr;
 
 use super::super::rbd::ffi::{check, Handle, Lib};
+use crate::checksum::crc32c;
 
 /// Where a piece of a byte range lies: object `index`, `at` bytes into it, `len` bytes long,
 /// starting `done` bytes into the range.
@@ -95,6 +97,88 @@ impl Objects {
         check(unsafe {
             (self.lib.rados_write_full)(self.ioctx, oid.as_ptr(), buf.as_ptr().cast(), buf.len())
         })
+    }
+
+    /// Replaces the whole of `oid` with `buf`, atomically, and returns the object's version
+    /// after it (RADOS's user version: every change of the object moves it on, and an object
+    /// made again gets a higher one than before, see [`Objects::version`]).
+    pub fn write_full_versioned(&self, oid: &CStr, buf: &[u8]) -> io::Result<u64> {
+        self.waited(|c| {
+            // SAFETY: an open context, a C string, a completion, a buffer of the length
+            // passed that outlives the request (`waited` waits for it).
+            unsafe {
+                (self.lib.rados_aio_write_full)(
+                    self.ioctx,
+                    oid.as_ptr(),
+                    c,
+                    buf.as_ptr().cast(),
+                    buf.len(),
+                )
+            }
+        })
+        .map(|(_, version)| version)
+    }
+
+    /// The size and version of `oid` (as [`Objects::write_full_versioned`] returns it),
+    /// `None` when it does not exist.
+    pub fn version(&self, oid: &CStr) -> io::Result<Option<(u64, u64)>> {
+        let (mut size, mut mtime): (u64, libc::time_t) = (0, 0);
+        let got = self.waited(|c| {
+            // SAFETY: an open context, a C string, a completion, places for the size and time
+            // that outlive the request (`waited` waits for it).
+            unsafe { (self.lib.rados_aio_stat)(self.ioctx, oid.as_ptr(), c, &mut size, &mut mtime) }
+        });
+        match got {
+            Ok((_, version)) => Ok(Some((size, version))),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Runs the asynchronous request `start` sends with a completion, waits for it, and
+    /// returns its result and the object version its reply carried.
+    fn waited(&self, start: impl FnOnce(Handle) -> c_int) -> io::Result<(c_int, u64)> {
+        extern "C" fn nothing(_: Handle, _: *mut c_void) {}
+        let mut c: Handle = ptr::null_mut();
+        // SAFETY: a place for the new completion; the callback does nothing with its argument.
+        check(unsafe {
+            (self.lib.rados_aio_create_completion2)(ptr::null_mut(), nothing, &mut c)
+        })?;
+        let sent = start(c);
+        let done = match sent {
+            r if r < 0 => check(r).map(|()| (0, 0)),
+            _ => {
+                // SAFETY: `c` is a live completion of a request sent; it is released below,
+                // after the request completed.
+                unsafe { (self.lib.rados_aio_wait_for_complete)(c) };
+                // SAFETY: as above.
+                let r = unsafe { (self.lib.rados_aio_get_return_value)(c) };
+                // SAFETY: as above.
+                let version = unsafe { (self.lib.rados_aio_get_version)(c) };
+                check(r).map(|()| (r, version))
+            }
+        };
+        // SAFETY: the completion is no longer used.
+        unsafe { (self.lib.rados_aio_release)(c) };
+        done
+    }
+
+    /// What names the pool the objects are in among all pools of all clusters: its id in the
+    /// cluster and the cluster's fsid (a copy of an object kept elsewhere is compared with
+    /// the object by version only in the same place).
+    pub fn place(&self) -> u64 {
+        let mut fsid = [0u8; 64];
+        // SAFETY: an open context, whose cluster handle it returns; a buffer of the length
+        // passed for the fsid.
+        let r = unsafe {
+            let cluster = (self.lib.rados_ioctx_get_cluster)(self.ioctx);
+            (self.lib.rados_cluster_fsid)(cluster, fsid.as_mut_ptr().cast(), fsid.len())
+        };
+        let end = fsid.iter().position(|&b| b == 0).unwrap_or(fsid.len());
+        let fsid = if r < 0 { &[][..] } else { &fsid[..end] };
+        // SAFETY: an open context.
+        let pool = unsafe { (self.lib.rados_ioctx_get_id)(self.ioctx) };
+        (u64::from(crc32c(0, fsid)) << 32) ^ pool as u64
     }
 
     /// Removes `oid`; one that does not exist is no error.

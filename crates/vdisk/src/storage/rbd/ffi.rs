@@ -119,6 +119,13 @@ functions! {
     rados_stat: fn(Handle, *const c_char, *mut u64, *mut libc::time_t) -> c_int;
     rados_aio_create_completion2: fn(*mut c_void, AioCallback, *mut Handle) -> c_int;
     rados_aio_read: fn(Handle, *const c_char, Handle, *mut c_char, usize, u64) -> c_int;
+    rados_aio_write_full: fn(Handle, *const c_char, Handle, *const c_char, usize) -> c_int;
+    rados_aio_stat: fn(Handle, *const c_char, Handle, *mut u64, *mut libc::time_t) -> c_int;
+    rados_aio_wait_for_complete: fn(Handle) -> c_int;
+    rados_aio_get_version: fn(Handle) -> u64;
+    rados_ioctx_get_id: fn(Handle) -> i64;
+    rados_ioctx_get_cluster: fn(Handle) -> Handle;
+    rados_cluster_fsid: fn(Handle, *mut c_char, usize) -> c_int;
     rados_aio_get_return_value: fn(Handle) -> c_int;
     rados_aio_release: fn(Handle);
     rados_create_write_op: fn() -> Handle;

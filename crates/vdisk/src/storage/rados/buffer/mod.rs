@@ -17,6 +17,8 @@
 //!   uploader: an idle slot (or the oldest, when clean and free ones run low) ─► rados_write_full
 //!             ─► unchanged since? clean (unlisted: table written and synced)
 //!   open (writable): every listed slot uploaded, the table emptied
+//!   close: every slot uploaded; the table names the clean ones, which the next open keeps
+//!          while RADOS has their objects unchanged (`keep.rs`)
 //! ```
 //!
 //! Ordering rules (why each crash leaves the disk as the last flush had it):
@@ -52,6 +54,7 @@
 //! queue's transfers hold neither across their I/O: a pin (`Slot::busy`, under the state's
 //! mutex) keeps the slot theirs.
 
+mod keep;
 mod local;
 mod slots;
 mod table;
@@ -72,7 +75,7 @@ use crate::storage::{
     AsyncTransfer, Dir, FileStorage, IoStats, IoStatsSnapshot, OpenOptions, Storage,
 };
 use local::LocalIo;
-use table::Layout;
+use table::{Layout, Table};
 
 /// The buffer's size when none is named: 64 objects of 4 MiB.
 pub const DEFAULT_BUFFER_SIZE: u64 = 256 << 20;
@@ -136,6 +139,9 @@ struct Slot {
     /// When it was last read or written (`State::tick`): the least recently used clean slot
     /// is the one given to another object.
     touched: u64,
+    /// Clean: its object's version in RADOS after the upload it holds the bytes of (`None`:
+    /// an empty object, removed), which a close writes in the table (`keep.rs`).
+    version: Option<u64>,
     /// Transfers of the I/O queue in flight to or from it (`local.rs`): it is not made clean
     /// nor let go while any is.
     busy: u32,
@@ -171,11 +177,15 @@ struct Shared {
     tables: Mutex<u64>,
     /// Transfers of the I/O queue to and from slots.
     io: LocalIo,
+    /// Where the disk's objects are (`Objects::place`): clean copies are kept across opens
+    /// only in the same place.
+    place: u64,
 }
 
 /// A RADOS disk with a local write buffer, open.
 pub struct BufferedStorage {
     shared: Arc<Shared>,
+    write: bool,
     uploaders: Vec<JoinHandle<()>>,
     stats: IoStats,
 }
@@ -251,6 +261,7 @@ impl BufferedStorage {
             let layout = Layout {
                 object_size: os,
                 slots,
+                version: table::VERSION,
             };
             local
                 .write_at(0, &layout.encode_header(&name))
@@ -268,15 +279,24 @@ impl BufferedStorage {
                 layout.object_size
             )));
         }
-        let (generation, held) = read_table(&*local, layout).map_err(ctx)?;
+        let table = read_table(&*local, layout).map_err(ctx)?;
         let io = LocalIo::new(fd);
-        let shared = Arc::new(Shared::new(inner, local, layout, generation + 1, io));
+        let place = inner.place();
+        let generation = table.generation + 1;
+        let shared = Arc::new(Shared::new(inner, local, layout, generation, io, place));
+        let mut kept = match table.place == place {
+            true => table.clean.clone(),
+            false => Vec::new(),
+        };
         if write {
-            shared.recover(&held).map_err(ctx)?;
+            kept.extend(shared.recover(&table.held).map_err(ctx)?);
             shared.inner.cut_unsynced(t)?;
         } else {
-            shared.list(&held);
+            shared.list(&table.held);
         }
+        shared
+            .keep(&kept, write && !table.clean.is_empty())
+            .map_err(ctx)?;
         let uploaders = match write {
             true => (0..uploaders).map(|_| upload::spawn(&shared)).collect(),
             false => Vec::new(),
@@ -284,6 +304,7 @@ impl BufferedStorage {
         LocalIo::spawn(&shared);
         Ok(BufferedStorage {
             shared,
+            write,
             uploaders,
             stats: IoStats::default(),
         })
@@ -317,24 +338,27 @@ impl BufferedStorage {
     }
 }
 
-/// The newest whole table in `local`: its generation and listed (slot, object) pairs; an
-/// empty one of generation 0 where none is whole (a buffer made but never listed in).
-fn read_table(local: &dyn Storage, layout: Layout) -> io::Result<(u64, Vec<(usize, u64)>)> {
-    let mut best: Option<(u64, Vec<(usize, u64)>)> = None;
+/// The newest whole table in `local`; an empty one of generation 0 where none is whole (a
+/// buffer made but never listed in).
+fn read_table(local: &dyn Storage, layout: Layout) -> io::Result<Table> {
+    let mut best: Option<Table> = None;
     for copy in 0..2 {
         let mut b = vec![0u8; layout.table_len() as usize];
         local.read_at(layout.table_at(copy), &mut b)?;
-        if let Some((g, held)) = layout.decode_table(&b) {
-            if best.as_ref().is_none_or(|(bg, _)| g > *bg) {
-                best = Some((g, held));
+        if let Some(t) = layout.decode_table(&b) {
+            if best.as_ref().is_none_or(|b| t.generation > b.generation) {
+                best = Some(t);
             }
         }
     }
-    let (g, mut held) = best.unwrap_or_default();
+    let mut t = best.unwrap_or_default();
     // Two slots naming one object would be a table vdisk never writes: the later is ignored.
     let mut seen = std::collections::HashSet::new();
-    held.retain(|&(s, object)| s < layout.slots as usize && seen.insert(object));
-    Ok((g, held))
+    t.held
+        .retain(|&(s, object)| s < layout.slots as usize && seen.insert(object));
+    t.clean
+        .retain(|&(s, object, _)| s < layout.slots as usize && seen.insert(object));
+    Ok(t)
 }
 
 impl Drop for BufferedStorage {
@@ -348,6 +372,10 @@ impl Drop for BufferedStorage {
         }
         self.shared.io.stop();
         let _ = self.shared.sync();
+        if self.write {
+            // What the slots hold as RADOS has it, for the next open (`keep.rs`).
+            let _ = self.shared.close_table();
+        }
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, TryLoc
 use std::time::{Duration, Instant};
 
 use super::super::RadosStorage;
-use super::table::Layout;
+use super::table::{Layout, Table};
 use super::{LocalIo, Phase, Pin, Shared, Slot, State};
 use crate::storage::{Dir, Storage};
 
@@ -22,6 +22,7 @@ impl Shared {
         layout: Layout,
         generation: u64,
         io: LocalIo,
+        place: u64,
     ) -> Self {
         let n = layout.slots as usize;
         let slot = Slot {
@@ -33,6 +34,7 @@ impl Shared {
             uploading: false,
             unlisting: false,
             touched: 0,
+            version: None,
             busy: 0,
             written: Instant::now(),
         };
@@ -54,6 +56,7 @@ impl Shared {
             owners: (0..n).map(|_| RwLock::new(None)).collect(),
             tables: Mutex::new(generation),
             io,
+            place,
         }
     }
 
@@ -85,16 +88,29 @@ impl Shared {
 
     /// Writes the table of the slots listed now, then syncs it.
     pub(super) fn write_table(&self) -> io::Result<()> {
+        self.write_table_of(false)
+    }
+
+    /// Writes the table of the slots listed now, and with `clean` of the clean ones (at
+    /// close, `keep.rs`), then syncs it.
+    pub(super) fn write_table_of(&self, clean: bool) -> io::Result<()> {
         let mut generation = self.tables.lock().unwrap_or_else(|e| e.into_inner());
-        let held: Vec<(usize, u64)> = {
-            let st = self.lock();
-            let listed = st.slots.iter().enumerate();
-            listed
-                .filter(|(_, slot)| slot.phase == Phase::Listed)
-                .map(|(s, slot)| (s, slot.object))
-                .collect()
+        let mut table = Table {
+            generation: *generation,
+            place: self.place,
+            ..Table::default()
         };
-        let b = self.layout.encode_table(*generation, &held);
+        {
+            let st = self.lock();
+            for (s, slot) in st.slots.iter().enumerate() {
+                match (slot.phase, slot.version) {
+                    (Phase::Listed, _) => table.held.push((s, slot.object)),
+                    (Phase::Clean, Some(v)) if clean => table.clean.push((s, slot.object, v)),
+                    _ => {}
+                }
+            }
+        }
+        let b = self.layout.encode_table(&table);
         self.local.write_at(self.layout.table_at(*generation), &b)?;
         self.local.sync()?;
         *generation += 1;
@@ -212,6 +228,7 @@ impl Shared {
             uploading: false,
             unlisting: false,
             touched,
+            version: None,
             busy: 0,
             written: Instant::now(),
         };

@@ -119,8 +119,9 @@ impl Shared {
         }
     }
 
-    /// Sends slot `u.s`'s bytes as object `u.object`, whole.
-    fn upload(&self, u: &Upload) -> io::Result<()> {
+    /// Sends slot `u.s`'s bytes as object `u.object`, whole; returns the object's version
+    /// after (`None`: removed, the slot empty).
+    fn upload(&self, u: &Upload) -> io::Result<Option<u64>> {
         let mut buf = vec![0u8; u.used as usize];
         {
             let owner = self.owner(u.s);
@@ -134,15 +135,18 @@ impl Shared {
 
     /// Ends upload `u`: the slot is clean if nothing was written to it since its bytes were
     /// read (their upload durable in RADOS), and unlisted; kept otherwise for the next round.
-    fn uploaded(&self, u: Upload, sent: io::Result<()>) {
+    fn uploaded(&self, u: Upload, sent: io::Result<Option<u64>>) {
         let unlist = {
             let mut st = self.lock();
             st.slots[u.s].uploading = false;
             self.changed.notify_all();
-            if let Err(e) = sent {
-                st.failed = Some(e.to_string());
-                return;
-            }
+            let version = match sent {
+                Ok(version) => version,
+                Err(e) => {
+                    st.failed = Some(e.to_string());
+                    return;
+                }
+            };
             st.failed = None;
             // In RADOS now: a slot taken for it again reads it in.
             st.absent.remove(&u.object);
@@ -156,6 +160,7 @@ impl Shared {
             }
             let unlist = slot.phase == Phase::Listed || slot.unlisting;
             slot.phase = Phase::Clean;
+            slot.version = version;
             slot.unlisting = unlist;
             unlist
         };
@@ -179,19 +184,24 @@ impl Shared {
     }
 
     /// Uploads the slots `held` lists (a crash's leftovers), each object's bytes to their
-    /// last non-zero sector, then writes an empty table.
-    pub(super) fn recover(&self, held: &[(usize, u64)]) -> io::Result<()> {
+    /// last non-zero sector, then writes an empty table. Returns the slots uploaded, as clean
+    /// copies (slot, object, version) for [`Shared::keep`].
+    pub(super) fn recover(&self, held: &[(usize, u64)]) -> io::Result<Vec<(usize, u64, u64)>> {
         let os = self.layout.object_size as usize;
         let mut buf = vec![0u8; os];
+        let mut clean = Vec::new();
         for &(s, object) in held {
             self.local.read_at(self.layout.slot_at(s), &mut buf)?;
             let end = buf.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);
-            self.inner
-                .put_object(object, &buf[..end.next_multiple_of(512).min(os)])?;
+            let sent =
+                (self.inner).put_object(object, &buf[..end.next_multiple_of(512).min(os)])?;
+            if let Some(version) = sent {
+                clean.push((s, object, version));
+            }
         }
         if !held.is_empty() {
             self.write_table()?;
         }
-        Ok(())
+        Ok(clean)
     }
 }
