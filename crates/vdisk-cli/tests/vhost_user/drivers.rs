@@ -1,6 +1,6 @@
 //! Drivers that break the rules or use the rarer parts of the device: hostile chains, a
 //! read-only export, guest memory added and removed at run time, a broken available ring;
-//! the counters of what a driver did.
+//! the counters of what a driver did, and the path a lone request takes.
 
 use super::*;
 
@@ -457,10 +457,89 @@ fn stats_count_what_the_driver_did() {
     assert_eq!(value(bytes, ",op=\"write\""), 4096 + 5 * MIB);
     assert_eq!(value(bytes, ",op=\"read\""), 4096);
     let transfers = "vdisk_vhost_user_blk_transfers_total";
-    // The slots' buffers are page-aligned: small transfers and the lone 1 MiB write move in
-    // place; the four made available together (one kick, one pass) go to the pool.
-    assert_eq!(value(transfers, ",path=\"in_place\""), 3);
+    // Each request made alone runs inline on the worker (straight on guest memory); the four
+    // 1 MiB writes made available together (one kick, one pass) go to the pool.
+    assert_eq!(value(transfers, ",path=\"inline\""), 3);
+    assert_eq!(value(transfers, ",path=\"in_place\""), 0);
     assert_eq!(value(transfers, ",path=\"pool\""), 4);
+    drop(queues);
+    drop(dev);
+    assert!(served.stop().success());
+}
+
+/// A request alone on its queue, through the page cache, runs inline: one blocking call on the
+/// worker straight on guest memory, answered in the pass that took it. Not a write once the
+/// driver turned the write cache off (it is flushed on the pool before it is answered), nor
+/// one whose data lies partly outside guest memory (refused as before). What is read back is
+/// what was written, on either path.
+#[test]
+fn a_lone_request_runs_inline_unless_the_write_cache_is_off() {
+    let Some(tools) = tools() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let image = new_image(&tools, dir.path(), "in.qcow2", "8M");
+    let stats = format!("unix:{}", dir.path().join("stats.sock").display());
+    let served = Served::start(&tools, &image, &["--stats", &stats]);
+    let (mut dev, mut queues) = served.connect(1);
+    let ram = dev.ram.clone();
+    let q = &mut queues[0];
+    let slots = Slots::new(q, 1, MIB as u32);
+    assert_eq!(write(&ram, q, &slots, MIB, &pattern(9, MIB as usize)), S_OK);
+    assert!(read(&ram, q, &slots, MIB, MIB as usize) == pattern(9, MIB as usize));
+    // Data running past the end of guest memory: refused, nothing touched.
+    let end = ram.len() as u64;
+    let at = slots.data(0);
+    let mut h = [0u8; 16];
+    h[0..4].copy_from_slice(&T_IN.to_le_bytes());
+    h[8..16].copy_from_slice(&(MIB / 512).to_le_bytes());
+    ram.write(at, &h);
+    ram.write(at + 16, &[0xff]);
+    let chain = [
+        Buffer {
+            addr: at,
+            len: 16,
+            device_writes: false,
+        },
+        Buffer {
+            addr: end - 4096,
+            len: 8192,
+            device_writes: true,
+        },
+        Buffer {
+            addr: at + 16,
+            len: 1,
+            device_writes: true,
+        },
+    ];
+    q.ring.add(&chain).unwrap();
+    finish(&ram, q);
+    let mut status = [0u8; 1];
+    ram.read(at + 16, &mut status);
+    assert_eq!(status[0], S_IOERR, "a read past the end of guest memory");
+    dev.frontend
+        .set_config(32, VhostUserConfigFlags::WRITABLE, &[0])
+        .expect("set writeback to 0");
+    assert_eq!(write(&ram, q, &slots, 0, &pattern(10, 65536)), S_OK);
+    assert!(read(&ram, q, &slots, 0, 65536) == pattern(10, 65536));
+    let out = Command::new(&tools.vdisk)
+        .args(["stats", &stats])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let socket = served.socket.display().to_string();
+    let value = |path: &str| -> u64 {
+        let want =
+            format!("vdisk_vhost_user_blk_transfers_total{{socket=\"{socket}\",path=\"{path}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&want))
+            .unwrap_or_else(|| panic!("no {want} in:\n{text}"))
+            .parse()
+            .unwrap()
+    };
+    // Inline: the write and read with the cache on, the read with it off. The write with it
+    // off moved in place on the I/O queue; the read outside guest memory took no path but the
+    // buffer one, whose copy out failed.
+    assert_eq!(value("inline"), 3);
+    assert_eq!(value("in_place"), 1);
     drop(queues);
     drop(dev);
     assert!(served.stop().success());

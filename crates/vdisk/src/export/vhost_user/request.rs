@@ -220,6 +220,54 @@ pub(super) fn guest_slices<'m, M: vm_memory::GuestMemoryBackend>(
     Some(slices)
 }
 
+/// The byte offset of `len` bytes at `sector`, if they lie within a disk of `size` bytes.
+pub(super) fn range(size: u64, sector: u64, len: u64) -> Option<u64> {
+    let offset = sector.checked_mul(super::config::SECTOR)?;
+    (offset.checked_add(len)? <= size).then_some(offset)
+}
+
+/// The byte ranges of a DISCARD or WRITE_ZEROES request (segments of sector, sectors,
+/// flags), or the status that refuses it.
+pub(super) fn zero_ranges(mem: &Memory, req: &Request, size: u64) -> Result<Vec<(u64, u64)>, u8> {
+    let len = total(&req.given) as usize;
+    if len == 0
+        || len % ZERO_SEGMENT != 0
+        || len / ZERO_SEGMENT > super::config::MAX_ZERO_SEGMENTS as usize
+    {
+        return Err(S_IOERR);
+    }
+    let mut raw = vec![0u8; len];
+    read_segments(mem, &req.given, &mut raw).map_err(|_| S_IOERR)?;
+    // Discard has no flags; write zeroes only "may unmap" (virtio 1.2, 5.2.6.2).
+    let allowed = if req.kind == T_DISCARD {
+        0
+    } else {
+        ZERO_FLAG_UNMAP
+    };
+    raw.chunks_exact(ZERO_SEGMENT)
+        .map(|seg| {
+            let sector = u64::from_le_bytes(seg[0..8].try_into().unwrap_or_default());
+            let count = u32::from_le_bytes(seg[8..12].try_into().unwrap_or_default());
+            let flags = u32::from_le_bytes(seg[12..16].try_into().unwrap_or_default());
+            if flags & !allowed != 0 {
+                return Err(S_UNSUPP);
+            }
+            let bytes = u64::from(count) * super::config::SECTOR;
+            range(size, sector, bytes)
+                .map(|offset| (offset, bytes))
+                .ok_or(S_IOERR)
+        })
+        .collect()
+}
+
+pub(super) fn status_of(r: crate::Result<()>) -> u8 {
+    if r.is_ok() {
+        S_OK
+    } else {
+        S_IOERR
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

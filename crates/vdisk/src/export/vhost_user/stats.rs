@@ -1,6 +1,7 @@
 //! An export's counters, served beside the NBD server's on `vdisk serve --stats`: front ends,
 //! requests by type, failed requests by status, bytes moved, and which path each transfer
-//! took (in place in guest memory, through a buffer of ours, or on the pool).
+//! took (in place in guest memory, through a buffer of ours, on the pool, or with a blocking
+//! call on the worker).
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -24,9 +25,11 @@ pub(super) enum Path {
     InPlace = 0,
     Buffer = 1,
     Pool = 2,
+    /// A queue's only request, with a blocking call on its worker (`data::transfer_inline`).
+    Inline = 3,
 }
 
-const PATHS: [&str; 3] = ["in_place", "buffer", "pool"];
+const PATHS: [&str; 4] = ["in_place", "buffer", "pool", "inline"];
 
 #[derive(Default)]
 pub struct VhostStats {

@@ -11,7 +11,9 @@
 //! Small transfers move in place in guest memory or through buffers of our own, which the I/O
 //! queue's kernel requests fill or drain; larger ones run on the pool straight between the
 //! disk and the guest's memory (held mapped for the call), where a second copy would cost
-//! more than the hand-off, unless one is the queue's only request (see `POOL_OVER`).
+//! more than the hand-off, unless one is the queue's only request (see `POOL_OVER`). Through
+//! the page cache, the queue's only request runs with a blocking call on the worker, straight
+//! on guest memory, and is answered in the pass that took it (`data::transfer_inline`).
 
 use std::sync::Arc;
 
@@ -20,7 +22,7 @@ use virtio_queue::QueueOwnedT;
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
 use super::config::SECTOR;
-use super::data::Data;
+use super::data::{transfer_inline, Data};
 use super::offload::{Inbox, Offload};
 use super::request::*;
 use super::stats::Path;
@@ -41,8 +43,9 @@ const MAX_TRANSFER: u64 = 64 << 20;
 /// worker (whose kernel requests copy on the thread that submits them) would copy them in turn.
 /// With O_DIRECT the kernel moves the data itself, so a large transfer in place in guest
 /// memory goes on the I/O queue instead; so does one through the page cache that is the
-/// queue's only request in flight (a driver at depth 1), which the kernel then copies on the
-/// worker's thread without the pool's two hand-offs.
+/// queue's only request in flight (a driver at depth 1) and cannot run inline (its data
+/// scattered in guest memory, a write with the cache off), which the kernel then copies on
+/// the worker's thread without the pool's two hand-offs.
 const POOL_OVER: u64 = 64 << 10;
 /// Bytes of request buffers a queue keeps for reuse: 32 requests of 1 MiB in flight need no
 /// fresh memory.
@@ -240,6 +243,21 @@ impl Worker {
                 if write && !writable {
                     return answers.push(refuse(S_IOERR));
                 }
+                let stats = &self.device.stats;
+                // The queue's only request, through the page cache (a write with the cache
+                // on): one blocking call here, answered in this pass. A driver at depth 1
+                // waits for nothing else, and nothing else waits behind it.
+                if alone && !self.device.direct && (!write || self.writeback) {
+                    let dev = &*self.device.dev;
+                    if let Some(result) = transfer_inline(dev, mem, segs, offset, write) {
+                        stats.transfer(write, len, Path::Inline);
+                        let moved = if write || result.is_err() { 0 } else { len };
+                        return answers.push(Answer {
+                            len: moved as u32 + 1,
+                            ..Answer::new(head, Some(status), status_of(result))
+                        });
+                    }
+                }
                 // A large transfer through the page cache goes on the I/O queue too when it is
                 // the queue's only one: the kernel copies it on this thread (the only copy
                 // there is to make), which spares the two thread hand-offs of the pool's path
@@ -248,7 +266,6 @@ impl Worker {
                 let in_place = (len <= POOL_OVER || self.device.direct || alone)
                     .then(|| Data::in_place(mem_atomic, segs))
                     .flatten();
-                let stats = &self.device.stats;
                 let buf = match in_place {
                     Some(data) => {
                         stats.transfer(write, len, Path::InPlace);
@@ -430,7 +447,14 @@ impl Worker {
             }
         }
         let mut answers = Vec::new();
-        for f in self.inbox.take() {
+        // The inbox's eventfd has an event of its own: the I/O queue's leaves it be (emptying
+        // an inbox nothing was handed to is a system call a request, at depth 1).
+        let inbox = if signalled {
+            Vec::new()
+        } else {
+            self.inbox.take()
+        };
+        for f in inbox {
             match f {
                 Finished::Io(c) => done.push(c),
                 Finished::Answer(a) => answers.push(a),
@@ -541,53 +565,5 @@ impl Worker {
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-    }
-}
-
-/// The byte offset of `len` bytes at `sector`, if they lie within a disk of `size` bytes.
-fn range(size: u64, sector: u64, len: u64) -> Option<u64> {
-    let offset = sector.checked_mul(SECTOR)?;
-    (offset.checked_add(len)? <= size).then_some(offset)
-}
-
-/// The byte ranges of a DISCARD or WRITE_ZEROES request (segments of sector, sectors,
-/// flags), or the status that refuses it.
-fn zero_ranges(mem: &Memory, req: &Request, size: u64) -> Result<Vec<(u64, u64)>, u8> {
-    let len = total(&req.given) as usize;
-    if len == 0
-        || len % ZERO_SEGMENT != 0
-        || len / ZERO_SEGMENT > super::config::MAX_ZERO_SEGMENTS as usize
-    {
-        return Err(S_IOERR);
-    }
-    let mut raw = vec![0u8; len];
-    read_segments(mem, &req.given, &mut raw).map_err(|_| S_IOERR)?;
-    // Discard has no flags; write zeroes only "may unmap" (virtio 1.2, 5.2.6.2).
-    let allowed = if req.kind == T_DISCARD {
-        0
-    } else {
-        ZERO_FLAG_UNMAP
-    };
-    raw.chunks_exact(ZERO_SEGMENT)
-        .map(|seg| {
-            let sector = u64::from_le_bytes(seg[0..8].try_into().unwrap_or_default());
-            let count = u32::from_le_bytes(seg[8..12].try_into().unwrap_or_default());
-            let flags = u32::from_le_bytes(seg[12..16].try_into().unwrap_or_default());
-            if flags & !allowed != 0 {
-                return Err(S_UNSUPP);
-            }
-            let bytes = u64::from(count) * SECTOR;
-            range(size, sector, bytes)
-                .map(|offset| (offset, bytes))
-                .ok_or(S_IOERR)
-        })
-        .collect()
-}
-
-fn status_of(r: crate::Result<()>) -> u8 {
-    if r.is_ok() {
-        S_OK
-    } else {
-        S_IOERR
     }
 }
