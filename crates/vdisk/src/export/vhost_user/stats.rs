@@ -133,7 +133,7 @@ pub fn render(exports: &[(String, Arc<VhostStats>)], out: &mut String) {
         (
             "vdisk_vhost_user_blk_transfers_total",
             "Reads and writes by how their data moved: in place in guest memory, through a \
-             buffer of the export's, or on its thread pool.",
+             buffer of the export's, on its thread pool, or inline on the queue's worker.",
             "path",
             &PATHS,
             |s, i| s.transfers[i].load(Relaxed),
