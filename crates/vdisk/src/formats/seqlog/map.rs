@@ -74,9 +74,12 @@ impl Map {
         if count == 0 {
             return Ok(());
         }
-        let (first, _) = self.at(block);
+        let (first, i) = self.at(block);
         let (last, _) = self.at(block + count - 1);
-        (first..=last).try_for_each(|p| self.pages.prepare(p))
+        // The first entry of each page is fetched into the cache now, without waiting for it,
+        // for `set` when the write lands: a random write's entry missed the cache there, 7%
+        // of the I/O thread's time at depth 32 (bench/results/seqlog-d32-submits-loaded.md).
+        (first..=last).try_for_each(|p| self.pages.prepare(p, if p == first { i } else { 0 }))
     }
 
     /// Points guest block `block` at log block `to` (or at nothing), keeping the live counts.

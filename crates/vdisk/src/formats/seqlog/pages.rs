@@ -173,9 +173,14 @@ impl Pages {
     /// marked dirty first (it may have been written out and dropped since `prepare`, and read
     /// back clean), and one read in may evict dirty ones.
     pub fn modify<R>(&self, p: usize, f: impl FnOnce(&[AtomicU32]) -> R) -> Result<R> {
-        self.dirty[p].store(true, SeqCst);
-        // Against a reader's eviction: mark, then look (module docs).
-        fence(SeqCst);
+        // Without a cap nothing is evicted, and the mark is kept by no one: two full barriers
+        // a call (twice a write, `prepare` and `Map::set`) were 7% of the I/O thread's time at
+        // depth 32 (bench/results/seqlog-d32-submits-loaded.md).
+        if self.cap != 0 {
+            self.dirty[p].store(true, SeqCst);
+            // Against a reader's eviction: mark, then look (module docs).
+            fence(SeqCst);
+        }
         self.access(p, true, f)
     }
 
@@ -197,8 +202,17 @@ impl Pages {
 
     /// Marks page `p` dirty (a write placed will change it) and makes it resident. Called by
     /// the appender, under the log's lock.
-    pub fn prepare(&self, p: usize) -> Result<()> {
-        self.modify(p, |_| ())
+    /// Its entry `at` is fetched into the cache, without waiting.
+    pub fn prepare(&self, p: usize, at: usize) -> Result<()> {
+        self.modify(p, |e| {
+            #[cfg(target_arch = "x86_64")]
+            if let Some(e) = e.get(at) {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+                // SAFETY: SSE is part of x86_64; a prefetch reads nothing it could fault on,
+                // and `e` is an entry of the page all the same.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(e.as_ptr().cast()) };
+            }
+        })
     }
 
     /// Makes later reads fail: a write's entry could not be set.
