@@ -72,6 +72,11 @@ pub struct StartedWrite<'a> {
     pub(crate) _pass: Option<Pass<'a>>,
     /// What the disk that placed the write finds it by again.
     pub(crate) token: u64,
+    /// A block the disk would have written just before the first transfer, and its bytes:
+    /// a caller that joins transfers that continue each other may write it with them (it then
+    /// joins the transfers placed before this write's to this write's), or not at all.
+    /// seqlog's header slot between two batches, which takes its header later.
+    pub pad: Option<(u64, &'a [u8])>,
 }
 
 /// A read the disk has mapped: it filled every byte of the buffer except those of the

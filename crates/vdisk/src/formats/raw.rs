@@ -200,6 +200,7 @@ impl BlockDev for Raw {
         self.writable("write")?;
         check_range(self.size(), offset, len as u64)?;
         Ok(Some(StartedWrite {
+            pad: None,
             storage: &*self.storage,
             transfers: vec![Transfer {
                 host: offset,

@@ -43,7 +43,7 @@ pub(crate) use kernel::{IoEvent, Iocb, Kernel};
 
 use self::callback::Inbox;
 use self::table::{Request, Started, Table};
-use crate::blockdev::BlockDev;
+use crate::blockdev::{BlockDev, StartedWrite};
 use crate::error::Result;
 use crate::storage::{AsyncTransfer, Outcomes, Storage};
 use crate::sync::lock;
@@ -223,6 +223,21 @@ impl<'d, B: IoBuf, T: Send> IoQueue<'d, B, T> {
         let mut failed = Vec::new();
         if let Some(started) = &req.started {
             let (storage, transfers) = started.parts();
+            // First, so that it joins the transfers before it and after it (tagged past the
+            // last transfer); where it cannot go on the kernel it is left out.
+            if let Started::Write(StartedWrite {
+                pad: Some((host, zeros)),
+                ..
+            }) = started
+            {
+                if let Some(fd) = storage.async_write_fd(*host, zeros) {
+                    let iov = libc::iovec {
+                        iov_base: zeros.as_ptr().cast_mut().cast(),
+                        iov_len: zeros.len(),
+                    };
+                    queued.push((storage, fd, *host, iov, transfers.len()));
+                }
+            }
             for (i, t) in transfers.iter().enumerate() {
                 let data = &mut req.buf.bytes_mut()[t.bytes.clone()];
                 let fd = match dir {

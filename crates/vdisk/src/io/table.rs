@@ -86,10 +86,14 @@ impl<B, T> Request<'_, B, T> {
     /// Records that transfer `i` failed with `e`.
     pub fn fail(&mut self, i: usize, e: io::Error) {
         let Some(started) = &self.started else { return };
-        let t = &started.parts().1[i];
-        let e = match started {
-            Started::Read(_) => t.read_error(e),
-            Started::Write(_) => t.error(e),
+        let e = match (started, started.parts().1.get(i)) {
+            (Started::Read(_), Some(t)) => t.read_error(e),
+            (Started::Write(_), Some(t)) => t.error(e),
+            // The block written before the first transfer (`StartedWrite::pad`).
+            (_, None) => crate::Error::Io {
+                context: "writing the block before a write's data".into(),
+                source: e,
+            },
         };
         self.failed.get_or_insert(e);
     }
@@ -109,7 +113,8 @@ pub(super) struct Op<'d> {
 
 // SAFETY: the iovecs name bytes of request buffers owned by the same table, which moves between
 // threads only under the queue's lock; nothing reads them through an `Op` but the kernel and
-// `Op::run_blocking`, while their requests wait for them.
+// `Op::run_blocking`, while their requests wait for them; or a disk's block of zeroes
+// (`StartedWrite::pad`), which outlives the queue's borrow of the disk and is only read.
 unsafe impl Send for Op<'_> {}
 
 impl Op<'_> {

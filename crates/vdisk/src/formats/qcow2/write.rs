@@ -116,6 +116,7 @@ impl Qcow2 {
         // Where QEMU's qcow2 reports it to a blkdebug node below it.
         self.data.debug_event(DebugEvent::WriteAio);
         Ok(StartedWrite {
+            pad: None,
             storage: &*self.data,
             transfers,
             pending,

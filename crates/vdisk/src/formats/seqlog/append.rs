@@ -43,6 +43,11 @@ use crate::error::{Error, Result};
 pub(super) struct Placed {
     pub sns: Range<u64>,
     pub transfers: Vec<(u64, Range<usize>)>,
+    /// The header slot of the batch the write starts, where it lies between the stream's
+    /// last write and this one's data: written with zeroes along with them (by a caller that
+    /// joins them), so that a batch boundary does not cut the stream's writes in flight in
+    /// two requests (which then complete apart, and the I/O queue's rounds with them).
+    pub pad: Option<u64>,
 }
 
 impl Log {
@@ -70,7 +75,8 @@ impl Log {
         map.prepare(record.block, u64::from(record.count))?;
         let bs = self.sb.block_size as usize;
         let first = t.next_sn;
-        let mut transfers = Vec::new();
+        let mut transfers = Vec::with_capacity(1);
+        let mut pad = None;
         let mut off = 0;
         while record.count > 0 {
             let f = match self.batch_for(t, stream, record, blocking) {
@@ -93,6 +99,10 @@ impl Log {
             let bytes = off..off + piece.data_blocks() as usize * bs;
             let end = self.sb.log_offset(pos + piece.data_blocks());
             let b = &mut t.forming[f];
+            let starts = b.records.is_empty() && b.at + 1 == pos;
+            if off == 0 && starts && self.sb.log_offset(b.at) == t.last_end[stream] {
+                pad = (piece.kind == Kind::Data).then(|| self.sb.log_offset(b.at));
+            }
             let (crc, part) = match piece.kind {
                 Kind::Data => {
                     b.in_flight += 1;
@@ -135,6 +145,7 @@ impl Log {
         Ok(Some(Placed {
             sns: first..t.next_sn,
             transfers,
+            pad,
         }))
     }
 

@@ -94,6 +94,9 @@ pub(super) struct Log {
     pub stats: LogStats,
     /// Advances a checksum over one block: headers combine their data's checksums with it.
     pub(super) shift_block: CrcShift,
+    /// A block of zeroes: what a batch's header slot is written with, along with the batch's
+    /// first write, where the slot lies between the stream's writes (append.rs, `Placed::pad`).
+    pub(super) zeros: AlignedBuf,
     /// Writes the guest batches' headers, off the log's lock (headers.rs).
     pub(super) headers: Arc<HeaderWriter>,
     /// Callers waiting on `changed` for the header thread (it signals only when there are).
@@ -267,6 +270,7 @@ impl Log {
             sync_failed: Default::default(),
             stats: LogStats::default(),
             shift_block: CrcShift::new(u64::from(sb.block_size)),
+            zeros: AlignedBuf::zeroed(sb.block_size as usize),
             headers: Arc::default(),
             header_waiters: Default::default(),
             ahead: Arc::default(),

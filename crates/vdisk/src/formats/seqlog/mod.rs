@@ -373,6 +373,7 @@ impl BlockDev for Seqlog {
         }
         let transfers = placed.transfers.into_iter();
         Ok(Some(StartedWrite {
+            pad: placed.pad.map(|host| (host, &self.log.zeros[..])),
             storage: &*self.log.storage,
             transfers: transfers
                 .map(|(host, bytes)| Transfer { host, bytes })

@@ -11,6 +11,7 @@ mod ahead;
 mod headers;
 mod opens;
 mod overlap;
+mod pad;
 mod seqread;
 mod streams;
 
