@@ -22,8 +22,9 @@ const SHORT_LANE: usize = 1360;
 
 /// The CPU's CRC instruction takes three cycles to give its result and can start one every
 /// cycle: three independent streams over a long input run about three times as fast as one
-/// (recovery checksums every batch it replays; the I/O thread every 4 KiB write it places,
-/// bench/results/seqlog-1g-d32-submits-loaded.md), joined with [`CrcShift`] over one lane.
+/// (recovery checksums every batch it replays; seqlog's I/O thread every 4 KiB write it
+/// places, where one stream was 16% of its samples in `perf record` of a pass of `vdisk
+/// bench -w -d 32 --random`), joined with [`CrcShift`] over one lane.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "sse4.2")]
 unsafe fn crc32c_sse42(crc: u32, bytes: &[u8]) -> u32 {

@@ -173,9 +173,8 @@ impl Pages {
     /// marked dirty first (it may have been written out and dropped since `prepare`, and read
     /// back clean), and one read in may evict dirty ones.
     pub fn modify<R>(&self, p: usize, f: impl FnOnce(&[AtomicU32]) -> R) -> Result<R> {
-        // Without a cap nothing is evicted, and the mark is kept by no one: two full barriers
-        // a call (twice a write, `prepare` and `Map::set`) were 7% of the I/O thread's time at
-        // depth 32 (bench/results/seqlog-d32-submits-loaded.md).
+        // Without a cap nothing is evicted and no one reads the mark: the appender spares the
+        // two full barriers, twice a write (`prepare` and `Map::set`).
         if self.cap != 0 {
             self.dirty[p].store(true, SeqCst);
             // Against a reader's eviction: mark, then look (module docs).
