@@ -1,6 +1,7 @@
 //! The monitor thread: serves touches of absent slots (userfaultfd) and first writes to
 //! read-only pages (requests from the SIGSEGV handler), one at a time, so a slot is filled once
-//! and a page copied once however many threads fault on it together.
+//! and a page copied once however many threads fault on it together. After a fault it polls
+//! for a while before it sleeps (`spin.rs`).
 //!
 //! Order of a copy-on-write, which the format's crash consistency rests on: the page is copied
 //! into the new cluster (and, with cache-line persistence, persisted); only then is the provider
@@ -23,6 +24,7 @@ use std::sync::Arc;
 
 use super::fault::{Request, HANDLED, NOT_OURS};
 use super::map::{self, PAGE};
+use super::spin;
 use super::uffd::{Fault, Uffd};
 use super::{lock, Cluster, Need, Persist, PersistKind, SharedProvider, Stats, Written};
 
@@ -63,14 +65,22 @@ pub(super) struct Monitor {
 impl Monitor {
     pub(super) fn run(mut self) {
         let mut faults = Vec::new();
+        // When the last fault was served: the monitor polls for `spin::SPIN` after it before
+        // it sleeps, so that a burst's next fault finds it awake.
+        let mut served = 0;
         loop {
             let mut fds = [
                 poll_fd(self.stop.as_raw_fd()),
                 poll_fd(self.uffd.as_raw_fd()),
                 poll_fd(self.requests.as_raw_fd()),
             ];
+            let timeout = if spin::polling(served) { 0 } else { -1 };
             // SAFETY: `fds` is an array of three pollfd, writable for the call.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+            if n == 0 {
+                spin::yield_now();
+                continue;
+            }
             if n < 0 {
                 continue; // EINTR; poll has no other failure with valid arguments
             }
@@ -88,6 +98,7 @@ impl Monitor {
             if fds[2].revents != 0 {
                 self.write_requests();
             }
+            served = spin::now_ns();
         }
     }
 
@@ -269,9 +280,9 @@ impl Monitor {
     /// new cluster's range is mapped over the slot's (one `mmap`). Through the page cache the
     /// copy needs no mapping of its own: mapping a scratch page, taking its fault (a read of
     /// fallocated space and ext4's `page_mkwrite`) and moving it over the slot (`mremap`, which
-    /// flushes the TLB of every CPU running the process) cost about twice as much
-    /// (`bench/pmem.sh`, copy-on-write rows). A full disk is an error of the write here, not a
-    /// SIGBUS in the monitor's copy.
+    /// flushes the TLB of every CPU running the process) cost more: in `perf record -g` of a
+    /// burst of copies they were most of the monitor's time. A full disk is an error of the
+    /// write here, not a SIGBUS in the monitor's copy.
     fn copy_by_write(
         &mut self,
         slot: usize,

@@ -1,4 +1,4 @@
-//! The SIGSEGV handler polls its request before it sleeps.
+//! Both sides of a fault's hand-off poll for a while before they sleep.
 //!
 //! A fault is two wake-ups: the faulting thread wakes the monitor (the handler's pipe write,
 //! or a uffd message), and the monitor wakes it back (the handler's futex, or `UFFDIO_WAKE`).
@@ -9,22 +9,26 @@
 //! thread and back": two threads on two CPUs against one CPU). Which one a fault gets depends
 //! on where the scheduler left the two threads: in one run of bench/results/pmem.md the same
 //! copy-on-write path measured 22 µs p50 and 69.5 µs (its rows "(no persist)" and "(msync)",
-//! neither of which persists during its faults).
+//! neither of which persists during its faults). The scheduler tends to keep them apart: a
+//! woken thread goes back to its previous CPU when that CPU is idle.
 //!
-//! So the handler polls its request for up to [`SPIN`] before it sleeps on the futex: the
-//! faulting thread stays runnable, its CPU does not halt, and the monitor's answer needs no
-//! wake-up. Each poll yields the CPU (`sched_yield`), so that the poller never holds off the
-//! monitor when both share a CPU (the pipe write is a synchronous wake-up, which places the
-//! monitor on the writer's CPU when it can). The monitor itself sleeps in `poll` between
-//! faults: polling there too kept both CPUs busy in the process, so every change of a mapping
-//! sent a TLB flush to the other CPU as an interrupt (`perf stat -e tlb:tlb_flush,
-//! irq_vectors:call_function_single_entry`), and faults were slower, not faster.
+//! So the SIGSEGV handler polls its request for up to [`SPIN`] before it sleeps on the futex
+//! (the faulting thread stays runnable, its CPU does not halt, and the answer needs no
+//! wake-up), and the monitor polls its descriptors for [`SPIN`] after the last fault it served
+//! before it sleeps in `poll` (a burst's next fault finds it awake; a thread blocked in a uffd
+//! fault cannot poll, so for first touches this is the one wake-up saved). Each poll yields the
+//! CPU (`sched_yield`), so that a poller never holds off the thread it waits for when both
+//! share a CPU. The cost is up to [`SPIN`] of the monitor's CPU time after each fault, and of
+//! the faulting thread's while it waits. (With the copy made through a scratch mapping moved
+//! by `mremap`, polling on both sides made faults slower: every move flushed the TLB of the
+//! other CPU, busy in the process, with an interrupt. A copy through the page cache maps over
+//! a page the faulting thread could not map, and needs no such flush.)
 
 use std::time::Duration;
 
-/// How long the handler polls before it sleeps: several faults' time (a copy-on-write takes
-/// about 20 µs here), short enough that a fault the provider makes slow (an allocation
-/// waiting for the disk) sleeps soon.
+/// How long a side polls before it sleeps: several faults' time (a fault takes about 20 µs
+/// here), short enough that a fault the provider makes slow (an allocation waiting for the
+/// disk) sleeps soon, and that a monitor with no more faults coming soon stops.
 pub(super) const SPIN: Duration = Duration::from_micros(100);
 
 /// The monotonic clock in nanoseconds: `clock_gettime`, which is async-signal-safe.
