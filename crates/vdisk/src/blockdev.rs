@@ -74,8 +74,9 @@ pub struct StartedWrite<'a> {
     pub(crate) token: u64,
     /// A block the disk would have written just before the first transfer, and its bytes:
     /// a caller that joins transfers that continue each other may write it with them (it then
-    /// joins the transfers placed before this write's to this write's), or not at all.
-    /// seqlog's header slot between two batches, which takes its header later.
+    /// joins the transfers placed before this write's to this write's), or not at all, and
+    /// then sets it to `None` (the disk counts the bytes it wrote). seqlog's header slot
+    /// between two batches, which takes its header later.
     pub pad: Option<(u64, &'a [u8])>,
 }
 

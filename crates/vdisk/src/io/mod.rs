@@ -43,7 +43,7 @@ pub(crate) use kernel::{IoEvent, Iocb, Kernel};
 
 use self::callback::Inbox;
 use self::table::{Request, Started, Table};
-use crate::blockdev::{BlockDev, StartedWrite};
+use crate::blockdev::BlockDev;
 use crate::error::Result;
 use crate::storage::{AsyncTransfer, Outcomes, Storage};
 use crate::sync::lock;
@@ -221,22 +221,29 @@ impl<'d, B: IoBuf, T: Send> IoQueue<'d, B, T> {
         let mut queued = Vec::new();
         let mut by_callback = Vec::new();
         let mut failed = Vec::new();
+        // The block a write's disk would write before it: where it cannot go on the kernel it
+        // is left out, and the disk told so.
+        let mut pad = None;
+        if let Some(Started::Write(w)) = &mut req.started {
+            if let Some((host, zeros)) = w.pad {
+                match w.storage.async_write_fd(host, zeros) {
+                    Some(fd) => {
+                        let iov = libc::iovec {
+                            iov_base: zeros.as_ptr().cast_mut().cast(),
+                            iov_len: zeros.len(),
+                        };
+                        pad = Some((w.storage, fd, host, iov));
+                    }
+                    None => w.pad = None,
+                }
+            }
+        }
         if let Some(started) = &req.started {
             let (storage, transfers) = started.parts();
             // First, so that it joins the transfers before it and after it (tagged past the
-            // last transfer); where it cannot go on the kernel it is left out.
-            if let Started::Write(StartedWrite {
-                pad: Some((host, zeros)),
-                ..
-            }) = started
-            {
-                if let Some(fd) = storage.async_write_fd(*host, zeros) {
-                    let iov = libc::iovec {
-                        iov_base: zeros.as_ptr().cast_mut().cast(),
-                        iov_len: zeros.len(),
-                    };
-                    queued.push((storage, fd, *host, iov, transfers.len()));
-                }
+            // last transfer).
+            if let Some((storage, fd, host, iov)) = pad {
+                queued.push((storage, fd, host, iov, transfers.len()));
             }
             for (i, t) in transfers.iter().enumerate() {
                 let data = &mut req.buf.bytes_mut()[t.bytes.clone()];

@@ -386,6 +386,10 @@ impl BlockDev for Seqlog {
 
     fn finish_write(&self, started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {
         let sns = started.token..started.token + started.transfers.len() as u64;
+        if let (Some((_, zeros)), Ok(())) = (started.pad, &outcome) {
+            // Bytes the log wrote, as a header's are.
+            (self.log.stats.bytes).fetch_add(zeros.len() as u64, Ordering::Relaxed);
+        }
         let mut t = log::lock(&self.log.state);
         self.log.finish(&mut t, &self.map, sns, outcome.is_ok());
         drop(t);

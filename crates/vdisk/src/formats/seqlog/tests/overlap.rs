@@ -163,6 +163,9 @@ fn nothing_is_cleaned_while_the_slot_is_written() {
         }
     }
     disk.flush().unwrap();
+    // A checkpoint a write began may still be written: the hook would stop it, and the one
+    // below would wait for it (the test hung so on a loaded machine).
+    disk.log.join_checkpoint();
     let (go, wait) = (mpsc::channel::<()>(), mpsc::channel::<()>());
     let (reached, resume) = (Mutex::new(go.0), Mutex::new(wait.1));
     set_hook(&disk, move |step| {
