@@ -5,7 +5,6 @@
 use std::sync::Arc;
 
 use super::request::{guest_slices, Mem, Memory, Segment};
-use crate::blockdev::BlockDev;
 use crate::io::pool::Buf;
 use crate::io::IoBuf;
 
@@ -64,28 +63,4 @@ unsafe impl IoBuf for Data {
             Data::Guest { ptr, len, .. } => unsafe { std::slice::from_raw_parts_mut(*ptr, *len) },
         }
     }
-}
-
-/// A read into or a write from `segs` at `offset` of `dev`, with one blocking call on the
-/// caller's thread straight between the disk and guest memory, when the data is one stretch of
-/// `mem` (`None` otherwise, and where any of it lies outside guest memory: the caller's other
-/// paths then answer it, or refuse it). For a queue's only request through the page cache: the
-/// kernel copies on this thread as it would for the I/O queue, without its eventfd's round
-/// trip through the worker's epoll loop, nor the pool's two thread hand-offs.
-pub(super) fn transfer_inline(
-    dev: &dyn BlockDev,
-    mem: &Memory,
-    segs: &[Segment],
-    offset: u64,
-    write: bool,
-) -> Option<crate::Result<()>> {
-    let mut slices = guest_slices(mem, segs)?;
-    let [(_, data)] = slices.as_mut_slice() else {
-        return None;
-    };
-    Some(if write {
-        dev.write(offset, data)
-    } else {
-        dev.read(offset, data)
-    })
 }

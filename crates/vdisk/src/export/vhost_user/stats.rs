@@ -1,7 +1,6 @@
 //! An export's counters, served beside the NBD server's on `vdisk serve --stats`: front ends,
 //! requests by type, failed requests by status, bytes moved, and which path each transfer
-//! took (in place in guest memory, through a buffer of ours, on the pool, or with a blocking
-//! call on the worker).
+//! took (in place in guest memory, through a buffer of ours, or on the pool).
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -25,11 +24,9 @@ pub(super) enum Path {
     InPlace = 0,
     Buffer = 1,
     Pool = 2,
-    /// A queue's only request, with a blocking call on its worker (`data::transfer_inline`).
-    Inline = 3,
 }
 
-const PATHS: [&str; 4] = ["in_place", "buffer", "pool", "inline"];
+const PATHS: [&str; 3] = ["in_place", "buffer", "pool"];
 
 #[derive(Default)]
 pub struct VhostStats {
@@ -133,7 +130,7 @@ pub fn render(exports: &[(String, Arc<VhostStats>)], out: &mut String) {
         (
             "vdisk_vhost_user_blk_transfers_total",
             "Reads and writes by how their data moved: in place in guest memory, through a \
-             buffer of the export's, on its thread pool, or inline on the queue's worker.",
+             buffer of the export's, or on its thread pool.",
             "path",
             &PATHS,
             |s, i| s.transfers[i].load(Relaxed),

@@ -11,9 +11,9 @@
 //! Small transfers move in place in guest memory or through buffers of our own, which the I/O
 //! queue's kernel requests fill or drain; larger ones run on the pool straight between the
 //! disk and the guest's memory (held mapped for the call), where a second copy would cost
-//! more than the hand-off, unless one is the queue's only request (see `POOL_OVER`). Through
-//! the page cache, the queue's only request runs with a blocking call on the worker, straight
-//! on guest memory, and is answered in the pass that took it (`data::transfer_inline`).
+//! more than the hand-off, unless one is the queue's only request (see `POOL_OVER`). The
+//! queue's only request is reaped right after its submission: one the kernel finished there
+//! (a read from the page cache, a buffered write) is answered in the pass that took it.
 
 use std::sync::Arc;
 
@@ -22,7 +22,7 @@ use virtio_queue::QueueOwnedT;
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
 use super::config::SECTOR;
-use super::data::{transfer_inline, Data};
+use super::data::Data;
 use super::offload::{Inbox, Offload};
 use super::request::*;
 use super::stats::Path;
@@ -43,9 +43,8 @@ const MAX_TRANSFER: u64 = 64 << 20;
 /// worker (whose kernel requests copy on the thread that submits them) would copy them in turn.
 /// With O_DIRECT the kernel moves the data itself, so a large transfer in place in guest
 /// memory goes on the I/O queue instead; so does one through the page cache that is the
-/// queue's only request in flight (a driver at depth 1) and cannot run inline (its data
-/// scattered in guest memory, a write with the cache off), which the kernel then copies on
-/// the worker's thread without the pool's two hand-offs.
+/// queue's only request in flight (a driver at depth 1), which the kernel then copies on the
+/// worker's thread without the pool's two hand-offs.
 const POOL_OVER: u64 = 64 << 10;
 /// Bytes of request buffers a queue keeps for reuse: 32 requests of 1 MiB in flight need no
 /// fresh memory.
@@ -154,6 +153,7 @@ impl Worker {
         let mem = mem_atomic.memory();
         let mut answers = Vec::new();
         let mut pass = 0;
+        let mut reap = false;
         loop {
             if event_idx {
                 let _ = vring.disable_notification();
@@ -184,6 +184,7 @@ impl Worker {
             }
             let taken = batch.len();
             let alone = taken == 1 && self.idle();
+            reap |= alone;
             for (head, parsed) in batch {
                 match parsed {
                     Ok(req) => self.start(mem_atomic, &mem, head, req, alone, &mut answers),
@@ -209,10 +210,25 @@ impl Worker {
                 break;
             }
         }
+        let mut done = Vec::new();
         if let Some(q) = &self.queue {
             q.submit();
+            // A request alone on the queue is often done when the submission returns: the
+            // kernel copied a read from the page cache inside it, a buffered write ran inside
+            // `start`. Reaped now (its eventfd cleared first, as the event would), it is
+            // answered without the eventfd's round trip through the epoll loop; one that is
+            // not done fires the eventfd later as before.
+            if reap && q.in_flight() > 0 {
+                if let Err(e) = q.complete_signalled(&mut done) {
+                    log!(
+                        self.device.log,
+                        Level::Error,
+                        "vhost-user-blk: I/O queue: {e}"
+                    );
+                }
+            }
         }
-        self.answer(&mem, vring, answers, Vec::new());
+        self.answer_io(&mem, vring, answers, done);
     }
 
     /// Starts one request: reads and writes on the I/O queue, blocking calls on the pool,
@@ -243,21 +259,6 @@ impl Worker {
                 if write && !writable {
                     return answers.push(refuse(S_IOERR));
                 }
-                let stats = &self.device.stats;
-                // The queue's only request, through the page cache (a write with the cache
-                // on): one blocking call here, answered in this pass. A driver at depth 1
-                // waits for nothing else, and nothing else waits behind it.
-                if alone && !self.device.direct && (!write || self.writeback) {
-                    let dev = &*self.device.dev;
-                    if let Some(result) = transfer_inline(dev, mem, segs, offset, write) {
-                        stats.transfer(write, len, Path::Inline);
-                        let moved = if write || result.is_err() { 0 } else { len };
-                        return answers.push(Answer {
-                            len: moved as u32 + 1,
-                            ..Answer::new(head, Some(status), status_of(result))
-                        });
-                    }
-                }
                 // A large transfer through the page cache goes on the I/O queue too when it is
                 // the queue's only one: the kernel copies it on this thread (the only copy
                 // there is to make), which spares the two thread hand-offs of the pool's path
@@ -266,6 +267,7 @@ impl Worker {
                 let in_place = (len <= POOL_OVER || self.device.direct || alone)
                     .then(|| Data::in_place(mem_atomic, segs))
                     .flatten();
+                let stats = &self.device.stats;
                 let buf = match in_place {
                     Some(data) => {
                         stats.transfer(write, len, Path::InPlace);
