@@ -10,6 +10,8 @@
 #   apt-get install --no-install-recommends --no-remove ceph-mon ceph-osd ceph-common
 # DIR must be on a disk, not tmpfs: bluestore opens its file with O_DIRECT, and a 4 GiB OSD in
 # memory would take the machine's RAM. The OSD takes about 750 MiB of memory, the monitor 40 MiB.
+# CEPH_OSD_BYTES sets the OSD's size (default 4 GiB; sparse, so the host's disk holds only what
+# was written). A full OSD does not fail writes: RADOS holds them until space is freed.
 set -euo pipefail
 
 usage() {
@@ -117,7 +119,7 @@ mon data = $dir/mon/\$name
 osd data = $dir/osd/\$name
 osd objectstore = bluestore
 bluestore block create = true
-bluestore block size = 4294967296
+bluestore block size = ${CEPH_OSD_BYTES:-4294967296}
 osd memory target = 939524096
 EOF
     # One keyring for every daemon and the admin client (all in DIR, which tests delete).
