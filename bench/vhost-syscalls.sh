@@ -28,46 +28,8 @@
 # slows every call, so the IOPS under it say nothing of speed; the counts repeat from run to run.
 set -euo pipefail
 command_line="bench/vhost-syscalls.sh $*"
-usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit "${1:-0}"; }
-
-rows="read:1:1 read:32:1 write:1:1 write:32:1 write:32:4" bs=1048576 cache=writeback seconds=2 size_mib=1024 out= vdisk=
-baseline=
-while [ $# -gt 0 ]; do
-    case "$1" in
-        --rows) rows=$2; shift ;;
-        --bs) bs=$2; shift ;;
-        --cache) cache=$2; shift ;;
-        --seconds) seconds=$2; shift ;;
-        --size-mib) size_mib=$2; shift ;;
-        --vdisk) vdisk=$(realpath "$2"); shift ;;
-        --baseline) baseline=$(realpath "$2"); shift ;;
-        --out) out=$2; shift ;;
-        -h|--help) usage 0 ;;
-        *) echo "unknown argument $1" >&2; usage 2 ;;
-    esac
-    shift
-done
-root=$(cd "$(dirname "$0")/.." && pwd)
-target=${CARGO_TARGET_DIR:-$root/target}
-vdisk=${vdisk:-$target/release/vdisk}
-load=$target/release/vhost-load
-work=$root/bench/work/vhost
-mkdir -p "$work"
-cd "$root"
-for bin in "$vdisk" "$load" ${baseline:+"$baseline"}; do
-    [ -x "$bin" ] || { echo "$bin is missing" >&2; exit 1; }
-done
-for tool in qemu-storage-daemon qemu-img strace; do
-    command -v $tool >/dev/null || { echo "$tool is missing" >&2; exit 1; }
-done
-
-# The same image bench/vhost.sh makes and reuses.
-image=$work/allocated-$size_mib.qcow2
-if [ ! -f "$image" ]; then
-    head -c $((size_mib << 20)) /dev/urandom > "$work/random.raw"
-    qemu-img convert -f raw -O qcow2 "$work/random.raw" "$image"
-    rm -f "$work/random.raw"
-fi
+rows="read:1:1 read:32:1 write:1:1 write:32:1 write:32:4" tracer_tool=strace
+. "$(dirname "$0")/vhost-common.sh"
 
 sock=$work/sys.sock
 trace=$work/strace.txt

@@ -74,12 +74,8 @@ for tool in qemu-storage-daemon qemu-img; do
     command -v $tool >/dev/null || { echo "$tool is missing" >&2; exit 1; }
 done
 
-allocated=$work/allocated-$size_mib.qcow2
-if [ ! -f "$allocated" ]; then
-    head -c $((size_mib << 20)) /dev/urandom > "$work/random.raw"
-    qemu-img convert -f raw -O qcow2 "$work/random.raw" "$allocated"
-    rm -f "$work/random.raw"
-fi
+. "$root/bench/vhost-common.sh"
+allocated=$(vhost_image "$work" "$size_mib")
 
 sock=$work/s.sock
 pid=
