@@ -141,7 +141,7 @@ type SharedProvider = Arc<std::sync::Mutex<Box<dyn Provider>>>;
 /// Locks the provider; a panic inside an earlier call (caught, counted as a failure) leaves
 /// it as it was, so a poisoned lock is taken anyway.
 fn lock(p: &SharedProvider) -> std::sync::MutexGuard<'_, Box<dyn Provider>> {
-    p.lock().unwrap_or_else(|e| e.into_inner())
+    crate::sync::lock(p)
 }
 
 /// What a region's monitor did, counted.

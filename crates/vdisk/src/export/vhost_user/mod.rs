@@ -213,7 +213,7 @@ type Connected = Option<(Arc<BlkBackend>, Option<ShutdownHandle>)>;
 type Current = Mutex<Connected>;
 
 fn lock(c: &Current) -> std::sync::MutexGuard<'_, Connected> {
-    c.lock().unwrap_or_else(|e| e.into_inner())
+    crate::sync::lock(c)
 }
 
 /// The accept thread: each front end gets a fresh device state (features, rings, memory) over

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::io::EventFd;
+use crate::sync::{lock, wait};
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -39,7 +40,7 @@ impl Offload {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     /// Runs `job` on a pool thread (a new one if none is idle and the pool is not full). A
@@ -88,7 +89,7 @@ impl Offload {
                 return;
             }
             s.idle += 1;
-            s = self.work.wait(s).unwrap_or_else(|e| e.into_inner());
+            s = wait(&self.work, s);
             s.idle -= 1;
         }
     }
@@ -100,7 +101,7 @@ impl Offload {
         s.closed = true;
         self.work.notify_all();
         while s.threads > 0 {
-            s = self.ended.wait(s).unwrap_or_else(|e| e.into_inner());
+            s = wait(&self.ended, s);
         }
     }
 }
@@ -144,7 +145,7 @@ impl<T: Send> Inbox<T> {
     /// The results delivered so far (clearing the eventfd).
     pub fn take(&self) -> Vec<T> {
         self.event.drain();
-        std::mem::take(&mut *self.done.lock().unwrap_or_else(|e| e.into_inner()))
+        std::mem::take(&mut *lock(&self.done))
     }
 
     /// Calls whose results have not come back.

@@ -18,6 +18,7 @@ use super::layout::{encode_entry, encode_meta, COUNTER_AT, CUR_SEGMENT_NUM_AT};
 use super::state::{Part, Segment, State};
 use super::Pcow;
 use crate::error::{IoContext, Result};
+use crate::sync::{lock, write};
 
 /// What one flush writes, step by step.
 #[derive(Default)]
@@ -33,7 +34,7 @@ struct Plan {
 impl Pcow {
     /// Makes every write completed so far durable (see the module docs).
     pub(super) fn commit(&self) -> Result<()> {
-        let _alloc = self.alloc.lock().unwrap_or_else(|e| e.into_inner());
+        let _alloc = lock(&self.alloc);
         let plan = plan(&self.state());
         let data = self.data_written.swap(false, SeqCst);
         if !data && plan.metadata.is_empty() && plan.counters.is_empty() && plan.segments.is_none()
@@ -50,7 +51,7 @@ impl Pcow {
             self.counters.metadata_written(metadata as u64);
             self.counters.committed();
         }
-        let mut st = self.state.write().unwrap_or_else(|e| e.into_inner());
+        let mut st = write(&self.state);
         for seg in &mut st.writable_mut().segments {
             seg.committed = seg.slots.len() as u32;
         }

@@ -43,6 +43,7 @@ use crate::blockdev::{check_range, BlockDev, BlockStatus};
 use crate::counters::Counters;
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{LockRole, Storage};
+use crate::sync::read;
 use layout::{Super, MAGIC, SUPER_READ};
 use state::{Source, State};
 
@@ -127,7 +128,7 @@ impl Pcow {
     }
 
     fn state(&self) -> RwLockReadGuard<'_, State> {
-        self.state.read().unwrap_or_else(|e| e.into_inner())
+        read(&self.state)
     }
 
     fn writable(&self, what: &str) -> Result<()> {

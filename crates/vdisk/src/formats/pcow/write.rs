@@ -13,6 +13,7 @@ use super::state::{Placed, Segment};
 use super::Pcow;
 use crate::error::{IoContext, Result};
 use crate::formats::read_mapped;
+use crate::sync::{lock, write};
 
 /// Where a write's new pages go: the writable part's data cluster of their logical cluster
 /// (and the pages it holds), or a new one.
@@ -47,7 +48,7 @@ impl Pcow {
         if self.write_in_place(n, within, data)? {
             return Ok(());
         }
-        let _alloc = self.alloc.lock().unwrap_or_else(|e| e.into_inner());
+        let _alloc = lock(&self.alloc);
         // Another writer may have placed these pages while this one waited.
         if self.write_in_place(n, within, data)? {
             return Ok(());
@@ -140,7 +141,7 @@ impl Pcow {
     /// Records pages `first..end` of logical cluster `n`, written to `target`: reads find them
     /// from now on, and the next flush commits their entry.
     fn record_pages(&self, n: u32, first: u64, end: u64, target: Target) {
-        let mut st = self.state.write().unwrap_or_else(|e| e.into_inner());
+        let mut st = write(&self.state);
         let committed = st.committed_segments;
         match target {
             Target::Held(..) => {

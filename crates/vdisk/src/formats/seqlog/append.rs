@@ -37,6 +37,7 @@ use super::map::Map;
 use crate::bytes::AlignedBuf;
 use crate::checksum::crc32c;
 use crate::error::{Error, Result};
+use crate::sync::wait;
 
 /// Where a placed write goes: its members' numbers, and per member the file offset and the
 /// bytes of the write's data that go there.
@@ -426,7 +427,7 @@ impl Log {
         let mut checkpointed = false;
         loop {
             if t.checkpointing {
-                t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
+                t = wait(&self.changed, t);
             } else if self.checkpoint_due(&t, map) && !checkpointed {
                 // Once per call: one that cannot be written leaves it due.
                 checkpointed = true;
@@ -441,11 +442,11 @@ impl Log {
                 }
             } else if !self.room_for(&t, stream, record) && t.in_flight.is_some() {
                 // Nothing is cleaned while a checkpoint is written (overlap.rs): it ends soon.
-                t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
+                t = wait(&self.changed, t);
             } else if !self.room_for(&t, stream, record) && !t.draining.is_empty() {
                 // Another writer's victim is about to be free: cleaning more meanwhile would
                 // take the reserve that victim's moves came from (ENOSPC with 16 writers).
-                t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
+                t = wait(&self.changed, t);
             } else if !self.room_for(&t, stream, record) && self.headers_queued(&mut t) {
                 // A segment whose batch's header is being written is no victim: the cleaner
                 // could find nothing to clean where a moment later it would.

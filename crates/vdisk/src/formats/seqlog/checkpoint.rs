@@ -20,6 +20,7 @@ use crate::bytes::AlignedBuf;
 use crate::checksum::crc32c;
 use crate::error::{Error, Result};
 use crate::storage::Storage;
+use crate::sync::wait;
 
 const MAGIC: [u8; 4] = *b"SLCP";
 /// Offset of the checksum in the header block.
@@ -422,7 +423,7 @@ impl Log {
         let mut t = super::log::lock(&self.state);
         // One at a time: a checkpoint still being written goes first.
         while t.checkpointing || t.in_flight.is_some() {
-            t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
+            t = wait(&self.changed, t);
         }
         if !overlap {
             // Its failure is said here, to a caller that waits for its checkpoint (a close).

@@ -30,6 +30,7 @@ use crate::blockdev::BlockDev;
 use crate::error::Result;
 use crate::guestfs::{self, Layout};
 use crate::storage::WriteHint;
+use crate::sync::lock;
 
 pub(super) struct Classifier {
     enabled: bool,
@@ -212,7 +213,7 @@ impl Seqlog {
         if !c.watching.load(Relaxed) {
             return;
         }
-        let mut w = c.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        let mut w = lock(&c.in_flight);
         if let Some(i) = w.iter().position(|&t| t == token) {
             w.swap_remove(i);
             c.stale.store(true, Relaxed);

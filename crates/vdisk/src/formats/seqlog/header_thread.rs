@@ -8,6 +8,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use super::layout::BatchHeader;
 use crate::sync::lock;
+use crate::sync::wait;
 
 /// Where a batch's header stands.
 pub(super) enum Header {
@@ -107,7 +108,7 @@ impl HeaderWriter {
                     if jobs.closed {
                         return;
                     }
-                    jobs = self.ready.wait(jobs).unwrap_or_else(|e| e.into_inner());
+                    jobs = wait(&self.ready, jobs);
                 }
             };
             if !work(job) {

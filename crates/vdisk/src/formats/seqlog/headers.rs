@@ -32,6 +32,7 @@ use super::layout::Kind;
 use super::log::{lock, Log, Tail};
 use crate::bytes::AlignedBuf;
 use crate::error::{Error, Result};
+use crate::sync::wait;
 
 impl Log {
     /// Starts the header thread of `log` (a writable open).
@@ -136,7 +137,7 @@ impl Log {
     /// Waits once (releasing the lock) for the header thread to say how a header went, or
     /// for anything else `changed` signals; the caller retires and looks again.
     pub(super) fn wait_for_header<'a>(&self, t: MutexGuard<'a, Tail>) -> MutexGuard<'a, Tail> {
-        let t = self.changed.wait(t).unwrap_or_else(|e| e.into_inner());
+        let t = wait(&self.changed, t);
         self.header_waiters.fetch_sub(1, SeqCst);
         t
     }

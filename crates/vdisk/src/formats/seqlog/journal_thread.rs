@@ -128,7 +128,7 @@ impl Ahead {
     pub(super) fn take(&self, wait: bool) -> Option<(Block, io::Result<()>)> {
         let mut job = lock(&self.job);
         while wait && matches!(*job, Job::Writing(_)) {
-            job = self.landed.wait(job).unwrap_or_else(|e| e.into_inner());
+            job = crate::sync::wait(&self.landed, job);
         }
         match std::mem::replace(&mut *job, Job::Idle) {
             Job::Landed(b, result) => Some((b, result)),

@@ -70,6 +70,7 @@ use super::{read_mapped, start_read_mapped, status_mapped, Holes, Layer, Mapping
 use crate::blockdev::{check_range, BlockDev, BlockStatus, StartedRead, StartedWrite, Transfer};
 use crate::error::{Error, IoContext, Result};
 use crate::storage::{LockRole, Storage, WriteHint};
+use crate::sync::lock;
 use layout::{Kind, Record, Superblock, MAGIC};
 use log::Log;
 use map::Map;
@@ -205,7 +206,7 @@ impl Seqlog {
         let first = offset / bs;
         let end = (offset + buf.len() as u64).div_ceil(bs);
         let mut whole = vec![0u8; ((end - first) * bs) as usize];
-        let _serial = self.partial.lock().unwrap_or_else(|e| e.into_inner());
+        let _serial = lock(&self.partial);
         let last = whole.len() - bs as usize;
         self.read(first * bs, &mut whole[..bs as usize])?;
         if end - first > 1 {

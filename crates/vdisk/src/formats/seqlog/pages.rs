@@ -44,6 +44,7 @@ use super::layout::Superblock;
 use crate::bytes::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::storage::Storage;
+use crate::sync::lock;
 
 /// One page of entries (log block + 1, 0 for none).
 pub(super) type Page = Box<[AtomicU32]>;
@@ -150,7 +151,7 @@ impl Pages {
     }
 
     fn pager(&self) -> MutexGuard<'_, Pager> {
-        self.pager.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.pager)
     }
 
     /// Entries in page `p` (the last one may be short).
@@ -300,7 +301,7 @@ impl Pages {
                     if let Err(e) = self.write_out(pager.ahead(), q, page) {
                         self.pages[q].store(Some(page.clone()));
                         self.stuck.store(true, Relaxed);
-                        let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+                        let mut failure = lock(&self.failure);
                         failure.get_or_insert(e);
                         pager.hand += 1;
                         continue;
@@ -335,7 +336,7 @@ impl Pages {
 
     /// A write of a page out that failed since the last call: the flush tells of it.
     pub fn failure(&self) -> Result<()> {
-        let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        let mut failure = lock(&self.failure);
         failure.take().map_or(Ok(()), |source| {
             Err(Error::Io {
                 context: "writing a page of the seqlog map out".into(),

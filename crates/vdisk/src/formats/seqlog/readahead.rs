@@ -13,6 +13,7 @@ use std::sync::{Condvar, Mutex};
 
 use crate::bytes::AlignedBuf;
 use crate::storage::Storage;
+use crate::sync::{lock, wait};
 
 /// Chunks read ahead at once while a range is read (each by its own thread, into its own
 /// buffer).
@@ -145,7 +146,7 @@ impl Buffers {
     /// `f` of a buffer, once one is free.
     pub fn with<T>(&self, f: impl FnOnce(&mut [u8]) -> T) -> T {
         let buf = {
-            let mut g = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            let mut g = lock(&self.free);
             loop {
                 if let Some(b) = g.0.pop() {
                     break b;
@@ -154,7 +155,7 @@ impl Buffers {
                     g.1 += 1;
                     break vec![0; self.len];
                 }
-                g = self.returned.wait(g).unwrap_or_else(|e| e.into_inner());
+                g = wait(&self.returned, g);
             }
         };
         // Given back also if `f` panics, so that no other reader waits for it forever.
@@ -162,7 +163,7 @@ impl Buffers {
         impl Drop for Lent<'_> {
             fn drop(&mut self) {
                 let buf = std::mem::take(&mut self.1);
-                (self.0.free.lock().unwrap_or_else(|e| e.into_inner()).0).push(buf);
+                (lock(&self.0.free).0).push(buf);
                 self.0.returned.notify_one();
             }
         }

@@ -33,6 +33,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use super::super::rbd::ffi::{check, Handle, Lib};
 use super::RadosStorage;
 use crate::storage::{AsyncTransfer, Dir};
+use crate::sync::{lock, wait};
 
 /// The most writes one request carries; more wait for the next.
 const MAX_BATCH: usize = 256;
@@ -82,14 +83,14 @@ impl Batches {
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<u64, Object>> {
-        self.objects.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.objects)
     }
 
     /// Waits until no request is out (before the context is released).
     pub fn wait_idle(&self) {
         let mut objects = self.lock();
         while !objects.is_empty() {
-            objects = self.idle.wait(objects).unwrap_or_else(|e| e.into_inner());
+            objects = wait(&self.idle, objects);
         }
     }
 

@@ -171,11 +171,11 @@ fn allocate(storage: &dyn Storage, shared: &Shared, from: u64, to: u64) -> io::R
 }
 
 fn lock(shared: &Shared) -> MutexGuard<'_, State> {
-    shared.0.lock().unwrap_or_else(|e| e.into_inner())
+    crate::sync::lock(&shared.0)
 }
 
 fn wait<'a>(shared: &'a Shared, s: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
-    shared.1.wait(s).unwrap_or_else(|e| e.into_inner())
+    crate::sync::wait(&shared.1, s)
 }
 
 fn allocating(storage: &dyn Storage, cluster: u64, shared: &Shared) {

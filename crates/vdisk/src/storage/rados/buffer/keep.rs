@@ -22,6 +22,7 @@ use std::io;
 
 use super::{Phase, Shared};
 use crate::storage::Storage;
+use crate::sync::write;
 
 impl Shared {
     /// Keeps as clean the slots `kept` names (slot, object, version) whose object RADOS still
@@ -45,7 +46,7 @@ impl Shared {
             };
             let mut st = self.lock();
             // A free slot's lock is held by no one (see the module docs of `mod.rs`).
-            *self.owners[s].write().unwrap_or_else(|e| e.into_inner()) = Some(object);
+            *write(&self.owners[s]) = Some(object);
             let slot = &mut st.slots[s];
             slot.phase = Phase::Clean;
             slot.object = object;

@@ -11,6 +11,7 @@ use super::super::RadosStorage;
 use super::table::{Layout, Table};
 use super::{LocalIo, Phase, Pin, Shared, Slot, State};
 use crate::storage::{Dir, Storage};
+use crate::sync::{lock, read, wait, write};
 
 /// How long a writer waiting for a slot waits before it looks at the clean ones again.
 const EVICT_RETRY: Duration = Duration::from_millis(2);
@@ -61,22 +62,22 @@ impl Shared {
     }
 
     pub(super) fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     pub(super) fn wait<'a>(&self, st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
-        self.changed.wait(st).unwrap_or_else(|e| e.into_inner())
+        wait(&self.changed, st)
     }
 
     pub(super) fn owner(&self, s: usize) -> RwLockReadGuard<'_, Option<u64>> {
-        self.owners[s].read().unwrap_or_else(|e| e.into_inner())
+        read(&self.owners[s])
     }
 
     /// Serves the listed slots of a read-only open from the buffer.
     pub(super) fn list(&self, held: &[(usize, u64)]) {
         let mut st = self.lock();
         for &(s, object) in held {
-            *self.owners[s].write().unwrap_or_else(|e| e.into_inner()) = Some(object);
+            *write(&self.owners[s]) = Some(object);
             st.slots[s].phase = Phase::Listed;
             st.slots[s].object = object;
             st.slots[s].used = self.layout.object_size;
@@ -94,7 +95,7 @@ impl Shared {
     /// Writes the table of the slots listed now, and with `clean` of the clean ones (at
     /// close, `keep.rs`), then syncs it.
     pub(super) fn write_table_of(&self, clean: bool) -> io::Result<()> {
-        let mut generation = self.tables.lock().unwrap_or_else(|e| e.into_inner());
+        let mut generation = lock(&self.tables);
         let mut table = Table {
             generation: *generation,
             place: self.place,
@@ -217,7 +218,7 @@ impl Shared {
         let touched = st.tick;
         // A free slot's lock is held by no one who then waits for the state (see the module
         // docs), so taking it with the state locked cannot deadlock.
-        let mut owner = self.owners[s].write().unwrap_or_else(|e| e.into_inner());
+        let mut owner = write(&self.owners[s]);
         let slot = &mut st.slots[s];
         *slot = Slot {
             phase: Phase::Filling,
@@ -390,7 +391,7 @@ impl Shared {
             }
             let epoch = st.slots[s].epoch;
             drop(st);
-            let mut owner = self.owners[s].write().unwrap_or_else(|e| e.into_inner());
+            let mut owner = write(&self.owners[s]);
             let st = self.lock();
             let slot = st.slots[s];
             if st.map.get(&index) != Some(&s)
