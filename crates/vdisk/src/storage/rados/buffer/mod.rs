@@ -4,10 +4,13 @@
 //! threads upload whole objects, each with one `rados_write_full`, after which their slots
 //! are clean: they keep their objects as a read cache (seqlog's cleaner reads back the
 //! segments it cleans) until a slot is needed for another object, which takes the clean slot
-//! used longest ago. Reads of an object in a slot are served from it, others from RADOS.
+//! used last. A log's cleaner reads its oldest segments, those an LRU would have let go first:
+//! dropping the newest keeps them (results/ceph-seqlog-mru-idle.md: half the reads from
+//! RADOS), and reads at random find a slot as often either way. Reads of an object in a slot
+//! are served from it, others from RADOS.
 //!
 //! ```text
-//!   write_at ─► object has a slot? ─ no ─► take a free one, else the least recently used
+//!   write_at ─► object has a slot? ─ no ─► take a free one, else the most recently used
 //!                     │                    clean one (wait while none: back-pressure), and
 //!                     │                    fill it with the object's bytes from RADOS: no read
 //!                     │                    for a whole-object write or an object known absent
@@ -136,8 +139,8 @@ struct Slot {
     /// Cleaned while listed: a table written (or being written) may still list it, so it is
     /// not given to another object until one without it is synced.
     unlisting: bool,
-    /// When it was last read or written (`State::tick`): the least recently used clean slot
-    /// is the one given to another object.
+    /// When it was last read or written (`State::tick`): the most recently used clean slot
+    /// is the one given to another object (see the module docs).
     touched: u64,
     /// Clean: its object's version in RADOS after the upload it holds the bytes of (`None`:
     /// an empty object, removed), which a close writes in the table (`keep.rs`).

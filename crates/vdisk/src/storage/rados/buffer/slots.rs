@@ -163,7 +163,7 @@ impl Shared {
         }
     }
 
-    /// Frees the least recently used clean slot that no table lists and nothing holds (its
+    /// Frees the most recently used clean slot that no table lists and nothing holds (its
     /// object is in RADOS, durably); false when there is none.
     fn evict(&self, st: &mut State) -> bool {
         let mut clean: Vec<(u64, usize)> = (st.slots.iter().enumerate())
@@ -171,7 +171,7 @@ impl Shared {
             .filter(|(_, x)| x.busy == 0 && !x.uploading)
             .map(|(s, x)| (x.touched, s))
             .collect();
-        clean.sort_unstable();
+        clean.sort_unstable_by(|a, b| b.cmp(a));
         for (_, s) in clean {
             // Never waits with the state locked: I/O to the slot holds its lock shared and
             // then takes the state (see the module docs).
