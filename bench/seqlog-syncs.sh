@@ -16,22 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-args=$*
-size_mib=1024 depth=32 rounds=2 out= vdisk= baseline=
-while (($#)); do
-    case $1 in
-    --size-mib) size_mib=$2; shift ;;
-    --depth) depth=$2; shift ;;
-    --rounds) rounds=$2; shift ;;
-    --out) out=$2; shift ;;
-    --vdisk) vdisk=$(realpath "$2"); shift ;;
-    --baseline) baseline=$(realpath "$2"); shift ;;
-    -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
-    *) echo "seqlog-syncs.sh: unknown option $1" >&2; exit 2 ;;
-    esac
-    shift
-done
-[[ -n $vdisk && -n $baseline ]] || { echo "seqlog-syncs.sh: needs --vdisk and --baseline" >&2; exit 2; }
+. bench/seqlog-pair.sh
 command -v strace >/dev/null || { echo "seqlog-syncs.sh: needs strace" >&2; exit 1; }
 work=$PWD/bench/work/seqlog-syncs
 mkdir -p "$work"
