@@ -4,21 +4,30 @@
 //! A [`Region`] is `len` bytes at one base address, cut into cluster-sized slots. Each slot is
 //!
 //! ```text
-//!  absent ──first store (uffd MISSING or WP)──► writable   (Provider::cluster(slot, Zeroed))
+//!  absent ──first store (uffd MISSING or WP: SIGBUS)──► writable
+//!        (a cluster lent ahead, Provider::ahead + Provider::taken(slot); when none is lent,
+//!         Provider::cluster(slot, Zeroed))
 //!        (a load first: that page reads a write-protected page of zeroes, no cluster)
 //!  read-only ──first write to page P (SIGSEGV)──► page P writable from a new cluster
 //!        (Provider::cluster(slot, CopyTarget) once, then Provider::pages_copied(slot, [P]))
 //! ```
 //!
 //! - **absent**: anonymous placeholder memory registered with userfaultfd for missing and
-//!   write-protect faults. The first store blocks the thread in the kernel; the monitor thread
-//!   asks the [`Provider`] for a cluster, maps that file range over the slot (`MAP_FIXED |
-//!   MAP_SHARED`; the new mapping is not registered, so later touches cost nothing) and wakes
-//!   the waiters. A load of a page no store reached gets a page of zeroes, placed
+//!   write-protect faults, with `UFFD_FEATURE_SIGBUS`: a fault raises SIGBUS on the faulting
+//!   thread, whose handler (`touch.rs`) serves it there. The first store claims the slot (one
+//!   compare-and-swap: one thread fills it, the others wait for it), takes the next cluster
+//!   the [`Provider`] lent ahead ([`Provider::ahead`], kept topped up by the monitor thread),
+//!   maps that file range over the slot (`MAP_FIXED | MAP_SHARED`; the new mapping is not
+//!   registered, so later touches cost nothing) and records which slot took it; the provider
+//!   hears of it ([`Provider::taken`]) from the monitor or the next persist, in the order it
+//!   lent. With nothing lent the handler hands the fault to the monitor thread, which asks
+//!   [`Provider::cluster`]. A load of a page no store reached gets a page of zeroes, placed
 //!   write-protected (`UFFDIO_COPY` with `MODE_WP`, atomically, so no store can slip in
 //!   unseen): reading never-written memory costs 4 KiB of memory per page and no space in
 //!   the image, and the first store to the slot then faults as a write and fills it. Kernels
 //!   without write-protect faults for anonymous memory (before 5.7) fill the slot on a load.
+//!   A kernel-mode access to a never-touched page fails with `EFAULT` ([`Layout::kernel_faults`]
+//!   has the monitor serve first touches as the kernel queues them, kernel-mode ones too).
 //! - **writable**: a file range mapped shared, read-write.
 //! - **read-only** (a snapshot's or a base image's cluster): mapped `PROT_READ`. The first write
 //!   to a 4 KiB page copies that page only into the slot's writable cluster, tells the
@@ -54,12 +63,14 @@
 //! provider must not touch the region (it runs on the monitor thread, which would wait for
 //! itself). A region's memory is unmapped when it is dropped.
 
+mod ahead;
 mod fault;
 mod map;
 mod monitor;
 mod persist;
 mod region;
 mod spin;
+mod touch;
 mod uffd;
 
 use std::fs::File;
@@ -91,10 +102,12 @@ pub enum Need {
 
 /// Where a region's writable clusters come from: the image format.
 ///
-/// Called on the region's monitor thread, one call at a time, except [`Provider::commit`],
-/// which [`Region::persist`] calls on the persisting thread (never during another call: the
-/// region holds the provider under a lock). Every call but `refill` and `commit` is on the
-/// path of a faulting thread that waits for it.
+/// Called one call at a time (the region holds the provider under a lock, which no signal
+/// handler takes), on the region's monitor thread, except [`Provider::commit`], which
+/// [`Region::persist`] calls on the persisting thread, after reporting the clusters lent that
+/// first touches took ([`Provider::taken`]). `cluster` and `pages_copied` are on the path of
+/// a faulting thread that waits for them; first touches served from clusters lent ahead wait
+/// for no call.
 ///
 /// **Durability at the application's persist.** A store is durable only once the application
 /// persists it, so a fault need not make anything durable: `cluster` and `pages_copied` may
@@ -115,10 +128,34 @@ pub trait Provider: Send {
     /// so that no record ever reaches the media before the copy it names.
     fn pages_copied(&mut self, slot: u64, pages: &[u32]) -> io::Result<()>;
 
-    /// Called after each fault is answered, off the faulting thread's path: a provider that
-    /// keeps clusters allocated ahead tops its pool up here.
+    /// Called after each fault the monitor answers, off the faulting thread's path: a
+    /// provider that keeps clusters allocated ahead tops its pool up here.
     fn refill(&mut self) -> io::Result<()> {
         Ok(())
+    }
+
+    /// Up to `max` clusters lent ahead for first touches, which the faulting thread then serves
+    /// itself without a call: each reads as zeroes (as for [`Need::Zeroed`]) and is allocated
+    /// already. They are taken in the order given, each reported by [`Provider::taken`], or
+    /// given back, the newest first ([`Provider::given_back`]), before any other call of
+    /// [`Provider::cluster`]. None by default: every first touch then asks `cluster`.
+    fn ahead(&mut self, max: usize) -> io::Result<Vec<Cluster>> {
+        let _ = max;
+        Ok(Vec::new())
+    }
+
+    /// The oldest cluster lent by [`Provider::ahead`] and not yet reported went to `slot`: it
+    /// is the slot's as if `cluster(slot, Need::Zeroed)` had given it. (Also when mapping it
+    /// failed: the slot's content is then the cluster's zeroes either way.)
+    fn taken(&mut self, slot: u64) -> io::Result<()> {
+        Err(io::Error::other(format!(
+            "slot {slot} took a cluster the provider never lent"
+        )))
+    }
+
+    /// The newest `n` clusters lent by [`Provider::ahead`] and not taken come back unused.
+    fn given_back(&mut self, n: usize) {
+        let _ = n;
     }
 
     /// Makes durable, in the format's order, everything `cluster` and `pages_copied` recorded
@@ -135,12 +172,13 @@ pub trait Provider: Send {
     }
 }
 
-/// The provider, shared by the monitor thread (faults) and [`Region::persist`] (commits).
-type SharedProvider = Arc<std::sync::Mutex<Box<dyn Provider>>>;
+/// The provider, shared by the monitor thread (faults) and [`Region::persist`] (commits),
+/// with the clusters it lent ahead. Never taken by a signal handler.
+type SharedProvider = Arc<std::sync::Mutex<ahead::Held>>;
 
 /// Locks the provider; a panic inside an earlier call (caught, counted as a failure) leaves
 /// it as it was, so a poisoned lock is taken anyway.
-fn lock(p: &SharedProvider) -> std::sync::MutexGuard<'_, Box<dyn Provider>> {
+fn lock(p: &SharedProvider) -> std::sync::MutexGuard<'_, ahead::Held> {
     crate::sync::lock(p)
 }
 
@@ -187,7 +225,8 @@ pub struct RegionStats {
     pub zero_pages: u64,
     /// Read-only pages written for the first time (concurrent writes of a page count once).
     pub cow_faults: u64,
-    /// Calls of [`Provider::cluster`].
+    /// Clusters taken from the provider: calls of [`Provider::cluster`], and clusters lent
+    /// ahead ([`Provider::ahead`]) that a first touch took.
     pub provider_calls: u64,
     /// Pages copied from read-only clusters.
     pub pages_copied: u64,

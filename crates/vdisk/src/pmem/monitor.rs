@@ -1,7 +1,10 @@
-//! The monitor thread: serves touches of absent slots (userfaultfd) and first writes to
-//! read-only pages (requests from the SIGSEGV handler), one at a time, so a slot is filled once
-//! and a page copied once however many threads fault on it together. After a fault it polls
-//! for a while before it sleeps (`spin.rs`).
+//! The monitor thread: serves first writes to read-only pages (requests from the SIGSEGV
+//! handler), one at a time, so a page is copied once however many threads fault on it
+//! together; lends the provider's clusters to the region for first touches, which the
+//! faulting threads serve themselves (`touch.rs`), and fills absent slots when none is lent
+//! (requests from the SIGBUS handler) or when the kernel queues their faults as userfaultfd
+//! messages (no `UFFD_FEATURE_SIGBUS`, or [`super::Layout::kernel_faults`]). After a fault it
+//! polls for a while before it sleeps (`spin.rs`).
 //!
 //! Order of a copy-on-write, which the format's crash consistency rests on: the page is copied
 //! into the new cluster (and, with cache-line persistence, persisted); only then is the provider
@@ -18,30 +21,30 @@
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::fault::{Request, HANDLED, NOT_OURS};
+use super::ahead::{guarded, ABSENT, FILLED, FILLING, POISONED};
+use super::fault::{Request, FILL, HANDLED, NOT_OURS};
 use super::map::{self, PAGE};
 use super::spin;
-use super::uffd::{Fault, Uffd};
-use super::{lock, Cluster, Need, Persist, PersistKind, SharedProvider, Stats, Written};
+use super::touch::Fast;
+use super::uffd::Fault;
+use super::{lock, Cluster, Need, Persist, PersistKind, SharedProvider};
 
-/// What a slot holds now. Only the monitor thread (after the region's construction) reads or
-/// changes it.
+/// What a slot holds now, for copies. Only the monitor thread (after the region's
+/// construction) reads or changes it. An absent slot's state after its first touch is in
+/// [`Fast::slots`], which the faulting threads change.
 pub(super) enum Slot {
-    /// The placeholder; the first touch asks the provider.
+    /// The placeholder, at the region's construction.
     Absent,
-    /// A writable cluster over the whole slot.
+    /// A writable cluster over the whole slot (a read-only one copied whole, or the layout's).
     Writable,
     /// A read-only cluster, with the pages already copied into `new`.
     ReadOnly {
         new: Option<Cluster>,
         copied: Vec<bool>,
     },
-    /// The provider failed for it: accesses raise SIGBUS.
-    Poisoned,
 }
 
 pub(super) struct Monitor {
@@ -52,12 +55,9 @@ pub(super) struct Monitor {
     pub(super) persist: Arc<dyn Persist>,
     /// `MAP_SHARED`, or `MAP_SHARED_VALIDATE | MAP_SYNC` when stores persist by cache flushes.
     pub(super) shared: libc::c_int,
-    pub(super) uffd: Uffd,
+    pub(super) fast: Arc<Fast>,
     pub(super) requests: OwnedFd,
     pub(super) stop: Arc<OwnedFd>,
-    pub(super) poison: OwnedFd,
-    pub(super) stats: Arc<Stats>,
-    pub(super) written: Arc<Written>,
     /// Mappings that single-page copies may still add before copies take whole clusters.
     pub(super) page_budget: usize,
 }
@@ -68,14 +68,17 @@ impl Monitor {
         // When the last fault was served: the monitor polls for `spin::SPIN` after it before
         // it sleeps, so that a burst's next fault finds it awake.
         let mut served = 0;
+        // A provider may lend before any fault (pcow lends once an allocation set its pool up).
+        let _ = lock(&self.provider).lend(&self.fast.ring);
         loop {
             let mut fds = [
                 poll_fd(self.stop.as_raw_fd()),
-                poll_fd(self.uffd.as_raw_fd()),
+                poll_fd(self.fast.uffd.as_raw_fd()),
                 poll_fd(self.requests.as_raw_fd()),
+                poll_fd(self.fast.low.as_raw_fd()),
             ];
             let timeout = if spin::polling(served) { 0 } else { -1 };
-            // SAFETY: `fds` is an array of three pollfd, writable for the call.
+            // SAFETY: `fds` is an array of four pollfd, writable for the call.
             let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
             if n == 0 {
                 spin::yield_now();
@@ -89,7 +92,7 @@ impl Monitor {
             }
             if fds[1].revents != 0 {
                 faults.clear();
-                if self.uffd.read_faults(&mut faults).is_ok() {
+                if self.fast.uffd.read_faults(&mut faults).is_ok() {
                     for &fault in &faults {
                         self.missing(fault);
                     }
@@ -98,69 +101,87 @@ impl Monitor {
             if fds[2].revents != 0 {
                 self.write_requests();
             }
+            if fds[3].revents != 0 {
+                let mut count = 0u64;
+                // SAFETY: reads the eventfd's 8-byte counter into `count`.
+                unsafe {
+                    libc::read(
+                        self.fast.low.as_raw_fd(),
+                        (&mut count as *mut u64).cast(),
+                        8,
+                    )
+                };
+                self.refill();
+                // Not a fault: the poll that follows may sleep.
+                continue;
+            }
             served = spin::now_ns();
         }
     }
 
-    /// A touch of an absent slot: a load gets a write-protected page of zeroes; a store fills
-    /// the slot, then wakes every thread waiting in it.
+    /// A touch of an absent slot queued by the kernel (no `UFFD_FEATURE_SIGBUS`): a load gets
+    /// a write-protected page of zeroes; a store fills the slot, then wakes every thread
+    /// waiting in it.
     fn missing(&mut self, Fault { addr, write }: Fault) {
+        let fast = self.fast.clone();
         let slot = addr.wrapping_sub(self.base) / self.cluster_size;
-        if slot >= self.slots.len() {
+        if slot >= fast.slots.len() {
             return; // not a registered address: the kernel sends none
         }
-        let at = self.base + slot * self.cluster_size;
-        let absent = matches!(self.slots.get(slot), Some(Slot::Absent));
-        if absent && !write && self.uffd.can_zero_page() {
+        let at = fast.slot_at(slot);
+        let absent = fast.slots.get(slot) == ABSENT;
+        if absent && !write && fast.uffd.can_zero_page() {
             // Counted before the page is placed, which wakes the faulting thread: a caller
             // that reads the counters after its loads sees them all.
-            self.stats.zero_pages.fetch_add(1, Ordering::Relaxed);
-            let placed = self.uffd.zero_page(addr);
+            fast.stats.zero_pages.fetch_add(1, Ordering::Relaxed);
+            let placed = fast.uffd.zero_page(addr);
             if !matches!(placed, Ok(true)) {
-                self.stats.zero_pages.fetch_sub(1, Ordering::Relaxed);
+                fast.stats.zero_pages.fetch_sub(1, Ordering::Relaxed);
             }
             if placed.is_ok() {
                 return;
             }
         }
-        if absent {
-            self.stats.missing_faults.fetch_add(1, Ordering::Relaxed);
-            match self.fill(slot, at) {
-                Ok(()) => {
-                    self.written.set(slot);
-                    self.slots[slot] = Slot::Writable;
-                }
-                Err(_) => {
-                    self.poison(at, self.cluster_size);
-                    self.slots[slot] = Slot::Poisoned;
-                }
-            }
-            let _ = self.uffd.wake(at, self.cluster_size);
+        if absent && fast.slots.claim(slot) {
+            fast.stats.missing_faults.fetch_add(1, Ordering::Relaxed);
+            self.fill(slot);
+            let _ = fast.uffd.wake(at, self.cluster_size);
             self.refill();
             return;
         }
         // Waiters whose messages were still queued when the slot was filled were woken then;
         // their messages only wake again, which is harmless.
-        let _ = self.uffd.wake(at, self.cluster_size);
+        let _ = fast.uffd.wake(at, self.cluster_size);
     }
 
-    fn fill(&mut self, slot: usize, at: usize) -> io::Result<()> {
-        let c = self.ask(slot, Need::Zeroed)?;
-        let prot = libc::PROT_READ | libc::PROT_WRITE;
-        // SAFETY: the slot is the region's; the placeholder there held nothing.
-        unsafe {
-            map::map_over(
-                at,
-                self.cluster_size,
-                c.file.as_fd(),
-                c.offset,
-                prot,
-                self.shared,
-            )?;
-            // The cluster is new space: its first store should cost a page, not a folio.
-            map::no_read_ahead(at, self.cluster_size);
+    /// Fills a slot claimed for it (state `FILLING`) with a cluster the provider gives, and
+    /// settles its state.
+    fn fill(&mut self, slot: usize) {
+        let filled = self.ask(slot, Need::Zeroed).and_then(|c| {
+            // Before the slot is writable: a persist of it must reach the cluster.
+            self.fast.written.set(slot);
+            // SAFETY: the slot is claimed for this fill: nothing else maps it.
+            unsafe { self.fast.map_cluster(slot, c.file.as_fd(), c.offset) }
+        });
+        match filled {
+            Ok(()) => self.fast.slots.set(slot, FILLED),
+            Err(_) => {
+                self.fast.poison(self.fast.slot_at(slot), self.cluster_size);
+                self.fast.slots.set(slot, POISONED);
+            }
         }
-        Ok(())
+    }
+
+    /// A SIGBUS handler's request: fill the slot at `addr`, which it claimed, finding no
+    /// cluster lent.
+    fn fill_request(&mut self, addr: usize) -> u32 {
+        let slot = addr.wrapping_sub(self.base) / self.cluster_size;
+        if slot >= self.fast.slots.len() || self.fast.slots.get(slot) != FILLING {
+            return NOT_OURS;
+        }
+        self.fill(slot);
+        self.refill();
+        HANDLED
     }
 
     fn write_requests(&mut self) {
@@ -181,8 +202,11 @@ impl Monitor {
                 let req = ptr as *const Request;
                 // SAFETY: the handler wrote the address of its request, which stays alive
                 // until answered below.
-                let addr = unsafe { (*req).addr };
-                let answer = self.write_fault(addr);
+                let (addr, kind) = unsafe { ((*req).addr, (*req).kind) };
+                let answer = match kind {
+                    FILL => self.fill_request(addr),
+                    _ => self.write_fault(addr),
+                };
                 // SAFETY: read from the pipe just now and not answered yet.
                 unsafe { Request::answer(req, answer) };
             }
@@ -205,14 +229,14 @@ impl Monitor {
         match &self.slots[slot] {
             Slot::ReadOnly { copied, .. } if !copied[page] => {}
             // Another thread's fault got here first; the retried store goes through.
-            Slot::ReadOnly { .. } | Slot::Writable | Slot::Poisoned => return HANDLED,
+            Slot::ReadOnly { .. } | Slot::Writable => return HANDLED,
             // The placeholder is writable: a protection fault there is not one we made.
             Slot::Absent => return NOT_OURS,
         }
-        self.stats.cow_faults.fetch_add(1, Ordering::Relaxed);
+        self.fast.stats.cow_faults.fetch_add(1, Ordering::Relaxed);
         let page_at = self.base + slot * self.cluster_size + page * PAGE;
         if self.copy(slot, page).is_err() {
-            self.poison(page_at, PAGE);
+            self.fast.poison(page_at, PAGE);
             if let Slot::ReadOnly { copied, .. } = &mut self.slots[slot] {
                 copied[page] = true; // nothing to copy any more: the page is poisoned
             }
@@ -227,7 +251,7 @@ impl Monitor {
             _ => {
                 let c = self.ask(slot, Need::CopyTarget)?;
                 // Before any page of it is mapped writable.
-                self.written.set(slot);
+                self.fast.written.set(slot);
                 if let Slot::ReadOnly { new, .. } = &mut self.slots[slot] {
                     *new = Some(c.clone());
                 }
@@ -239,7 +263,8 @@ impl Monitor {
             vec![page]
         } else {
             // Out of mappings: copy what is left of the cluster and map it whole.
-            self.stats
+            self.fast
+                .stats
                 .whole_cluster_copies
                 .fetch_add(1, Ordering::Relaxed);
             match &self.slots[slot] {
@@ -261,7 +286,8 @@ impl Monitor {
         } else {
             self.copy_by_mapping(slot, slot_at, &new, (from, len, first), &pages)?;
         }
-        self.stats
+        self.fast
+            .stats
             .pages_copied
             .fetch_add(pages.len() as u64, Ordering::Relaxed);
         if let Slot::ReadOnly { copied, .. } = &mut self.slots[slot] {
@@ -402,35 +428,34 @@ impl Monitor {
     /// Tells the provider that `pages` of `slot` hold their copies.
     fn tell(&mut self, slot: usize, pages: &[usize]) -> io::Result<()> {
         let list: Vec<u32> = pages.iter().map(|&p| p as u32).collect();
-        let mut provider = lock(&self.provider);
-        flatten(catch_unwind(AssertUnwindSafe(|| {
-            provider.pages_copied(slot as u64, &list)
-        })))
+        let mut held = lock(&self.provider);
+        held.drain(&self.fast.ring)?;
+        guarded(|| held.provider.pages_copied(slot as u64, &list))
     }
 
     fn ask(&mut self, slot: usize, need: Need) -> io::Result<Cluster> {
-        self.stats.provider_calls.fetch_add(1, Ordering::Relaxed);
-        let mut provider = lock(&self.provider);
-        let c = flatten(catch_unwind(AssertUnwindSafe(|| {
-            provider.cluster(slot as u64, need)
-        })))?;
-        drop(provider);
+        self.fast
+            .stats
+            .provider_calls
+            .fetch_add(1, Ordering::Relaxed);
+        let mut held = lock(&self.provider);
+        // Every cluster lent is taken or given back first: the provider's next cluster
+        // follows them.
+        held.reclaim(&self.fast.ring)?;
+        let c = guarded(|| held.provider.cluster(slot as u64, need))?;
+        drop(held);
         if c.offset % PAGE as u64 != 0 {
             return Err(io::Error::other("the provider gave an unaligned cluster"));
         }
         Ok(c)
     }
 
+    /// After a fault, or when the SIGBUS handler took the ring below half: the provider tops
+    /// its pool up, and lends the region clusters ahead.
     fn refill(&mut self) {
-        let mut provider = lock(&self.provider);
-        let _ = catch_unwind(AssertUnwindSafe(|| provider.refill()));
-    }
-
-    fn poison(&self, at: usize, len: usize) {
-        self.stats.poisoned.fetch_add(1, Ordering::Relaxed);
-        let prot = libc::PROT_READ | libc::PROT_WRITE;
-        // SAFETY: the range is the region's; what was there is given up on purpose.
-        let _ = unsafe { map::map_over(at, len, self.poison.as_fd(), 0, prot, libc::MAP_SHARED) };
+        let mut held = lock(&self.provider);
+        let _ = guarded(|| held.provider.refill());
+        let _ = held.lend(&self.fast.ring);
     }
 }
 
@@ -476,8 +501,4 @@ unsafe fn write_at(
         }
     }
     Ok(())
-}
-
-fn flatten<T>(r: std::thread::Result<io::Result<T>>) -> io::Result<T> {
-    r.unwrap_or_else(|_| Err(io::Error::other("the provider panicked")))
 }

@@ -6,8 +6,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use super::ahead::{Held, Ring, Slots, MAPPED};
 use super::map::{self, PAGE};
 use super::monitor::{Monitor, Slot};
+use super::touch::Fast;
 use super::uffd::Uffd;
 use super::{
     fault, lock, os, Cluster, Error, Persist, PersistKind, Provider, RegionStats, SharedProvider,
@@ -25,6 +27,7 @@ pub struct Layout {
     cluster_size: usize,
     slots: BTreeMap<u64, Initial>,
     page_mappings: usize,
+    kernel_faults: bool,
 }
 
 enum Initial {
@@ -53,7 +56,17 @@ impl Layout {
             cluster_size,
             slots: BTreeMap::new(),
             page_mappings: 4096,
+            kernel_faults: false,
         })
+    }
+
+    /// Whether first touches of absent slots are served by the monitor thread, as the kernel
+    /// queues them, rather than on the faulting thread (the default, `touch.rs`): slower (a
+    /// hand-off to another thread and back), but a kernel-mode access to a never-touched page
+    /// (a `read(2)` into it, a VMM's KVM) is served rather than failing with `EFAULT`.
+    pub fn kernel_faults(&mut self, on: bool) -> &mut Layout {
+        self.kernel_faults = on;
+        self
     }
 
     /// How many extra mappings single-page copies may create (two per copied page at most)
@@ -169,6 +182,7 @@ pub struct Region {
     provider: SharedProvider,
     stats: Arc<Stats>,
     written: Arc<Written>,
+    fast: Arc<Fast>,
     table_slot: usize,
     stop: Arc<OwnedFd>,
     monitor: Option<JoinHandle<()>>,
@@ -202,21 +216,22 @@ impl Region {
         let align = layout.cluster_size.min(2 << 20);
         let base = map::reserve(layout.len, align).map_err(os("reserving the region"))?;
         let written = Arc::new(Written::new(slots));
-        let provider: SharedProvider = Arc::new(std::sync::Mutex::new(provider));
+        let provider: SharedProvider = Arc::new(std::sync::Mutex::new(Held::new(provider)));
         let built = build(base, &layout, shared, &written).and_then(|states| {
             let persist = persist.clone();
             let provider = provider.clone();
             start(base, &layout, states, provider, persist, shared, written)
         });
         match built {
-            Ok((stats, written, table_slot, stop, monitor, requests)) => Ok(Region {
+            Ok((fast, table_slot, stop, monitor, requests)) => Ok(Region {
                 base,
                 len: layout.len,
                 cluster_size: layout.cluster_size,
                 persist,
                 provider,
-                stats,
-                written,
+                stats: fast.stats.clone(),
+                written: fast.written.clone(),
+                fast,
                 table_slot,
                 stop,
                 monitor: Some(monitor),
@@ -274,9 +289,11 @@ impl Region {
     }
 
     fn commit_after(&self, persisted: std::ops::Range<usize>) -> std::io::Result<()> {
-        let mut p = lock(&self.provider);
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.commit(persisted)))
-            .unwrap_or_else(|_| Err(std::io::Error::other("the provider panicked")))
+        let mut held = lock(&self.provider);
+        // The clusters first touches took from the ring, recorded by the faulting threads
+        // only: the provider records them before it commits.
+        held.drain(&self.fast.ring)?;
+        super::ahead::guarded(|| held.provider.commit(persisted))
     }
 
     fn persist_range(&self, offset: usize, len: usize) -> std::io::Result<()> {
@@ -333,6 +350,8 @@ impl Region {
 impl Drop for Region {
     fn drop(&mut self) {
         fault::unregister(self.table_slot);
+        // No handler runs any more: what first touches took is the provider's to know.
+        let _ = lock(&self.provider).drain(&self.fast.ring);
         let one = 1u64;
         // SAFETY: writes 8 bytes to the eventfd, which the monitor polls.
         unsafe { libc::write(self.stop.as_raw_fd(), (&one as *const u64).cast(), 8) };
@@ -390,13 +409,14 @@ fn build(
     layout: &Layout,
     shared: libc::c_int,
     written: &Written,
-) -> Result<(Uffd, Vec<Slot>), Error> {
-    let mut uffd = Uffd::open().map_err(os("opening userfaultfd"))?;
+) -> Result<(Uffd, Vec<Slot>, Slots), Error> {
+    let mut uffd = Uffd::open(!layout.kernel_faults).map_err(os("opening userfaultfd"))?;
     uffd.register(base, layout.len)
         .map_err(os("registering the region with userfaultfd"))?;
     let mut states: Vec<Slot> = (0..layout.len / layout.cluster_size)
         .map(|_| Slot::Absent)
         .collect();
+    let fast_states = Slots::new(states.len());
     let rw = libc::PROT_READ | libc::PROT_WRITE;
     let (ro, sh) = (libc::PROT_READ, libc::MAP_SHARED);
     let cs = layout.cluster_size;
@@ -431,6 +451,7 @@ fn build(
         ) {
             written.set(slot as usize);
         }
+        fast_states.set(slot as usize, MAPPED);
         states[slot as usize] = match initial {
             Initial::Writable(_) => Slot::Writable,
             Initial::ReadOnly {
@@ -459,23 +480,16 @@ fn build(
         unsafe { map::map_over(at, PAGE, c.file.as_fd(), c.offset + off, prot, flags) }
             .map_err(os("mapping a page of a read-only slot"))?;
     }
-    Ok((uffd, states))
+    Ok((uffd, states, fast_states))
 }
 
-type Started = (
-    Arc<Stats>,
-    Arc<Written>,
-    usize,
-    Arc<OwnedFd>,
-    JoinHandle<()>,
-    OwnedFd,
-);
+type Started = (Arc<Fast>, usize, Arc<OwnedFd>, JoinHandle<()>, OwnedFd);
 
 /// Starts the monitor thread and claims the region's write faults.
 fn start(
     base: usize,
     layout: &Layout,
-    (uffd, slots): (Uffd, Vec<Slot>),
+    (uffd, slots, fast_slots): (Uffd, Vec<Slot>, Slots),
     provider: SharedProvider,
     persist: Arc<dyn Persist>,
     shared: libc::c_int,
@@ -504,7 +518,23 @@ fn start(
         unsafe { libc::memfd_create(c"vdisk-pmem-poison".as_ptr(), libc::MFD_CLOEXEC) },
         "creating the poison memfd",
     )?;
-    let stats = Arc::new(Stats::default());
+    let low = new_fd(
+        // SAFETY: eventfd returns a new descriptor or -1.
+        unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) },
+        "creating the ring's eventfd",
+    )?;
+    let fast = Arc::new(Fast {
+        base,
+        cluster_size: layout.cluster_size,
+        slots: fast_slots,
+        ring: Ring::new(),
+        uffd,
+        shared,
+        poison,
+        low,
+        stats: Arc::new(Stats::default()),
+        written,
+    });
     let monitor = Monitor {
         base,
         cluster_size: layout.cluster_size,
@@ -512,19 +542,16 @@ fn start(
         provider,
         persist,
         shared,
-        uffd,
+        fast: fast.clone(),
         requests: read,
         stop: stop.clone(),
-        poison,
-        stats: stats.clone(),
-        written: written.clone(),
         page_budget: layout.page_mappings,
     };
     let handle = std::thread::Builder::new()
         .name("vdisk-pmem".into())
         .spawn(move || monitor.run())
         .map_err(os("starting the monitor thread"))?;
-    let table_slot = match fault::register(base, base + layout.len, write.as_raw_fd()) {
+    let table_slot = match fault::register(base, base + layout.len, write.as_raw_fd(), &fast) {
         Ok(s) => s,
         Err(e) => {
             let one = 1u64;
@@ -534,7 +561,7 @@ fn start(
             return Err(os("installing the write-fault handler")(e));
         }
     };
-    Ok((stats, written, table_slot, stop, handle, write))
+    Ok((fast, table_slot, stop, handle, write))
 }
 
 fn new_fd(fd: libc::c_int, step: &'static str) -> Result<OwnedFd, Error> {

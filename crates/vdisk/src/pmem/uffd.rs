@@ -1,6 +1,7 @@
-//! userfaultfd, the few calls the region uses: open, register a range for missing (and, where
-//! the kernel can, write-protect) faults, read fault messages, place a write-protected page of
-//! zeroes, wake the threads waiting in a range. The `libc` crate has the system call
+//! userfaultfd, the few calls the region uses: open (with faults raising SIGBUS on the
+//! faulting thread, or queued as messages), register a range for missing (and, where the
+//! kernel can, write-protect) faults, read fault messages, place a write-protected page of
+//! zeroes (also from a signal handler: an ioctl), wake the threads waiting in a range. The `libc` crate has the system call
 //! number but not the structures or ioctl numbers, so they are declared here as
 //! `<linux/userfaultfd.h>` lays them out (x86_64 and aarch64 use the generic ioctl encoding).
 
@@ -18,6 +19,8 @@ const UFFDIO_REGISTER_MODE_WP: u64 = 2;
 /// Fault messages say whether a fault was a write-protect one (kernel 5.7+ for anonymous
 /// memory).
 const UFFD_FEATURE_PAGEFAULT_FLAG_WP: u64 = 1;
+/// Faults raise SIGBUS on the faulting thread instead of queuing a message (kernel 4.14+).
+const UFFD_FEATURE_SIGBUS: u64 = 1 << 7;
 const UFFD_PAGEFAULT_FLAG_WRITE: u64 = 1;
 const UFFD_PAGEFAULT_FLAG_WP: u64 = 2;
 const UFFDIO_COPY_MODE_WP: u64 = 2;
@@ -98,13 +101,29 @@ pub(super) struct Uffd {
     fd: OwnedFd,
     /// The range is registered for write-protect faults too: [`Uffd::zero_page`] works.
     wp: bool,
+    /// Faults raise SIGBUS on the faulting thread (`touch.rs`); no message is queued.
+    sigbus: bool,
 }
 
 impl Uffd {
     /// Opens a descriptor whose fault messages tell write-protect faults apart where the kernel
-    /// can, else a plain one.
-    pub(super) fn open() -> io::Result<Uffd> {
-        Uffd::open_with(UFFD_FEATURE_PAGEFAULT_FLAG_WP).or_else(|_| Uffd::open_with(0))
+    /// can, else a plain one; with `sigbus`, one whose faults raise SIGBUS instead, where the
+    /// kernel can ([`Uffd::sigbus`] says).
+    pub(super) fn open(sigbus: bool) -> io::Result<Uffd> {
+        let wp = UFFD_FEATURE_PAGEFAULT_FLAG_WP;
+        let tried = match sigbus {
+            true => Uffd::open_with(wp | UFFD_FEATURE_SIGBUS)
+                .or_else(|_| Uffd::open_with(UFFD_FEATURE_SIGBUS)),
+            false => Err(io::Error::from_raw_os_error(libc::EINVAL)),
+        };
+        tried
+            .or_else(|_| Uffd::open_with(wp))
+            .or_else(|_| Uffd::open_with(0))
+    }
+
+    /// Whether faults raise SIGBUS on the faulting thread.
+    pub(super) fn sigbus(&self) -> bool {
+        self.sigbus
     }
 
     fn open_with(features: u64) -> io::Result<Uffd> {
@@ -120,7 +139,11 @@ impl Uffd {
         }
         // SAFETY: the system call just returned this descriptor and nothing else owns it.
         let fd = unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) };
-        let uffd = Uffd { fd, wp: false };
+        let uffd = Uffd {
+            fd,
+            wp: false,
+            sigbus: features & UFFD_FEATURE_SIGBUS != 0,
+        };
         let mut api = Api {
             api: UFFD_API,
             features,

@@ -14,6 +14,8 @@ pub const MIB: usize = 1 << 20;
 pub struct Calls {
     pub clusters: Vec<(u64, Need)>,
     pub copied: Vec<(u64, Vec<u32>)>,
+    /// Clusters lent ahead that a first touch took (also in `clusters`, as `Need::Zeroed`).
+    pub taken: usize,
 }
 
 pub struct FileProvider {
@@ -22,6 +24,10 @@ pub struct FileProvider {
     pub next: u64,
     pub calls: Arc<Mutex<Calls>>,
     pub fail: bool,
+    /// Lends clusters ahead ([`Provider::ahead`]): first touches then take them on the
+    /// faulting thread.
+    pub lend: bool,
+    lent: std::collections::VecDeque<u64>,
 }
 
 impl FileProvider {
@@ -33,6 +39,8 @@ impl FileProvider {
             next: 0,
             calls: calls.clone(),
             fail: false,
+            lend: false,
+            lent: Default::default(),
         };
         (p, calls)
     }
@@ -55,6 +63,42 @@ impl Provider for FileProvider {
             file: self.file.clone(),
             offset,
         })
+    }
+
+    fn ahead(&mut self, max: usize) -> io::Result<Vec<Cluster>> {
+        if !self.lend || self.fail {
+            return Ok(Vec::new());
+        }
+        let n = max.min(4 - self.lent.len()) as u64;
+        let end = (self.next + n) * self.cluster_size as u64;
+        if self.file.metadata()?.len() < end {
+            self.file.set_len(end)?;
+        }
+        let lent: Vec<u64> = (self.next..self.next + n).collect();
+        self.next += n;
+        self.lent.extend(&lent);
+        Ok(lent
+            .into_iter()
+            .map(|c| Cluster {
+                file: self.file.clone(),
+                offset: c * self.cluster_size as u64,
+            })
+            .collect())
+    }
+
+    fn taken(&mut self, slot: u64) -> io::Result<()> {
+        self.lent.pop_front().expect("a cluster lent");
+        let mut calls = self.calls.lock().unwrap();
+        calls.clusters.push((slot, Need::Zeroed));
+        calls.taken += 1;
+        Ok(())
+    }
+
+    fn given_back(&mut self, n: usize) {
+        for _ in 0..n {
+            self.lent.pop_back().expect("a cluster lent");
+            self.next -= 1;
+        }
     }
 
     fn pages_copied(&mut self, slot: u64, pages: &[u32]) -> io::Result<()> {
@@ -102,8 +146,19 @@ pub fn pattern(page: usize) -> u8 {
 
 /// A region over `layout` whose absent slots and copies take clusters from `file`.
 pub fn region(layout: Layout, file: File, cs: usize) -> (Region, Arc<Mutex<Calls>>, Arc<File>) {
+    region_lending(layout, file, cs, false)
+}
+
+/// [`region`], its provider lending clusters ahead when `lend`.
+pub fn region_lending(
+    layout: Layout,
+    file: File,
+    cs: usize,
+    lend: bool,
+) -> (Region, Arc<Mutex<Calls>>, Arc<File>) {
     let persist = Arc::new(MediaPersist::for_file(&file));
-    let (provider, calls) = FileProvider::new(file, cs);
+    let (mut provider, calls) = FileProvider::new(file, cs);
+    provider.lend = lend;
     let file = provider.file.clone();
     (
         Region::new(layout, Box::new(provider), persist).unwrap(),

@@ -113,12 +113,23 @@ fn loads_racing_a_store_into_an_absent_slot_see_zero_or_the_store() {
 
 #[test]
 fn sixteen_threads_touching_one_absent_slot_fill_it_once() {
+    sixteen_threads_fill_once(false);
+}
+
+/// With clusters lent ahead the faulting threads fill the slot themselves: one of them.
+#[test]
+fn sixteen_threads_touching_one_absent_slot_fill_it_once_from_clusters_lent() {
+    sixteen_threads_fill_once(true);
+}
+
+fn sixteen_threads_fill_once(lend: bool) {
     let dir = tempdir();
     let cs = 2 * MIB;
-    let (r, calls, _file) = region(
+    let (r, calls, _file) = region_lending(
         Layout::new(16 * MIB, cs).unwrap(),
         disk_file(&dir, "img"),
         cs,
+        lend,
     );
     let barrier = Barrier::new(16);
     let slot = 5;
@@ -135,11 +146,67 @@ fn sixteen_threads_touching_one_absent_slot_fill_it_once() {
             });
         }
     });
+    // The provider hears of a lent cluster taken at the next persist (or monitor call).
+    r.commit().unwrap();
     assert_eq!(
         calls.lock().unwrap().clusters,
         [(slot as u64, Need::Zeroed)]
     );
     assert_eq!(r.stats().provider_calls, 1);
+    assert_eq!(r.stats().missing_faults, 1);
+}
+
+/// Many slots touched at once by many threads: each takes one cluster, whether lent ahead or
+/// asked for when none is left; the provider hears of them in the order it lent them; loads
+/// of slots never stored to take none; and the stores are in the file where the provider put
+/// each slot's cluster.
+#[test]
+fn first_touches_of_many_slots_take_lent_clusters_in_order() {
+    let dir = tempdir();
+    let cs = 64 * 1024;
+    let slots = 64;
+    let (r, calls, file) = region_lending(
+        Layout::new(slots * cs, cs).unwrap(),
+        disk_file(&dir, "img"),
+        cs,
+        true,
+    );
+    let barrier = Barrier::new(8);
+    std::thread::scope(|s| {
+        for t in 0..8usize {
+            let (r, barrier) = (&r, &barrier);
+            s.spawn(move || {
+                barrier.wait();
+                for slot in (0..slots).filter(|s| s % 8 == t || s % 2 == 0) {
+                    if slot % 3 == 0 {
+                        assert_eq!(load_u64(r, slot * cs + 4096), 0);
+                    } else {
+                        store_u64(r, slot * cs + 8 * t, (slot * 100 + t) as u64 + 1);
+                    }
+                }
+            });
+        }
+    });
+    r.commit().unwrap();
+    let calls = calls.lock().unwrap();
+    let mut filled: Vec<u64> = calls.clusters.iter().map(|&(s, _)| s).collect();
+    filled.sort_unstable();
+    let want: Vec<u64> = (0..slots as u64).filter(|s| s % 3 != 0).collect();
+    assert_eq!(filled, want, "each stored slot once, no loaded one");
+    assert!(calls.taken > 0, "no first touch took a lent cluster");
+    assert_eq!(r.stats().provider_calls, want.len() as u64);
+    // Cluster k of the file went to the k-th slot the provider heard of (the test provider
+    // hands out and lends clusters in file order).
+    for (k, &(slot, _)) in calls.clusters.iter().enumerate() {
+        let slot = slot as usize;
+        for t in (0..8).filter(|&t| slot % 8 == t || slot % 2 == 0) {
+            let mut word = [0u8; 8];
+            file.read_exact_at(&mut word, (k * cs + 8 * t) as u64)
+                .unwrap();
+            let want = (slot * 100 + t) as u64 + 1;
+            assert_eq!(u64::from_ne_bytes(word), want, "slot {slot}, thread {t}");
+        }
+    }
 }
 
 /// Cache-line persistence, recorded rather than done: with no writable cluster in the region
@@ -180,4 +247,37 @@ fn a_cache_line_persist_of_the_whole_region_skips_slots_no_store_can_have_reache
     assert_eq!(r.stats().missing_faults, 0);
     assert!(calls.lock().unwrap().clusters.is_empty());
     assert_eq!(load(&r, cs + 4096), pattern(1));
+}
+
+/// A kernel-mode store into a never-touched page (a `read(2)` into it) is served when the
+/// monitor serves first touches ([`Layout::kernel_faults`]); when the faulting thread serves
+/// them (the default) it fails with `EFAULT`, as one into a read-only cluster does, and
+/// takes nothing.
+#[test]
+fn a_read_into_an_absent_slot_is_served_with_kernel_faults_only() {
+    use std::os::fd::AsRawFd;
+    for kernel in [false, true] {
+        let dir = tempdir();
+        let cs = 64 * 1024;
+        let mut layout = Layout::new(4 * cs, cs).unwrap();
+        layout.kernel_faults(kernel);
+        let (r, calls, _file) = region(layout, disk_file(&dir, "img"), cs);
+        let src = disk_file(&dir, "src");
+        src.write_all_at(&[7u8; 4096], 0).unwrap();
+        // SAFETY: the destination is a page inside the region, which stays mapped.
+        let n = unsafe { libc::pread(src.as_raw_fd(), r.as_ptr().add(cs).cast(), 4096, 0) };
+        if kernel {
+            assert_eq!(n, 4096);
+            assert_eq!(load(&r, cs + 100), 7);
+            assert_eq!(calls.lock().unwrap().clusters, [(1, Need::Zeroed)]);
+        } else {
+            let e = std::io::Error::last_os_error();
+            assert_eq!((n, e.raw_os_error()), (-1, Some(libc::EFAULT)));
+            assert_eq!(r.stats().missing_faults, 0);
+            // A store from user space then fills it as usual.
+            store_u64(&r, cs + 8, 9);
+            assert_eq!(load_u64(&r, cs + 8), 9);
+            assert_eq!(r.stats().missing_faults, 1);
+        }
+    }
 }

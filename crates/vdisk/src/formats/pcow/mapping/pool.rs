@@ -73,6 +73,12 @@ impl Pool {
         self.state().want
     }
 
+    /// Whether an allocation set the pool up (its thread runs): until then the file is as the
+    /// open left it, and no cluster is lent ahead.
+    pub fn started(&self) -> bool {
+        self.thread.is_some()
+    }
+
     /// Asks for clusters up to `until` without waiting.
     pub fn ask(&mut self, until: u64) -> io::Result<()> {
         {

@@ -40,7 +40,7 @@
 //! the pool past the committed end, where the walk does not look; a writable open cuts it, and
 //! so does a clean drop.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fs::File;
 use std::io;
 use std::os::fd::AsFd;
@@ -94,6 +94,9 @@ pub struct PcowProvider {
     segment_at: Vec<u64>,
     /// A copy target handed out whose first page is not recorded yet: (slot, data cluster).
     target: Option<(u64, u64)>,
+    /// Data clusters lent to the region ahead ([`Provider::ahead`]) and not yet taken, in
+    /// order: the next ones of the last segment after `end`.
+    lent: VecDeque<u64>,
     /// Records made since the last commit: logical clusters whose entry (and wide bitmap)
     /// changed, segments started, and each changed segment's counter by its meta cluster.
     dirty: BTreeSet<u32>,
@@ -161,6 +164,7 @@ impl PcowProvider {
             entries,
             segment_at,
             target: None,
+            lent: VecDeque::new(),
             dirty: BTreeSet::new(),
             started: Vec::new(),
             copied: Vec::new(),
@@ -170,9 +174,9 @@ impl PcowProvider {
         })
     }
 
-    /// The first cluster no segment, entry or copy target has taken.
+    /// The first cluster no segment, entry, copy target or cluster lent has taken.
     fn next_free(&self) -> u64 {
-        self.target.map_or(self.end, |(_, host)| host + 1)
+        (self.target).map_or(self.end + self.lent.len() as u64, |(_, host)| host + 1)
     }
 
     /// The address of file offset `at`, inside meta cluster `meta` (mapped on first use).
@@ -309,6 +313,11 @@ impl PcowProvider {
 impl Provider for PcowProvider {
     fn cluster(&mut self, slot: u64, need: Need) -> io::Result<Cluster> {
         let n = u32::try_from(slot).map_err(|_| io::Error::other("slot past 2^32"))?;
+        if !self.lent.is_empty() {
+            return Err(io::Error::other(
+                "pcow mapping: a cluster asked for while clusters lent ahead are not back",
+            ));
+        }
         if let Some((waiting, _)) = self.target.filter(|&(s, _)| s != slot) {
             // Data clusters are appended in order: a copy target handed out must be entered
             // (its first page recorded) before another cluster can follow it.
@@ -451,11 +460,65 @@ impl Provider for PcowProvider {
     /// little behind was asked for one more cluster at each fault, and allocated and synced
     /// them one at a time: a sync per 1.4 faults in a burst, `perf trace -s`.)
     fn refill(&mut self) -> io::Result<()> {
-        let next = self.next_free();
+        // Past what is taken: the clusters lent are part of the pool.
+        let next = self.target.map_or(self.end, |(_, host)| host + 1);
         if self.pool.wanted() < next + POOL_CLUSTERS.div_ceil(2) {
             self.pool.ask(next + POOL_CLUSTERS)?;
         }
         Ok(())
+    }
+
+    /// The next data clusters of the last segment, for first touches the faulting threads
+    /// serve themselves: lent only once an allocation set the pool up (a mapping that never
+    /// allocates leaves the file alone), never past the last segment (a new one is started
+    /// by `cluster`, on the monitor) nor while a copy target waits for its first page (it
+    /// comes first), and at most half the pool. Allocated here when the pool's thread is
+    /// behind: this is the monitor's thread, off every fault's path.
+    fn ahead(&mut self, max: usize) -> io::Result<Vec<Cluster>> {
+        let Some(last) = self.last else {
+            return Ok(Vec::new());
+        };
+        if !self.pool.started() || self.target.is_some() {
+            return Ok(Vec::new());
+        }
+        let lent = self.lent.len() as u64;
+        let room = u64::from(self.geo.per_segment() - last.entries).saturating_sub(lent);
+        let n = (max as u64)
+            .min(room)
+            .min(POOL_CLUSTERS / 2 - lent.min(POOL_CLUSTERS / 2));
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let first = self.next_free();
+        self.pool.wait(first + n, self.end + POOL_CLUSTERS)?;
+        self.lent.extend(first..first + n);
+        Ok((first..first + n)
+            .map(|host| Cluster {
+                file: self.file.clone(),
+                offset: host * self.geo.cluster,
+            })
+            .collect())
+    }
+
+    fn taken(&mut self, slot: u64) -> io::Result<()> {
+        let n = u32::try_from(slot).map_err(|_| io::Error::other("slot past 2^32"))?;
+        let Some(host) = self.lent.pop_front() else {
+            return Err(io::Error::other(format!(
+                "pcow mapping: logical cluster {n} took a cluster none lent"
+            )));
+        };
+        if self.entries.contains_key(&n) {
+            return Err(io::Error::other(format!(
+                "pcow mapping: logical cluster {n} already has a data cluster"
+            )));
+        }
+        // As `cluster(slot, Need::Zeroed)` would: see there.
+        self.enter(n, host, Pages::Whole)
+    }
+
+    fn given_back(&mut self, n: usize) {
+        let keep = self.lent.len().saturating_sub(n);
+        self.lent.truncate(keep);
     }
 }
 

@@ -75,8 +75,64 @@ fn without_fallocate_the_pool_grows_the_file() {
     first_touch_and_commit(true);
 }
 
+/// Clusters lent ahead (first touches the faulting threads serve) are the next ones, recorded
+/// in the order lent whatever slots took them, and their records follow their allocation as
+/// an asked-for cluster's do; clusters given back are not recorded, and the next asked-for
+/// cluster follows the last one taken.
+#[test]
+fn clusters_lent_ahead_are_recorded_in_order_after_their_allocation() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut p, seen, path) = provider(&dir, false);
+    assert!(p.ahead(4).unwrap().is_empty(), "lent before any allocation");
+    let first = p.cluster(3, Need::Zeroed).unwrap();
+    let lent = p.ahead(4).unwrap();
+    let offsets: Vec<u64> = lent.iter().map(|c| c.offset).collect();
+    let want: Vec<u64> = (1..5).map(|i| first.offset + i * CS).collect();
+    assert_eq!(offsets, want);
+    p.taken(6).unwrap();
+    p.taken(1).unwrap();
+    p.given_back(2);
+    let next = p.cluster(7, Need::Zeroed).unwrap();
+    assert_eq!(next.offset, first.offset + 3 * CS);
+    p.commit(0..0).unwrap();
+    for d in seen.lock().unwrap().clone() {
+        assert!(
+            d >= next.offset + CS,
+            "a record persisted with the file {d} bytes long"
+        );
+    }
+    drop(p);
+    let file = FileStorage::open(&path, OpenOptions::default()).unwrap();
+    let st = walk(&file, &read_super(&file).unwrap()).unwrap().state;
+    let part = st.parts.last().unwrap();
+    let mut hosts: Vec<(u32, u64)> = part.entries.iter().map(|(&n, e)| (n, e.host)).collect();
+    hosts.sort_unstable_by_key(|&(_, h)| h);
+    let c = first.offset / CS;
+    assert_eq!(hosts, [(3, c), (6, c + 1), (1, c + 2), (7, c + 3)]);
+}
+
 fn first_touch_and_commit(no_fallocate: bool) {
     let dir = tempfile::tempdir().unwrap();
+    let (mut p, seen, _) = provider(&dir, no_fallocate);
+    let c = p.cluster(3, Need::Zeroed).unwrap();
+    p.refill().unwrap();
+    p.commit(0..0).unwrap();
+    let seen = seen.lock().unwrap().clone();
+    assert!(seen.len() >= 3, "{seen:?}: meta cluster, entry, counter");
+    for d in seen {
+        assert!(
+            d >= c.offset + CS,
+            "a record persisted with the file durably {d} bytes long"
+        );
+    }
+}
+
+/// A provider over a new image of 8 clusters in `dir`, and what its persists saw.
+#[allow(clippy::type_complexity)]
+fn provider(
+    dir: &tempfile::TempDir,
+    no_fallocate: bool,
+) -> (PcowProvider, Arc<Mutex<Vec<u64>>>, std::path::PathBuf) {
     let path = dir.path().join("a.pcow");
     let opts = OpenOptions {
         write: true,
@@ -105,16 +161,6 @@ fn first_touch_and_commit(no_fallocate: bool) {
         durable,
         seen: seen.clone(),
     });
-    let mut p = PcowProvider::new(storage, fd, persist, state).unwrap();
-    let c = p.cluster(3, Need::Zeroed).unwrap();
-    p.refill().unwrap();
-    p.commit(0..0).unwrap();
-    let seen = seen.lock().unwrap().clone();
-    assert!(seen.len() >= 3, "{seen:?}: meta cluster, entry, counter");
-    for d in seen {
-        assert!(
-            d >= c.offset + CS,
-            "a record persisted with the file durably {d} bytes long"
-        );
-    }
+    let p = PcowProvider::new(storage, fd, persist, state).unwrap();
+    (p, seen, path)
 }
