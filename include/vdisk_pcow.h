@@ -11,6 +11,12 @@
  * While a map is open the image is locked as a writer locks it: vdisk and QEMU refuse to open
  * it, and pcow_map_open() refuses an image they have open.
  *
+ * The faults are served in signal handlers the library installs: SIGBUS (a first touch, on the
+ * faulting thread) and SIGSEGV (a copy-on-write); a handler installed after them must pass on
+ * the signals it does not claim. A system call that reaches a never-touched page of the map
+ * from the kernel (read(2) into it, a futex on it, KVM) fails with EFAULT, as one that writes
+ * into a page of a snapshot or a base image does: touch the memory from user space first.
+ *
  * Every function that can fail returns 0 or a negative errno; pcow_last_error() then gives
  * the message. No Rust panic crosses these functions (one is reported as -EIO).
  */
