@@ -202,12 +202,69 @@ impl Ring {
     }
 }
 
+/// Pages the SIGSEGV handler copied itself (`cow.rs`), for the provider: many writers (the
+/// handlers), one reader (the provider's lock holder). A handler reserves its entry before it
+/// copies, so a full queue sends the fault to the monitor instead, and writes it once the
+/// page is mapped.
+pub(super) struct Reports {
+    /// Entries reserved.
+    tail: AtomicU32,
+    /// Entries handed to the provider; only the reader changes it.
+    head: AtomicU32,
+    /// `DONE | slot << 32 | page` once written (`page` `NO_PAGE` for a copy that failed).
+    entries: Box<[AtomicU64]>,
+}
+
+const REPORTS: u32 = 1024;
+const DONE: u64 = 1 << 63;
+pub(super) const NO_PAGE: u32 = u32::MAX >> 1;
+
+impl Reports {
+    pub(super) fn new() -> Reports {
+        Reports {
+            tail: AtomicU32::new(0),
+            head: AtomicU32::new(0),
+            entries: (0..REPORTS).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// Reserves an entry: its ticket, and whether the queue is now half full (the reader should
+    /// be asked to drain it). `None` when full. Async-signal-safe.
+    pub(super) fn reserve(&self) -> Option<(u32, bool)> {
+        let mut tail = self.tail.load(Ordering::Acquire);
+        loop {
+            let used = tail.wrapping_sub(self.head.load(Ordering::Acquire));
+            if used >= REPORTS {
+                return None;
+            }
+            match self.tail.compare_exchange_weak(
+                tail,
+                tail.wrapping_add(1),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Some((tail, used + 1 == REPORTS / 2)),
+                Err(now) => tail = now,
+            }
+        }
+    }
+
+    /// Writes a reserved entry. Async-signal-safe.
+    pub(super) fn write(&self, ticket: u32, slot: usize, page: u32) {
+        let e = DONE | (slot as u64) << 32 | u64::from(page);
+        self.entries[(ticket % REPORTS) as usize].store(e, Ordering::Release);
+    }
+}
+
 /// The provider with what the region lent of its clusters; one lock holds both, so the
-/// provider always hears of taken clusters before any other call.
+/// provider always hears of taken clusters and copied pages before any other call.
 pub(super) struct Held {
     pub(super) provider: Box<dyn Provider>,
     /// The clusters in the ring, oldest first: their files stay open while lent.
     lent: VecDeque<Cluster>,
+    /// Calls of `pages_copied` so far: a persist that synced its range before the provider
+    /// heard of more copies does not let the provider skip the copies in that range.
+    pub(super) told: u64,
 }
 
 impl Held {
@@ -215,7 +272,38 @@ impl Held {
         Held {
             provider,
             lent: VecDeque::new(),
+            told: 0,
         }
+    }
+
+    /// Tells the provider of copied pages, counted.
+    pub(super) fn pages_copied(&mut self, slot: u64, pages: &[u32]) -> io::Result<()> {
+        self.told += 1;
+        guarded(|| self.provider.pages_copied(slot, pages))
+    }
+
+    /// [`Held::drain`], and the pages the SIGSEGV handler copied, each waited for as there.
+    pub(super) fn drain_all(&mut self, ring: &Ring, reports: &Reports) -> io::Result<()> {
+        let drained = self.drain(ring);
+        let tail = reports.tail.load(Ordering::Acquire);
+        let mut result = Ok(());
+        while reports.head.load(Ordering::Relaxed) != tail {
+            let at = reports.head.load(Ordering::Relaxed);
+            let entry = &reports.entries[(at % REPORTS) as usize];
+            let e = loop {
+                match entry.load(Ordering::Acquire) {
+                    0 => spin::yield_now(),
+                    e => break e,
+                }
+            };
+            entry.store(0, Ordering::Relaxed);
+            reports.head.store(at.wrapping_add(1), Ordering::Release);
+            let (slot, page) = ((e & !DONE) >> 32, e as u32);
+            if page != NO_PAGE {
+                result = result.and(self.pages_copied(slot, &[page]));
+            }
+        }
+        drained.and(result)
     }
 
     /// Tells the provider of every cluster taken from `ring` since the last drain, in ring

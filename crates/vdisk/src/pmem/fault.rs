@@ -4,7 +4,8 @@
 //!
 //! userfaultfd cannot register regular-file (or DAX) mappings, so a write to a read-only cluster
 //! arrives as SIGSEGV (`SEGV_ACCERR`) on the writing thread. The handler is async-signal-safe: it
-//! allocates nothing and takes no lock. It finds the region in a fixed table of atomics, writes
+//! allocates nothing and takes no lock. It finds the region in a fixed table of atomics and
+//! copies the page itself when the slot's copy target is known (`touch.rs`); otherwise it writes
 //! the address of a request that lives on its own stack into the region's pipe (8 bytes, one
 //! atomic pipe write), and polls that request for a while, then sleeps on a futex in it, until
 //! the monitor marks it done (`spin.rs`: so that the CPU does not go idle meanwhile).
@@ -265,7 +266,14 @@ extern "C" fn on_segv(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut li
     // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
     let (code, addr) = unsafe { ((*info).si_code, (*info).si_addr() as usize) };
     let answer = match lookup(addr) {
-        Some(hit) if code == SEGV_ACCERR => hand_off(hit.pipe, addr, WRITE),
+        Some(hit) if code == SEGV_ACCERR => {
+            // SAFETY: `fast` stays alive while the entry counts us as a user (`unregister`).
+            let fast = unsafe { &*hit.fast };
+            match touch::write_fault(fast, addr) {
+                true => HANDLED,
+                false => hand_off(hit.pipe, addr, WRITE),
+            }
+        }
         _ => NOT_OURS,
     };
     if answer != HANDLED {

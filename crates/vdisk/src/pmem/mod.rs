@@ -35,7 +35,12 @@
 //!   persistence) the copy is a `pwrite` into the cluster and the mapping one `mmap` (an
 //!   `msync` is left to the next persist); with cache-line persistence it is a store through a
 //!   scratch mapping of the cluster, whose cache lines are written back, moved over the old
-//!   page with `mremap`.
+//!   page with `mremap`. A slot's first copy (which asks the provider for the target), copies
+//!   with cache-line persistence and copies once the mapping budget is spent are made by the
+//!   monitor thread; once the target is known the faulting thread copies a page itself
+//!   (`touch.rs`: the `pwrite` and the `mmap`, lock-free; a per-page compare-and-swap makes
+//!   one copy of a page however many threads write it, `cow.rs`), and the provider hears of
+//!   it ([`Provider::pages_copied`]) from the monitor or the next persist, before its commit.
 //!   Pages never written keep reading the old cluster. The provider makes the copy's record
 //!   durable at the next [`Region::persist`], after the copy.
 //!
@@ -45,8 +50,9 @@
 //! would put every store in DRAM page cache that must be copied to the image to persist: the
 //! application's cache-line flushes would no longer persist anything, which defeats persistent
 //! memory. So clusters stay direct file mappings (DAX on a pmem file system) and write faults go
-//! through an async-signal-safe SIGSEGV handler (`fault.rs`) that hands the address to the
-//! monitor thread and polls, then sleeps on a futex, until it is done (`spin.rs`).
+//! through an async-signal-safe SIGSEGV handler (`fault.rs`) that copies the page itself when
+//! it can (`touch.rs`), or hands the address to the monitor thread and polls, then sleeps on a
+//! futex, until it is done (`spin.rs`).
 //!
 //! **Errors.** A cluster the provider cannot give, or a copy that fails, leaves the slot (or the
 //! page) mapped to a hole past the end of an empty memfd: that access and every later one there
@@ -64,6 +70,7 @@
 //! itself). A region's memory is unmapped when it is dropped.
 
 mod ahead;
+mod cow;
 mod fault;
 mod map;
 mod monitor;

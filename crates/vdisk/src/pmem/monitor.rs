@@ -1,6 +1,8 @@
-//! The monitor thread: serves first writes to read-only pages (requests from the SIGSEGV
-//! handler), one at a time, so a page is copied once however many threads fault on it
-//! together; lends the provider's clusters to the region for first touches, which the
+//! The monitor thread: serves the first writes to read-only pages that the SIGSEGV handler
+//! does not copy itself (a slot's first copy, which asks the provider for the target; copies
+//! with cache-line persistence; copies once the mapping budget is spent), one at a time, each
+//! page claimed as the handler claims it (`cow.rs`), so a page is copied once however many
+//! threads fault on it together; lends the provider's clusters to the region for first touches, which the
 //! faulting threads serve themselves (`touch.rs`), and fills absent slots when none is lent
 //! (requests from the SIGBUS handler) or when the kernel queues their faults as userfaultfd
 //! messages (no `UFFD_FEATURE_SIGBUS`, or [`super::Layout::kernel_faults`]). After a fault it
@@ -8,7 +10,10 @@
 //!
 //! Order of a copy-on-write, which the format's crash consistency rests on: the page is copied
 //! into the new cluster (and, with cache-line persistence, persisted); only then is the provider
-//! told it is copied; only then is the new page mapped writable. The provider keeps that record
+//! told it is copied; only then is the new page mapped writable (still under the provider's
+//! lock, so that a persist that sees the record sees the copy at its place: its sync of the
+//! range covers it). The handler's copies are reported once mapped, from an entry reserved
+//! before the copy, which a drain waits for; the provider keeps that record
 //! in memory until [`Region::persist`](super::Region::persist) calls its commit, which makes the
 //! copies durable first (with `msync` persistence: an `msync` of them), then the records
 //! (pcow: the cow_bitmap bits). So a page counted as copied after a crash always holds its
@@ -22,9 +27,10 @@
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 
-use super::ahead::{guarded, ABSENT, FILLED, FILLING, POISONED};
+use super::ahead::{guarded, Held, ABSENT, FILLED, FILLING, POISONED};
+use super::cow::{COPIED, OLD};
 use super::fault::{Request, FILL, HANDLED, NOT_OURS};
 use super::map::{self, PAGE};
 use super::spin;
@@ -40,11 +46,8 @@ pub(super) enum Slot {
     Absent,
     /// A writable cluster over the whole slot (a read-only one copied whole, or the layout's).
     Writable,
-    /// A read-only cluster, with the pages already copied into `new`.
-    ReadOnly {
-        new: Option<Cluster>,
-        copied: Vec<bool>,
-    },
+    /// A read-only cluster, its pages copying into `new` (their states: [`Fast::cow`]).
+    ReadOnly { new: Option<Cluster> },
 }
 
 pub(super) struct Monitor {
@@ -58,8 +61,6 @@ pub(super) struct Monitor {
     pub(super) fast: Arc<Fast>,
     pub(super) requests: OwnedFd,
     pub(super) stop: Arc<OwnedFd>,
-    /// Mappings that single-page copies may still add before copies take whole clusters.
-    pub(super) page_budget: usize,
 }
 
 impl Monitor {
@@ -227,53 +228,97 @@ impl Monitor {
         let slot = (addr - self.base) / self.cluster_size;
         let page = (addr - self.base) % self.cluster_size / PAGE;
         match &self.slots[slot] {
-            Slot::ReadOnly { copied, .. } if !copied[page] => {}
-            // Another thread's fault got here first; the retried store goes through.
-            Slot::ReadOnly { .. } | Slot::Writable => return HANDLED,
+            Slot::ReadOnly { .. } => {}
+            // Another thread's fault copied the whole slot; the retried store goes through.
+            Slot::Writable => return HANDLED,
             // The placeholder is writable: a protection fault there is not one we made.
             Slot::Absent => return NOT_OURS,
         }
+        let fast = self.fast.clone();
+        let Some(cow) = fast.cow.slot(slot) else {
+            return NOT_OURS;
+        };
+        if !cow.claim(page) {
+            // Another thread's fault got here first; the retried store goes through.
+            return HANDLED;
+        }
         self.fast.stats.cow_faults.fetch_add(1, Ordering::Relaxed);
         let page_at = self.base + slot * self.cluster_size + page * PAGE;
-        if self.copy(slot, page).is_err() {
-            self.fast.poison(page_at, PAGE);
-            if let Slot::ReadOnly { copied, .. } = &mut self.slots[slot] {
-                copied[page] = true; // nothing to copy any more: the page is poisoned
+        match self.copy(slot, page) {
+            Ok(pages) => {
+                for p in pages {
+                    cow.set(p, COPIED);
+                }
+                if cow.all_copied() {
+                    self.slots[slot] = Slot::Writable;
+                }
+            }
+            Err((e, pages)) => {
+                let _ = e;
+                self.fast.poison(page_at, PAGE);
+                // Nothing to copy any more at `page`: it is poisoned. The rest is not copied.
+                cow.set(page, COPIED);
+                for p in pages.into_iter().filter(|&p| p != page) {
+                    cow.set(p, OLD);
+                }
             }
         }
         self.refill();
         HANDLED
     }
 
-    fn copy(&mut self, slot: usize, page: usize) -> io::Result<()> {
+    /// Copies `page` (claimed), or with the mapping budget spent every page of the slot not
+    /// copied yet (claimed here); the pages copied, or the error and the pages claimed.
+    fn copy(&mut self, slot: usize, page: usize) -> Result<Vec<usize>, (io::Error, Vec<usize>)> {
+        let fast = self.fast.clone();
+        let cow = fast.cow.slot(slot).expect("a read-only slot");
+        // A page mapped inside a cluster splits it: up to 2 more mappings.
+        let pages: Vec<usize> = if fast.cow.take_budget() {
+            vec![page]
+        } else {
+            // Out of mappings: copy what is left of the cluster and map it whole. A page
+            // another thread is copying is waited for: only the SIGSEGV handler copies while
+            // this thread is busy, and it waits for nothing.
+            self.fast
+                .stats
+                .whole_cluster_copies
+                .fetch_add(1, Ordering::Relaxed);
+            let n = self.cluster_size / PAGE;
+            let mut pages = vec![page];
+            pages.extend((0..n).filter(|&p| p != page && cow.claim(p)));
+            pages.sort_unstable();
+            pages
+        };
         let new = match &self.slots[slot] {
-            Slot::ReadOnly { new: Some(c), .. } => c.clone(),
+            Slot::ReadOnly { new: Some(c) } => c.clone(),
             _ => {
-                let c = self.ask(slot, Need::CopyTarget)?;
+                let c = self
+                    .ask(slot, Need::CopyTarget)
+                    .map_err(|e| (e, pages.clone()))?;
                 // Before any page of it is mapped writable.
                 self.fast.written.set(slot);
-                if let Slot::ReadOnly { new, .. } = &mut self.slots[slot] {
+                if let Slot::ReadOnly { new } = &mut self.slots[slot] {
                     *new = Some(c.clone());
                 }
                 c
             }
         };
-        let pages: Vec<usize> = if self.page_budget >= 2 {
-            self.page_budget -= 2; // a page mapped inside a cluster splits it: up to 2 more
-            vec![page]
-        } else {
-            // Out of mappings: copy what is left of the cluster and map it whole.
-            self.fast
-                .stats
-                .whole_cluster_copies
-                .fetch_add(1, Ordering::Relaxed);
-            match &self.slots[slot] {
-                Slot::ReadOnly { copied, .. } => {
-                    (0..copied.len()).filter(|&p| !copied[p]).collect()
-                }
-                _ => vec![page],
-            }
-        };
+        self.copy_pages(slot, page, &new, &pages)
+            .map_err(|e| (e, pages.clone()))?;
+        // The slot's first copy is recorded: later ones may be made by the handler. (`new`
+        // stays open in `self.slots` while the monitor runs, longer than any handler.)
+        cow.publish(new.file.as_raw_fd(), new.offset);
+        Ok(pages)
+    }
+
+    fn copy_pages(
+        &mut self,
+        slot: usize,
+        page: usize,
+        new: &Cluster,
+        pages: &[usize],
+    ) -> io::Result<()> {
+        let new = new.clone();
         let whole = pages.len() > 1 || self.cluster_size == PAGE;
         let slot_at = self.base + slot * self.cluster_size;
         let (from, len, first) = if whole {
@@ -282,22 +327,14 @@ impl Monitor {
             (page * PAGE, PAGE, page)
         };
         if self.persist.kind() == PersistKind::Msync {
-            self.copy_by_write(slot, slot_at, &new, from, len, &pages)?;
+            self.copy_by_write(slot, slot_at, &new, from, len, pages)?;
         } else {
-            self.copy_by_mapping(slot, slot_at, &new, (from, len, first), &pages)?;
+            self.copy_by_mapping(slot, slot_at, &new, (from, len, first), pages)?;
         }
         self.fast
             .stats
             .pages_copied
             .fetch_add(pages.len() as u64, Ordering::Relaxed);
-        if let Slot::ReadOnly { copied, .. } = &mut self.slots[slot] {
-            for &p in &pages {
-                copied[p] = true;
-            }
-            if whole || copied.iter().all(|&c| c) {
-                self.slots[slot] = Slot::Writable;
-            }
-        }
         Ok(())
     }
 
@@ -337,7 +374,7 @@ impl Monitor {
             };
             i = j;
         }
-        self.tell(slot, pages)?;
+        let held = self.tell(slot, pages)?;
         let prot = libc::PROT_READ | libc::PROT_WRITE;
         // SAFETY: the target is the slot's memory (or one page of it), read-only until now and
         // referenced by no Rust reference.
@@ -356,6 +393,7 @@ impl Monitor {
             // region's range there would not reach it (the provider counts on that).
             let _ = self.persist.persist_file(&new.file);
         }
+        drop(held);
         mapped
     }
 
@@ -422,15 +460,18 @@ impl Monitor {
         let span = (pages.iter().max().unwrap_or(&first) + 1 - first) * PAGE;
         // SAFETY: `[scratch, scratch + span)` is inside the scratch mapping.
         unsafe { self.persist.persist(scratch as *const u8, span)? };
-        self.tell(slot, pages)
+        self.tell(slot, pages).map(drop)
     }
 
     /// Tells the provider that `pages` of `slot` hold their copies.
-    fn tell(&mut self, slot: usize, pages: &[usize]) -> io::Result<()> {
+    /// Returns with the provider's lock held: a copy is mapped at its place before a persist
+    /// can see its record (`Region::persist`).
+    fn tell(&self, slot: usize, pages: &[usize]) -> io::Result<MutexGuard<'_, Held>> {
         let list: Vec<u32> = pages.iter().map(|&p| p as u32).collect();
         let mut held = lock(&self.provider);
-        held.drain(&self.fast.ring)?;
-        guarded(|| held.provider.pages_copied(slot as u64, &list))
+        held.drain_all(&self.fast.ring, &self.fast.reports)?;
+        held.pages_copied(slot as u64, &list)?;
+        Ok(held)
     }
 
     fn ask(&mut self, slot: usize, need: Need) -> io::Result<Cluster> {
@@ -455,6 +496,7 @@ impl Monitor {
     fn refill(&mut self) {
         let mut held = lock(&self.provider);
         let _ = guarded(|| held.provider.refill());
+        let _ = held.drain_all(&self.fast.ring, &self.fast.reports);
         let _ = held.lend(&self.fast.ring);
     }
 }

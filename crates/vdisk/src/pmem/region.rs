@@ -6,7 +6,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use super::ahead::{Held, Ring, Slots, MAPPED};
+use super::ahead::{Held, Reports, Ring, Slots, MAPPED};
+use super::cow::Table as CowTable;
 use super::map::{self, PAGE};
 use super::monitor::{Monitor, Slot};
 use super::touch::Fast;
@@ -277,22 +278,37 @@ impl Region {
                 "persist: range past the end of the region",
             ));
         }
+        // Copies the provider heard of before the sync are mapped at their place (the monitor
+        // maps one under the provider's lock, the handler reports one once mapped, a drain
+        // waits for reports reserved before it): the sync covers those in the range, which the
+        // provider need not sync again, unless it heard of more meanwhile.
+        let told = {
+            let mut held = lock(&self.provider);
+            held.drain_all(&self.fast.ring, &self.fast.reports)?;
+            held.told
+        };
         self.persist_range(offset, len)?;
-        // Before the records, as the copies they name: the caller's range may hold copied
-        // pages, which the provider then need not sync again.
-        self.commit_after(offset..offset + len)
+        // Before the records, as the copies they name.
+        self.commit_after(offset..offset + len, Some(told))
     }
 
     /// [`Provider::commit`], on this thread; a panic in it is an error.
     pub fn commit(&self) -> std::io::Result<()> {
-        self.commit_after(0..0)
+        self.commit_after(0..0, None)
     }
 
-    fn commit_after(&self, persisted: std::ops::Range<usize>) -> std::io::Result<()> {
+    fn commit_after(
+        &self,
+        persisted: std::ops::Range<usize>,
+        told: Option<u64>,
+    ) -> std::io::Result<()> {
         let mut held = lock(&self.provider);
-        // The clusters first touches took from the ring, recorded by the faulting threads
-        // only: the provider records them before it commits.
-        held.drain(&self.fast.ring)?;
+        // What the faulting threads took from the ring and copied: recorded before the commit.
+        held.drain_all(&self.fast.ring, &self.fast.reports)?;
+        let persisted = match told == Some(held.told) {
+            true => persisted,
+            false => 0..0,
+        };
         super::ahead::guarded(|| held.provider.commit(persisted))
     }
 
@@ -351,7 +367,7 @@ impl Drop for Region {
     fn drop(&mut self) {
         fault::unregister(self.table_slot);
         // No handler runs any more: what first touches took is the provider's to know.
-        let _ = lock(&self.provider).drain(&self.fast.ring);
+        let _ = lock(&self.provider).drain_all(&self.fast.ring, &self.fast.reports);
         let one = 1u64;
         // SAFETY: writes 8 bytes to the eventfd, which the monitor polls.
         unsafe { libc::write(self.stop.as_raw_fd(), (&one as *const u64).cast(), 8) };
@@ -409,7 +425,7 @@ fn build(
     layout: &Layout,
     shared: libc::c_int,
     written: &Written,
-) -> Result<(Uffd, Vec<Slot>, Slots), Error> {
+) -> Result<Built, Error> {
     let mut uffd = Uffd::open(!layout.kernel_faults).map_err(os("opening userfaultfd"))?;
     uffd.register(base, layout.len)
         .map_err(os("registering the region with userfaultfd"))?;
@@ -417,6 +433,7 @@ fn build(
         .map(|_| Slot::Absent)
         .collect();
     let fast_states = Slots::new(states.len());
+    let mut read_only: Vec<Option<Vec<bool>>> = vec![None; states.len()];
     let rw = libc::PROT_READ | libc::PROT_WRITE;
     let (ro, sh) = (libc::PROT_READ, libc::MAP_SHARED);
     let cs = layout.cluster_size;
@@ -465,10 +482,8 @@ fn build(
                         pages.push((at + p * PAGE, n, (p * PAGE) as u64, rw, shared));
                     }
                 }
-                Slot::ReadOnly {
-                    new: new.clone(),
-                    copied: copied.clone(),
-                }
+                read_only[slot as usize] = Some(copied.clone());
+                Slot::ReadOnly { new: new.clone() }
             }
         };
     }
@@ -480,8 +495,11 @@ fn build(
         unsafe { map::map_over(at, PAGE, c.file.as_fd(), c.offset + off, prot, flags) }
             .map_err(os("mapping a page of a read-only slot"))?;
     }
-    Ok((uffd, states, fast_states))
+    Ok((uffd, states, fast_states, read_only))
 }
+
+/// [`build`]'s userfaultfd, slot states (monitor's, handlers'), read-only slots' copied pages.
+type Built = (Uffd, Vec<Slot>, Slots, Vec<Option<Vec<bool>>>);
 
 type Started = (Arc<Fast>, usize, Arc<OwnedFd>, JoinHandle<()>, OwnedFd);
 
@@ -489,7 +507,7 @@ type Started = (Arc<Fast>, usize, Arc<OwnedFd>, JoinHandle<()>, OwnedFd);
 fn start(
     base: usize,
     layout: &Layout,
-    (uffd, slots, fast_slots): (Uffd, Vec<Slot>, Slots),
+    (uffd, slots, fast_slots, read_only): Built,
     provider: SharedProvider,
     persist: Arc<dyn Persist>,
     shared: libc::c_int,
@@ -523,11 +541,21 @@ fn start(
         unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) },
         "creating the ring's eventfd",
     )?;
+    let by_write = persist.kind() == PersistKind::Msync;
+    let cow = CowTable::new(&read_only, layout.page_mappings, by_write);
+    for (i, s) in slots.iter().enumerate() {
+        if let (Slot::ReadOnly { new: Some(c) }, Some(t)) = (s, cow.slot(i)) {
+            // A copy interrupted by a restart: its target is known (and open in `slots`).
+            t.publish(c.file.as_raw_fd(), c.offset);
+        }
+    }
     let fast = Arc::new(Fast {
         base,
         cluster_size: layout.cluster_size,
         slots: fast_slots,
         ring: Ring::new(),
+        cow,
+        reports: Reports::new(),
         uffd,
         shared,
         poison,
@@ -545,7 +573,6 @@ fn start(
         fast: fast.clone(),
         requests: read,
         stop: stop.clone(),
-        page_budget: layout.page_mappings,
     };
     let handle = std::thread::Builder::new()
         .name("vdisk-pmem".into())

@@ -1,4 +1,5 @@
-//! First touches of absent slots, served on the faulting thread.
+//! First touches of absent slots, and copies of pages of read-only slots whose copy target
+//! is known (`cow.rs`), served on the faulting thread.
 //!
 //! The placeholder's userfaultfd is opened with `UFFD_FEATURE_SIGBUS`: a missing fault (or a
 //! store to a write-protected page of zeroes) raises SIGBUS on the faulting thread instead of
@@ -29,8 +30,10 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::ahead::{Ring, Slots, ABSENT, FILLED, FILLING, POISONED, RING};
+use super::ahead::{Reports, Ring, Slots, ABSENT, FILLED, FILLING, NO_PAGE, POISONED, RING};
+use super::cow::{Table as CowTable, COPIED, OLD};
 use super::map;
+use super::map::PAGE;
 use super::uffd::Uffd;
 use super::{Stats, Written};
 
@@ -40,18 +43,30 @@ pub(super) struct Fast {
     pub(super) cluster_size: usize,
     pub(super) slots: Slots,
     pub(super) ring: Ring,
+    /// The read-only slots' pages (`cow.rs`), and the copies the handler made, for the
+    /// provider.
+    pub(super) cow: CowTable,
+    pub(super) reports: Reports,
     pub(super) uffd: Uffd,
     /// `MAP_SHARED`, or `MAP_SHARED_VALIDATE | MAP_SYNC` when stores persist by cache flushes.
     pub(super) shared: libc::c_int,
     /// An empty memfd: a hole past its end, mapped over a slot, raises SIGBUS there.
     pub(super) poison: OwnedFd,
-    /// An eventfd that asks the monitor to lend more clusters.
+    /// An eventfd that asks the monitor to lend more clusters and drain the reports.
     pub(super) low: OwnedFd,
     pub(super) stats: Arc<Stats>,
     pub(super) written: Arc<Written>,
 }
 
 impl Fast {
+    /// Asks the monitor to lend more clusters and hand the reports to the provider.
+    /// Async-signal-safe: one `write` to a non-blocking eventfd.
+    pub(super) fn ask_monitor(&self) {
+        let one = 1u64;
+        // SAFETY: 8 bytes to a non-blocking eventfd; write(2) is async-signal-safe.
+        unsafe { libc::write(self.low.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
     pub(super) fn slot_at(&self, slot: usize) -> usize {
         self.base + slot * self.cluster_size
     }
@@ -147,9 +162,7 @@ fn fill(fast: &Fast, slot: usize, hand_off: impl FnOnce(usize) -> bool) {
         return;
     };
     if left == RING / 2 || left == 0 {
-        let one = 1u64;
-        // SAFETY: 8 bytes to a non-blocking eventfd; write(2) is async-signal-safe.
-        unsafe { libc::write(fast.low.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        fast.ask_monitor();
     }
     fast.stats.provider_calls.fetch_add(1, Ordering::Relaxed);
     // Before the slot is writable: a persist of it must reach the cluster.
@@ -168,4 +181,84 @@ fn fill(fast: &Fast, slot: usize, hand_off: impl FnOnce(usize) -> bool) {
             fast.slots.set(slot, POISONED);
         }
     }
+}
+
+/// A write fault at `addr` inside the region (`SEGV_ACCERR`): `true` when it was served here
+/// (or another thread copied the page meanwhile), `false` when the monitor must see to it.
+/// Async-signal-safe.
+pub(super) fn write_fault(fast: &Fast, addr: usize) -> bool {
+    let slot = (addr - fast.base) / fast.cluster_size;
+    let page = (addr - fast.base) % fast.cluster_size / PAGE;
+    let cow = &fast.cow;
+    let Some(c) = cow.slot(slot) else {
+        return false;
+    };
+    let Some((fd, offset)) = c.target().filter(|_| cow.by_write) else {
+        return false;
+    };
+    if !c.claim(page) {
+        return true;
+    }
+    if !cow.take_budget() {
+        c.set(page, OLD);
+        return false;
+    }
+    let Some((ticket, half)) = fast.reports.reserve() else {
+        cow.give_budget();
+        c.set(page, OLD);
+        return false;
+    };
+    if half {
+        fast.ask_monitor();
+    }
+    let at = fast.slot_at(slot) + page * PAGE;
+    let target = offset + (page * PAGE) as u64;
+    let copied = write_page(fd, at, target);
+    let mapped = copied && {
+        let prot = libc::PROT_READ | libc::PROT_WRITE;
+        // SAFETY: the page is the region's, read-only until now, claimed by this thread; the
+        // descriptor is the slot's copy target, open while the region lives.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        // SAFETY: as above.
+        unsafe { super::map::map_over(at, PAGE, fd, target, prot, fast.shared) }.is_ok()
+    };
+    if copied && !mapped {
+        // Recorded as copied, but not where the region maps it, so a persist of the region's
+        // range there would not reach it (the provider counts on that): persisted here.
+        // SAFETY: fdatasync of an open descriptor.
+        unsafe { libc::fdatasync(fd) };
+    }
+    fast.reports
+        .write(ticket, slot, if copied { page as u32 } else { NO_PAGE });
+    fast.stats.cow_faults.fetch_add(1, Ordering::Relaxed);
+    if mapped {
+        fast.stats.pages_copied.fetch_add(1, Ordering::Relaxed);
+    } else {
+        fast.poison(at, PAGE);
+    }
+    c.set(page, COPIED);
+    true
+}
+
+/// Copies the page at `from` (mapped) to `fd` at `offset`; whether it was written whole.
+fn write_page(fd: i32, from: usize, offset: u64) -> bool {
+    let mut done = 0;
+    while done < PAGE {
+        // SAFETY: the source is a mapped read-only page of the region, read by the kernel.
+        let n = unsafe {
+            libc::pwrite(
+                fd,
+                (from + done) as *const libc::c_void,
+                PAGE - done,
+                (offset + done as u64) as libc::off_t,
+            )
+        };
+        match n {
+            n if n > 0 => done += n as usize,
+            // SAFETY: errno is the thread's.
+            n if n < 0 && unsafe { *libc::__errno_location() } == libc::EINTR => {}
+            _ => return false,
+        }
+    }
+    true
 }

@@ -82,6 +82,9 @@ fn a_store_into_page_5_copies_page_5_only() {
     // A second write to the same page, and one to another page: one more copy, same target.
     store_u64(r, at + 8, 1);
     store_u64(r, 2 * CS + 9 * 4096, 2);
+    // The faulting thread copied page 9 itself (the slot's target is known): the provider
+    // hears of it at the next persist or commit.
+    r.commit().unwrap();
     let c = calls.lock().unwrap();
     assert_eq!(c.clusters.len(), 1);
     assert_eq!(c.copied, [(2, vec![5]), (2, vec![9])]);
@@ -111,6 +114,63 @@ fn sixteen_threads_writing_one_read_only_page_copy_it_once() {
     assert_eq!(load(r, page + 8), old(7));
 }
 
+/// Once a slot's copy target is known, the faulting threads copy its pages themselves: 16
+/// threads writing one page copy it once, 16 threads writing a page each copy each once, and
+/// the provider hears of every copy once (at the commit), into the one target.
+#[test]
+fn after_a_slots_first_copy_faulting_threads_copy_each_page_once() {
+    let fx = with_read_only_slot();
+    let (r, calls, file) = (&fx.r, &fx.calls, &fx.file);
+    store_u64(r, 2 * CS, 1);
+    let barrier = Barrier::new(16);
+    let shared = 2 * CS + 15 * 4096;
+    std::thread::scope(|s| {
+        for t in 0..16usize {
+            let (r, barrier) = (r, &barrier);
+            s.spawn(move || {
+                barrier.wait();
+                store_u64(r, shared + t * 64, t as u64 + 1);
+                store_u64(r, 2 * CS + (t % 14 + 1) * 4096 + t * 8, t as u64 + 100);
+            });
+        }
+    });
+    r.commit().unwrap();
+    let c = calls.lock().unwrap();
+    assert_eq!(c.clusters, [(2, Need::CopyTarget)]);
+    let mut copied: Vec<u32> = c
+        .copied
+        .iter()
+        .flat_map(|(s, p)| {
+            assert_eq!(*s, 2);
+            p.clone()
+        })
+        .collect();
+    copied.sort_unstable();
+    assert_eq!(
+        copied,
+        (0..16).collect::<Vec<u32>>(),
+        "each page copied once"
+    );
+    assert_eq!(r.stats().pages_copied, 16);
+    for t in 0..16usize {
+        assert_eq!(load_u64(r, shared + t * 64), t as u64 + 1);
+        let mut v = [0u8; 8];
+        file.read_exact_at(&mut v, (15 * 4096 + t * 64) as u64)
+            .unwrap();
+        assert_eq!(
+            u64::from_ne_bytes(v),
+            t as u64 + 1,
+            "the shared page's copy"
+        );
+        let at = (t % 14 + 1) * 4096 + t * 8;
+        file.read_exact_at(&mut v, at as u64).unwrap();
+        assert_eq!(u64::from_ne_bytes(v), t as u64 + 100);
+    }
+    // The rest of each copied page is the old page's.
+    assert_eq!(load(r, shared + 8), old(15));
+    assert_eq!(load(r, 2 * CS + 3 * 4096 + 4000), old(3));
+}
+
 #[test]
 fn a_restart_maps_the_pages_copied_before_it() {
     let dir = tempdir();
@@ -134,6 +194,7 @@ fn a_restart_maps_the_pages_copied_before_it() {
     // Page 3 is writable without a fault; page 4 is copied into the same new cluster.
     store_u64(&r, CS + 3 * 4096, 7);
     store_u64(&r, CS + 4 * 4096, 8);
+    r.commit().unwrap();
     let c = calls.lock().unwrap();
     assert!(c.clusters.is_empty());
     assert_eq!(c.copied, [(1, vec![4])]);
