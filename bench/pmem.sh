@@ -58,7 +58,7 @@ done)
         "entries and the counters (and cur_segment_num for a new segment), an msync each. Its first touches come" \
         "1000 in a burst from a pool of fallocated clusters, mapped with read-ahead off (MADV_RANDOM): the" \
         "kernel-floor rows \"read-ahead off\" are their floor. A first touch that finds a cluster lent" \
-        "ahead (pcow lends up to 8 once its pool is set up), and a copy-on-write once its slot has a copy" \
+        "ahead (pcow lends up to 15 once its pool is set up), and a copy-on-write once its slot has a copy" \
         "target, are served on the faulting thread (SIGBUS, SIGSEGV); any other fault (a slot's first" \
         "copy, a first touch finding nothing lent, every first touch of the engine's own rows, whose" \
         "provider lends nothing) is two thread wake-ups (to the mapping's monitor thread and back), and" \

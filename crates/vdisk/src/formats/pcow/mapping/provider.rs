@@ -472,7 +472,7 @@ impl Provider for PcowProvider {
     /// serve themselves: lent only once an allocation set the pool up (a mapping that never
     /// allocates leaves the file alone), never past the last segment (a new one is started
     /// by `cluster`, on the monitor) nor while a copy target waits for its first page (it
-    /// comes first), and at most half the pool. Allocated here when the pool's thread is
+    /// comes first), and inside the pool ([`POOL_CLUSTERS`]). Allocated here when the pool's thread is
     /// behind: this is the monitor's thread, off every fault's path.
     fn ahead(&mut self, max: usize) -> io::Result<Vec<Cluster>> {
         let Some(last) = self.last else {
@@ -483,14 +483,14 @@ impl Provider for PcowProvider {
         }
         let lent = self.lent.len() as u64;
         let room = u64::from(self.geo.per_segment() - last.entries).saturating_sub(lent);
-        let n = (max as u64)
-            .min(room)
-            .min(POOL_CLUSTERS / 2 - lent.min(POOL_CLUSTERS / 2));
+        let first = self.next_free();
+        // Inside the pool `cluster` keeps: up to POOL_CLUSTERS past the last cluster taken.
+        let pool_end = self.end.saturating_sub(1) + POOL_CLUSTERS;
+        let n = (max as u64).min(room).min(pool_end.saturating_sub(first));
         if n == 0 {
             return Ok(Vec::new());
         }
-        let first = self.next_free();
-        self.pool.wait(first + n, self.end + POOL_CLUSTERS)?;
+        self.pool.wait(first + n, pool_end)?;
         self.lent.extend(first..first + n);
         Ok((first..first + n)
             .map(|host| Cluster {
