@@ -129,7 +129,9 @@ pub trait Provider: Send {
     fn cluster(&mut self, slot: u64, need: Need) -> io::Result<Cluster>;
 
     /// Pages of `slot`'s copy target now hold their copies; the pages are made writable right
-    /// after. With cache-line persistence the copies are persisted already; with
+    /// after (a page the faulting thread copied itself was mapped writable already, and is
+    /// reported at the monitor's next call or, at the latest, before the next `commit`; its
+    /// store cannot have been persisted before). With cache-line persistence the copies are persisted already; with
     /// [`PersistKind::Msync`] they are only in the page cache, and `commit` makes them durable
     /// (an `msync` of them, or [`Persist::persist_file`]) before it makes their record durable (pcow: the cow_bitmap),
     /// so that no record ever reaches the media before the copy it names.
