@@ -60,7 +60,23 @@ fn open(path: &str, write: bool) -> Image {
         format: Some(Format::parse("pcow").unwrap()),
         ..ImageOptions::default()
     };
-    open_image(path, &opts).unwrap()
+    open_closed(path, &opts)
+}
+
+/// Opens an image whose last user in this process is gone. A test of this binary that spawns a
+/// child holds a copy of every descriptor open at that moment, and so the image's lock, from
+/// its fork to its exec (milliseconds on a loaded machine): a lock refusal is tried again for a
+/// while, and a lock never released still fails.
+fn open_closed(path: &str, opts: &ImageOptions) -> Image {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    loop {
+        match open_image(path, opts) {
+            Err(e) if e.to_string().contains("lock") && std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(10))
+            }
+            r => return r.unwrap(),
+        }
+    }
 }
 
 fn read_all(img: &dyn BlockDev) -> Vec<u8> {
@@ -98,7 +114,7 @@ fn check(path: &str) -> (u64, u64) {
         no_backing: true,
         ..ImageOptions::default()
     };
-    let img = open_image(path, &opts).unwrap();
+    let img = open_closed(path, &opts);
     let r = img.driver().check(&mut |_| {}).unwrap();
     (r.corruptions, r.leaks)
 }
