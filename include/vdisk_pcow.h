@@ -14,8 +14,9 @@
  * The faults are served in signal handlers the library installs: SIGBUS (a first touch, on the
  * faulting thread) and SIGSEGV (a copy-on-write); a handler installed after them must pass on
  * the signals it does not claim. A system call that reaches a never-touched page of the map
- * from the kernel (read(2) into it, a futex on it, KVM) fails with EFAULT, as one that writes
- * into a page of a snapshot or a base image does: touch the memory from user space first.
+ * from the kernel (read(2) into it, write(2) from it, a futex on it, KVM) fails with EFAULT
+ * unless the map was opened with PCOW_MAP_KERNEL_ACCESS; one that writes into a page of a
+ * snapshot or a base image fails so always: touch the memory from user space first.
  *
  * Every function that can fail returns 0 or a negative errno; pcow_last_error() then gives
  * the message. No Rust panic crosses these functions (one is reported as -EIO).
@@ -38,6 +39,12 @@ typedef struct PcowMap pcow_map;
  * open fails). Without it, persistence is what the file allows: cache-line write-backs on a
  * DAX file system, msync on any other file. */
 #define PCOW_MAP_FENCE_ONLY 1u
+
+/* Flag of pcow_map_open(): first touches that come from the kernel (read(2) into the map,
+ * write(2) from it, KVM) are served too, each with a hand-off to the map's thread (tens of
+ * microseconds more per first touch). Without it a first touch is served on the faulting
+ * thread, and a system call that reaches a never-touched page fails with EFAULT. */
+#define PCOW_MAP_KERNEL_ACCESS 2u
 
 /* Maps the pcow image at path with its base chain. On success stores the map in *out and
  * returns 0; otherwise sets *out to NULL and returns a negative errno. */

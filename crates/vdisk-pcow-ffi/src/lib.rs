@@ -20,5 +20,5 @@ mod map;
 pub use error::pcow_last_error;
 pub use map::{
     pcow_map_close, pcow_map_len, pcow_map_open, pcow_map_persist, pcow_map_ptr,
-    pcow_snapshot_create, PcowMap, PCOW_MAP_FENCE_ONLY,
+    pcow_snapshot_create, PcowMap, PCOW_MAP_FENCE_ONLY, PCOW_MAP_KERNEL_ACCESS,
 };

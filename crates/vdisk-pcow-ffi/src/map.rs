@@ -4,7 +4,7 @@
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::Arc;
 
-use vdisk::formats::pcow::Mapping;
+use vdisk::formats::pcow::{MapOptions, Mapping};
 use vdisk::pmem::MediaPersist;
 use vdisk::{open_image, Error, Format, ImageOptions};
 
@@ -15,6 +15,12 @@ use crate::error::guard;
 /// Without it, persistence is what the file allows: cache-line write-backs on a DAX file
 /// system, `msync` on any other file.
 pub const PCOW_MAP_FENCE_ONLY: u32 = 1;
+
+/// `pcow_map_open` flag: first touches that come from the kernel (`read(2)` into the map, a
+/// `write(2)` from it, KVM) are served too, at the cost of a hand-off to the map's thread per
+/// first touch. Without it a first touch is served on the faulting thread, and a system call
+/// that reaches a never-touched page fails with `EFAULT`.
+pub const PCOW_MAP_KERNEL_ACCESS: u32 = 2;
 
 /// A mapped image, opaque to C.
 pub struct PcowMap {
@@ -54,14 +60,17 @@ pub unsafe extern "C" fn pcow_map_open(
         unsafe { *out = std::ptr::null_mut() };
         // SAFETY: the caller promises a string.
         let path = unsafe { text(path, "path") }?;
-        if flags & !PCOW_MAP_FENCE_ONLY != 0 {
+        if flags & !(PCOW_MAP_FENCE_ONLY | PCOW_MAP_KERNEL_ACCESS) != 0 {
             return Err(Error::invalid(format!(
                 "pcow_map_open: unknown flags {flags:#x}"
             )));
         }
-        let persist = (flags & PCOW_MAP_FENCE_ONLY != 0)
-            .then(|| Arc::new(MediaPersist::fence_only()) as Arc<dyn vdisk::pmem::Persist>);
-        let mapping = Mapping::open_with(path, persist)?;
+        let options = MapOptions {
+            persist: (flags & PCOW_MAP_FENCE_ONLY != 0)
+                .then(|| Arc::new(MediaPersist::fence_only()) as Arc<dyn vdisk::pmem::Persist>),
+            kernel_access: flags & PCOW_MAP_KERNEL_ACCESS != 0,
+        };
+        let mapping = Mapping::open_with(path, &options)?;
         // SAFETY: as above.
         unsafe { *out = Box::into_raw(Box::new(PcowMap { mapping })) };
         Ok(())

@@ -136,8 +136,8 @@ fn failures_are_a_negative_errno_and_a_message() {
     let img = dir.path().join("f.pcow");
     new_pcow(&img);
     let path = CString::new(img.to_str().unwrap()).unwrap();
-    // SAFETY: valid arguments; flag 2 is unknown.
-    let rc = unsafe { pcow_map_open(path.as_ptr(), 2, &mut map) };
+    // SAFETY: valid arguments; flag 4 is unknown.
+    let rc = unsafe { pcow_map_open(path.as_ptr(), 4, &mut map) };
     assert_eq!(rc, -libc::EINVAL);
     assert!(last_error().contains("unknown flags"));
     // SAFETY: NULL is allowed.

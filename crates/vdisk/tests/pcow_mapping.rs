@@ -16,7 +16,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Barrier;
 
-use vdisk::formats::pcow::{create, Base, CreateOptions, Mapping, POOL_CLUSTERS};
+use vdisk::formats::pcow::{create, Base, CreateOptions, MapOptions, Mapping, POOL_CLUSTERS};
 use vdisk::storage::{FileStorage, OpenOptions};
 use vdisk::{open_image, BlockDev, Format, Image, ImageOptions};
 
@@ -76,6 +76,14 @@ fn open_closed(path: &str, opts: &ImageOptions) -> Image {
             }
             r => return r.unwrap(),
         }
+    }
+}
+
+/// Options that make stores durable with `persist`.
+fn persisting(persist: std::sync::Arc<dyn vdisk::pmem::Persist>) -> MapOptions {
+    MapOptions {
+        persist: Some(persist),
+        ..MapOptions::default()
     }
 }
 
@@ -180,6 +188,44 @@ fn a_first_touch_takes_one_cluster_and_the_pool_is_given_back() {
     }
     // Dropped: the file ends at its committed end, super + meta + one data cluster.
     assert_eq!(len(&img), 3 * CS);
+    assert_eq!(check(&img), (0, 0));
+}
+
+/// A `read(2)` into a never-touched page (a first touch from the kernel) is served only with
+/// `kernel_access`; without it the system call fails with EFAULT, and the mapping and the
+/// image are unharmed either way.
+#[test]
+fn a_read_into_a_never_touched_page_needs_kernel_access() {
+    let dir = tempdir();
+    let src = dir.path().join("src");
+    std::fs::write(&src, [0x5au8; 4096]).unwrap();
+    let img = path(&dir, "a.pcow");
+    new_pcow(&img, 16 << 20, None);
+    for kernel_access in [false, true] {
+        let options = MapOptions {
+            kernel_access,
+            ..MapOptions::default()
+        };
+        let m = Mapping::open_with(&img, &options).unwrap();
+        let at = if kernel_access { 5 } else { 3 } * CS as usize;
+        let file = std::fs::File::open(&src).unwrap();
+        // SAFETY: 4096 bytes inside the mapped disk.
+        let buf = unsafe { std::slice::from_raw_parts_mut(m.as_ptr().add(at), 4096) };
+        let got = std::io::Read::read(&mut &file, buf);
+        if kernel_access {
+            assert_eq!(got.unwrap(), 4096);
+            assert!(memory(&m, at, 4096).iter().all(|&b| b == 0x5a));
+            m.persist(at, 4096).unwrap();
+        } else {
+            assert_eq!(got.unwrap_err().raw_os_error(), Some(libc::EFAULT));
+            // A store from user space then takes the cluster as any first touch does.
+            store_u64(&m, at, 9);
+            m.persist(at, 8).unwrap();
+        }
+    }
+    let got = read_all(&open(&img, false));
+    assert_eq!(got[3 * CS as usize..][..8], 9u64.to_ne_bytes());
+    assert!(got[5 * CS as usize..][..4096].iter().all(|&b| b == 0x5a));
     assert_eq!(check(&img), (0, 0));
 }
 

@@ -133,7 +133,7 @@ fn a_crash_keeping_only_persisted_pages_never_finds_a_record_before_its_data() {
     let mut after = before.clone();
     let mut returned = Vec::new();
     {
-        let m = Mapping::open_with(&img, Some(media.clone())).unwrap();
+        let m = Mapping::open_with(&img, &persisting(media.clone())).unwrap();
         for (at, v, persisted) in stores {
             store_u64(&m, at as usize, v);
             if persisted {
@@ -202,7 +202,7 @@ fn a_copy_inside_the_persisted_range_is_synced_with_it() {
     let img = path(&dir, "a.pcow");
     new_pcow(&img, 1 << 20, Some(("base.raw", "raw")));
     let syncs = Arc::new(Counting(0.into()));
-    let m = Mapping::open_with(&img, Some(syncs.clone())).unwrap();
+    let m = Mapping::open_with(&img, &persisting(syncs.clone())).unwrap();
     store_u64(&m, 8, 1);
     m.persist(8, 8).unwrap();
     let before = syncs.0.load(Relaxed);

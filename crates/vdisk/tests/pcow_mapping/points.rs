@@ -63,7 +63,7 @@ fn every_persistence_point_leaves_a_consistent_image() {
     let mut after = before.clone();
     let mut returned = Vec::new();
     {
-        let m = Mapping::open_with(&img, Some(Arc::new(points))).unwrap();
+        let m = Mapping::open_with(&img, &persisting(Arc::new(points))).unwrap();
         for (at, v) in stores {
             store_u64(&m, at as usize, v);
             m.persist(at as usize, 8).unwrap();

@@ -49,7 +49,7 @@ use state::{Source, State};
 
 pub use create::{create, CreateOptions};
 pub use layout::Base;
-pub use mapping::{Mapping, POOL_CLUSTERS};
+pub use mapping::{MapOptions, Mapping, POOL_CLUSTERS};
 
 pub(crate) static FORMAT: FormatEntry = FormatEntry {
     name: "pcow",

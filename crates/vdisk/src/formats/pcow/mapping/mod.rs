@@ -36,6 +36,21 @@ use stack::{Kind, Layer};
 
 pub use provider::POOL_CLUSTERS;
 
+/// How [`Mapping::open_with`] maps an image.
+#[derive(Clone, Default)]
+pub struct MapOptions {
+    /// What makes stores durable, metadata and data alike: fence-only on a platform with
+    /// persistent caches (eADR), or a test double that records the persistence points (one
+    /// that flushes cache lines needs a DAX file system). None: as the file allows
+    /// ([`MediaPersist::for_file`]).
+    pub persist: Option<Arc<dyn Persist>>,
+    /// Serve first touches that come from the kernel too (`read(2)` into the mapping, a
+    /// `write(2)` from it, KVM), at the cost of a hand-off to the mapping's thread per first
+    /// touch. Without it a first touch is served on the faulting thread (a signal), which a
+    /// kernel-mode access never raises: it fails with `EFAULT` there.
+    pub kernel_access: bool,
+}
+
 /// A pcow image mapped read-write. Access its memory through raw pointers only (see
 /// [`crate::pmem`]: it changes under the program's feet as clusters are mapped in).
 ///
@@ -55,16 +70,13 @@ pub struct Mapping {
 }
 
 impl Mapping {
-    /// Maps the pcow image at `path` with its base chain; stores persist as the file allows
-    /// ([`MediaPersist::for_file`]).
+    /// Maps the pcow image at `path` with its base chain, with the default [`MapOptions`].
     pub fn open(path: &str) -> Result<Mapping> {
-        Mapping::open_with(path, None)
+        Mapping::open_with(path, &MapOptions::default())
     }
 
-    /// [`Mapping::open`] with `persist` making stores durable, metadata and data alike, when
-    /// given: fence-only on a platform with persistent caches (eADR), or a test double that
-    /// records the persistence points. One that flushes cache lines needs a DAX file system.
-    pub fn open_with(path: &str, persist: Option<Arc<dyn Persist>>) -> Result<Mapping> {
+    /// [`Mapping::open`] as `options` say.
+    pub fn open_with(path: &str, options: &MapOptions) -> Result<Mapping> {
         let opts = ImageOptions {
             format: Some(Format::parse("pcow")?),
             write: true,
@@ -99,8 +111,10 @@ impl Mapping {
             )));
         }
         let (storage, file) = (layers[0].storage.clone(), layers[0].file.clone());
-        let persist = persist.unwrap_or_else(|| Arc::new(MediaPersist::for_file(&file)));
-        let layout = stack::layout(&layers, geo.cluster, geo.clusters)?;
+        let persist =
+            (options.persist.clone()).unwrap_or_else(|| Arc::new(MediaPersist::for_file(&file)));
+        let mut layout = stack::layout(&layers, geo.cluster, geo.clusters)?;
+        layout.kernel_faults(options.kernel_access);
         // The provider takes the top's state over (the layout no longer needs it).
         let Kind::Pcow(top) = std::mem::replace(&mut layers[0].kind, Kind::Raw(0)) else {
             unreachable!("the top layer is pcow, checked above");
