@@ -78,6 +78,25 @@ pub struct StartedWrite<'a> {
     /// then sets it to `None` (the disk counts the bytes it wrote). seqlog's header slot
     /// between two batches, which takes its header later.
     pub pad: Option<(u64, &'a [u8])>,
+    /// Blocks the disk has to write besides this write's data, whose outcome is not this
+    /// write's (seqlog: the headers of batches whose writes have all finished). A caller that
+    /// moves the transfers on the kernel submits them with them and says, in each, that it
+    /// carried it and how it went; the others are left as they are, and the disk writes them
+    /// itself.
+    pub extra: Vec<Extra>,
+}
+
+/// A block the disk asks a caller of [`BlockDev::start_write`] to write along with the
+/// transfers (see [`StartedWrite::extra`]).
+pub struct Extra {
+    pub host: u64,
+    /// Its bytes, on the heap: they stay in place while the value moves.
+    pub block: crate::bytes::AlignedBuf,
+    /// What the disk finds it by again.
+    pub tag: u64,
+    /// Set by the caller: it wrote the block (otherwise the disk does), and its error.
+    pub carried: bool,
+    pub failed: Option<std::io::Error>,
 }
 
 /// A read the disk has mapped: it filled every byte of the buffer except those of the

@@ -201,6 +201,7 @@ impl BlockDev for Raw {
         check_range(self.size(), offset, len as u64)?;
         Ok(Some(StartedWrite {
             pad: None,
+            extra: Vec::new(),
             storage: &*self.storage,
             transfers: vec![Transfer {
                 host: offset,

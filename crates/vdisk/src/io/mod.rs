@@ -224,6 +224,9 @@ impl<'d, B: IoBuf, T: Send> IoQueue<'d, B, T> {
         // The block a write's disk would write before it: where it cannot go on the kernel it
         // is left out, and the disk told so.
         let mut pad = None;
+        // The blocks a write's disk writes besides (`StartedWrite::extra`): on the kernel with
+        // the transfers where they can go there, otherwise left to the disk.
+        let mut extra = Vec::new();
         if let Some(Started::Write(w)) = &mut req.started {
             if let Some((host, zeros)) = w.pad {
                 match w.storage.async_write_fd(host, zeros) {
@@ -235,6 +238,16 @@ impl<'d, B: IoBuf, T: Send> IoQueue<'d, B, T> {
                         pad = Some((w.storage, fd, host, iov));
                     }
                     None => w.pad = None,
+                }
+            }
+            for (k, e) in w.extra.iter_mut().enumerate() {
+                if let Some(fd) = w.storage.async_write_fd(e.host, &e.block) {
+                    let iov = libc::iovec {
+                        iov_base: e.block.as_ptr().cast_mut().cast(),
+                        iov_len: e.block.len(),
+                    };
+                    e.carried = true;
+                    extra.push((w.storage, fd, e.host, iov, k));
                 }
             }
         }
@@ -272,11 +285,15 @@ impl<'d, B: IoBuf, T: Send> IoQueue<'d, B, T> {
                     }
                 }
             }
+            // Tagged past the pad's tag: their failures are theirs (`Request::fail`).
+            for e in &mut extra {
+                e.4 += transfers.len() + 1;
+            }
         }
         for (i, e) in failed {
             req.fail(i, e);
         }
-        req.waiting = queued.len() + by_callback.len();
+        req.waiting = queued.len() + extra.len() + by_callback.len();
         let mut t = self.lock();
         t.unreported += 1;
         if req.waiting == 0 {
@@ -290,6 +307,9 @@ impl<'d, B: IoBuf, T: Send> IoQueue<'d, B, T> {
         let mut merged = 0;
         for (storage, fd, host, iov, i) in queued {
             merged += u64::from(t.gather(storage, dir, fd, host, iov, (slot, i)));
+        }
+        for (storage, fd, host, iov, i) in extra {
+            t.gather_apart(storage, fd, host, iov, (slot, i));
         }
         let full = t.gathering.len() >= MAX_GATHERED;
         drop(t);

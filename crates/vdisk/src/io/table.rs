@@ -83,8 +83,18 @@ pub(super) struct Request<'d, B, T> {
 }
 
 impl<B, T> Request<'_, B, T> {
-    /// Records that transfer `i` failed with `e`.
+    /// Records that transfer `i` failed with `e`. Past the transfers, `i` is the pad (the
+    /// request fails), then the disk's extra blocks, whose failure is theirs: the disk hears of
+    /// it in the block, and the request's outcome is its own transfers'.
     pub fn fail(&mut self, i: usize, e: io::Error) {
+        if let Some(Started::Write(w)) = &mut self.started {
+            if let Some(k) = i.checked_sub(w.transfers.len() + 1) {
+                if let Some(extra) = w.extra.get_mut(k) {
+                    extra.failed.get_or_insert(e);
+                }
+                return;
+            }
+        }
         let Some(started) = &self.started else { return };
         let e = match (started, started.parts().1.get(i)) {
             (Started::Read(_), Some(t)) => t.read_error(e),
@@ -114,7 +124,8 @@ pub(super) struct Op<'d> {
 // SAFETY: the iovecs name bytes of request buffers owned by the same table, which moves between
 // threads only under the queue's lock; nothing reads them through an `Op` but the kernel and
 // `Op::run_blocking`, while their requests wait for them; or a disk's block of zeroes
-// (`StartedWrite::pad`), which outlives the queue's borrow of the disk and is only read.
+// (`StartedWrite::pad`), which outlives the queue's borrow of the disk and is only read; or a
+// disk's extra block (`StartedWrite::extra`), on the heap, owned by a request of the table.
 unsafe impl Send for Op<'_> {}
 
 impl Op<'_> {
@@ -221,6 +232,29 @@ impl<'d, B, T> Table<'d, B, T> {
         });
         self.gathering.push(slot);
         false
+    }
+
+    /// Adds a write of a disk's extra block (`StartedWrite::extra`) as a kernel request of
+    /// its own, first among those gathered, so that the writes after it still join the one
+    /// gathered last.
+    pub fn gather_apart(
+        &mut self,
+        storage: &'d dyn Storage,
+        fd: RawFd,
+        host: u64,
+        iov: libc::iovec,
+        part: (usize, usize),
+    ) {
+        let slot = self.ops.insert(Op {
+            storage,
+            fd,
+            dir: Dir::Write,
+            offset: host,
+            len: iov.iov_len,
+            iov: vec![iov],
+            parts: vec![part],
+        });
+        self.gathering.insert(0, slot);
     }
 
     /// Settles transfer `i` of the request in `slot` with `result`; the last one makes the

@@ -117,6 +117,7 @@ impl Qcow2 {
         self.data.debug_event(DebugEvent::WriteAio);
         Ok(StartedWrite {
             pad: None,
+            extra: Vec::new(),
             storage: &*self.data,
             transfers,
             pending,

@@ -482,6 +482,8 @@ impl Log {
         }
         let mut t = lock(&self.state);
         self.finish(&mut t, map, placed.sns, outcome.is_ok());
+        // A blocking writer may have no write on the I/O queue beside it to carry them.
+        self.hand_ready(&mut t);
         outcome
     }
 }

@@ -1,5 +1,6 @@
-//! The queue of the guest batches' headers and the thread that writes them (what it does
-//! with each is `headers.rs`, which also has the why and the ordering rules).
+//! The queue of the guest batches' headers and the thread that writes them where no write on
+//! the I/O queue carries them (storage without a descriptor for the kernel, RBD's or memory's;
+//! what it does with each is `headers.rs`, which also has the why and the ordering rules).
 
 use std::collections::VecDeque;
 use std::io;
@@ -7,14 +8,16 @@ use std::sync::atomic::AtomicU8;
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::layout::BatchHeader;
+use crate::bytes::AlignedBuf;
 use crate::sync::lock;
 use crate::sync::wait;
 
 /// Where a batch's header stands.
 pub(super) enum Header {
-    /// Not given to the header writer yet (writes still in flight, or not sealed).
+    /// Not numbered yet (writes still in flight, or not sealed).
     Waiting,
-    /// Numbered and queued: the header thread says in the slot how its write went.
+    /// Numbered, and ready for a write on the I/O queue to carry, carried, or queued for the
+    /// header thread: the slot says how its write went.
     Queued(Arc<Slot>),
 }
 
@@ -41,6 +44,14 @@ pub(super) struct Job {
     pub offset: u64,
     pub header: BatchHeader,
     pub crcs: Vec<u32>,
+}
+
+/// A numbered header, encoded, for a write on the I/O queue to carry (headers.rs,
+/// `Log::take_ready`): the batch's id, the job, and the block.
+pub(super) struct Ready {
+    pub id: u64,
+    pub job: Job,
+    pub block: AlignedBuf,
 }
 
 #[derive(Default)]

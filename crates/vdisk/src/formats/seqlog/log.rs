@@ -7,7 +7,7 @@ use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 
-use super::header_thread::{Header, HeaderWriter};
+use super::header_thread::{Header, HeaderWriter, Job, Ready};
 use super::journal::Journal;
 use super::journal_thread::Ahead;
 use super::layout::{BatchHeader, Kind, Record, Superblock};
@@ -97,8 +97,14 @@ pub(super) struct Log {
     /// A block of zeroes: what a batch's header slot is written with, along with the batch's
     /// first write, where the slot lies between the stream's writes (append.rs, `Placed::pad`).
     pub(super) zeros: AlignedBuf,
-    /// Writes the guest batches' headers, off the log's lock (headers.rs).
+    /// Writes the guest batches' headers, off the log's lock (headers.rs), where the storage
+    /// takes no writes on the I/O queue.
     pub(super) headers: Arc<HeaderWriter>,
+    /// The guest batches' headers ride with the next write on the I/O queue, in its
+    /// submission (headers.rs): until one comes back not carried (the storage takes no
+    /// writes on the kernel), and where the storage completes by callback, the header
+    /// thread writes them.
+    pub(super) carry: std::sync::atomic::AtomicBool,
     /// Callers waiting on `changed` for the header thread (it signals only when there are).
     pub(super) header_waiters: std::sync::atomic::AtomicUsize,
     /// Writes the journal's reservations ahead of need, off the log's lock (ahead.rs).
@@ -189,6 +195,10 @@ pub(super) struct Tail {
     /// sequence numbers follow this order); per stream, at most one is not sealed and takes
     /// new writes (`batch_for` in append.rs).
     pub forming: VecDeque<Forming>,
+    /// Headers numbered and encoded for a write on the I/O queue to carry, in order, and
+    /// those a write carries, until it is finished, by their batches' ids (headers.rs).
+    pub ready: VecDeque<Ready>,
+    pub carried: VecDeque<(u64, Job)>,
     /// Writes placed and not yet known to be older than every write in flight, by their
     /// number (`sn`), oldest first.
     pub members: VecDeque<Member>,
@@ -241,6 +251,7 @@ pub(super) fn random_u64() -> u64 {
 impl Log {
     pub fn new(sb: Superblock, storage: Arc<dyn Storage>, head: Head) -> Arc<Log> {
         let (checkpoint_seq, checkpoint_slot) = head.checkpoint;
+        let carry = (!storage.completes_by_callback()).into();
         Arc::new_cyclic(|me| Log {
             sb,
             storage,
@@ -250,6 +261,8 @@ impl Log {
                 open: [None; OPEN],
                 last_end: [0; OPEN],
                 forming: VecDeque::new(),
+                ready: VecDeque::new(),
+                carried: VecDeque::new(),
                 members: VecDeque::new(),
                 next_sn: 0,
                 next_batch: 0,
@@ -272,6 +285,7 @@ impl Log {
             shift_block: CrcShift::new(u64::from(sb.block_size)),
             zeros: AlignedBuf::zeroed(sb.block_size as usize),
             headers: Arc::default(),
+            carry,
             header_waiters: Default::default(),
             ahead: Arc::default(),
             me: me.clone(),

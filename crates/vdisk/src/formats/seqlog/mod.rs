@@ -369,11 +369,14 @@ impl BlockDev for Seqlog {
         if stream == log::META {
             (self.classify.bytes).fetch_add(data.len() as u64, Ordering::Relaxed);
         }
+        // The headers ready to write go with it, in the queue's submission (headers.rs).
+        let extra = self.log.take_ready(&mut t);
         if watched {
             self.placed_watched(placed.sns.start);
         }
         let transfers = placed.transfers.into_iter();
         Ok(Some(StartedWrite {
+            extra,
             pad: placed.pad.map(|host| (host, &self.log.zeros[..])),
             storage: &*self.log.storage,
             transfers: transfers
@@ -385,13 +388,16 @@ impl BlockDev for Seqlog {
         }))
     }
 
-    fn finish_write(&self, started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {
+    fn finish_write(&self, mut started: StartedWrite<'_>, outcome: Result<()>) -> Result<()> {
         let sns = started.token..started.token + started.transfers.len() as u64;
         if let (Some((_, zeros)), Ok(())) = (started.pad, &outcome) {
             // Bytes the log wrote, as a header's are.
             (self.log.stats.bytes).fetch_add(zeros.len() as u64, Ordering::Relaxed);
         }
         let mut t = log::lock(&self.log.state);
+        if !started.extra.is_empty() {
+            (self.log).carried(&mut t, std::mem::take(&mut started.extra));
+        }
         self.log.finish(&mut t, &self.map, sns, outcome.is_ok());
         drop(t);
         self.finished_watched(started.token);

@@ -8,6 +8,7 @@ use super::*;
 use crate::storage::MemStorage;
 
 mod ahead;
+mod carry;
 mod headers;
 mod opens;
 mod overlap;
