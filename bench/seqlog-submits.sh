@@ -2,8 +2,10 @@
 # What one write costs seqlog's append path beside raw (issue 24, depth 32): one pass of
 # `vdisk bench -w -d QD -s 4k -t none -i native` under `perf stat`, counting the CPU time of
 # every thread (task-clock), context switches and the system calls of the I/O queue
-# (io_submit, io_getevents, the eventfd's reads), of seqlog's threads (pwrite64: headers,
-# futex: hand-offs) and syncs, per write; raw sequential beside seqlog sequential and random,
+# (io_submit, io_getevents, the eventfd's reads), seqlog's blocking writes (pwrite64: batch
+# headers where its header thread writes them, in builds whose headers do not ride with the
+# queue's writes, and the journal's and checkpoints' blocks), futex (hand-offs between
+# threads) and syncs, per write; raw sequential beside seqlog sequential and random,
 # for two builds side by side (which goes first alternates by round).
 #
 #   bench/seqlog-submits.sh --vdisk NEW --baseline OLD [--size-mib N] [--depth QD]
@@ -94,7 +96,9 @@ done
     echo "kernel request (the I/O queue joins those that continue each other); the calls are per"
     echo "32 writes (one depth's worth):"
     echo "io_submit and io_getevents are the I/O queue's, read its eventfd's, pwrite64 seqlog's"
-    echo "batch headers, futex the hand-offs between threads. Load: $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "blocking writes (batch headers where a thread writes them; a build whose headers ride"
+    echo "with the queue's writes submits each as a kernel request of its own, counted in"
+    echo "writes/request), futex the hand-offs between threads. Load: $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "at the end (other work on the machine counts in CPU times, not in the calls)."
     echo
     echo "| round | writes | build | IOPS | CPU µs/write | switches/write | writes/request | io_submit | io_getevents | read | futex | pwrite64 | fdatasync |"
