@@ -21,8 +21,10 @@ pub(super) enum Header {
     Queued(Arc<Slot>),
 }
 
-/// What the header thread says of a header, without the log's lock: the writers that take
-/// that lock (to place and finish their writes) never wait for the header thread holding it.
+/// What became of a header, said by whoever wrote it: the finish of the write on the I/O
+/// queue that carried it, a waiter that wrote it, or the header thread, which does so without
+/// the log's lock (the writers that take that lock, to place and finish their writes, never
+/// wait for the header thread holding it).
 #[derive(Default)]
 pub(super) struct Slot {
     /// `PENDING`, `LANDED`, `FAILED` (the error is in `error`) or `SKIPPED` (a header
