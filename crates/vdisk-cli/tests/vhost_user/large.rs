@@ -140,3 +140,83 @@ fn large_transfers_in_scattered_segments_with(extra: &[&str], path: &str) {
     drop(dev);
     assert!(served.stop().success());
 }
+
+/// Rounds of 32 large writes, then reads, made available at once: each goes to the pool, whose
+/// threads answer on the used ring themselves, side by side. Every request comes back once,
+/// with its status, and the driver is called for every answer (a wait for a call that never
+/// comes fails here rather than hangs); what is read is what was written.
+#[test]
+fn pool_threads_answer_each_request_once_and_call_the_driver() {
+    use std::collections::HashSet;
+    let Some(tools) = tools() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let image = new_image(&tools, dir.path(), "p.qcow2", "64M");
+    let stats = format!("unix:{}", dir.path().join("stats.sock").display());
+    let served = Served::start(&tools, &image, &["--stats", &stats]);
+    const N: u16 = 32;
+    let (dev, mut queues) = served.connect_with(Setup::new(1, 128, u64::from(N) * (4096 + MIB)));
+    let ram = dev.ram.clone();
+    let q = &mut queues[0];
+    let slots = Slots::new(q, N, MIB as u32);
+    assert_eq!(slots.count, N);
+    let data = |round: u16, slot: u16| pattern((round * N + slot) as u8, MIB as usize);
+    let rounds = 4u16;
+    for round in 0..rounds {
+        for op in [Op::Write, Op::Read] {
+            let mut heads = HashSet::new();
+            let mut slot_of = std::collections::HashMap::new();
+            for slot in 0..N {
+                if matches!(op, Op::Write) {
+                    ram.write(slots.data(slot), &data(round, slot));
+                } else {
+                    ram.fill(slots.data(slot), MIB as usize, 0);
+                }
+                let sector = u64::from(slot) * MIB / 512;
+                let head = slots.add(&ram, q, slot, op, sector, MIB as u32).unwrap();
+                slot_of.insert(head, slot);
+            }
+            q.ring.publish();
+            q.kick().unwrap();
+            let mut answered = 0;
+            while answered < N {
+                match q.ring.pop_used() {
+                    Some(used) => {
+                        let (head, _) = used.unwrap();
+                        assert!(heads.insert(head), "request {head} answered twice");
+                        assert!(slot_of.contains_key(&head), "unknown head {head}");
+                        answered += 1;
+                    }
+                    None => assert!(
+                        q.wait_call_for(Duration::from_secs(10)).unwrap(),
+                        "round {round}: {answered} of {N} answered and no call for the rest"
+                    ),
+                }
+            }
+            for (head, slot) in slot_of {
+                assert_eq!(slots.status(&ram, slot), S_OK, "request {head}");
+                if matches!(op, Op::Read) {
+                    let mut got = vec![0u8; MIB as usize];
+                    ram.read(slots.data(slot), &mut got);
+                    assert!(
+                        got == data(round, slot),
+                        "read of slot {slot}, round {round}"
+                    );
+                }
+            }
+        }
+    }
+    let out = Command::new(&tools.vdisk)
+        .args(["stats", &stats])
+        .output()
+        .unwrap();
+    let want = format!(
+        "vdisk_vhost_user_blk_transfers_total{{socket=\"{}\",path=\"pool\"}} {}",
+        served.socket.display(),
+        2 * N * rounds
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.lines().any(|l| l == want), "no {want} in:\n{text}");
+    drop(queues);
+    drop(dev);
+    assert!(served.stop().success());
+}

@@ -84,10 +84,21 @@ impl BlkBackend {
         }
     }
 
+    /// Lets no pool thread answer on the rings any more (the front end is gone): what they
+    /// finish goes to the workers' inboxes, which a drain without answers empties.
+    pub fn detach(&self) {
+        for w in &self.workers {
+            lock(w).used.detach();
+        }
+    }
+
     /// Stops taking requests and finishes those in flight; `answer`: tell the driver (see
     /// [`Worker::drain`]).
     pub fn drain(&self, answer: bool) {
         self.stopping.store(true, Relaxed);
+        if !answer {
+            self.detach();
+        }
         for w in &self.workers {
             let mut w = lock(w);
             w.writeback = self.writeback();
@@ -191,6 +202,8 @@ impl VhostUserBackend for BlkBackend {
         }
         if w.vring.is_none() {
             w.vring = Some(vring.clone());
+            // Pool threads answer on the ring themselves from now on.
+            w.used.attach(vring.clone(), self.mem.clone());
             // The front end stopping the ring (GET_VRING_BASE) first hears every answer.
             let (worker, mem) = (worker.clone(), self.mem.clone());
             vring.on_stop(move || lock(&worker).drain(&mem, true));

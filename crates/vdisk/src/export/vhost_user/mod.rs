@@ -21,6 +21,7 @@ mod data;
 mod offload;
 mod request;
 mod stats;
+mod used;
 mod vring;
 mod worker;
 
@@ -291,6 +292,8 @@ fn connection(
         daemon.request_shutdown();
     }
     let ended = daemon.wait();
+    // The front end is gone: from here no pool thread answers on its rings.
+    backend.detach();
     *lock(current) = None;
     device.stats.connected.store(0, Relaxed);
     // Ends the worker threads (the handler's drop joins them), then the requests they left,

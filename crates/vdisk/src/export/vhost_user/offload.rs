@@ -142,6 +142,12 @@ impl<T: Send> Inbox<T> {
         self.event.signal();
     }
 
+    /// Counts a call done whose result went elsewhere (its thread answered the driver itself),
+    /// without waking the worker.
+    pub fn settle(&self) {
+        self.pending.fetch_sub(1, SeqCst);
+    }
+
     /// The results delivered so far (clearing the eventfd).
     pub fn take(&self) -> Vec<T> {
         self.event.drain();

@@ -19,13 +19,14 @@ use std::sync::Arc;
 
 use vhost_user_backend::VringT;
 use virtio_queue::QueueOwnedT;
-use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+use vm_memory::{GuestAddress, GuestAddressSpace};
 
 use super::config::SECTOR;
 use super::data::Data;
 use super::offload::{Inbox, Offload};
 use super::request::*;
 use super::stats::Path;
+use super::used::{put, Answer, Used};
 use super::vring::Vring;
 use super::Device;
 use crate::blockdev::BlockDev;
@@ -61,31 +62,13 @@ pub(super) struct Pending {
 
 type Done = Completion<Data, Pending>;
 
-/// A request answered: its status, and the bytes the device wrote into its chain.
-pub(super) struct Answer {
-    head: u16,
-    status: Option<GuestAddress>,
-    code: u8,
-    len: u32,
-}
-
-impl Answer {
-    fn new(head: u16, status: Option<GuestAddress>, code: u8) -> Answer {
-        Answer {
-            head,
-            status,
-            code,
-            len: u32::from(status.is_some()),
-        }
-    }
-}
-
 /// What the pool delivers to a worker's inbox.
 pub(super) enum Finished {
     /// A read or write done with a blocking call.
     Io(Done),
     /// Writes made durable (or not: `false`) for a driver that turned the write cache off.
     Flushed(Vec<Done>, bool),
+    /// An answer its pool thread could not give itself: no ring was attached ([`Used`]).
     Answer(Answer),
 }
 
@@ -95,6 +78,8 @@ pub(super) struct Worker {
     device: Arc<Device>,
     offload: Arc<Offload>,
     pub inbox: Arc<Inbox<Finished>>,
+    /// The used ring as the pool's threads answer on it.
+    pub used: Arc<Used>,
     pool: Arc<Pool>,
     /// The virtqueue, once a kick showed which it is.
     pub vring: Option<Vring>,
@@ -125,6 +110,7 @@ impl Worker {
             device,
             offload,
             inbox: Arc::new(Inbox::new()?),
+            used: Arc::default(),
             pool: Arc::new(Pool::new(MAX_QUEUE_SIZE, POOL_BYTES)),
             vring: None,
             writeback: false,
@@ -333,9 +319,8 @@ impl Worker {
                     });
                 }
             }
-            T_FLUSH => self.blocking(move |dev| {
-                Finished::Answer(Answer::new(head, Some(status), status_of(dev.flush())))
-            }),
+            T_FLUSH => self
+                .answer_on_pool(move |dev| Answer::new(head, Some(status), status_of(dev.flush()))),
             T_GET_ID => {
                 let mut id = [0u8; ID_BYTES];
                 let serial = &self.device.serial;
@@ -356,7 +341,7 @@ impl Worker {
                     let discard = req.kind == T_DISCARD;
                     let write_through = !self.writeback;
                     let device = self.device.clone();
-                    self.blocking(move |dev| {
+                    self.answer_on_pool(move |dev| {
                         let code = ranges.iter().try_for_each(|&(offset, len)| {
                             // Zeroes read as zeroes whether or not the driver let us unmap:
                             // the engine keeps its own choice of how (a zero cluster, a hole).
@@ -370,11 +355,7 @@ impl Worker {
                             })
                         });
                         let ok = code.is_ok() && (!write_through || dev.flush().is_ok());
-                        Finished::Answer(Answer::new(
-                            head,
-                            Some(status),
-                            if ok { S_OK } else { S_IOERR },
-                        ))
+                        Answer::new(head, Some(status), if ok { S_OK } else { S_IOERR })
                     });
                 }
                 Err(code) => answers.push(refuse(code)),
@@ -401,7 +382,7 @@ impl Worker {
         segs: Vec<Segment>,
     ) {
         let write_through = !self.writeback;
-        self.blocking(move |dev| {
+        self.answer_on_pool(move |dev| {
             let memory = mem.memory();
             let ok = guest_slices(&*memory, &segs).is_some_and(|slices| {
                 slices.into_iter().all(|(at, data)| {
@@ -415,10 +396,10 @@ impl Worker {
             });
             let code = if ok { S_OK } else { S_IOERR };
             let moved = if ok && !write { total(&segs) as u32 } else { 0 };
-            Finished::Answer(Answer {
+            Answer {
                 len: moved + 1,
                 ..Answer::new(head, Some(status), code)
-            })
+            }
         });
     }
 
@@ -428,6 +409,24 @@ impl Worker {
         let inbox = self.inbox.clone();
         inbox.expect();
         self.offload.run(move || inbox.deliver(call(&*device.dev)));
+    }
+
+    /// Runs `call` on the export's pool, whose thread then answers on the used ring itself
+    /// (see [`Used`]); only while no ring is attached does the answer come back through the
+    /// inbox.
+    fn answer_on_pool(&self, call: impl FnOnce(&dyn BlockDev) -> Answer + Send + 'static) {
+        let device = self.device.clone();
+        let inbox = self.inbox.clone();
+        let used = self.used.clone();
+        inbox.expect();
+        self.offload.run(move || {
+            let answer = call(&*device.dev);
+            if used.answer(&device, &answer) {
+                inbox.settle();
+            } else {
+                inbox.deliver(Finished::Answer(answer));
+            }
+        });
     }
 
     /// Collects what the I/O queue and the pool finished and answers it. `signalled`: the
@@ -509,22 +508,7 @@ impl Worker {
             answers.push(answer);
             self.recycle(buf);
         }
-        if answers.is_empty() {
-            return;
-        }
-        for a in &answers {
-            self.device.stats.answered(a.code, a.len.saturating_sub(1));
-            if let Some(status) = a.status {
-                // A status byte outside guest memory is the driver's loss alone.
-                let _ = mem.write_obj(a.code, status);
-            }
-            if let Err(e) = vring.add_used(a.head, a.len) {
-                self.device.warn(format_args!("used ring: {e}"));
-            }
-        }
-        if vring.needs_notification().unwrap_or(true) {
-            let _ = vring.signal_used_queue();
-        }
+        put(&self.device, mem, vring, &answers);
     }
 
     /// Gives a buffer of ours back to the pool.
