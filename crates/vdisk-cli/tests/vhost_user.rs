@@ -10,6 +10,8 @@ mod drivers;
 mod fuzz;
 #[path = "vhost_user/large.rs"]
 mod large;
+#[path = "vhost_user/polling.rs"]
+mod polling;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};

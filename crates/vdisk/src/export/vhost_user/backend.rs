@@ -15,6 +15,7 @@ use vmm_sys_util::event::{
 
 use super::config::{self, BLK_F_CONFIG_WCE};
 use super::offload::Offload;
+use super::poll;
 use super::request::Mem;
 use super::vring::Vring;
 use super::worker::{Worker, MAX_QUEUE_SIZE};
@@ -33,6 +34,8 @@ pub(super) struct BlkBackend {
     acked: AtomicU64,
     /// Set once the export stops: events are no longer taken.
     stopping: AtomicBool,
+    /// Workers handling events or polling (see poll.rs).
+    awake: poll::Awake,
 }
 
 /// The events of a worker's epoll set, past the queue (0) and the crate's exit event
@@ -55,6 +58,7 @@ impl BlkBackend {
             event_idx: AtomicBool::new(false),
             acked: AtomicU64::new(0),
             stopping: AtomicBool::new(false),
+            awake: poll::Awake::new(),
         })
     }
 
@@ -195,6 +199,7 @@ impl VhostUserBackend for BlkBackend {
         let (Some(worker), Some(vring)) = (self.workers.get(thread), vrings.first()) else {
             return Ok(());
         };
+        let _awake = self.awake.enter();
         let mut w = lock(worker);
         // Checked under the lock: a drain may have cleared the I/O queue's eventfd already.
         if self.stopping.load(Relaxed) {
@@ -210,12 +215,34 @@ impl VhostUserBackend for BlkBackend {
         }
         w.writeback = self.writeback();
         let event = u64::from(device_event);
+        let event_idx = self.event_idx.load(Relaxed);
         if event == 0 {
-            w.take_requests(&self.mem, vring, self.event_idx.load(Relaxed));
+            w.poller.kicked();
+            w.take_requests(&self.mem, vring, event_idx);
         } else if event == self.event(Source::Completions) {
             w.complete(&self.mem, vring, true);
         } else if event == self.event(Source::Inbox) {
             w.complete(&self.mem, vring, false);
+        }
+        let idle = w.idle();
+        let mut until = w.poller.passed(idle);
+        drop(w);
+        // The driver's next request, taken without the kick's wake-up (poll.rs). Its kick
+        // still comes, and finds nothing more to take.
+        while let Some(deadline) = until {
+            if !poll::wait(vring, &self.mem, deadline, &self.awake) {
+                lock(worker).poller.missed();
+                break;
+            }
+            let mut w = lock(worker);
+            if self.stopping.load(Relaxed) {
+                break;
+            }
+            self.device.stats.polled.fetch_add(1, Relaxed);
+            w.poller.kicked();
+            w.take_requests(&self.mem, vring, event_idx);
+            let idle = w.idle();
+            until = w.poller.passed(idle);
         }
         Ok(())
     }

@@ -19,6 +19,7 @@ mod backend;
 mod config;
 mod data;
 mod offload;
+mod poll;
 mod request;
 mod stats;
 mod used;

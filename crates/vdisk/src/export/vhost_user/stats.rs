@@ -39,6 +39,9 @@ pub struct VhostStats {
     bytes_read: AtomicU64,
     bytes_written: AtomicU64,
     transfers: [AtomicU64; PATHS.len()],
+    /// Requests an idle worker found by polling the available ring (poll.rs), not woken by a
+    /// kick.
+    pub(super) polled: AtomicU64,
 }
 
 impl VhostStats {
@@ -79,7 +82,7 @@ impl VhostStats {
 pub fn render(exports: &[(String, Arc<VhostStats>)], out: &mut String) {
     let mut f = Writer { out };
     type Sample = (&'static str, &'static str, fn(&VhostStats) -> u64);
-    let single: [Sample; 2] = [
+    let single: [Sample; 3] = [
         (
             "vdisk_vhost_user_blk_front_ends_total",
             "Front ends that connected.",
@@ -90,9 +93,20 @@ pub fn render(exports: &[(String, Arc<VhostStats>)], out: &mut String) {
             "Front ends connected now.",
             |s| s.connected.load(Relaxed),
         ),
+        (
+            "vdisk_vhost_user_blk_polled_total",
+            "Passes of a queue's worker that took requests it found by polling the available \
+             ring, not woken by a kick.",
+            |s| s.polled.load(Relaxed),
+        ),
     ];
-    for (i, (name, help, get)) in single.into_iter().enumerate() {
-        f.head(name, if i == 0 { "counter" } else { "gauge" }, help);
+    for (name, help, get) in single {
+        let kind = if name.ends_with("_total") {
+            "counter"
+        } else {
+            "gauge"
+        };
+        f.head(name, kind, help);
         for (e, s) in exports {
             f.sample(name, &[("socket", e)], get(s));
         }

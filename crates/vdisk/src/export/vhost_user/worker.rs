@@ -24,6 +24,7 @@ use vm_memory::{GuestAddress, GuestAddressSpace};
 use super::config::SECTOR;
 use super::data::Data;
 use super::offload::{Inbox, Offload};
+use super::poll::Poller;
 use super::request::*;
 use super::stats::Path;
 use super::used::{put, Answer, Used};
@@ -88,6 +89,8 @@ pub(super) struct Worker {
     pub writeback: bool,
     /// Bytes of buffers of ours out for transfers over `POOL_OVER`.
     bounced: u64,
+    /// Whether to poll for the driver's next request once idle.
+    pub poller: Poller,
 }
 
 impl Worker {
@@ -115,6 +118,7 @@ impl Worker {
             vring: None,
             writeback: false,
             bounced: 0,
+            poller: Poller::default(),
         })
     }
 
@@ -366,7 +370,7 @@ impl Worker {
     }
 
     /// Nothing of this queue's is in flight: on its I/O queue or on the pool.
-    fn idle(&self) -> bool {
+    pub fn idle(&self) -> bool {
         self.queue.as_ref().is_some_and(|q| q.in_flight() == 0) && self.inbox.pending() == 0
     }
 
