@@ -4,7 +4,8 @@
 //! The request is then taken without the kick's wake-up, which on a virtual machine whose
 //! idle CPUs halt is the wake-up of a halted CPU. The worker yields while it polls, so a
 //! thread that needs its CPU (the driver's, or another queue's worker) gets it; and it polls
-//! only while the driver keeps coming back within the window, so an idle device costs no CPU.
+//! only while the driver keeps coming back within the window, one request at a time, so an
+//! idle device, or one driven at a depth above 1, costs no CPU.
 //!
 //! ```text
 //!   answered, nothing in flight ─► poll (yielding) ≤ POLL ─► new request: take it ─┐
@@ -56,6 +57,16 @@ impl Poller {
         let now = Instant::now();
         self.idle_since.get_or_insert(now);
         self.worth.then_some(now + POLL)
+    }
+
+    /// A kick's pass took `n` requests: more than one, and the driver keeps several in flight,
+    /// so the worker is seldom idle long and its CPU seldom halts; polling there only takes
+    /// CPU time from whatever else could run (on a loaded machine a yielding poller gives its
+    /// CPU away for a whole time slice).
+    pub fn took(&mut self, n: usize) {
+        if n > 1 {
+            self.worth = false;
+        }
     }
 
     /// Polling found nothing: sleep on the kick until the driver comes back soon again.

@@ -143,6 +143,7 @@ impl Worker {
         let mem = mem_atomic.memory();
         let mut answers = Vec::new();
         let mut pass = 0;
+        let mut took = 0;
         let mut reap = false;
         loop {
             if event_idx {
@@ -173,6 +174,7 @@ impl Worker {
                 batch.push((head, parsed));
             }
             let taken = batch.len();
+            took += taken;
             let alone = taken == 1 && self.idle();
             reap |= alone;
             for (head, parsed) in batch {
@@ -219,6 +221,7 @@ impl Worker {
             }
         }
         self.answer_io(&mem, vring, answers, done);
+        self.poller.took(took);
     }
 
     /// Starts one request: reads and writes on the I/O queue, blocking calls on the pool,
