@@ -6,7 +6,8 @@
 # system calls' timestamps, each request's time is cut into:
 #
 #   kick→submit   vhost-load's kick (its eventfd write) to the server's data call starting
-#                 (pread/pwrite on the image, or io_uring_enter)
+#                 (pread/pwrite on the image, or io_uring_enter); negative where the server
+#                 found the request by polling the available ring before the kick came
 #   I/O           that call's start to its end (or to io_uring's completion event)
 #   done→notify   the I/O's end to the server's last eventfd write before vhost-load wakes (its
 #                 call to the driver)
@@ -109,18 +110,22 @@ phases() {
                 while (j > 0 && at[order[j]] > at[k]) { order[j + 1] = order[j]; j-- }
                 order[j + 1] = k
             }
-            state = 0; m = 0; lastE = -1
+            state = 0; m = 0; lastE = -1; pre = -1
             for (i = 1; i <= n; i++) {
                 k = order[i]; w = what[k]; t = at[k]
                 if (w == "K") {
                     if (lastE >= 0) { m++; loadgap[m] = t - lastE }
-                    kick = t; s = -1; done = -1; notify = -1; state = 1
-                } else if (state == 1 && w == "S" && s < 0) { s = t; done = till[k] }
+                    # A server that polls the available ring may start before the kick.
+                    kick = t; s = pre; done = predone; notify = -1; state = 1; pre = -1
+                } else if (state == 0 && lastE >= 0 && w == "S" && pre < 0) { pre = t; predone = till[k] }
+                else if (state == 0 && pre >= 0 && w == "C" && t <= predone) predone = t
+                else if (state == 0 && pre >= 0 && w == "C" && predone - pre < 0.000001) predone = t
+                else if (state == 1 && w == "S" && s < 0) { s = t; done = till[k] }
                 else if (state == 1 && w == "C" && s >= 0 && t <= done) done = t
                 else if (state == 1 && w == "C" && s >= 0 && done - s < 0.000001) done = t
                 else if (state == 1 && w == "N" && s >= 0) notify = t
                 else if (state == 1 && w == "E") {
-                    lastE = t
+                    lastE = t; pre = -1
                     if (s >= 0 && notify >= 0) {
                         r++
                         p1[r] = s - kick; p2[r] = done - s; p3[r] = notify - done
