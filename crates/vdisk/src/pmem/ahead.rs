@@ -332,14 +332,14 @@ impl Held {
         result
     }
 
-    /// Drains the ring and gives back what it still holds: before the provider is asked for
-    /// a cluster itself, which must follow every cluster it lent.
+    /// Takes back what the ring still holds, drains it, and gives the rest back: before the
+    /// provider is asked for a cluster itself, which must follow every cluster it lent.
+    /// (Revoked first: a cluster taken between a drain and the revoke would otherwise reach
+    /// the provider after the cluster asked for.)
     pub(super) fn reclaim(&mut self, ring: &Ring) -> io::Result<()> {
-        let drained = self.drain(ring);
         let back = ring.revoke() as usize;
+        let drained = self.drain(ring);
         if back > 0 {
-            // Taken since the drain: recorded before the rest goes back.
-            let drained2 = self.drain(ring);
             for _ in 0..back {
                 self.lent.pop_back();
             }
@@ -347,7 +347,6 @@ impl Held {
                 self.provider.given_back(back);
                 Ok(())
             })?;
-            drained2?;
         }
         drained
     }
