@@ -5,21 +5,26 @@
 # provider (tests/pmem/latency.rs) and through pcow's mapping, with the persists after them
 # (tests/pmem/pcow_latency.rs).
 #
-#   bench/pmem.sh [--rounds N] [--no-build] [--out FILE]
+#   bench/pmem.sh [--rounds N] [--no-build] [--out FILE] [--baseline REV]
 #
 # Results: printed as markdown and written to FILE, relative to the repository
 # (bench/results/pmem.md unless given; a run on a machine busy with other work goes to
-# bench/results/pmem-loaded.md).
+# bench/results/pmem-loaded.md). --baseline REV also builds the tests of commit REV (in a
+# temporary worktree, bench/work/pmem-baseline, removed after the build; target directory
+# bench/work/pmem-baseline-target, kept for the next run) and runs them in every round right
+# after this build's, each row's medians in columns beside this build's. The tests are built
+# first when stale (--no-build changes nothing, kept for older command lines).
 set -euo pipefail
 rounds=3
-build=1
 out_file=bench/results/pmem.md
+baseline=
 while (($#)); do
     case $1 in
         --rounds) rounds=${2:?}; shift ;;
-        --no-build) build=0 ;;
+        --no-build) ;; # cargo builds the tests only when stale, with or without it
         --out) out_file=${2:?}; shift ;;
-        -h|--help) sed -n 2,9p "$0" | cut -c3-; exit 0 ;;
+        --baseline) baseline=${2:?}; shift ;;
+        -h|--help) sed -n 2,16p "$0" | cut -c3-; exit 0 ;;
         *) echo "pmem.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
@@ -27,24 +32,67 @@ done
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 mkdir -p bench/results
-run() {
-    cargo test --release -q -p vdisk --test pmem -- --ignored --nocapture --test-threads=1 latency 2>&1 |
-        grep -E ': p50 ' | sed 's/^\.*//'
+# The test binary `cargo test` builds for the tree it runs in.
+test_binary() {
+    cargo test --release -q -p vdisk --test pmem --no-run --message-format=json 2>/dev/null |
+        python3 -c 'import json, sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "pmem":
+        print(m["executable"])'
 }
-((build)) && cargo test --release -q -p vdisk --test pmem --no-run 2>/dev/null
+mine=$(test_binary)
+[[ -x $mine ]] || { echo "pmem.sh: no test binary built" >&2; exit 3; }
+theirs=
+if [[ -n $baseline ]]; then
+    src=bench/work/pmem-baseline
+    git worktree remove --force "$src" 2>/dev/null || true
+    git worktree add -q --detach "$src" "$baseline"
+    trap 'git worktree remove --force "$src" 2>/dev/null || true' EXIT
+    # A target directory of its own: in the same one, the baseline's build would overwrite
+    # this build's binary (same name) and leave cargo thinking it fresh.
+    theirs=$(cd "$src" && CARGO_TARGET_DIR=$root/bench/work/pmem-baseline-target test_binary)
+    git worktree remove --force "$src"
+    [[ -x $theirs ]] || { echo "pmem.sh: no test binary built at $baseline" >&2; exit 3; }
+fi
+run() {
+    (cd crates/vdisk && "$1" --ignored --nocapture --test-threads=1 latency 2>&1) |
+        grep -E ': p50 ' | sed -E 's/^\.*//; s/^test [^ ]+ \.\.\. //'
+}
 load=$(uptime | sed 's/.*load average: //')
-out=$(for ((r = 1; r <= rounds; r++)); do run | sed "s/^/round $r: /"; done)
+out=$(for ((r = 1; r <= rounds; r++)); do
+    run "$mine" | sed "s/^/round $r: /"
+    [[ -z $theirs ]] || run "$theirs" | sed "s/^/round $r: baseline: /"
+done)
 # The median over the rounds of each row's p50, and of its p99.
 rows=$(sed -E 's/^round [0-9]+: (.*): p50 ([0-9.]+) us, p99 ([0-9.]+) us.*/\1|\2|\3/' <<<"$out")
 median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
-table=$(cut -d'|' -f1 <<<"$rows" | sort -u | while IFS= read -r row; do
-    mine=$(awk -F'|' -v r="$row" '$1 == r' <<<"$rows")
-    echo "| $row | $(cut -d'|' -f2 <<<"$mine" | median) | $(cut -d'|' -f3 <<<"$mine" | median) |"
+medians() {
+    local m
+    m=$(awk -F'|' -v r="$1" '$1 == r' <<<"$rows")
+    [[ -n $m ]] || { echo "- | -"; return; }
+    echo "$(cut -d'|' -f2 <<<"$m" | median) | $(cut -d'|' -f3 <<<"$m" | median)"
+}
+table=$(cut -d'|' -f1 <<<"$rows" | sed 's/^baseline: //' | sort -u | while IFS= read -r row; do
+    if [[ -n $theirs ]]; then
+        echo "| $row | $(medians "$row") | $(medians "baseline: $row") |"
+    else
+        echo "| $row | $(medians "$row") |"
+    fi
 done)
+beside=
+[[ -z $theirs ]] || beside=" (baseline: $baseline, its rows run right after this build's in each round)"
+head="| row | p50 (µs) | p99 (µs) |"
+rule="| --- | --- | --- |"
+if [[ -n $theirs ]]; then
+    head="| row | p50 (µs) | p99 (µs) | $baseline p50 (µs) | $baseline p99 (µs) |"
+    rule="| --- | --- | --- | --- | --- |"
+fi
 {
     echo "# pmem fault latency"
     echo
-    echo "\`bench/pmem.sh --rounds $rounds\` at $(git rev-parse --short HEAD) on $(date -u +%F):" \
+    echo "\`bench/pmem.sh --rounds $rounds${baseline:+ --baseline $baseline}\` at" \
+        "$(git rev-parse --short HEAD)$beside on $(date -u +%F):" \
         "1000 faults a row (stores, or a store then its persist), medians over the rounds of each" \
         "row's p50 and p99 (µs). DRAM-emulated: an ext4 file, no persistent memory; the load average" \
         "before the run was $load (\`uptime\`)."
@@ -67,8 +115,8 @@ done)
         "and the mapping's threads (on a loaded machine a thread pinned to a busy CPU waits for it:" \
         "milliseconds; the monitor still refills what is lent)."
     echo
-    echo "| row | p50 (µs) | p99 (µs) |"
-    echo "| --- | --- | --- |"
+    echo "$head"
+    echo "$rule"
     echo "$table"
     echo
     echo "Every run:"

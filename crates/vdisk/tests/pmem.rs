@@ -10,6 +10,7 @@
 //! | `handoff.rs`   | the hand-off to the monitor and back, without a fault (ignored) |
 //! | `latency.rs`   | first-touch and copy-on-write latency (ignored; prints)     |
 //! | `pcow_latency.rs` | the same through pcow's mapping, and its persists (ignored) |
+//! | `phases.rs`    | where a first touch's time goes (ignored; bench/pmem-phases.sh) |
 //!
 //! Tests that end a process (a crash outside any region, SIGBUS after a provider failure) or
 //! count the process's threads and descriptors run this binary again as a child with
@@ -25,6 +26,8 @@ mod handoff;
 mod latency;
 #[path = "pmem/pcow_latency.rs"]
 mod pcow_latency;
+#[path = "pmem/phases.rs"]
+mod phases;
 #[path = "pmem/thin.rs"]
 mod thin;
 

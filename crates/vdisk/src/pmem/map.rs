@@ -6,11 +6,29 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 
 pub(super) const PAGE: usize = 4096;
 
-/// Reserves `len` bytes of anonymous memory aligned to `align` (a power of two): the absent
-/// slots' placeholder. Private and unreserved: it never holds data, userfaultfd intercepts
-/// every first touch.
-pub(super) fn reserve(len: usize, align: usize) -> io::Result<usize> {
-    let total = len + align;
+/// The alignment of a region's slots: 2 MiB (a PMD's span), or the cluster size if smaller.
+pub(super) const HUGE: usize = 2 << 20;
+
+/// Reserves `len` bytes of anonymous memory for a region of `cluster_size` slots, mapped
+/// `shared` (`MAP_SHARED`, or with `MAP_SYNC` on DAX): the absent slots' placeholder.
+/// Private and unreserved: it never holds data, userfaultfd intercepts every first touch.
+///
+/// With `MAP_SYNC` the slots start at multiples of `min(cluster_size, 2 MiB)`, so that a DAX
+/// file system can map each cluster with huge pages. Otherwise (clusters in the page cache,
+/// mapped a 4 KiB page at a time) the region starts one page past such a multiple, so that no
+/// 2 MiB slot covers a page table's span alone. The first touch of an absent slot makes the
+/// kernel allocate the page table under the address before it raises the fault
+/// (`do_anonymous_page`), and a cluster mapped over a slot that covered that table's whole
+/// span frees it; a freed page table is a TLB flush sent to every CPU that ran the process,
+/// idle ones too, and the mapping waits for them: in this VM, whose idle CPUs halt, a wake-up
+/// of the other CPU, about 20 µs of each first touch (`bench/pmem-phases.sh`). With the slots
+/// a page off, each table's span ends inside a neighbour slot, which stays mapped: nothing is
+/// freed, and with nothing unmapped but the empty placeholder no flush is needed at all.
+/// (Clusters larger than 2 MiB still cover whole tables' spans inside them.)
+pub(super) fn reserve(len: usize, cluster_size: usize, shared: libc::c_int) -> io::Result<usize> {
+    let align = cluster_size.min(HUGE);
+    let skew = if shared == libc::MAP_SHARED { PAGE } else { 0 };
+    let total = len + align + skew;
     // SAFETY: a new mapping at an address the kernel picks; it overlaps nothing of ours.
     let p = unsafe {
         libc::mmap(
@@ -26,8 +44,7 @@ pub(super) fn reserve(len: usize, align: usize) -> io::Result<usize> {
         return Err(io::Error::last_os_error());
     }
     let p = p as usize;
-    let base = p.next_multiple_of(align);
-    // Aligned clusters let a DAX file system map them with huge pages.
+    let base = p.next_multiple_of(align) + skew;
     // SAFETY: both pieces are parts of the mapping just made, outside [base, base + len).
     unsafe {
         if base > p {

@@ -214,8 +214,8 @@ impl Region {
             PersistKind::Msync => libc::MAP_SHARED,
             _ => libc::MAP_SHARED_VALIDATE | libc::MAP_SYNC,
         };
-        let align = layout.cluster_size.min(2 << 20);
-        let base = map::reserve(layout.len, align).map_err(os("reserving the region"))?;
+        let base = map::reserve(layout.len, layout.cluster_size, shared);
+        let base = base.map_err(os("reserving the region"))?;
         let written = Arc::new(Written::new(slots));
         let provider: SharedProvider = Arc::new(std::sync::Mutex::new(Held::new(provider)));
         let built = build(base, &layout, shared, &written).and_then(|states| {

@@ -18,7 +18,7 @@ use super::latency::percentiles;
 
 const FAULTS: usize = 1000;
 
-fn new_pcow(path: &Path, size: u64, cs: u64, base: Option<&str>) {
+pub fn new_pcow(path: &Path, size: u64, cs: u64, base: Option<&str>) {
     let opts = OpenOptions {
         write: true,
         create: true,
@@ -96,7 +96,7 @@ fn msync_floor(dir: &tempfile::TempDir) -> Vec<u128> {
 
 /// Pins this thread to CPU `mine` and every thread of the mapping (named `vdisk-...`: the
 /// monitor, the pool) to CPU `theirs`; `None` lets them all run anywhere again.
-fn pin(cpus: Option<(usize, usize)>) {
+pub fn pin(cpus: Option<(usize, usize)>) {
     let set = |tid: libc::pid_t, cpu: Option<usize>| {
         // SAFETY: a zeroed cpu_set_t is an empty set, filled here; sched_setaffinity of a
         // thread of this process.

@@ -281,3 +281,28 @@ fn a_read_into_an_absent_slot_is_served_with_kernel_faults_only() {
         }
     }
 }
+
+/// A region whose clusters live in the page cache starts a page past a 2 MiB boundary: a
+/// cluster mapped over a never-touched 2 MiB slot then frees no page table, whose TLB flush
+/// waited for every CPU that ran the process, idle ones too (`pmem/map.rs`, `reserve`;
+/// `bench/pmem-phases.sh` counts the flushes). Its first touches still fill whole slots.
+#[test]
+fn a_page_cache_region_starts_a_page_past_a_2_mib_boundary() {
+    let dir = tempdir();
+    let cs = 2 * MIB;
+    let layout = Layout::new(8 * MIB, cs).unwrap();
+    let (r, calls, _) = region_lending(layout, disk_file(&dir, "img"), cs, true);
+    assert_eq!(r.as_ptr() as usize % (2 * MIB), 4096);
+    for slot in 0..4 {
+        store_u64(&r, slot * cs, slot as u64 + 1);
+        store_u64(&r, slot * cs + cs - 8, slot as u64 + 11);
+    }
+    for slot in 0..4 {
+        assert_eq!(load_u64(&r, slot * cs), slot as u64 + 1);
+        assert_eq!(load_u64(&r, slot * cs + cs - 8), slot as u64 + 11);
+    }
+    assert_eq!(r.stats().missing_faults, 4);
+    // The provider hears of the clusters taken at the latest at the persist.
+    r.persist(0, r.len()).unwrap();
+    assert_eq!(calls.lock().unwrap().clusters.len(), 4);
+}
