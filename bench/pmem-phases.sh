@@ -6,7 +6,8 @@
 # (MAP_FIXED over the placeholder), the madvise, the rest of the handler, its return, and
 # the retried store (its page fault, up to the next touch). Each phase also counts the IPIs
 # the faulting thread sent in it (by the kernel function that sent them) and the times it
-# left its CPU; the burst's /proc/interrupts deltas (TLB shootdowns) are printed beside it.
+# left its CPU; the burst's /proc/interrupts deltas (TLB shootdowns; the whole machine's) are
+# printed beside it.
 # Runs as root (tracefs).
 #
 #   bench/pmem-phases.sh [--no-build] [--pin same|apart] [--out FILE]
@@ -23,7 +24,7 @@ while (($#)); do
         --no-build) build=0 ;;
         --pin) pin=${2:?}; shift ;;
         --out) out_file=${2:?}; shift ;;
-        -h|--help) sed -n 2,15p "$0" | cut -c3-; exit 0 ;;
+        -h|--help) sed -n 2,16p "$0" | cut -c3-; exit 0 ;;
         *) echo "pmem-phases.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
@@ -89,6 +90,8 @@ phases = ["fault entry to SIGBUS", "handler to its mmap", "mmap (MAP_FIXED)",
 times = defaultdict(list)
 ipis = defaultdict(Counter)
 switches = Counter()
+states = Counter()
+handed = 0
 writes = 0
 odd = 0
 for evs in touches[:-1]:
@@ -106,6 +109,8 @@ for evs in touches[:-1]:
             marks.setdefault(n + ">", t)
         elif name == "page_fault_user" and "deliver" in marks:
             marks.setdefault("retry", t)
+    # The handler yields only while the monitor fills the slot for it (nothing lent).
+    handed += any(n == "sys_enter" and "NR 24 " in r for _, n, r, _ in evs)
     need = ["deliver", "mmap<", "mmap>", "madvise<", "madvise>", "rt_sigreturn<", "retry"]
     if any(k not in marks for k in need):
         odd += 1
@@ -132,8 +137,14 @@ for evs in touches[:-1]:
             ipis[phases[i]][site] += 1
         if name == "sched_switch" and f"prev_pid={tid} " in rest:
             switches[phases[i]] += 1
+            states[re.search(r"prev_state=(\S+)", rest).group(1)] += 1
+
 n = len(times["whole touch"])
-print(f"{n} touches split ({odd} without every phase left out); the handler's eventfd writes {writes}")
+print(f"{n} touches split ({odd} without every phase left out: hand-offs, whose handler maps "
+      "nothing); the handler's writes "
+      f"{writes} (asks to refill, hand-offs); {handed} touches handed to the monitor (nothing "
+      f"lent: the handler yielded); the faulting thread left its CPU sleeping {states['S']} "
+      f"times, blocked (a lock, I/O) {states['D']}, preempted {states['R'] + states['R+']}")
 print()
 print("| phase | p50 (µs) | mean (µs) | p90 (µs) | IPIs sent (by caller) | off CPU |")
 print("| --- | --- | --- | --- | --- | --- |")
