@@ -21,7 +21,8 @@ pub(super) const HUGE: usize = 2 << 20;
 /// (`do_anonymous_page`), and a cluster mapped over a slot that covered that table's whole
 /// span frees it; a freed page table is a TLB flush sent to every CPU that ran the process,
 /// idle ones too, and the mapping waits for them: in this VM, whose idle CPUs halt, a wake-up
-/// of the other CPU, about 20 µs of each first touch (`bench/pmem-phases.sh`). With the slots
+/// of the other CPU, about 20 µs more for each first touch that sent it (`bench/pmem-phases.sh`:
+/// 43.6 µs mean against 22.2, traced, a fifth of the touches on a loaded machine). With the slots
 /// a page off, each table's span ends inside a neighbour slot, which stays mapped: nothing is
 /// freed, and with nothing unmapped but the empty placeholder no flush is needed at all.
 /// (Clusters larger than 2 MiB still cover whole tables' spans inside them.)

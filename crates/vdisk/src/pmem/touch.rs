@@ -7,10 +7,12 @@
 //! (`fault.rs`) finds the region and calls [`fault`], which does what the monitor did, on the
 //! faulting thread: a load gets a write-protected page of zeroes (`UFFDIO_COPY`); a store
 //! claims the slot (one compare-and-swap, `ahead.rs`), takes the next cluster the provider
-//! lent ahead, maps it over the slot (`MAP_FIXED`, read-ahead off) and records which slot took
-//! it; returning retries the access. So a first touch costs the faulting thread's own system
-//! calls, and no thread has to be woken: the hand-off to the monitor and back cost two
-//! wake-ups, each tens of microseconds when the other CPU was idle in this virtual machine.
+//! lent ahead, maps it over the slot (`MAP_FIXED`, read-ahead off; with the region a page off
+//! 2 MiB boundaries this frees no page table and flushes no TLB, see `map::reserve`) and
+//! records which slot took it; returning retries the access. So a first touch costs the
+//! faulting thread's own system calls, and no thread has to be woken: the hand-off to the
+//! monitor and back cost two wake-ups, each tens of microseconds when the other CPU was idle
+//! in this virtual machine.
 //!
 //! Async-signal-safety: everything here is raw system calls (`ioctl`, `mmap`, `madvise`,
 //! `write` of an eventfd, `sched_yield`) and atomics on memory that lives as long as the
