@@ -24,7 +24,9 @@
 #   --vdisk PATH  the vdisk binary to run (implies --no-build; default target/release/vdisk)
 #   --baseline PATH  another vdisk binary (an older build): the in-process seqlog rows run
 #                 with it too, right beside this one's (which goes first alternates by
-#                 round), and a table sets the two side by side against the same raw rows
+#                 round), and a table sets the two side by side against the same raw rows;
+#                 over NBD it serves its own seqlog disk in the random-write rows beside this
+#                 build's (with --reads in the read rows too), in the same order rule
 #   --spare PCT   the seqlog disks' spare segments, in percent of the disk (default 1500: a
 #                 log of 16 times the disk, 17 GiB each for 1 GiB, preallocated); 500 still
 #                 holds the in-process rows' writes of a round (5 times the disk) uncleaned
@@ -47,7 +49,9 @@
 # sequential and random, vdisk's qcow2 random. seqlog's sequential writes are the seeds'
 # other figure: a sequentializer should not slow them. The list
 # of runs gives each server's CPU time and voluntary context switches (GNU time) and, for
-# seqlog, the batches the run appended (requests per batch: IOPS x runtime / batches).
+# seqlog, the batches the run appended (requests per batch: IOPS x runtime / batches), the
+# writes it declined to the I/O queue (run on the server's workers instead: a checkpoint was
+# due or being taken) and the bytes its checkpoints wrote (both from `vdisk serve --stats`).
 # Last, recovery: the seqlog disk written at random, its server killed with SIGKILL, and the
 # time the next open takes (the newest checkpoint, then the batches after it), per GiB mapped.
 set -euo pipefail
@@ -113,17 +117,25 @@ serve_fio() {
     rm -f "$sock"
     [[ $disk == *.seqlog ]] && before=$(batches "$disk")
     local timed=(/usr/bin/time -f "cpu %U+%S s, %w switches" -o "$work/time.txt")
+    local stats=(--stats "unix:$work/stats.sock") bin=$vdisk
+    rm -f "$work/stats.sock"
     case $server in
-    vdisk-noahead) VDISK_SEQLOG_READAHEAD=off "${timed[@]}" "$vdisk" serve "$work/$disk" --nbd "unix:$sock" --cache none --aio native & pid=$! ;;
-    baseline) "${timed[@]}" "$baseline" serve "$work/$disk" --nbd "unix:$sock" --cache none --aio native & pid=$! ;;
-    vdisk) "${timed[@]}" "$vdisk" serve "$work/$disk" --nbd "unix:$sock" --cache none --aio native & pid=$! ;;
+    vdisk-noahead) VDISK_SEQLOG_READAHEAD=off "${timed[@]}" "$vdisk" serve "$work/$disk" --nbd "unix:$sock" --cache none --aio native "${stats[@]}" & pid=$! ;;
+    baseline) bin=$baseline; "${timed[@]}" "$baseline" serve "$work/$disk" --nbd "unix:$sock" --cache none --aio native "${stats[@]}" & pid=$! ;;
+    vdisk) "${timed[@]}" "$vdisk" serve "$work/$disk" --nbd "unix:$sock" --cache none --aio native "${stats[@]}" & pid=$! ;;
     qemu-nbd) "${timed[@]}" qemu-nbd -f qcow2 --cache=none --aio=native -t -k "$sock" "$work/$disk" & pid=$! ;;
     esac
     for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.05; done
     run_fio "nbd+unix:///?socket=$sock" "$rw" "$qd"
+    local counts=
+    if [[ -n $before ]]; then
+        counts=$("$bin" stats "unix:$work/stats.sock" | awk '
+            /^vdisk_io_declined_total/ {d = $2} /^vdisk_seqlog_checkpoint_written_bytes_total/ {c = $2}
+            END {printf ", %d declined, %.1f MiB of checkpoints", d, c / 2^20}') || counts=
+    fi
     pkill -TERM -P "$pid"; wait "$pid" 2>/dev/null || true
     local extra; extra="server $(tail -1 "$work/time.txt")"
-    [ -n "$before" ] && extra+=", $(( $(batches "$disk") - before )) batches"
+    [ -n "$before" ] && extra+=", $(( $(batches "$disk") - before )) batches$counts"
     echo "$extra" >"$work/extra"
 }
 
@@ -165,8 +177,8 @@ disks=("raw:raw.img:vdisk" "seqlog:disk.seqlog:vdisk" "qcow2-vdisk:disk.qcow2:vd
     "qcow2-qemu-nbd:disk.qcow2:qemu-nbd")
 if ((reads)); then
     disks=("raw:raw.img:vdisk" "seqlog:disk.seqlog:vdisk" "seqlog-noahead:disk.seqlog:vdisk-noahead")
-    [[ -n $baseline ]] && disks+=("baseline-seqlog:base.seqlog:baseline")
 fi
+[[ -n $baseline ]] && disks+=("baseline-seqlog:base.seqlog:baseline")
 for ((r = 1; r <= rounds; r++)); do
     make_disks
     order=()
@@ -208,6 +220,8 @@ for ((r = 1; r <= rounds; r++)); do
                 IFS=: read -r label disk server <<<"$d"
                 # The read-ahead's disk is the same as seqlog's: written once.
                 [[ $rw == randwrite && $label == seqlog-noahead ]] && continue
+                # Without --reads the baseline's only NBD rows are its random writes.
+                [[ $rw != randwrite && $label == baseline-seqlog ]] && ((!reads)) && continue
                 v=$(serve_fio "$disk" "$server" "$rw" "$qd")
                 iops["$label $rw qd$qd"]+="$v "
                 echo "round $r $label $rw qd$qd $v ($(cat "$work/extra"))" | tee -a "$log"
@@ -292,15 +306,22 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
     if ((!inproc)); then
     echo "Random writes over NBD, and the sequential writes they are measured against:"
     echo
-    echo "| qd | fs seqwrite | fs randwrite | raw seqwrite | raw | seqlog | qcow2 (vdisk) | qcow2 (qemu-nbd) | seqlog / raw | seqlog / raw seqwrite | seqlog / fs seqwrite |"
-    echo "|---|---|---|---|---|---|---|---|---|---|---|"
+    hdr="| qd | fs seqwrite | fs randwrite | raw seqwrite | raw | seqlog | qcow2 (vdisk) | qcow2 (qemu-nbd) | seqlog / raw | seqlog / raw seqwrite | seqlog / fs seqwrite |"
+    sep="|---|---|---|---|---|---|---|---|---|---|---|"
+    [[ -n $baseline ]] && hdr+=" baseline | baseline / raw seqwrite |" sep+="---|---|"
+    echo "$hdr"; echo "$sep"
     for qd in 16 32; do
         m() { median "${iops[$1 qd$qd]}"; }
         s=$(m "seqlog randwrite") raw=$(m "raw randwrite") fsseq=$(m "fs seqwrite")
         rawseq=$(m "raw seqwrite")
-        echo "| $qd | $fsseq | $(m "fs randwrite") | $rawseq | $raw | $s |" \
-            "$(m "qcow2-vdisk randwrite") | $(m "qcow2-qemu-nbd randwrite") | $(ratio "$s" "$raw") |" \
-            "$(ratio "$s" "$rawseq") | $(ratio "$s" "$fsseq") |"
+        row="| $qd | $fsseq | $(m "fs randwrite") | $rawseq | $raw | $s |"
+        row+=" $(m "qcow2-vdisk randwrite") | $(m "qcow2-qemu-nbd randwrite") | $(ratio "$s" "$raw") |"
+        row+=" $(ratio "$s" "$rawseq") | $(ratio "$s" "$fsseq") |"
+        if [[ -n $baseline ]]; then
+            b=$(m "baseline-seqlog randwrite")
+            row+=" $b | $(ratio "$b" "$rawseq") |"
+        fi
+        echo "$row"
     done
     echo
     fi

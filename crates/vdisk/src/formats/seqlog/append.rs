@@ -434,7 +434,7 @@ impl Log {
                 drop(t);
                 // One that fails leaves the log to recover from, and the next flush fails
                 // (once, whether the slot's write or a sync failed).
-                let failed = self.checkpoint(map, true).err();
+                let failed = self.checkpoint_if_due(map).err();
                 t = lock(&self.state);
                 if let Some(e) = failed {
                     self.sync_failed.store(false, Relaxed);

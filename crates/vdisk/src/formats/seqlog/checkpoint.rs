@@ -412,7 +412,25 @@ impl Log {
     /// the next flush. (A capped map's pages are written out into the slot the checkpoint
     /// goes to, and read back from either: it keeps writers waiting.)
     pub(super) fn checkpoint(&self, map: &Map, overlap: bool) -> Result<()> {
+        self.checkpoint_when(map, overlap, false)
+    }
+
+    /// What a writer that found a checkpoint due runs: [`Log::checkpoint`] with `overlap`,
+    /// written only if one is still due once its turn comes. Several writers find the same
+    /// one due (the I/O queue's declined writes run on an export's workers side by side),
+    /// and a log that merely grew since another took it is no reason for one more: each held
+    /// the queue's writes back and cost three syncs, and over NBD at depth 32 they came every
+    /// few segments instead of every `interval` (bench/results/seqlog-quick-s36-loaded.md).
+    pub(super) fn checkpoint_if_due(&self, map: &Map) -> Result<()> {
+        self.checkpoint_when(map, true, true)
+    }
+
+    fn checkpoint_when(&self, map: &Map, overlap: bool, if_due: bool) -> Result<()> {
         if !self.sb.checkpoints {
+            return Ok(());
+        }
+        // Taken meanwhile: not even the batches forming are sealed for it.
+        if if_due && !self.checkpoint_due(&super::log::lock(&self.state), map) {
             return Ok(());
         }
         if let Err(e) = self.settle(map) {
@@ -424,6 +442,9 @@ impl Log {
         // One at a time: a checkpoint still being written goes first.
         while t.checkpointing || t.in_flight.is_some() {
             t = wait(&self.changed, t);
+        }
+        if if_due && !self.checkpoint_due(&t, map) {
+            return Ok(());
         }
         if !overlap {
             // Its failure is said here, to a caller that waits for its checkpoint (a close).

@@ -25,7 +25,7 @@
 //! The map is checkpointed (checkpoint.rs) every few segments and at close: an open reads the
 //! newest checkpoint and the segments written since, not the whole log. A writer that finds
 //! one due waits only while the map is copied; its slot is written by a thread of its own
-//! while appends go on (overlap.rs).
+//! while appends go on (overlap.rs). Writers that found the same one due write it once.
 //!
 //! Writes hinted as metadata (`BlockDev::write_hinted`: qcow2's tables when qcow2 sits on
 //! seqlog) go to a metadata stream, a segment of their own (docs/seqlog-format.md, "Streams").

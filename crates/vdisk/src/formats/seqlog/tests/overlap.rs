@@ -188,3 +188,41 @@ fn nothing_is_cleaned_while_the_slot_is_written() {
     let (_t, freed) = disk.log.reclaim(t, &disk.map).unwrap();
     assert!(freed.is_some(), "a victim was there all along");
 }
+
+/// Writers that found the same checkpoint due write it once: one whose turn comes after
+/// another took it writes none, though the log grew meanwhile (short of the interval). Over
+/// NBD every write the I/O queue declined ran on a worker of its own and wrote one more, at
+/// depth 32 about ten times as many as the interval asks. Fails if the second writes one.
+#[test]
+fn a_checkpoint_several_writers_found_due_is_written_once() {
+    let (crash, disk) = disk();
+    let mut want = vec![0u8; disk.log.sb.map_blocks() as usize];
+    let due = || {
+        disk.log
+            .checkpoint_due(&log::lock(&disk.log.state), &disk.map)
+    };
+    let mut b = 1;
+    while !due() {
+        put(&disk, &mut want, b % 400 + 1, 2);
+        b += 1;
+    }
+    let written = || {
+        disk.log
+            .stats
+            .checkpoints
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let before = written();
+    // The first writer's turn: it is due, and written.
+    disk.log.checkpoint_if_due(&disk.map).unwrap();
+    disk.log.join_checkpoint();
+    assert_eq!(written(), before + 1);
+    // Another writer that found it due before the first took it, after a write meanwhile.
+    put(&disk, &mut want, 500, 3);
+    assert!(!due());
+    disk.log.checkpoint_if_due(&disk.map).unwrap();
+    disk.log.join_checkpoint();
+    assert_eq!(written(), before + 1, "a second checkpoint, none due");
+    disk.flush().unwrap();
+    check(Arc::new(MemStorage::from_bytes(crash.durable())), &want).unwrap();
+}
