@@ -10,8 +10,10 @@
 #   --quick       256 MiB images, 1 s per run (about 3 minutes); default 1 GiB, 3 s
 #   --seconds S   seconds per run
 #   --size-mib N  image size
-#   --rounds N    run every pair N times (alternating which server goes first) and report each
-#                 server's median IOPS; this machine's runs vary by up to 2x from one to the next
+#   --rounds N    run every row N times, each round in another order of the servers (the order
+#                 rotates: with --baseline and 3 rounds each server takes each place once), and
+#                 report each server's median IOPS; this machine's runs vary by up to 2x from
+#                 one to the next
 #   --only REGEX  run only the rows whose label matches
 #   --segments N  vhost-load cuts each request's data into N descriptors, none contiguous with
 #                 the next (a guest's scattered pages); default 1
@@ -30,10 +32,14 @@
 #
 # Rows: 4 KiB random writes to a fresh image (allocating), 4 KiB random writes and reads on an
 # allocated image, 64 KiB and 1 MiB sequential reads and writes (allocated image); each at depth
-# 1 and 32, on 1 and 4 queues. Write runs end with a flush, counted in their time. Servers
-# alternate which goes first from row to row; the page cache is dropped before every run (as
-# root). The allocated image is written once (qemu-img convert of random data) and reused: its
-# overwrites keep it allocated.
+# 1 and 32, on 1 and 4 queues. Write runs end with a flush, counted in their time. The servers'
+# order rotates from round to round (and row to row); the page cache is dropped before every
+# run (as root). Read runs then read the whole image first, not counted: through the page
+# cache in the writeback pair (cat), so that every server reads an image the page cache holds,
+# and with O_DIRECT in the other. Without it a 2-3 s read run is mostly its cold pass over the
+# image, whose speed the run before it decides: after a write row the first pass is several
+# times slower (bench/vhost-place.sh shows it; bench/README.md, issue 26). The allocated image is
+# written once (qemu-img convert of random data) and reused: its overwrites keep it allocated.
 set -euo pipefail
 command_line="bench/vhost.sh $*"
 usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit "${1:-0}"; }
@@ -117,6 +123,16 @@ start_server() {
 run() {
     local server=$1 cache=$2 image=$3 queues=$4 rw=$5 bs=$6 depth=$7
     if [ "$(id -u)" = 0 ]; then sync; echo 3 > /proc/sys/vm/drop_caches; fi
+    # Reads find the whole image where the run before left it, whatever that run was
+    # (bench/vhost-place.sh: after a write row the first pass over the image is slow, the
+    # next ones not): in the page cache through it, and read once (O_DIRECT) below it.
+    if [[ $rw = *read ]]; then
+        if [ "$cache" = writeback ]; then
+            cat "$image" > /dev/null
+        else
+            dd if="$image" of=/dev/null bs=8M iflag=direct status=none
+        fi
+    fi
     start_server "$server" "$cache" "$image" "$queues"
     local line
     line=$("$load" --socket "$sock" --rw "$rw" --bs "$bs" --depth "$depth" --queues "$queues" \
@@ -147,10 +163,12 @@ report=$(mktemp)
     echo "\`$command_line\` on $(date -u +%Y-%m-%d), $(nproc) CPUs,"
     echo "$(qemu-storage-daemon --version | head -1), vdisk $(git rev-parse --short HEAD)."
     echo "Images of $size_mib MiB, $seconds s per run, IOPS from vhost-load (crates/vhost-load);"
-    echo "$rounds round(s) per row, each server's median reported; data in $segments descriptor(s) a request."
+    echo "$rounds round(s) per row, the servers' order rotating, each server's median reported;"
+    echo "data in $segments descriptor(s) a request. Page cache dropped before each run; read runs"
+    echo "then read the image once, not counted (writeback: into the page cache; none: O_DIRECT)."
     echo "Ratio: vdisk over qemu-storage-daemon in the same cache mode."
     if [ -n "$baseline" ]; then
-        echo "Base: the vdisk binary $baseline, run in the same rounds, right after this build;"
+        echo "Base: the vdisk binary $baseline, run in the same rounds (places rotating);"
         echo "vs base: this build over it."
         echo
         echo "| row | queues | depth | vdisk | qsd | ratio | base | vs base | vdisk none | qsd none | ratio none | base none | vs base none |"
@@ -161,17 +179,22 @@ report=$(mktemp)
         echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     fi
 } > "$report"
-first=vdisk
+servers=(vdisk qsd ${baseline:+base})
+turn=0
 for row in "${rows[@]}"; do
     read -r label rw bs depth queues kind <<< "$row"
     [ -n "$only" ] && ! [[ "$label q$queues d$depth" =~ $only ]] && continue
     declare -A iops=()
     for cache in writeback none; do
         for _ in $(seq "$rounds"); do
-            order="$first $([ $first = vdisk ] && echo qsd || echo vdisk)"
-            # The baseline runs right after this build, whichever goes first.
-            [ -n "$baseline" ] && order=${order/vdisk/vdisk base}
-            for server in $order; do
+            # Each round starts one place further along the servers: none always runs
+            # right after another.
+            order=()
+            for i in "${!servers[@]}"; do
+                order+=("${servers[(i + turn) % ${#servers[@]}]}")
+            done
+            turn=$((turn + 1))
+            for server in "${order[@]}"; do
                 image=$allocated
                 if [ "$kind" = fresh ]; then
                     image=$work/fresh.qcow2
@@ -180,7 +203,6 @@ for row in "${rows[@]}"; do
                 fi
                 iops[$server-$cache]+="$(run "$server" "$cache" "$image" "$queues" "$rw" "$bs" "$depth") "
             done
-            first=$([ $first = vdisk ] && echo qsd || echo vdisk)
         done
         for server in vdisk qsd $([ -n "$baseline" ] && echo base); do
             iops[$server-$cache]=$(median ${iops[$server-$cache]})
