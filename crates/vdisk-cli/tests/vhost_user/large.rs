@@ -220,3 +220,76 @@ fn pool_threads_answer_each_request_once_and_call_the_driver() {
     drop(dev);
     assert!(served.stop().success());
 }
+
+/// Four queues' large writes through the page cache at once, 8 each in flight: the pool's
+/// threads take their turns at the device's write gate (one buffered write at a time), every
+/// write is answered, and each byte read back is the one written there; the same with the
+/// write cache off, where each write's flush comes after the gate.
+#[test]
+fn large_writes_of_several_queues_take_turns_and_all_land() {
+    let Some(tools) = tools() else { return };
+    for wce in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let image = new_image(&tools, dir.path(), "g.qcow2", "64M");
+        let served = Served::start(&tools, &image, &["--num-queues", "4"]);
+        const N: u16 = 8;
+        let (mut dev, mut queues) =
+            served.connect_with(Setup::new(4, 64, u64::from(N) * (4096 + MIB)));
+        if !wce {
+            dev.frontend
+                .set_config(32, VhostUserConfigFlags::WRITABLE, &[0])
+                .expect("set writeback to 0");
+        }
+        let ram = dev.ram.clone();
+        let slots: Vec<Slots> = queues
+            .iter()
+            .map(|q| Slots::new(q, N, MIB as u32))
+            .collect();
+        // Queue i's slot s writes MiB 8 * i + s: every MiB of the first 32 once.
+        let data = |i: usize, s: u16| pattern((i as u16 * N + s) as u8 ^ 0x5a, MIB as usize);
+        let sector = |i: usize, s: u16| (i as u64 * u64::from(N) + u64::from(s)) * MIB / 512;
+        for op in [Op::Write, Op::Read] {
+            for (i, q) in queues.iter_mut().enumerate() {
+                for s in 0..N {
+                    match op {
+                        Op::Write => ram.write(slots[i].data(s), &data(i, s)),
+                        _ => ram.fill(slots[i].data(s), MIB as usize, 0),
+                    }
+                    slots[i]
+                        .add(&ram, q, s, op, sector(i, s), MIB as u32)
+                        .unwrap();
+                }
+                q.ring.publish();
+            }
+            for q in queues.iter_mut() {
+                q.kick().unwrap();
+            }
+            for (i, q) in queues.iter_mut().enumerate() {
+                let mut answered = 0;
+                while answered < N {
+                    match q.ring.pop_used() {
+                        Some(used) => {
+                            used.unwrap();
+                            answered += 1;
+                        }
+                        None => assert!(
+                            q.wait_call_for(Duration::from_secs(10)).unwrap(),
+                            "queue {i} (write cache {wce}): {answered} of {N} answered"
+                        ),
+                    }
+                }
+                for s in 0..N {
+                    assert_eq!(slots[i].status(&ram, s), S_OK, "queue {i} slot {s}");
+                    if matches!(op, Op::Read) {
+                        let mut got = vec![0u8; MIB as usize];
+                        ram.read(slots[i].data(s), &mut got);
+                        assert!(got == data(i, s), "read of queue {i} slot {s} (wce {wce})");
+                    }
+                }
+            }
+        }
+        drop(queues);
+        drop(dev);
+        assert!(served.stop().success());
+    }
+}

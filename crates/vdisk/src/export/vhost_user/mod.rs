@@ -100,6 +100,9 @@ struct Device {
     /// Warnings a driver (or a failing disk) can repeat without bound.
     noise: Throttle,
     stats: Arc<VhostStats>,
+    /// Taken by a pool thread for a large write through the page cache (see
+    /// `Worker::transfer_on_pool`).
+    write_gate: Mutex<()>,
 }
 
 impl Device {
@@ -160,6 +163,7 @@ impl VhostUserBlk {
             log: opts.log.clone(),
             noise: Throttle::default(),
             stats: Arc::default(),
+            write_gate: Mutex::new(()),
         });
         let stats = device.stats.clone();
         let stop = Arc::new(AtomicBool::new(false));

@@ -389,9 +389,17 @@ impl Worker {
         segs: Vec<Segment>,
     ) {
         let write_through = !self.writeback;
+        let device = self.device.clone();
         self.answer_on_pool(move |dev| {
             let memory = mem.memory();
-            let ok = guest_slices(&*memory, &segs).is_some_and(|slices| {
+            let all_done = guest_slices(&*memory, &segs).map(|slices| {
+                // Buffered writes of one file run one at a time in the kernel (each holds the
+                // inode's lock for its whole copy), so the pool's writers queue here, asleep,
+                // rather than in the kernel's lock, whose waiters spin while its holder
+                // copies: on a machine of few CPUs, the CPU a worker or the driver needs. Not
+                // held for the flush, which needs no turn.
+                let _gate =
+                    (write && !device.direct).then(|| crate::sync::lock(&device.write_gate));
                 slices.into_iter().all(|(at, data)| {
                     let done = if write {
                         dev.write(offset + at, data)
@@ -399,8 +407,9 @@ impl Worker {
                         dev.read(offset + at, data)
                     };
                     done.is_ok()
-                }) && (!write || !write_through || dev.flush().is_ok())
+                })
             });
+            let ok = all_done == Some(true) && (!write || !write_through || dev.flush().is_ok());
             let code = if ok { S_OK } else { S_IOERR };
             let moved = if ok && !write { total(&segs) as u32 } else { 0 };
             Answer {
