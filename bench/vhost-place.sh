@@ -4,12 +4,15 @@
 # run, as bench/vhost.sh does), with what each run cost and what state it found:
 # the server's and vhost-load's CPU time and context switches, the disk's reads and writes
 # during the run (/proc/diskstats of the image's device: what the page cache did not hold),
-# major faults, THP and compaction events (/proc/vmstat), the image's extents (filefrag) and
-# the load average.
+# the server's own reads and writes (/proc/PID/io), major faults, THP and compaction events
+# (/proc/vmstat), free memory by block size (/proc/buddyinfo), the image's extents (filefrag)
+# and the load average. Session 36 found with it that the first read run after a write row is
+# slow whichever server makes it (bench/results/vhost-place-s36-loaded.md).
 #
 #   bench/vhost-place.sh [--row "RW BS DEPTH QUEUES"] [--order "SERVER ..."] [--before "RW BS DEPTH QUEUES"]
-#                        [--cache writeback|none] [--seconds S] [--size-mib N] [--no-drop]
-#                        [--vdisk BINARY] [--baseline BINARY] [--out FILE]
+#                        [--settle S] [--cache writeback|none] [--seconds S] [--size-mib N]
+#                        [--no-drop] [--probe] [--warm] [--vdisk BINARY] [--baseline BINARY]
+#                        [--out FILE]
 #
 #   --row     the row; default "read 65536 32 1" (64 KiB sequential reads, depth 32, one queue)
 #   --order   the servers in run order: vdisk, base (the --baseline binary) or qsd; default
