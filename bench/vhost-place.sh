@@ -126,7 +126,7 @@ report=$(mktemp)
     echo "Row: $row (rw, bytes, depth, queues)${before:+; before the runs, once: $before, then $settle s of sleep}."
     echo "Disk MiB: read from / written to $dev during the run, by any process (server read / written: the server's own, /proc/PID/io); CPU in seconds; switches: context switches."
     echo "Free MiB: free memory in blocks of 2 MiB or more / under 64 KiB (/proc/buddyinfo) as the server starts."
-    echo "Probe: the disk's O_DIRECT read speed just before the run (--probe); warm: the image read through the page cache before the run (--warm)."
+    echo "Probe: the disk's O_DIRECT read speed just before the run (--probe); warm: the image read through the page cache before the run (--warm), at what speed."
     echo
     echo "| run | server | probe MB/s | warm | free MiB ≥2M / <64K | IOPS | server CPU | server switches | server read / written MiB | load CPU | load switches | disk read MiB | disk read ms | disk KiB / read | disk written MiB | major faults | THP faults | compaction stalls | extents | load avg |"
     echo "| ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
@@ -155,7 +155,13 @@ for server in $order; do
         speed=$(dd if="$image" of=/dev/null bs=8M iflag=direct 2>&1 \
             | awk -F', ' '/copied/ {split($3, t, " "); printf "%.0f", $1 / t[1] / 1e6}')
     fi
-    [ $warm = 1 ] && cat "$image" > /dev/null
+    warmed=no
+    if [ $warm = 1 ]; then
+        # Timed: how fast the cold pass goes with no server in it.
+        t0=$(date +%s.%N)
+        cat "$image" > /dev/null
+        warmed=$(echo "$(stat -c %s "$image") / ($(date +%s.%N) - $t0) / 1000000" | bc -l | xargs printf '%.0f MB/s')
+    fi
     extents=$(filefrag "$image" | sed -n 's/.*: \([0-9]*\) extents\? found/\1/p')
     free_mem=$(buddy)
     start_server "$server" "$queues"
@@ -170,7 +176,7 @@ for server in $order; do
     read -r _ lu ls lw lc < "$work/place.time"
     iops=$(echo "$line" | sed -n 's/.*iops=\([0-9]*\).*/\1/p')
     printf '| %s | %s | %s | %s | %s | %s | %.2f | %s | %s | %.2f | %s | %.0f | %s | %s | %.0f | %s | %s | %s | %s | %s |\n' \
-        "$n" "$server" "$speed" "$([ $warm = 1 ] && echo yes || echo no)" "${free_mem/ / \/ }" "$iops" "$(echo "$cpu / $tick" | bc -l)" "$switches" "${sio/ / \/ }" \
+        "$n" "$server" "$speed" "$warmed" "${free_mem/ / \/ }" "$iops" "$(echo "$cpu / $tick" | bc -l)" "$switches" "${sio/ / \/ }" \
         "$(echo "$lu + $ls" | bc -l)" "$((lw + lc))" "$(echo "($r1 - $r0) / 2048" | bc -l)" \
         "$((rms1 - rms0))" "$(((r1 - r0) / 2 / (rq1 - rq0 + 1)))" "$(echo "($w1 - $w0) / 2048" | bc -l)" "$((mf1 - mf0))" \
         "$((thp1 - thp0))" "$((cs1 - cs0))" "$extents" "$(cut -d' ' -f1 /proc/loadavg)" \
