@@ -13,14 +13,16 @@ pub(super) const HUGE: usize = 2 << 20;
 /// slots' placeholder. Private and unreserved: it never holds data, userfaultfd intercepts
 /// every first touch.
 ///
-/// The slots start at multiples of `min(cluster_size, 2 MiB)`, so that the kernel can map a
-/// 2 MiB cluster with one huge page: a DAX file system always, the page cache where the file's
-/// cached folios are 2 MiB (ext4 makes them so for large writes; `pcow_map access` counts
-/// them). Loads at random through such a mapping cost no more than through a plain mmap of a
-/// raw file; a page off, 3.4 times as much (`bench/results/pcow.md`).
+/// The region starts `phase` past a 2 MiB boundary (`Layout::phase`: its first present
+/// cluster's address and file offset then agree modulo 2 MiB), so that the kernel can map
+/// 2 MiB of clusters in file order with one huge page: a DAX file system always, the page
+/// cache where the file's cached folios are 2 MiB (ext4 makes them so for large writes and
+/// read-ahead; `pcow_map access` counts them). Loads at random through such a mapping cost
+/// no more than through a plain mmap of a raw file; a page off, 3.4 times as much
+/// (`bench/results/pcow.md`).
 ///
 /// With `skew` (clusters in the page cache, and some slot absent, so that first touches are
-/// to come) the region starts one page past such a multiple instead, so that no 2 MiB slot
+/// to come) the region starts one page past a multiple of `min(cluster_size, 2 MiB)` instead, so that no 2 MiB slot
 /// covers a page table's span alone. The first touch of an absent slot makes the kernel
 /// allocate the page table under the address before it raises the fault
 /// (`do_anonymous_page`), and a cluster mapped over a slot that covered that table's whole
@@ -33,9 +35,16 @@ pub(super) const HUGE: usize = 2 << 20;
 /// (Clusters larger than 2 MiB still cover whole tables' spans inside them.) A region whose
 /// every slot is present at open (a disk written whole, a chain of base images) has no first
 /// touch to make faster, and keeps its huge pages.
-pub(super) fn reserve(len: usize, cluster_size: usize, skew: bool) -> io::Result<usize> {
-    let align = cluster_size.min(HUGE);
-    let skew = if skew { PAGE } else { 0 };
+pub(super) fn reserve(
+    len: usize,
+    cluster_size: usize,
+    skew: bool,
+    phase: usize,
+) -> io::Result<usize> {
+    let (align, skew) = match skew {
+        true => (cluster_size.min(HUGE), PAGE),
+        false => (HUGE, phase % HUGE),
+    };
     let total = len + align + skew;
     // SAFETY: a new mapping at an address the kernel picks; it overlaps nothing of ours.
     let p = unsafe {
@@ -179,4 +188,24 @@ pub(super) fn map_budget() -> io::Result<(usize, usize)> {
     let maps = std::fs::read("/proc/self/maps")?;
     let in_use = maps.iter().filter(|&&b| b == b'\n').count();
     Ok((limit, in_use))
+}
+
+impl super::region::Layout {
+    /// Where in a 2 MiB span the region should start so that its first present cluster's
+    /// address and file offset agree modulo 2 MiB: then a run of clusters in file order maps
+    /// whole 2 MiB folios of the page cache (or of DAX) with huge pages, whatever the
+    /// cluster size.
+    pub(super) fn phase(&self) -> usize {
+        let first = self
+            .slots
+            .iter()
+            .find_map(|(&slot, initial)| match initial {
+                super::region::Initial::Writable(c) => Some((slot, c.offset)),
+                _ => None,
+            });
+        first.map_or(0, |(slot, offset)| {
+            let at = (slot as usize).wrapping_mul(self.cluster_size);
+            (offset as usize).wrapping_sub(at) % HUGE
+        })
+    }
 }

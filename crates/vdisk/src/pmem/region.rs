@@ -25,13 +25,13 @@ const HEADROOM: usize = 1024;
 /// image, older snapshots, newer ones, the writable part) as the paper does.
 pub struct Layout {
     len: usize,
-    cluster_size: usize,
-    slots: BTreeMap<u64, Initial>,
+    pub(super) cluster_size: usize,
+    pub(super) slots: BTreeMap<u64, Initial>,
     page_mappings: usize,
     kernel_faults: bool,
 }
 
-enum Initial {
+pub(super) enum Initial {
     Writable(Cluster),
     ReadOnly {
         old: Cluster,
@@ -214,7 +214,7 @@ impl Region {
             _ => libc::MAP_SHARED_VALIDATE | libc::MAP_SYNC,
         };
         let skew = shared == libc::MAP_SHARED && layout.slots.len() < slots;
-        let base = map::reserve(layout.len, layout.cluster_size, skew);
+        let base = map::reserve(layout.len, layout.cluster_size, skew, layout.phase());
         let base = base.map_err(os("reserving the region"))?;
         let written = Arc::new(Written::new(slots));
         let provider: SharedProvider = Arc::new(std::sync::Mutex::new(Held::new(provider)));

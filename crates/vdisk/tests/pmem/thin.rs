@@ -338,3 +338,33 @@ fn a_region_without_absent_slots_stays_on_2_mib_boundaries() {
     assert_eq!(u64::from_le_bytes(got), 0x5555);
     assert_eq!(r.stats().missing_faults, 0);
 }
+
+/// Without absent slots a region starts where its first present cluster's address and file
+/// offset agree modulo 2 MiB, so that clusters in file order can share huge pages whatever
+/// their size (64 KiB here, the first at 192 KiB into the file).
+#[test]
+fn a_region_of_present_clusters_starts_at_its_first_clusters_file_phase() {
+    let dir = tempdir();
+    let cs = 64 << 10;
+    let file = Arc::new(disk_file(&dir, "img"));
+    file.set_len(64 * cs as u64).unwrap();
+    let mut layout = Layout::new(32 * cs, cs).unwrap();
+    for slot in 0..32u64 {
+        let offset = (slot + 3) * cs as u64;
+        (layout.writable(
+            slot,
+            Cluster {
+                file: file.clone(),
+                offset,
+            },
+        ))
+        .unwrap();
+    }
+    let (r, _, _) = region(layout, disk_file(&dir, "pool"), cs);
+    assert_eq!(r.as_ptr() as usize % (2 * MIB), 3 * cs);
+    store_u64(&r, 5 * cs + 8, 0x6666);
+    r.persist(5 * cs + 8, 8).unwrap();
+    let mut got = [0u8; 8];
+    file.read_exact_at(&mut got, 8 * cs as u64 + 8).unwrap();
+    assert_eq!(u64::from_le_bytes(got), 0x6666);
+}
