@@ -6,25 +6,25 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 
 pub(super) const PAGE: usize = 4096;
 
-/// The alignment of a region's slots: 2 MiB (a PMD's span), or the cluster size if smaller.
+/// A PMD's span, 2 MiB: what one huge page maps.
 pub(super) const HUGE: usize = 2 << 20;
 
 /// Reserves `len` bytes of anonymous memory for a region of `cluster_size` slots: the absent
 /// slots' placeholder. Private and unreserved: it never holds data, userfaultfd intercepts
 /// every first touch.
 ///
-/// The region starts `phase` past a 2 MiB boundary (`Layout::phase`: its first present
-/// cluster's address and file offset then agree modulo 2 MiB), so that the kernel can map
-/// 2 MiB of clusters in file order with one huge page: a DAX file system always, the page
+/// The region starts `phase` past a 2 MiB boundary (`Layout::phase`, in pmem/mod.rs: its first
+/// present cluster's address and file offset then agree modulo 2 MiB), so that the kernel can
+/// map 2 MiB of clusters in file order with one huge page: a DAX file system always, the page
 /// cache where the file's cached folios are 2 MiB (ext4 makes them so for large writes and
 /// read-ahead; `pcow_map access` counts them). Loads at random through such a mapping cost
 /// no more than through a plain mmap of a raw file; a page off, 3.4 times as much
 /// (`bench/results/pcow.md`).
 ///
 /// With `skew` (clusters in the page cache, and some slot absent, so that first touches are
-/// to come) the region starts one page past a multiple of `min(cluster_size, 2 MiB)` instead, so that no 2 MiB slot
-/// covers a page table's span alone. The first touch of an absent slot makes the kernel
-/// allocate the page table under the address before it raises the fault
+/// to come) the region starts one page past a multiple of `min(cluster_size, 2 MiB)` instead,
+/// so that no 2 MiB slot covers a page table's span alone. The first touch of an absent slot
+/// makes the kernel allocate the page table under the address before it raises the fault
 /// (`do_anonymous_page`), and a cluster mapped over a slot that covered that table's whole
 /// span frees it; a freed page table is a TLB flush sent to every CPU that ran the process,
 /// idle ones too, and the mapping waits for them: in this VM, whose idle CPUs halt, a wake-up
@@ -188,24 +188,4 @@ pub(super) fn map_budget() -> io::Result<(usize, usize)> {
     let maps = std::fs::read("/proc/self/maps")?;
     let in_use = maps.iter().filter(|&&b| b == b'\n').count();
     Ok((limit, in_use))
-}
-
-impl super::region::Layout {
-    /// Where in a 2 MiB span the region should start so that its first present cluster's
-    /// address and file offset agree modulo 2 MiB: then a run of clusters in file order maps
-    /// whole 2 MiB folios of the page cache (or of DAX) with huge pages, whatever the
-    /// cluster size.
-    pub(super) fn phase(&self) -> usize {
-        let first = self
-            .slots
-            .iter()
-            .find_map(|(&slot, initial)| match initial {
-                super::region::Initial::Writable(c) => Some((slot, c.offset)),
-                _ => None,
-            });
-        first.map_or(0, |(slot, offset)| {
-            let at = (slot as usize).wrapping_mul(self.cluster_size);
-            (offset as usize).wrapping_sub(at) % HUGE
-        })
-    }
 }
