@@ -139,6 +139,7 @@ for ((r = 1; r <= rounds; r++)); do
         while read -r _ op m p; do
             run "access.$cs.$op.map" "$m"
             run "access.$cs.$op.raw" "$p"
+            run "access.$cs.$op.ratio" "$(ratio "$m" "$p")"
         done < <(grep '^access ' <<<"$out")
         log+="    (access, $(grep '^huge pages: ' <<<"$out"))"$'\n'
     done
@@ -208,9 +209,9 @@ done
         "both on the page cache, nothing persisted while timed; the run log says how much of" \
         "each the kernel mapped with 2 MiB pages):"
     echo
-    echo "| operation | mmap of a raw file | pcow::Mapping, 64 KiB clusters | mapping / mmap |" \
-        "pcow::Mapping, 2 MiB clusters | mapping / mmap |"
-    echo "| --- | --- | --- | --- | --- | --- |"
+    echo "| operation | pcow::Mapping, 64 KiB clusters | mmap beside it | mapping / mmap |" \
+        "pcow::Mapping, 2 MiB clusters | mmap beside it | mapping / mmap |"
+    echo "| --- | --- | --- | --- | --- | --- | --- |"
     for op in load8 store8 copy-out copy-in; do
         case $op in
             load8) label="8-byte load, random" ;;
@@ -218,11 +219,14 @@ done
             copy-out) label="1 MiB copy out of the disk (memcpy)" ;;
             copy-in) label="1 MiB copy into the disk (memcpy)" ;;
         esac
-        # The plain mmap ran beside both images: its median over both runs.
-        p=$(tr ' ' '\n' <<<"${runs[access.64k.$op.raw]}${runs[access.2m.$op.raw]}" | grep . |
-            median)
-        a=$(med "access.64k.$op.map") b=$(med "access.2m.$op.map")
-        echo "| $label | $p | $a | $(ratio "$a" "$p") | $b | $(ratio "$b" "$p") |"
+        # Each ratio the median of the runs' own (mapping and mmap in one process, side by
+        # side): on a loaded machine the speed of both swings several times from run to run.
+        row="| $label |"
+        for cs in 64k 2m; do
+            row+=" $(med "access.$cs.$op.map") | $(med "access.$cs.$op.raw") |"
+            row+=" $(med "access.$cs.$op.ratio") |"
+        done
+        echo "$row"
     done
     echo
     echo "First touch of every cluster ($((size >> 16)) of 64 KiB) of a fresh $size_mib MiB disk, one" \

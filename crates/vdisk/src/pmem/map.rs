@@ -6,18 +6,25 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 
 pub(super) const PAGE: usize = 4096;
 
-/// The alignment of a region's slots: 2 MiB (a PMD's span), or the cluster size if smaller.
+/// A PMD's span, 2 MiB: what one huge page maps.
 pub(super) const HUGE: usize = 2 << 20;
 
-/// Reserves `len` bytes of anonymous memory for a region of `cluster_size` slots, mapped
-/// `shared` (`MAP_SHARED`, or with `MAP_SYNC` on DAX): the absent slots' placeholder.
-/// Private and unreserved: it never holds data, userfaultfd intercepts every first touch.
+/// Reserves `len` bytes of anonymous memory for a region of `cluster_size` slots: the absent
+/// slots' placeholder. Private and unreserved: it never holds data, userfaultfd intercepts
+/// every first touch.
 ///
-/// With `MAP_SYNC` the slots start at multiples of `min(cluster_size, 2 MiB)`, so that a DAX
-/// file system can map each cluster with huge pages. Otherwise (clusters in the page cache,
-/// mapped a 4 KiB page at a time) the region starts one page past such a multiple, so that no
-/// 2 MiB slot covers a page table's span alone. The first touch of an absent slot makes the
-/// kernel allocate the page table under the address before it raises the fault
+/// The region starts `phase` past a 2 MiB boundary (`Layout::phase`, in pmem/mod.rs: its first
+/// present cluster's address and file offset then agree modulo 2 MiB), so that the kernel can
+/// map 2 MiB of clusters in file order with one huge page: a DAX file system always, the page
+/// cache where the file's cached folios are 2 MiB (ext4 makes them so for large writes and
+/// read-ahead; `pcow_map access` counts them). Loads at random through such a mapping cost
+/// no more than through a plain mmap of a raw file; a page off, 3.4 times as much
+/// (`bench/results/pcow.md`).
+///
+/// With `skew` (clusters in the page cache, and some slot absent, so that first touches are
+/// to come) the region starts one page past a multiple of `min(cluster_size, 2 MiB)` instead,
+/// so that no 2 MiB slot covers a page table's span alone. The first touch of an absent slot
+/// makes the kernel allocate the page table under the address before it raises the fault
 /// (`do_anonymous_page`), and a cluster mapped over a slot that covered that table's whole
 /// span frees it; a freed page table is a TLB flush sent to every CPU that ran the process,
 /// idle ones too, and the mapping waits for them: in this VM, whose idle CPUs halt, a wake-up
@@ -25,10 +32,19 @@ pub(super) const HUGE: usize = 2 << 20;
 /// 43.6 µs mean against 22.2, traced, a fifth of the touches on a loaded machine). With the slots
 /// a page off, each table's span ends inside a neighbour slot, which stays mapped: nothing is
 /// freed, and with nothing unmapped but the empty placeholder no flush is needed at all.
-/// (Clusters larger than 2 MiB still cover whole tables' spans inside them.)
-pub(super) fn reserve(len: usize, cluster_size: usize, shared: libc::c_int) -> io::Result<usize> {
-    let align = cluster_size.min(HUGE);
-    let skew = if shared == libc::MAP_SHARED { PAGE } else { 0 };
+/// (Clusters larger than 2 MiB still cover whole tables' spans inside them.) A region whose
+/// every slot is present at open (a disk written whole, a chain of base images) has no first
+/// touch to make faster, and keeps its huge pages.
+pub(super) fn reserve(
+    len: usize,
+    cluster_size: usize,
+    skew: bool,
+    phase: usize,
+) -> io::Result<usize> {
+    let (align, skew) = match skew {
+        true => (cluster_size.min(HUGE), PAGE),
+        false => (HUGE, phase % HUGE),
+    };
     let total = len + align + skew;
     // SAFETY: a new mapping at an address the kernel picks; it overlaps nothing of ours.
     let p = unsafe {

@@ -282,3 +282,24 @@ pub enum Error {
 fn os(step: &'static str) -> impl FnOnce(io::Error) -> Error {
     move |source| Error::Os { step, source }
 }
+
+// Here rather than in region.rs (at the 600-line cap) or map.rs (which region.rs imports).
+impl region::Layout {
+    /// Where in a 2 MiB span the region should start so that its first present cluster's
+    /// address and file offset agree modulo 2 MiB: then a run of clusters in file order maps
+    /// whole 2 MiB folios of the page cache (or of DAX) with huge pages, whatever the
+    /// cluster size.
+    fn phase(&self) -> usize {
+        let first = self
+            .slots
+            .iter()
+            .find_map(|(&slot, initial)| match initial {
+                region::Initial::Writable(c) => Some((slot, c.offset)),
+                _ => None,
+            });
+        first.map_or(0, |(slot, offset)| {
+            let at = (slot as usize).wrapping_mul(self.cluster_size);
+            (offset as usize).wrapping_sub(at) % map::HUGE
+        })
+    }
+}

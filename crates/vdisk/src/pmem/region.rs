@@ -25,13 +25,13 @@ const HEADROOM: usize = 1024;
 /// image, older snapshots, newer ones, the writable part) as the paper does.
 pub struct Layout {
     len: usize,
-    cluster_size: usize,
-    slots: BTreeMap<u64, Initial>,
+    pub(super) cluster_size: usize,
+    pub(super) slots: BTreeMap<u64, Initial>,
     page_mappings: usize,
     kernel_faults: bool,
 }
 
-enum Initial {
+pub(super) enum Initial {
     Writable(Cluster),
     ReadOnly {
         old: Cluster,
@@ -43,8 +43,7 @@ enum Initial {
 }
 
 impl Layout {
-    /// A layout of `len` bytes in clusters of `cluster_size` (a power of two, at least 4 KiB),
-    /// every slot absent.
+    /// A layout of `len` bytes in clusters of `cluster_size` (a power of two, ≥ 4 KiB), all absent.
     pub fn new(len: usize, cluster_size: usize) -> Result<Layout, Error> {
         if cluster_size < PAGE || !cluster_size.is_power_of_two() {
             return Err(Error::ClusterSize(cluster_size));
@@ -214,7 +213,8 @@ impl Region {
             PersistKind::Msync => libc::MAP_SHARED,
             _ => libc::MAP_SHARED_VALIDATE | libc::MAP_SYNC,
         };
-        let base = map::reserve(layout.len, layout.cluster_size, shared);
+        let skew = shared == libc::MAP_SHARED && layout.slots.len() < slots;
+        let base = map::reserve(layout.len, layout.cluster_size, skew, layout.phase());
         let base = base.map_err(os("reserving the region"))?;
         let written = Arc::new(Written::new(slots));
         let provider: SharedProvider = Arc::new(std::sync::Mutex::new(Held::new(provider)));

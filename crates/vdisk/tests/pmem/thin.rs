@@ -2,9 +2,9 @@
 //! provider; nothing else costs file space.
 
 use std::os::unix::fs::{FileExt, MetadataExt};
-use std::sync::Barrier;
+use std::sync::{Arc, Barrier};
 
-use vdisk::pmem::{Layout, Need};
+use vdisk::pmem::{Cluster, Layout, Need};
 
 use super::common::*;
 
@@ -282,7 +282,8 @@ fn a_read_into_an_absent_slot_is_served_with_kernel_faults_only() {
     }
 }
 
-/// A region whose clusters live in the page cache starts a page past a 2 MiB boundary: a
+/// A region whose clusters live in the page cache, and of which some slot is absent (here
+/// all), starts a page past a 2 MiB boundary: a
 /// cluster mapped over a never-touched 2 MiB slot then frees no page table, whose TLB flush
 /// waited for every CPU that ran the process, idle ones too (`pmem/map.rs`, `reserve`;
 /// `bench/pmem-phases.sh` counts the flushes). Its first touches still fill whole slots.
@@ -305,4 +306,65 @@ fn a_page_cache_region_starts_a_page_past_a_2_mib_boundary() {
     // The provider hears of the clusters taken at the latest at the persist.
     r.persist(0, r.len()).unwrap();
     assert_eq!(calls.lock().unwrap().clusters.len(), 4);
+}
+
+/// A region whose every slot is present at open has no first touch to come: its slots stay on
+/// 2 MiB boundaries, where the kernel can map a 2 MiB cluster in the page cache with one huge
+/// page (random loads 3.4 times as slow a page off, `bench/results/pcow.md`).
+#[test]
+fn a_region_without_absent_slots_stays_on_2_mib_boundaries() {
+    let dir = tempdir();
+    let cs = 2 * MIB;
+    let file = Arc::new(disk_file(&dir, "img"));
+    file.set_len(4 * cs as u64).unwrap();
+    let mut layout = Layout::new(4 * MIB, cs).unwrap();
+    for slot in 0..2u64 {
+        let offset = (slot + 1) * cs as u64;
+        (layout.writable(
+            slot,
+            Cluster {
+                file: file.clone(),
+                offset,
+            },
+        ))
+        .unwrap();
+    }
+    let (r, _, _) = region(layout, disk_file(&dir, "pool"), cs);
+    assert_eq!(r.as_ptr() as usize % (2 * MIB), 0);
+    store_u64(&r, cs + 8, 0x5555);
+    r.persist(cs + 8, 8).unwrap();
+    let mut got = [0u8; 8];
+    file.read_exact_at(&mut got, 2 * cs as u64 + 8).unwrap();
+    assert_eq!(u64::from_le_bytes(got), 0x5555);
+    assert_eq!(r.stats().missing_faults, 0);
+}
+
+/// Without absent slots a region starts where its first present cluster's address and file
+/// offset agree modulo 2 MiB, so that clusters in file order can share huge pages whatever
+/// their size (64 KiB here, the first at 192 KiB into the file).
+#[test]
+fn a_region_of_present_clusters_starts_at_its_first_clusters_file_phase() {
+    let dir = tempdir();
+    let cs = 64 << 10;
+    let file = Arc::new(disk_file(&dir, "img"));
+    file.set_len(64 * cs as u64).unwrap();
+    let mut layout = Layout::new(32 * cs, cs).unwrap();
+    for slot in 0..32u64 {
+        let offset = (slot + 3) * cs as u64;
+        (layout.writable(
+            slot,
+            Cluster {
+                file: file.clone(),
+                offset,
+            },
+        ))
+        .unwrap();
+    }
+    let (r, _, _) = region(layout, disk_file(&dir, "pool"), cs);
+    assert_eq!(r.as_ptr() as usize % (2 * MIB), 3 * cs);
+    store_u64(&r, 5 * cs + 8, 0x6666);
+    r.persist(5 * cs + 8, 8).unwrap();
+    let mut got = [0u8; 8];
+    file.read_exact_at(&mut got, 8 * cs as u64 + 8).unwrap();
+    assert_eq!(u64::from_le_bytes(got), 0x6666);
 }
