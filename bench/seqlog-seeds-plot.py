@@ -53,8 +53,12 @@ def main():
     ours = []
     for r in nbd:  # qd, fs seq, fs rand, raw seq, raw, seqlog, ...
         ours.append((f"ours, NBD\nqd {r[0]}", (float(r[5]) / float(r[4]) - 1) * 100))
-    for r in inproc:  # qd, raw seq, raw rand, (seqlog seq,) seqlog rand, ...
-        rand = float(r[-4])
+    # Columns by name: the table has gained columns before (seqlog's own seqwrite).
+    names = [c.strip() for c in open(quick).read().split("| qd | raw seqwrite", 1)[1]
+             .split("\n", 1)[0].strip().strip("|").split("|")]
+    rand_at = 2 + names.index("seqlog randwrite")  # after qd and raw seqwrite
+    for r in inproc:  # qd, raw seq, raw rand, ..., seqlog rand, ...
+        rand = float(r[rand_at])
         ours.append((f"ours, in\nprocess qd {r[0]}", (rand / float(r[2]) - 1) * 100))
     fig, ax = plt.subplots(figsize=(9, 4))
     names = [n for n, _ in SEEDS_GAIN + ours]
